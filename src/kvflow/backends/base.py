@@ -1,0 +1,91 @@
+"""The backend protocol: what the runtime asks of a device.
+
+A backend owns the engine's registered GPU-tier KV tensors and the CPU tier it allocates to match,
+and moves whole blocks between them. Copies are submitted as batches on a per-direction copy
+stream; each submission may wait on fences (device-side ordering, never a host block) and returns a
+fence of its own. A fence is what a CUDA event is on a GPU: ``query`` says whether the work before
+it has finished, and must be cheap and non-blocking because the reactor's ``poll`` calls it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from attrs import frozen
+
+from kvflow.core.layout import KVLayout
+from kvflow.core.protocol import GroupBlockIds
+from kvflow.core.transfer import Direction
+
+
+class FenceStatus(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Fence(Protocol):
+    """An opaque device-side point in a stream; only its backend can query it."""
+
+
+@frozen
+class CopyBatch:
+    """Block copies of one direction, possibly from several transfers, submitted as one unit.
+
+    ``gpu_block_ids[g][i]`` ↔ ``cpu_block_ids[g][i]`` in KV cache group ``g``; every region of the
+    group is copied for each pair. A batch succeeds or fails as a whole.
+    """
+
+    direction: Direction
+    gpu_block_ids: GroupBlockIds
+    cpu_block_ids: GroupBlockIds
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.gpu_block_ids)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the runtime needs from a device. Methods are called from the event loop's thread."""
+
+    name: str
+
+    def register_kv_caches(
+        self,
+        tensors: Mapping[str, Any],
+        num_blocks: int | Mapping[int, int],
+        groups: Mapping[str, int] | None = None,
+    ) -> KVLayout:
+        """Register the engine's KV tensors (GPU tier); raises ``LayoutError`` naming a bad one."""
+        ...
+
+    def allocate_cpu_tier(self, num_blocks: Sequence[int]) -> None:
+        """Allocate the CPU tier, ``num_blocks[g]`` block-major blocks for group ``g``."""
+        ...
+
+    def compute_fence(self) -> Fence:
+        """A fence after all compute the engine has issued so far (stores wait on it)."""
+        ...
+
+    def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> Fence:
+        """Queue ``batch`` on its direction's copy stream after ``wait_for``; return its fence."""
+        ...
+
+    def query(self, fence: Fence) -> FenceStatus:
+        """Has the work before ``fence`` finished? Cheap, never blocks."""
+        ...
+
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        """Optional: call ``wakeup`` (from any thread) when some fence may have completed.
+
+        Backends that learn of completion by callback (the host backend's copy thread) use it to
+        wake the reactor at once; backends that can only be polled (CUDA events) ignore it.
+        """
+        ...
+
+    def close(self) -> None:
+        """Wait for queued copies, free the CPU tier, unregister memory. Idempotent."""
+        ...

@@ -1,0 +1,1 @@
+"""The ``kvflow`` command line: ``doctor``, ``bench``, ``trace``."""

@@ -1,0 +1,5 @@
+"""``python -m kvflow.cli``."""
+
+from kvflow.cli.main import main
+
+raise SystemExit(main())

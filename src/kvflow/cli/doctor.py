@@ -1,0 +1,70 @@
+"""``kvflow doctor``: what kvflow finds on this machine, as a table."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+import kvflow
+from kvflow.backends.probe import probe_cuda
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def doctor_rows() -> list[tuple[str, str, str]]:
+    """(check, value, verdict) rows; verdict is "ok", "warn" or "info"."""
+    rows: list[tuple[str, str, str]] = [
+        ("kvflow", kvflow.__version__, "ok"),
+        ("python", f"{platform.python_version()} ({sys.executable})", "ok"),
+        ("platform", f"{platform.system()} {platform.machine()}", "info"),
+    ]
+    try:
+        import torch
+
+        cuda = torch.version.cuda or "cpu build"
+        rows.append(("torch", f"{torch.__version__} (CUDA {cuda})", "ok"))
+        rows.append(
+            ("torch sees CUDA", str(torch.cuda.is_available()), "ok" if torch.cuda.is_available() else "info")
+        )
+    except Exception as exc:  # torch is a dependency, but doctor must still report
+        rows.append(("torch", f"import failed: {exc}", "warn"))
+    for dist in ("cuda-python", "cuda-bindings", "anyio", "attrs", "structlog", "xxhash"):
+        ver = _version(dist)
+        rows.append((dist, ver, "ok" if ver != "not installed" else "warn"))
+    probe = probe_cuda()
+    if probe.available:
+        rows.append(("CUDA driver", probe.driver_version_str, "ok"))
+        rows.append(("GPU", f"{probe.device_name} (×{probe.device_count})", "ok"))
+        if probe.batch_memcpy_abi is not None:
+            rows.append(("cuMemcpyBatchAsync", f"yes (ABI {probe.batch_memcpy_abi})", "ok"))
+        else:
+            rows.append(("cuMemcpyBatchAsync", "no: per-chunk cudaMemcpyAsync fallback", "warn"))
+        rows.append(("default backend", "cuda", "ok"))
+    else:
+        rows.append(("CUDA driver", probe.error or "not found", "info"))
+        rows.append(("cuMemcpyBatchAsync", "no GPU", "info"))
+        rows.append(("default backend", "host (CPU copies on a thread)", "ok"))
+    return rows
+
+
+def run_doctor(console: Console | None = None) -> int:
+    console = console or Console()
+    table = Table(title="kvflow doctor", show_lines=False)
+    table.add_column("check", style="bold")
+    table.add_column("found")
+    table.add_column("", justify="center")
+    marks = {"ok": "[green]✓[/]", "warn": "[yellow]![/]", "info": "[dim]·[/]"}
+    rows = doctor_rows()
+    for name, value, verdict in rows:
+        table.add_row(name, value, marks[verdict])
+    console.print(table)
+    return 1 if any(v == "warn" and n in {"torch", "anyio", "attrs", "structlog"} for n, _, v in rows) else 0

@@ -1,0 +1,32 @@
+"""Entry point of the ``kvflow`` console script."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import kvflow
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvflow", description="KV-cache transfer runtime for LLM serving."
+    )
+    parser.add_argument("--version", action="version", version=f"kvflow {kvflow.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("doctor", help="show Python, torch, CUDA and batched-copy support")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from kvflow.cli.doctor import run_doctor
+
+        return run_doctor()
+    parser.print_help()
+    return 2
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,324 @@
+"""A pool of fixed-size KV blocks for one tier (the engine's GPU cache or kvflow's CPU tier).
+
+Blocks carry ref counts. Free blocks sit in an intrusive doubly linked list with sentinels, in
+eviction order: the head is evicted first. A freed block that holds a cached hash goes to the tail
+(least recently used first out); a freed block with no hash goes to the head (nothing to lose).
+``get_new_blocks`` takes from the head and evicts the hash of any cached block it takes.
+
+Every mutating call validates all its arguments before changing anything, so a misuse raises
+``BlockPoolError`` and leaves the pool exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from attrs import define, frozen
+
+from kvflow.core.hashing import BlockHash
+from kvflow.errors import BlockPoolError, ConfigError
+
+
+@define(eq=False, weakref_slot=False)
+class Block:
+    """One block of a tier. Slotted: pools hold 10^5-10^6 of these."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    # Intrusive free-list links; both None while the block is in use.
+    prev_free: Block | None = None
+    next_free: Block | None = None
+
+    @property
+    def is_free(self) -> bool:
+        return self.ref_cnt == 0
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with head/tail sentinels: O(1) remove, append, popleft."""
+
+    __slots__ = ("_head", "_tail", "num_free")
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self.num_free = 0
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> Block:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise BlockPoolError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise BlockPoolError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: Block) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def appendleft(self, block: Block) -> None:
+        first = self._head.next_free
+        assert first is not None
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
+        self.num_free += 1
+
+    def first(self) -> Block | None:
+        """The block that would be evicted next, or None."""
+        block = self._head.next_free
+        return None if block is self._tail else block
+
+    def next_of(self, block: Block) -> Block | None:
+        """The block after ``block`` in eviction order, or None at the end (or if not free)."""
+        nxt = block.next_free
+        return None if nxt is None or nxt is self._tail else nxt
+
+    def __iter__(self) -> Iterator[Block]:
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_free
+
+
+@frozen
+class BlockStored:
+    """Blocks entered the prefix cache (one event per ``cache`` call)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    block_ids: tuple[int, ...]
+
+
+@frozen
+class BlockRemoved:
+    """Hashes left the prefix cache (evicted or dropped)."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@frozen
+class AllBlocksCleared:
+    """The prefix cache was reset."""
+
+
+PoolEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockPool:
+    """Ref-counted blocks, an LRU free queue and a hash → block prefix cache for one tier."""
+
+    __slots__ = ("_cached", "_events", "blocks", "enable_events", "free_queue", "name")
+
+    def __init__(self, num_blocks: int, *, name: str = "pool", enable_events: bool = False) -> None:
+        if num_blocks <= 0:
+            raise ConfigError(f"{name}: num_blocks must be positive, got {num_blocks}")
+        self.name = name
+        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self._cached: dict[BlockHash, Block] = {}
+        self.enable_events = enable_events
+        self._events: list[PoolEvent] = []
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (ref count > 0)."""
+        return 1.0 - self.free_queue.num_free / len(self.blocks)
+
+    def block(self, block_id: int) -> Block:
+        """The block with this id; raises ``BlockPoolError`` for an unknown id."""
+        if type(block_id) is not int or not 0 <= block_id < len(self.blocks):
+            raise BlockPoolError(f"{self.name}: unknown block id {block_id!r}")
+        return self.blocks[block_id]
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        """Id of the block caching ``block_hash``, or None."""
+        block = self._cached.get(block_hash)
+        return None if block is None else block.block_id
+
+    def find_longest_prefix(self, block_hashes: Iterable[BlockHash]) -> list[int]:
+        """Ids of the cached blocks for the longest prefix of ``block_hashes`` (does not touch)."""
+        out: list[int] = []
+        cached = self._cached
+        for h in block_hashes:
+            block = cached.get(h)
+            if block is None:
+                break
+            out.append(block.block_id)
+        return out
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
+    # ---- mutations -----------------------------------------------------------------------
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        """Take ``n`` free blocks (ref count 1), evicting the least recently used cached ones."""
+        if n < 0:
+            raise BlockPoolError(f"{self.name}: cannot allocate {n} blocks")
+        if n > self.free_queue.num_free:
+            raise BlockPoolError(
+                f"{self.name}: asked for {n} blocks, only {self.free_queue.num_free} free"
+            )
+        out: list[int] = []
+        evicted: list[BlockHash] = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                evicted.append(block.block_hash)
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block.block_id)
+        if evicted and self.enable_events:
+            self._events.append(BlockRemoved(tuple(evicted)))
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to each block, taking free ones out of the free queue (a cache hit)."""
+        blocks = [self.block(i) for i in block_ids]
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per listed block; blocks reaching zero join the free queue in order.
+
+        Callers free a request's blocks in reverse so its tail blocks are evicted first.
+        """
+        blocks = [self.block(i) for i in block_ids]
+        want: dict[int, int] = {}
+        for block in blocks:
+            want[block.block_id] = want.get(block.block_id, 0) + 1
+        for bid, count in want.items():
+            if self.blocks[bid].ref_cnt < count:
+                raise BlockPoolError(
+                    f"{self.name}: double free of block {bid} "
+                    f"(ref count {self.blocks[bid].ref_cnt}, freeing {count})"
+                )
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> list[bool]:
+        """Enter in-use blocks into the prefix cache under the given hashes.
+
+        Returns, per block, whether it was cached: a hash already held by another block is left
+        with that block (the new block stays uncached and is evicted first once freed).
+        """
+        if len(block_ids) != len(block_hashes):
+            raise BlockPoolError(
+                f"{self.name}: {len(block_ids)} blocks but {len(block_hashes)} hashes"
+            )
+        blocks = [self.block(i) for i in block_ids]
+        seen: set[int] = set()
+        for block, h in zip(blocks, block_hashes, strict=True):
+            if block.ref_cnt == 0:
+                raise BlockPoolError(f"{self.name}: cannot cache free block {block.block_id}")
+            if block.block_hash is not None or block.block_id in seen:
+                raise BlockPoolError(
+                    f"{self.name}: block {block.block_id} is already cached"
+                )
+            if not isinstance(h, bytes):
+                raise BlockPoolError(f"{self.name}: block hash must be bytes, got {type(h).__name__}")
+            seen.add(block.block_id)
+        done: list[bool] = []
+        stored_ids: list[int] = []
+        stored_hashes: list[BlockHash] = []
+        for block, h in zip(blocks, block_hashes, strict=True):
+            if h in self._cached:
+                done.append(False)
+                continue
+            block.block_hash = h
+            self._cached[h] = block
+            done.append(True)
+            stored_ids.append(block.block_id)
+            stored_hashes.append(h)
+        if stored_ids and self.enable_events:
+            self._events.append(BlockStored(tuple(stored_hashes), tuple(stored_ids)))
+        return done
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Drop the cached hash of each listed block (e.g. its data turned out invalid)."""
+        blocks = [self.block(i) for i in block_ids]
+        removed: list[BlockHash] = []
+        for block in blocks:
+            h = block.block_hash
+            if h is None:
+                continue
+            del self._cached[h]
+            block.block_hash = None
+            removed.append(h)
+            if block.ref_cnt == 0:
+                # An unhashed free block belongs at the head: it has nothing left to lose.
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+        if removed and self.enable_events:
+            self._events.append(BlockRemoved(tuple(removed)))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refuses (returns False, changes nothing) while blocks are in use."""
+        if self.free_queue.num_free != len(self.blocks):
+            return False
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[PoolEvent]:
+        """Drain the events recorded since the last call."""
+        events, self._events = self._events, []
+        return events
+
+
+__all__ = [
+    "AllBlocksCleared",
+    "Block",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "FreeBlockQueue",
+    "PoolEvent",
+]

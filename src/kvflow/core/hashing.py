@@ -1,0 +1,145 @@
+"""Chained block hashes: every full block of tokens is named by hash(parent, token ids, extra keys).
+
+Hashes are 128-bit xxh3 digests over a canonical byte encoding, so they are identical in every
+process and every run (Python's ``hash()`` is salted per process and never used). The chain makes a
+block's hash depend on its whole prefix: equal hashes mean equal prefixes.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+
+import xxhash
+
+from kvflow.errors import ConfigError
+
+BlockHash = bytes
+"""A 16-byte digest naming one full block and, through the chain, its whole prefix."""
+
+HASH_BYTES = 16
+ROOT_HASH: BlockHash = xxhash.xxh3_128_digest(b"kvflow/root/v1")
+"""The parent of a sequence's first block: fixed, so chains agree across processes."""
+
+ExtraKey = int | str | bytes
+_TOKEN_TYPECODE = "I"  # 32-bit unsigned: token ids are vocabulary indices
+_MAX_TOKEN = 2**32 - 1
+_hash = xxhash.xxh3_128_digest
+
+if array(_TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - every CPython platform we target
+    raise ImportError("kvflow.core.hashing needs a 4-byte array typecode 'I'")
+
+
+def encode_extra_keys(extra_keys: Iterable[ExtraKey]) -> bytes:
+    """Canonical, type-tagged, length-prefixed encoding so ("ab",) and ("a", "b") differ."""
+    out = bytearray()
+    for key in extra_keys:
+        if isinstance(key, bool):
+            raise ConfigError(f"extra key {key!r}: bool is ambiguous, use an int or str")
+        if isinstance(key, int):
+            raw, tag = str(key).encode(), b"i"
+        elif isinstance(key, str):
+            raw, tag = key.encode(), b"s"
+        elif isinstance(key, bytes):
+            raw, tag = key, b"b"
+        else:
+            raise ConfigError(f"extra key {key!r}: must be int, str or bytes, not {type(key).__name__}")
+        out += tag + len(raw).to_bytes(4, "little") + raw
+    return bytes(out)
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    try:
+        return array(_TOKEN_TYPECODE, token_ids).tobytes()
+    except (OverflowError, TypeError) as exc:
+        raise ConfigError(f"token ids must be ints in [0, {_MAX_TOKEN}]: {exc}") from exc
+
+
+def hash_block(
+    parent: BlockHash, token_ids: Sequence[int], extra_keys: Iterable[ExtraKey] = ()
+) -> BlockHash:
+    """Hash one full block given its parent's hash (``ROOT_HASH`` for the first block)."""
+    if len(parent) != HASH_BYTES:
+        raise ConfigError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    return _hash(parent + _token_bytes(token_ids) + encode_extra_keys(extra_keys))
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: BlockHash = ROOT_HASH,
+    extra_keys: Iterable[ExtraKey] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``; a trailing partial block gets none."""
+    if block_size <= 0:
+        raise ConfigError(f"block_size must be positive, got {block_size}")
+    if len(parent) != HASH_BYTES:
+        raise ConfigError(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    extra = encode_extra_keys(extra_keys)
+    data = _token_bytes(token_ids)
+    step = block_size * 4
+    full = len(token_ids) // block_size
+    out: list[BlockHash] = []
+    append = out.append
+    for i in range(full):
+        parent = _hash(parent + data[i * step : (i + 1) * step] + extra)
+        append(parent)
+    return out
+
+
+class BlockHasher:
+    """Incremental hasher for one request: feed tokens as they arrive, get each block's hash once.
+
+    ``extend`` returns only the hashes of blocks completed by this call; ``hashes`` holds all of
+    them. Identical to ``hash_blocks`` over the concatenated tokens, however the tokens are split.
+    """
+
+    __slots__ = ("_extra", "_parent", "_pending", "block_size", "hashes")
+
+    def __init__(
+        self,
+        block_size: int,
+        extra_keys: Iterable[ExtraKey] = (),
+        parent: BlockHash = ROOT_HASH,
+    ) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self._extra = encode_extra_keys(extra_keys)
+        self._parent = parent
+        self._pending = bytearray()
+        self.hashes: list[BlockHash] = []
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed so far."""
+        return len(self.hashes) * self.block_size + len(self._pending) // 4
+
+    def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Feed more tokens; return the hashes of the blocks they completed, in order."""
+        self._pending += _token_bytes(token_ids)
+        step = self.block_size * 4
+        n = len(self._pending) // step
+        if n == 0:
+            return []
+        new: list[BlockHash] = []
+        parent, extra, data = self._parent, self._extra, self._pending
+        for i in range(n):
+            parent = _hash(parent + data[i * step : (i + 1) * step] + extra)
+            new.append(parent)
+        del self._pending[: n * step]
+        self._parent = parent
+        self.hashes.extend(new)
+        return new
+
+
+__all__ = [
+    "HASH_BYTES",
+    "ROOT_HASH",
+    "BlockHash",
+    "BlockHasher",
+    "ExtraKey",
+    "encode_extra_keys",
+    "hash_block",
+    "hash_blocks",
+]

@@ -1,0 +1,162 @@
+"""Messages between the scheduler-side manager and the workers.
+
+Each engine step the scheduler sends one ``StepPlan`` to every worker (rank); each worker answers
+with a ``StepReport``. ``aggregate`` merges the reports of many ranks and rejects a rank that
+reports the same transfer twice. All messages are frozen attrs classes of plain data, so they
+pickle and travel between processes unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from attrs import field, frozen
+
+from kvflow.core.transfer import Direction
+from kvflow.errors import ConfigError, ReportError
+
+BlockIds = tuple[int, ...]
+GroupBlockIds = tuple[BlockIds, ...]
+"""Block ids per KV cache group: ``ids[g]`` are the blocks of group ``g``."""
+
+
+def _as_group_ids(value: Iterable[Iterable[int]]) -> GroupBlockIds:
+    return tuple(tuple(int(b) for b in group) for group in value)
+
+
+@frozen
+class TransferSpec:
+    """One transfer as the workers see it: which GPU blocks pair with which CPU blocks.
+
+    ``gpu_block_ids[g][i]`` and ``cpu_block_ids[g][i]`` are the two ends of one block copy in KV
+    cache group ``g``; the direction says which end is read.
+    """
+
+    transfer_id: int
+    request_id: str
+    direction: Direction
+    gpu_block_ids: GroupBlockIds = field(converter=_as_group_ids)
+    cpu_block_ids: GroupBlockIds = field(converter=_as_group_ids)
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.gpu_block_ids) != len(self.cpu_block_ids):
+            raise ConfigError(
+                f"transfer {self.transfer_id}: {len(self.gpu_block_ids)} GPU groups but "
+                f"{len(self.cpu_block_ids)} CPU groups"
+            )
+        for g, (gpu, cpu) in enumerate(zip(self.gpu_block_ids, self.cpu_block_ids, strict=True)):
+            if len(gpu) != len(cpu):
+                raise ConfigError(
+                    f"transfer {self.transfer_id} group {g}: {len(gpu)} GPU blocks but "
+                    f"{len(cpu)} CPU blocks"
+                )
+            if min(gpu, default=0) < 0 or min(cpu, default=0) < 0:
+                raise ConfigError(f"transfer {self.transfer_id} group {g}: negative block id")
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.gpu_block_ids)
+
+    @property
+    def src_block_ids(self) -> GroupBlockIds:
+        return self.gpu_block_ids if self.direction is Direction.STORE else self.cpu_block_ids
+
+    @property
+    def dst_block_ids(self) -> GroupBlockIds:
+        return self.cpu_block_ids if self.direction is Direction.STORE else self.gpu_block_ids
+
+
+@frozen
+class StepPlan:
+    """Everything the workers must do for one engine step.
+
+    ``stores`` are fenced after this step's compute; ``loads`` after any in-flight store that still
+    reads their GPU blocks. ``flush`` (a request was preempted) means: before the engine reuses any
+    GPU block, wait for every copy already handed over, including ones not yet submitted.
+    ``abandoned`` lists transfers whose results nobody wants any more.
+    """
+
+    step: int
+    stores: tuple[TransferSpec, ...] = ()
+    loads: tuple[TransferSpec, ...] = ()
+    flush: bool = False
+    abandoned: tuple[int, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.stores or self.loads or self.flush or self.abandoned)
+
+
+@frozen
+class StepReport:
+    """What one rank finished since its last report.
+
+    ``invalid_block_ids`` are GPU block ids whose loaded contents cannot be trusted (their load
+    failed): the engine recomputes them.
+    """
+
+    rank: int
+    completed: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
+    invalid_block_ids: frozenset[int] = frozenset()
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank < 0:
+            raise ReportError(f"report from negative rank {self.rank}")
+        both = set(self.completed) & set(self.failed)
+        if both:
+            raise ReportError(f"rank {self.rank} reports {sorted(both)} as completed and failed")
+        if len(set(self.completed)) != len(self.completed) or len(set(self.failed)) != len(
+            self.failed
+        ):
+            raise ReportError(f"rank {self.rank} lists a transfer twice in one report")
+
+
+@frozen
+class AggregatedReport:
+    """Reports of several ranks merged: for each transfer, the ranks that finished it."""
+
+    completed: dict[int, frozenset[int]]
+    failed: dict[int, frozenset[int]]
+    invalid_block_ids: frozenset[int]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.completed or self.failed or self.invalid_block_ids)
+
+
+def aggregate(reports: Iterable[StepReport], world_size: int) -> AggregatedReport:
+    """Merge the reports of ranks ``0 .. world_size-1``; a rank naming a transfer twice is an error."""
+    completed: dict[int, set[int]] = {}
+    failed: dict[int, set[int]] = {}
+    invalid: set[int] = set()
+    for report in reports:
+        if report.rank >= world_size:
+            raise ReportError(f"report from rank {report.rank}, world size is {world_size}")
+        for tid in report.completed:
+            ranks = completed.setdefault(tid, set())
+            if report.rank in ranks or report.rank in failed.get(tid, ()):
+                raise ReportError(f"rank {report.rank} reported transfer {tid} twice")
+            ranks.add(report.rank)
+        for tid in report.failed:
+            ranks = failed.setdefault(tid, set())
+            if report.rank in ranks or report.rank in completed.get(tid, ()):
+                raise ReportError(f"rank {report.rank} reported transfer {tid} twice")
+            ranks.add(report.rank)
+        invalid |= report.invalid_block_ids
+    return AggregatedReport(
+        completed={t: frozenset(r) for t, r in completed.items()},
+        failed={t: frozenset(r) for t, r in failed.items()},
+        invalid_block_ids=frozenset(invalid),
+    )
+
+
+__all__ = [
+    "AggregatedReport",
+    "BlockIds",
+    "GroupBlockIds",
+    "StepPlan",
+    "StepReport",
+    "TransferSpec",
+    "aggregate",
+]

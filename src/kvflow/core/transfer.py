@@ -1,0 +1,156 @@
+"""The transfer state machine: one table of legal (state, input) → state pairs and one function
+that applies it, logs the transition and raises ``TransitionError`` for anything else.
+
+Every load (CPU → GPU) and store (GPU → CPU) kvflow runs is a ``Transfer`` driven through this
+table, on the scheduler side and on each worker.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import structlog
+from attrs import define
+
+from kvflow.errors import TransitionError
+
+log = structlog.get_logger("kvflow.transfer")
+
+
+class Direction(enum.StrEnum):
+    """Which way a transfer moves KV."""
+
+    STORE = "store"  # GPU → CPU
+    LOAD = "load"  # CPU → GPU
+
+
+class TransferState(enum.StrEnum):
+    PENDING = "pending"  # decided, not yet handed to the workers
+    IN_FLIGHT = "in_flight"  # handed to the workers; copies queued or running
+    COMMITTED = "committed"  # every rank reported the copy done
+    FAILED = "failed"  # a device error or a rank reported failure
+    ABANDONED = "abandoned"  # nobody wants the result any more; waiting for the device to finish
+    RELEASED = "released"  # references dropped; terminal
+
+
+class TransferInput(enum.StrEnum):
+    LAUNCH = "launch"  # put into a step plan
+    CANCEL = "cancel"  # dropped before launch
+    COMPLETE = "complete"  # every rank reported success
+    FAIL = "fail"  # a device error or a rank reported failure
+    ABANDON = "abandon"  # reset, preemption or the request went away while in flight
+    RELEASE = "release"  # references dropped after commit or failure
+
+
+S, I = TransferState, TransferInput
+
+TRANSITIONS: Mapping[tuple[TransferState, TransferInput], TransferState] = {
+    (S.PENDING, I.LAUNCH): S.IN_FLIGHT,
+    (S.PENDING, I.CANCEL): S.RELEASED,
+    (S.IN_FLIGHT, I.COMPLETE): S.COMMITTED,
+    (S.IN_FLIGHT, I.FAIL): S.FAILED,
+    (S.IN_FLIGHT, I.ABANDON): S.ABANDONED,
+    (S.COMMITTED, I.RELEASE): S.RELEASED,
+    (S.FAILED, I.RELEASE): S.RELEASED,
+    # An abandoned transfer's result is discarded whichever way the device finishes.
+    (S.ABANDONED, I.COMPLETE): S.RELEASED,
+    (S.ABANDONED, I.FAIL): S.RELEASED,
+}
+"""The whole protocol. Anything not listed is illegal."""
+
+TERMINAL_STATES = frozenset({S.RELEASED})
+LIVE_ON_DEVICE = frozenset({S.IN_FLIGHT, S.ABANDONED})
+"""States in which the device may still read or write the transfer's blocks."""
+
+
+@define(eq=False)
+class Transfer:
+    """One load or store of one request's blocks, identified by ``transfer_id``."""
+
+    transfer_id: int
+    direction: Direction
+    request_id: str
+    state: TransferState = TransferState.PENDING
+
+    @property
+    def on_device(self) -> bool:
+        """True while copies may still touch this transfer's blocks."""
+        return self.state in LIVE_ON_DEVICE
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+def apply(transfer: Transfer, event: TransferInput, *, cause: str) -> TransferState:
+    """Apply one input to ``transfer`` by the table; log it; return the new state.
+
+    An illegal pair raises ``TransitionError`` and leaves the transfer unchanged.
+    """
+    old = transfer.state
+    new = TRANSITIONS.get((old, event))
+    if new is None:
+        log.warning(
+            "transfer_transition_rejected",
+            transfer_id=transfer.transfer_id,
+            request_id=transfer.request_id,
+            direction=transfer.direction.value,
+            state=old.value,
+            input=event.value,
+            cause=cause,
+        )
+        raise TransitionError("transfer", transfer.transfer_id, old.value, event.value)
+    transfer.state = new
+    log.debug(
+        "transfer_transition",
+        transfer_id=transfer.transfer_id,
+        request_id=transfer.request_id,
+        direction=transfer.direction.value,
+        input=event.value,
+        cause=cause,
+        **{"from": old.value, "to": new.value},
+    )
+    return new
+
+
+def render_mermaid(
+    transitions: Mapping[tuple[TransferState, TransferInput], TransferState] = TRANSITIONS,
+) -> str:
+    """A Mermaid state diagram of the table, for docs/state-machines.md."""
+    lines = ["stateDiagram-v2", f"    [*] --> {TransferState.PENDING.name}"]
+    for (src, event), dst in transitions.items():
+        lines.append(f"    {src.name} --> {dst.name}: {event.value}")
+    for state in TERMINAL_STATES:
+        lines.append(f"    {state.name} --> [*]")
+    return "\n".join(lines) + "\n"
+
+
+def render_table(
+    transitions: Mapping[tuple[TransferState, TransferInput], TransferState] = TRANSITIONS,
+) -> str:
+    """A Markdown table of every (state, input) pair: the new state, or a dash where illegal."""
+    head = "| state \\ input | " + " | ".join(i.value for i in TransferInput) + " |"
+    sep = "|" + "---|" * (len(TransferInput) + 1)
+    rows = [head, sep]
+    for state in TransferState:
+        cells = []
+        for event in TransferInput:
+            dst = transitions.get((state, event))
+            cells.append(dst.value if dst is not None else "—")
+        rows.append(f"| **{state.value}** | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+__all__ = [
+    "LIVE_ON_DEVICE",
+    "TERMINAL_STATES",
+    "TRANSITIONS",
+    "Direction",
+    "Transfer",
+    "TransferInput",
+    "TransferState",
+    "apply",
+    "render_mermaid",
+    "render_table",
+]

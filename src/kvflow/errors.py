@@ -1,0 +1,54 @@
+"""The kvflow error hierarchy: one root, few leaves, each naming a class of problem a caller can act on."""
+
+from __future__ import annotations
+
+
+class KVFlowError(Exception):
+    """Root of every error kvflow raises on purpose."""
+
+
+class ConfigError(KVFlowError, ValueError):
+    """A configuration value, argument or input is invalid; the message names it."""
+
+
+class LayoutError(ConfigError):
+    """KV tensors handed to kvflow are inconsistent (shape, stride, device); names the tensor."""
+
+
+class BlockPoolError(KVFlowError):
+    """A block pool was misused (double free, unknown block, caching twice); the pool is unchanged."""
+
+
+class TransitionError(KVFlowError):
+    """An input is illegal in a state machine's current state; the state is unchanged."""
+
+    def __init__(self, machine: str, entity: object, state: str, event: str) -> None:
+        self.machine = machine
+        self.entity = entity
+        self.state = state
+        self.event = event
+        super().__init__(f"{machine} {entity!r}: input {event!r} is illegal in state {state!r}")
+
+
+class ReportError(KVFlowError):
+    """A worker report is inconsistent: unknown transfer, unknown rank, or a rank reporting twice."""
+
+
+class BackendError(KVFlowError):
+    """A device backend failed or is unavailable (no CUDA, driver too old, copy failed)."""
+
+
+class ClosedError(KVFlowError):
+    """The runtime, executor or reactor was used after it was closed."""
+
+
+__all__ = [
+    "BackendError",
+    "BlockPoolError",
+    "ClosedError",
+    "ConfigError",
+    "KVFlowError",
+    "LayoutError",
+    "ReportError",
+    "TransitionError",
+]
