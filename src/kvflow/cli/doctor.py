@@ -33,7 +33,11 @@ def doctor_rows() -> list[tuple[str, str, str]]:
         cuda = torch.version.cuda or "cpu build"
         rows.append(("torch", f"{torch.__version__} (CUDA {cuda})", "ok"))
         rows.append(
-            ("torch sees CUDA", str(torch.cuda.is_available()), "ok" if torch.cuda.is_available() else "info")
+            (
+                "torch sees CUDA",
+                str(torch.cuda.is_available()),
+                "ok" if torch.cuda.is_available() else "info",
+            )
         )
     except Exception as exc:  # torch is a dependency, but doctor must still report
         rows.append(("torch", f"import failed: {exc}", "warn"))
@@ -67,4 +71,8 @@ def run_doctor(console: Console | None = None) -> int:
     for name, value, verdict in rows:
         table.add_row(name, value, marks[verdict])
     console.print(table)
-    return 1 if any(v == "warn" and n in {"torch", "anyio", "attrs", "structlog"} for n, _, v in rows) else 0
+    return (
+        1
+        if any(v == "warn" and n in {"torch", "anyio", "attrs", "structlog"} for n, _, v in rows)
+        else 0
+    )

@@ -256,11 +256,11 @@ class BlockPool:
             if block.ref_cnt == 0:
                 raise BlockPoolError(f"{self.name}: cannot cache free block {block.block_id}")
             if block.block_hash is not None or block.block_id in seen:
-                raise BlockPoolError(
-                    f"{self.name}: block {block.block_id} is already cached"
-                )
+                raise BlockPoolError(f"{self.name}: block {block.block_id} is already cached")
             if not isinstance(h, bytes):
-                raise BlockPoolError(f"{self.name}: block hash must be bytes, got {type(h).__name__}")
+                raise BlockPoolError(
+                    f"{self.name}: block hash must be bytes, got {type(h).__name__}"
+                )
             seen.add(block.block_id)
         done: list[bool] = []
         stored_ids: list[int] = []

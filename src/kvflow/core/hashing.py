@@ -43,7 +43,9 @@ def encode_extra_keys(extra_keys: Iterable[ExtraKey]) -> bytes:
         elif isinstance(key, bytes):
             raw, tag = key, b"b"
         else:
-            raise ConfigError(f"extra key {key!r}: must be int, str or bytes, not {type(key).__name__}")
+            raise ConfigError(
+                f"extra key {key!r}: must be int, str or bytes, not {type(key).__name__}"
+            )
         out += tag + len(raw).to_bytes(4, "little") + raw
     return bytes(out)
 

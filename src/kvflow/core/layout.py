@@ -16,6 +16,7 @@ block is one contiguous piece for the copy engine.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from collections.abc import Mapping
 
@@ -222,9 +223,11 @@ def derive_layout(
         lo, hi = _extent(desc)
         extents.append((lo, hi, name))
     extents.sort()
-    for (_, hi_a, a), (lo_b, _, b) in zip(extents, extents[1:], strict=False):
+    for (_, hi_a, a), (lo_b, _, b) in itertools.pairwise(extents):
         if lo_b < hi_a:
-            raise LayoutError(f"tensors {a!r} and {b!r} overlap in memory without being the same view")
+            raise LayoutError(
+                f"tensors {a!r} and {b!r} overlap in memory without being the same view"
+            )
     if sorted(by_group) != list(range(len(by_group))):
         raise LayoutError(f"KV cache groups must be numbered 0..n-1, got {sorted(by_group)}")
     return KVLayout(

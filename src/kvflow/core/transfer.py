@@ -43,19 +43,19 @@ class TransferInput(enum.StrEnum):
     RELEASE = "release"  # references dropped after commit or failure
 
 
-S, I = TransferState, TransferInput
+S, In = TransferState, TransferInput
 
 TRANSITIONS: Mapping[tuple[TransferState, TransferInput], TransferState] = {
-    (S.PENDING, I.LAUNCH): S.IN_FLIGHT,
-    (S.PENDING, I.CANCEL): S.RELEASED,
-    (S.IN_FLIGHT, I.COMPLETE): S.COMMITTED,
-    (S.IN_FLIGHT, I.FAIL): S.FAILED,
-    (S.IN_FLIGHT, I.ABANDON): S.ABANDONED,
-    (S.COMMITTED, I.RELEASE): S.RELEASED,
-    (S.FAILED, I.RELEASE): S.RELEASED,
+    (S.PENDING, In.LAUNCH): S.IN_FLIGHT,
+    (S.PENDING, In.CANCEL): S.RELEASED,
+    (S.IN_FLIGHT, In.COMPLETE): S.COMMITTED,
+    (S.IN_FLIGHT, In.FAIL): S.FAILED,
+    (S.IN_FLIGHT, In.ABANDON): S.ABANDONED,
+    (S.COMMITTED, In.RELEASE): S.RELEASED,
+    (S.FAILED, In.RELEASE): S.RELEASED,
     # An abandoned transfer's result is discarded whichever way the device finishes.
-    (S.ABANDONED, I.COMPLETE): S.RELEASED,
-    (S.ABANDONED, I.FAIL): S.RELEASED,
+    (S.ABANDONED, In.COMPLETE): S.RELEASED,
+    (S.ABANDONED, In.FAIL): S.RELEASED,
 }
 """The whole protocol. Anything not listed is illegal."""
 

@@ -1,0 +1,94 @@
+"""Engine-facing types for the scheduler side: what a request looks like to kvflow and what one
+engine step scheduled. Shaped like vLLM's ``Request`` and ``SchedulerOutput`` so adapters stay thin,
+but kvflow's own and engine-neutral.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from attrs import define, field, frozen
+
+from kvflow.core.hashing import ExtraKey
+from kvflow.core.protocol import GroupBlockIds, _as_group_ids
+
+
+@runtime_checkable
+class RequestLike(Protocol):
+    """A request as the scheduler-side manager reads it (an engine's request or an adapter of one)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt tokens followed by every output token so far."""
+        ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def extra_keys(self) -> tuple[ExtraKey, ...]:
+        """Keys mixed into every block hash: LoRA id, cache salt, ... (empty for most requests)."""
+        ...
+
+
+@define(eq=False)
+class KVRequest:
+    """A plain ``RequestLike`` for engines that have no request object of their own, and tests."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    extra_keys: tuple[ExtraKey, ...] = ()
+
+    @classmethod
+    def from_prompt(
+        cls, request_id: str, prompt: Sequence[int], extra_keys: tuple[ExtraKey, ...] = ()
+    ) -> KVRequest:
+        return cls(request_id, list(prompt), len(prompt), extra_keys)
+
+
+@frozen
+class NewRequest:
+    """A request scheduled for the first time (or with its whole block table after a preemption)."""
+
+    request_id: str
+    block_ids: GroupBlockIds = field(converter=_as_group_ids)
+    num_computed_tokens: int  # before this step: GPU prefix hits plus externally loaded tokens
+    num_scheduled_tokens: int
+    num_spec_tokens: int = 0  # speculative tokens among the scheduled ones: never stored
+
+
+@frozen
+class CachedRequest:
+    """A request already running: what it got this step."""
+
+    request_id: str
+    new_block_ids: GroupBlockIds = field(converter=_as_group_ids)  # appended to its block table
+    num_computed_tokens: int  # before this step
+    num_scheduled_tokens: int
+    num_spec_tokens: int = 0
+    resumed_from_preemption: bool = False  # if so, new_block_ids is the whole new table
+
+
+@frozen
+class SchedulerOutput:
+    """One engine step, as the engine's scheduler decided it. kvflow never mutates it."""
+
+    step: int
+    new_requests: tuple[NewRequest, ...] = ()
+    cached_requests: tuple[CachedRequest, ...] = ()
+    finished_request_ids: frozenset[str] = frozenset()
+    preempted_request_ids: frozenset[str] = frozenset()
+
+
+__all__ = [
+    "CachedRequest",
+    "KVRequest",
+    "NewRequest",
+    "RequestLike",
+    "SchedulerOutput",
+]
