@@ -283,10 +283,12 @@ def test_last_full_block_of_finishing_request_is_stored(make_sim: MakeSim) -> No
     assert store.gpu_block_ids == ((sim.tables["a"][0][1],),)
     a.all_token_ids.append(8)  # sampled, never computed
     assert sim.finish(a) is True, "GPU blocks must wait for the store"
-    assert sim.gpu.block(store.gpu_block_ids[0][0]).ref_cnt == 1
+    last = sim.gpu.block(store.gpu_block_ids[0][0])
+    assert last.ref_cnt == 2, "held by the request and by the store"
     out = sim.complete()
     assert out.finished_sending == {"a"}
     assert sim.on_cpu(a) == [True, True]
+    assert last.ref_cnt == 0
 
 
 def test_finishing_with_load_in_flight_cleans_up_after_transfer(make_sim: MakeSim) -> None:
@@ -341,10 +343,13 @@ def test_preemption_with_transfers_in_flight(make_sim: MakeSim) -> None:
     sim.match(b)
     sim.alloc(b, 8, 8)
     (load,) = sim.step().loads
-    plan = sim.step(preempted=["a", "b"])
+    plan = sim.step(preempted=["a", "b"])  # the engine frees a's and b's GPU blocks at once
     assert plan.flush is True
     assert plan.abandoned == (load.transfer_id,)
+    held = [sim.gpu.block(blk) for blk in (*store.gpu_block_ids[0], *load.gpu_block_ids[0])]
+    assert all(blk.ref_cnt == 1 for blk in held), "copies in flight keep their GPU blocks"
     out = sim.complete()
+    assert all(blk.ref_cnt == 0 for blk in held)
     assert out.committed == (store.transfer_id,)
     assert out.finished_recving == frozenset()
     assert sim.on_cpu(a) == [True, True]
@@ -681,3 +686,19 @@ def test_transfer_transitions_are_logged(make_sim: MakeSim) -> None:
         if e["event"] == "transfer_transition" and e["transfer_id"] == store.transfer_id
     ]
     assert path == [("pending", "in_flight"), ("in_flight", "committed"), ("committed", "released")]
+
+
+def test_request_dropped_by_engine_mid_store_keeps_other_requests_blocks(make_sim: MakeSim) -> None:
+    """A request the engine drops without request_finished loses its share of a step's store only."""
+    sim = make_sim(ONE_GROUP)
+    a, b = sim.add("a", range(8)), sim.add("b", range(100, 108))
+    sim.match(a)
+    sim.match(b)
+    (store,) = sim.step(new=[(a, 8), (b, 8)]).stores
+    assert len(store.gpu_block_ids[0]) == 4, "one store carries the whole step"
+    sim.step(finished=["b"])
+    out = sim.complete()
+    assert out.committed == (store.transfer_id,)
+    assert out.finished_sending == frozenset(), "b never asked for a delayed free"
+    assert sim.on_cpu(a) == [True, True]
+    assert sim.mgr.cpu_pools[0].num_cached_blocks == 2

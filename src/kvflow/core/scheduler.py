@@ -38,6 +38,8 @@ log = structlog.get_logger("kvflow.scheduler")
 
 LAZY_REQUEST_ID = "<lazy>"
 """The request id of lazy-policy stores, which belong to the GPU free queue, not to a request."""
+STEP_STORE_ID = "<step>"
+"""The request id of an eager store carrying the blocks of several requests (one per step)."""
 
 
 class StorePolicy(enum.StrEnum):
@@ -162,6 +164,26 @@ class _Counters:
 
 
 @define(eq=False)
+class _StoreBatch:
+    """The blocks one step (or one finishing request) hands to the store, before CPU allocation."""
+
+    gpu: list[list[int]]
+    hashes: list[list[BlockHash]]
+    owners: list[list[_Request | None]]
+    seen: list[set[BlockHash]]
+    reqs: list[_Request] = field(factory=list)
+
+    @classmethod
+    def empty(cls, num_groups: int) -> _StoreBatch:
+        return cls(
+            [[] for _ in range(num_groups)],
+            [[] for _ in range(num_groups)],
+            [[] for _ in range(num_groups)],
+            [set() for _ in range(num_groups)],
+        )
+
+
+@define(eq=False)
 class _Match:
     """A CPU hit pinned by ``get_num_new_matched_tokens``, waiting for the engine's allocation."""
 
@@ -194,9 +216,11 @@ class _Xfer:
 
     transfer: Transfer
     spec: TransferSpec
-    hashes: tuple[tuple[BlockHash, ...], ...]  # stores: per group, the hashes being stored
-    req: _Request | None  # None for lazy stores
-    holds_gpu: bool = False  # lazy stores hold a GPU ref on their source blocks
+    reqs: list[_Request]  # the requests waiting on it (none for lazy stores)
+    hashes: tuple[tuple[BlockHash, ...], ...] = ()  # stores: per group, the hashes being stored
+    owners: tuple[tuple[_Request | None, ...], ...] = ()  # stores: per group, each block's request
+    dropped: set[_Request] = field(factory=set)  # their GPU blocks were freed: don't cache theirs
+    holds_gpu: bool = False  # holds a ref on its GPU blocks (whenever a gpu_view was given)
     reported: dict[int, bool] = field(factory=dict)  # rank → success
     reset: bool = False  # abandoned by reset_cache (a load's blocks then become invalid)
 
@@ -477,6 +501,7 @@ class OffloadManager:
         for st in self._allocated.values():
             self._plan_load(st)
         self._allocated.clear()
+        batch = _StoreBatch.empty(self._num_groups)
         for st, end, ids, replace in dirty:
             if replace:
                 st.table = [list(g) for g in ids]
@@ -486,7 +511,9 @@ class OffloadManager:
                     if new_ids:
                         table.extend(new_ids)
             st.confirmed = min(end, len(st.request.all_token_ids))
-            self._advance(st)
+            self._advance(st, batch)
+        if batch.reqs:
+            self._plan_store(batch, STEP_STORE_ID)
         if not self._eager and not self._reset_pending:
             self._lazy_walk()
         return self._launch(so.step, flush)
@@ -499,7 +526,7 @@ class OffloadManager:
         for g, pinned in enumerate(m.cpu_block_ids):
             used = set(cpu[g])
             self._cpu[g].free(reversed([b for b in pinned if b not in used]))
-        xfer = self._new_xfer(Direction.LOAD, st, gpu, cpu, ())
+        xfer = self._new_xfer(Direction.LOAD, st.request.request_id, [st], gpu, cpu)
         log.debug(
             "offload_load_planned",
             request_id=st.request.request_id,
@@ -539,82 +566,82 @@ class OffloadManager:
             if target > have:
                 hasher.extend(tokens[have:target])
 
-    def _advance(self, st: _Request) -> None:
+    def _advance(self, st: _Request, batch: _StoreBatch) -> None:
         """Hand the blocks completed since the last call to the store policy."""
         confirmed = st.confirmed
         self._hash_upto(st, confirmed)
         boundary = 1 << 62
-        gpu: list[tuple[int, ...]] = []
-        hashes: list[tuple[BlockHash, ...]] = []
-        any_new = False
+        eager = self._eager and not self._reset_pending
+        added = False
         for g, bs in enumerate(self._block_sizes):
             done = confirmed // bs
             boundary = min(boundary, (done + 1) * bs)
             cur = st.cursor[g]
             if done <= cur:
-                gpu.append(())
-                hashes.append(())
                 continue
             st.cursor[g] = done
             ids = st.table[g][cur:done]
             hs = st.hashers[self._slot[g]].hashes[cur:done]
-            if self._eager:
-                pairs = self._store_candidates(g, ids, hs)
-                gpu.append(tuple(p[0] for p in pairs))
-                hashes.append(tuple(p[1] for p in pairs))
-                any_new = any_new or bool(pairs)
-            else:
+            if eager:
+                added = self._add_candidates(batch, g, st, ids, hs) or added
+            elif not self._eager:
                 record = self._gpu_hash
                 null = self._null
                 for b, h in zip(ids, hs, strict=True):
                     if b != null:
                         record[b] = (g, h)
         st.next_boundary = boundary
-        if any_new and not self._reset_pending:
-            self._plan_store(st, gpu, hashes)
+        if added:
+            batch.reqs.append(st)
 
-    def _store_candidates(
-        self, g: int, ids: Sequence[int], hashes: Sequence[BlockHash]
-    ) -> list[tuple[int, BlockHash]]:
-        """Blocks worth storing: not the null block, not on CPU, not already being stored."""
+    def _add_candidates(
+        self,
+        batch: _StoreBatch,
+        g: int,
+        owner: _Request | None,
+        ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+    ) -> bool:
+        """Add the blocks worth storing: not the null block, not on CPU, not being stored."""
         cached = self._cpu[g].is_cached
         storing = self._storing[g]
         null = self._null
-        out: list[tuple[int, BlockHash]] = []
-        seen: set[BlockHash] = set()
+        seen = batch.seen[g]
+        gpu, hs, owners = batch.gpu[g], batch.hashes[g], batch.owners[g]
+        n = len(gpu)
         for b, h in zip(ids, hashes, strict=True):
             if b == null or h in storing or h in seen or cached(h):
                 continue
             seen.add(h)
-            out.append((b, h))
-        return out
+            gpu.append(b)
+            hs.append(h)
+            owners.append(owner)
+        return len(gpu) > n
 
-    def _plan_store(
-        self,
-        st: _Request | None,
-        gpu: list[tuple[int, ...]],
-        hashes: list[tuple[BlockHash, ...]],
-    ) -> _Xfer | None:
+    def _plan_store(self, batch: _StoreBatch, request_id: str) -> _Xfer | None:
         """Allocate CPU blocks (evicting LRU cached ones) and queue one store; skip what won't fit."""
         cpu: list[tuple[int, ...]] = []
         for g, pool in enumerate(self._cpu):
-            want = len(gpu[g])
+            want = len(batch.gpu[g])
             n = min(want, pool.num_free_blocks)
             if n < want:
                 self._n.skipped_stores += want - n
                 log.info(
-                    "offload_store_skipped",
-                    group=g,
-                    num_blocks=want - n,
-                    reason="cpu_pool_full",
+                    "offload_store_skipped", group=g, num_blocks=want - n, reason="cpu_pool_full"
                 )
-                gpu[g], hashes[g] = gpu[g][:n], hashes[g][:n]
+                del batch.gpu[g][n:], batch.hashes[g][n:], batch.owners[g][n:]
             cpu.append(tuple(pool.get_new_blocks(n)))
         if not any(cpu):
             return None
-        xfer = self._new_xfer(Direction.STORE, st, tuple(gpu), tuple(cpu), tuple(hashes))
+        if len(batch.reqs) == 1:
+            request_id = batch.reqs[0].request.request_id
+        xfer = self._new_xfer(
+            Direction.STORE, request_id, batch.reqs, tuple(map(tuple, batch.gpu)), tuple(cpu)
+        )
+        xfer.hashes = tuple(map(tuple, batch.hashes))
+        xfer.owners = tuple(map(tuple, batch.owners))
         tid = xfer.transfer.transfer_id
-        for g, hs in enumerate(hashes):
+        for g, hs in enumerate(batch.hashes):
             storing = self._storing[g]
             for h in hs:
                 storing[h] = tid
@@ -623,19 +650,23 @@ class OffloadManager:
     def _new_xfer(
         self,
         direction: Direction,
-        st: _Request | None,
+        request_id: str,
+        reqs: list[_Request],
         gpu: GroupBlockIds,
         cpu: GroupBlockIds,
-        hashes: tuple[tuple[BlockHash, ...], ...],
     ) -> _Xfer:
         tid = self._next_id
         self._next_id += 1
-        rid = LAZY_REQUEST_ID if st is None else st.request.request_id
-        spec = TransferSpec(tid, rid, direction, gpu, cpu)
-        xfer = _Xfer(Transfer(tid, direction, rid), spec, hashes, st)
+        spec = TransferSpec(tid, request_id, direction, gpu, cpu)
+        xfer = _Xfer(Transfer(tid, direction, request_id), spec, reqs)
+        if self._gpu is not None:
+            # Hold the GPU ends too: the engine may free them (preemption, a block leaving a
+            # sliding window, a lazy store's free block) while the copy still runs.
+            self._gpu.touch(b for ids in gpu for b in ids)
+            xfer.holds_gpu = True
         self._xfers[tid] = xfer
         self._pending.append(xfer)
-        if st is not None:
+        for st in reqs:
             st.transfers[tid] = xfer
         return xfer
 
@@ -663,13 +694,13 @@ class OffloadManager:
             bid = view.next_free(bid)
         if not any(picked):
             return
-        gpu = [tuple(p.values()) for p in picked]
-        hashes = [tuple(p.keys()) for p in picked]
-        xfer = self._plan_store(None, gpu, hashes)
-        if xfer is not None:
-            # The blocks are free on the GPU: hold them so the engine can't reuse them mid-copy.
-            view.touch(b for ids in xfer.spec.gpu_block_ids for b in ids)
-            xfer.holds_gpu = True
+        batch = _StoreBatch(
+            [list(p.values()) for p in picked],
+            [list(p.keys()) for p in picked],
+            [[None] * len(p) for p in picked],
+            [set() for _ in picked],
+        )
+        self._plan_store(batch, LAZY_REQUEST_ID)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -695,11 +726,15 @@ class OffloadManager:
         """Cancel the request's PENDING transfers, abandon its in-flight loads (and stores)."""
         for x in list(st.transfers.values()):
             state = x.transfer.state
-            if state is TransferState.PENDING:
+            is_load = x.spec.direction is Direction.LOAD
+            if len(x.reqs) > 1 and (stores or is_load):
+                # A step's store shared with other requests: only this request's blocks go.
+                x.dropped.add(st)
+                x.reqs.remove(st)
+                del st.transfers[x.transfer.transfer_id]
+            elif state is TransferState.PENDING:
                 self._cancel(x)
-            elif state is TransferState.IN_FLIGHT and (
-                stores or x.spec.direction is Direction.LOAD
-            ):
+            elif state is TransferState.IN_FLIGHT and (stores or is_load):
                 self._abandon(x, cause="request_gone")
 
     def _preempt(self, st: _Request) -> None:
@@ -740,7 +775,10 @@ class OffloadManager:
             for g, bs in enumerate(self._block_sizes):
                 if len(table[g]) >= st.confirmed // bs:
                     st.table[g] = table[g]
-            self._advance(st)
+            batch = _StoreBatch.empty(self._num_groups)
+            self._advance(st, batch)
+            if batch.reqs:
+                self._plan_store(batch, rid)
         st.finishing = True
         st.delay_free = bool(st.transfers) and not engine_freed
         if not st.transfers:
@@ -842,11 +880,10 @@ class OffloadManager:
         ok = all(x.reported.values())
         t = x.transfer
         is_load = t.direction is Direction.LOAD
-        alive = x.req is not None and not x.req.finishing
+        alive = bool(x.reqs) and not x.reqs[0].finishing
         if t.state is TransferState.ABANDONED:
             apply(t, TransferInput.COMPLETE if ok else TransferInput.FAIL, cause="abandoned_done")
             if is_load and x.reset and alive:
-                assert x.req is not None
                 self._load_invalid(x, frozenset())
             self._release(x, commit=False)
             return False
@@ -887,8 +924,12 @@ class OffloadManager:
                     if storing.get(h) == tid:
                         del storing[h]
                 if commit:
-                    cached = pool.cache(cpu_ids, x.hashes[g])
-                    n = sum(cached)
+                    ids, hs = cpu_ids, x.hashes[g]
+                    if x.dropped:
+                        keep = [o not in x.dropped for o in x.owners[g]]
+                        ids = tuple(b for b, k in zip(ids, keep, strict=True) if k)
+                        hs = tuple(h for h, k in zip(hs, keep, strict=True) if k)
+                    n = sum(pool.cache(ids, hs))
                     nblocks += n
                     nbytes += n * self.config.groups[g].block_bytes
             elif commit:
@@ -907,8 +948,7 @@ class OffloadManager:
                 self._n.blocks_loaded += nblocks
                 self._n.bytes_loaded += nbytes
         del self._xfers[tid]
-        st = x.req
-        if st is not None:
+        for st in x.reqs:
             del st.transfers[tid]
             if st.finishing and not st.transfers:
                 rid = st.request.request_id
@@ -919,6 +959,7 @@ class OffloadManager:
 
 __all__ = [
     "LAZY_REQUEST_ID",
+    "STEP_STORE_ID",
     "GroupSpec",
     "OffloadManager",
     "OffloadStats",
