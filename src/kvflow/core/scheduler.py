@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import structlog
@@ -284,6 +285,19 @@ class OffloadManager:
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def cpu_refs(self) -> list[Counter[int]]:
+        """Per group, how many references the manager holds on each CPU block (transfers and
+        pinned hits): for consistency checks, it must equal the pools' ref counts."""
+        held: list[Counter[int]] = [Counter() for _ in self._cpu]
+        for x in self._xfers.values():
+            for g, ids in enumerate(x.spec.cpu_block_ids):
+                held[g].update(ids)
+        for st in self._requests.values():
+            if st.match is not None:
+                for g, ids in enumerate(st.match.cpu_block_ids):
+                    held[g].update(ids)
+        return held
 
     def stats(self) -> OffloadStats:
         n = self._n
