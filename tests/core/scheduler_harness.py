@@ -8,10 +8,10 @@ round trip checks that the right bytes arrived in the right block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvflow.core.block_pool import BlockPool
-from kvflow.core.gpu_view import BlockPoolGpuView
+from kvflow.core.gpu_view import BlockPoolGpuView, GpuCacheView
 from kvflow.core.hashing import BlockHash, hash_block, hash_blocks
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import CachedRequest, KVRequest, NewRequest, SchedulerOutput
@@ -62,6 +62,7 @@ class Sim:
         lazy_watermark: int = 64,
         gpu_blocks: int = 256,
         null_block: bool = False,
+        wrap_view: Callable[[GpuCacheView], GpuCacheView] | None = None,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks, name="gpu")
         self.null: int | None = None
@@ -74,7 +75,10 @@ class Sim:
             lazy_watermark=lazy_watermark,
             null_block_id=self.null,
         )
-        self.mgr = OffloadManager(self.config, gpu_view=BlockPoolGpuView(self.gpu))
+        view: GpuCacheView = BlockPoolGpuView(self.gpu)
+        self.mgr = OffloadManager(
+            self.config, gpu_view=view if wrap_view is None else wrap_view(view)
+        )
         self.workers = FakeWorkers(world_size)
         self.step_no = 0
         self.requests: dict[str, KVRequest] = {}

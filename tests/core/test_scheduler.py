@@ -6,9 +6,12 @@ request, settles every copy and checks that no block reference leaked on the CPU
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
+
 import pytest
 from structlog.testing import capture_logs
 
+from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.scheduler import (
     GroupSpec,
     OffloadManager,
@@ -266,6 +269,70 @@ def test_lazy_restores_block_whose_cpu_copy_was_evicted(make_sim: MakeSim) -> No
     assert set(store.gpu_block_ids[0]) == a_blocks, "a's blocks are not believed stored"
     sim.complete()
     assert sim.on_cpu(a) == [True, True]
+
+
+class CountingView:
+    """A ``GpuCacheView`` that counts the free-queue steps the manager takes."""
+
+    def __init__(self, inner: GpuCacheView) -> None:
+        self.inner = inner
+        self.steps = 0
+
+    def first_free(self) -> int | None:
+        self.steps += 1
+        return self.inner.first_free()
+
+    def next_free(self, block_id: int) -> int | None:
+        self.steps += 1
+        return self.inner.next_free(block_id)
+
+    def is_free(self, block_id: int) -> bool:
+        return self.inner.is_free(block_id)
+
+    def block_hash(self, block_id: int) -> Hashable | None:
+        return self.inner.block_hash(block_id)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        self.inner.touch(block_ids)
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        self.inner.free(block_ids)
+
+
+def test_lazy_cursor_survives_steps_and_resets_when_its_block_is_reused(make_sim: MakeSim) -> None:
+    """The lazy walk resumes at its cursor (work ∝ blocks that entered the window) and restarts
+    from the queue head when the engine takes the cursor's block."""
+    views: list[CountingView] = []
+
+    def wrap(inner: GpuCacheView) -> GpuCacheView:
+        views.append(CountingView(inner))
+        return views[0]
+
+    sim = make_sim(ONE_GROUP, store_policy="lazy", lazy_watermark=4, gpu_blocks=12, wrap_view=wrap)
+    (view,) = views
+    a = sim.add("a", range(16))
+    sim.match(a)
+    sim.step(new=[(a, 16)])
+    a_blocks = sim.tables["a"][0]
+    sim.finish(a)  # queue: 8 fresh blocks, then a's 4
+    assert sim.step().stores == ()
+    view.steps = 0
+    sim.step()
+    assert view.steps == 0, "a covered window costs nothing"
+    b = sim.add("b", range(100, 108))
+    sim.match(b)
+    sim.step(new=[(b, 8)])  # takes the first 2 covered blocks
+    assert view.steps == 2, "the walk resumed at the cursor for the 2 blocks that entered"
+    c = sim.add("c", range(200, 216))
+    sim.match(c)
+    with capture_logs() as logs:
+        (store,) = sim.step(new=[(c, 16)]).stores  # takes the cursor's block
+    assert {"event": "offload_lazy_cursor_reset", "cause": "cursor_block_taken"}.items() <= next(
+        e for e in logs if e["event"] == "offload_lazy_cursor_reset"
+    ).items()
+    assert set(store.gpu_block_ids[0]) == {a_blocks[3], a_blocks[2]}
+    sim.complete()
+    assert sim.on_cpu(a) == [False, False, True, True]
 
 
 # ---- finishing, preemption, reset --------------------------------------------------------------

@@ -27,6 +27,10 @@ class GpuCacheView(Protocol):
         """Id of the free block evicted after ``block_id``; None at the end or if it is not free."""
         ...
 
+    def is_free(self, block_id: int) -> bool:
+        """Whether the block is in the free queue (no request or copy holds it)."""
+        ...
+
     def block_hash(self, block_id: int) -> Hashable | None:
         """The engine's own prefix-cache key of the block, or None if it caches nothing."""
         ...
@@ -60,6 +64,9 @@ class BlockPoolGpuView:
             return None
         nxt = self._queue.next_of(block)
         return None if nxt is None else nxt.block_id
+
+    def is_free(self, block_id: int) -> bool:
+        return self._blocks[block_id].ref_cnt == 0
 
     def block_hash(self, block_id: int) -> Hashable | None:
         return self._blocks[block_id].block_hash

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import structlog
 from attrs import define, field, frozen
@@ -255,7 +255,11 @@ class OffloadManager:
         self._pending: list[_Xfer] = []  # PENDING transfers, launched by the next plan
         self._allocated: dict[str, _Request] = {}  # matches the engine allocated blocks for
         self._storing: list[dict[BlockHash, int]] = [{} for _ in groups]  # hash → transfer id
-        self._gpu_hash: dict[int, tuple[int, BlockHash]] = {}  # lazy: GPU block → (group, hash)
+        # Lazy: GPU block → (group, kvflow hash, engine hash when recorded, None if not yet set).
+        self._gpu_hash: dict[int, tuple[int, BlockHash, Hashable | None]] = {}
+        self._cursor: int | None = None  # lazy: last covered block of the GPU free queue
+        self._cursor_hash: Hashable | None = None  # its engine hash when the walk passed it
+        self._ahead: set[int] = set()  # lazy: free blocks from the queue head to the cursor
         self._abandoned: list[int] = []  # for the next plan
         self._finished_sending: set[str] = set()  # for the next outcome
         self._finished_recving: set[str] = set()
@@ -472,6 +476,8 @@ class OffloadManager:
             cpu.append(tuple(p[1] for p in pairs))
         st.request = request
         m.load = (tuple(gpu), tuple(cpu))
+        for ids in table:
+            self._lazy_taken(ids)
         self._allocated[rid] = st
 
     # ---- planning -----------------------------------------------------------------------------
@@ -517,6 +523,9 @@ class OffloadManager:
         self._allocated.clear()
         batch = _StoreBatch.empty(self._num_groups)
         for st, end, ids, replace in dirty:
+            if self._ahead:
+                for group_ids in ids:
+                    self._lazy_taken(group_ids)
             if replace:
                 st.table = [list(g) for g in ids]
                 st.cursor = [0] * self._num_groups
@@ -601,9 +610,11 @@ class OffloadManager:
             elif not self._eager:
                 record = self._gpu_hash
                 null = self._null
+                view = self._gpu
+                assert view is not None
                 for b, h in zip(ids, hs, strict=True):
                     if b != null:
-                        record[b] = (g, h)
+                        record[b] = (g, h, view.block_hash(b))
         st.next_boundary = boundary
         if added:
             batch.reqs.append(st)
@@ -638,6 +649,7 @@ class OffloadManager:
         for g, pool in enumerate(self._cpu):
             want = len(batch.gpu[g])
             n = min(want, pool.num_free_blocks)
+            cached_before = pool.num_cached_blocks
             if n < want:
                 self._n.skipped_stores += want - n
                 log.info(
@@ -645,6 +657,9 @@ class OffloadManager:
                 )
                 del batch.gpu[g][n:], batch.hashes[g][n:], batch.owners[g][n:]
             cpu.append(tuple(pool.get_new_blocks(n)))
+            if pool.num_cached_blocks < cached_before and not self._eager:
+                # Evicted copies may back blocks ahead of the cursor: they are no longer covered.
+                self._lazy_reset("cpu_eviction")
         if not any(cpu):
             return None
         if len(batch.reqs) == 1:
@@ -684,30 +699,81 @@ class OffloadManager:
             st.transfers[tid] = xfer
         return xfer
 
+    def _lazy_reset(self, cause: str) -> None:
+        if self._cursor is not None or self._ahead:
+            log.debug("offload_lazy_cursor_reset", cause=cause, covered=len(self._ahead))
+        self._cursor = None
+        self._cursor_hash = None
+        self._ahead.clear()
+
+    def _lazy_taken(self, ids: Iterable[int]) -> None:
+        """The engine took these GPU blocks (allocation or prefix hit): they left the free queue."""
+        ahead = self._ahead
+        if not ahead:
+            return
+        for b in ids:
+            if b in ahead:
+                ahead.discard(b)
+                if b == self._cursor:
+                    self._lazy_reset("cursor_block_taken")
+                    return
+
     def _lazy_walk(self) -> None:
-        """Store the hashed blocks among the first ``lazy_watermark`` of the GPU free queue."""
+        """Extend the covered prefix of the GPU free queue to ``lazy_watermark`` blocks, storing
+        the hashed blocks in it that the CPU tier lacks.
+
+        The cursor is the last covered block; every block from the queue head to it is covered
+        (stored, being stored, or holding nothing worth storing). It survives steps: blocks the
+        engine takes leave ``_ahead`` (``_lazy_taken``), freed hashed blocks join behind the
+        cursor. It resets, and the next walk starts from the head, when its block is reused, or
+        when a CPU eviction or a failed store may have uncovered a block ahead of it.
+        """
         view = self._gpu
         assert view is not None
+        ahead = self._ahead
+        cursor = self._cursor
+        if cursor is not None and (
+            not view.is_free(cursor) or view.block_hash(cursor) != self._cursor_hash
+        ):
+            self._lazy_reset("cursor_block_reused")
+            cursor = None
+        budget = self.config.lazy_watermark - len(ahead)
+        if budget <= 0:
+            return
+        bid = view.first_free() if cursor is None else view.next_free(cursor)
         record = self._gpu_hash
         null = self._null
         picked: list[dict[BlockHash, int]] = [{} for _ in range(self._num_groups)]
-        bid = view.first_free()
-        budget = self.config.lazy_watermark
-        while bid is not None and budget > 0:
+        last = cursor
+        while bid is not None:
             budget -= 1
-            if bid != null and view.block_hash(bid) is not None:
-                rec = record.get(bid)
-                if rec is not None:
-                    g, h = rec
-                    if (
-                        h not in self._storing[g]
-                        and h not in picked[g]
-                        and not self._cpu[g].is_cached(h)
-                    ):
-                        picked[g][h] = bid
+            ahead.add(bid)
+            rec = record.get(bid) if bid != null else None
+            engine_hash = None if rec is None else view.block_hash(bid)
+            # A block the engine refilled behind our back has a new engine hash: not ours to store.
+            if rec is not None and engine_hash is not None and rec[2] in (None, engine_hash):
+                g, h, _ = rec
+                if (
+                    h not in self._storing[g]
+                    and h not in picked[g]
+                    and not self._cpu[g].is_cached(h)
+                ):
+                    picked[g][h] = bid
+                else:
+                    last = bid
+            else:
+                last = bid
+            if budget <= 0:
+                break
             bid = view.next_free(bid)
+        if last is not None and last != cursor:
+            self._cursor, self._cursor_hash = last, view.block_hash(last)
         if not any(picked):
             return
+        for p in picked:
+            # A picked block leaves the free queue while its store holds it; it comes back
+            # behind the cursor, already covered.
+            ahead.difference_update(p.values())
         batch = _StoreBatch(
             [list(p.values()) for p in picked],
             [list(p.keys()) for p in picked],
@@ -824,6 +890,7 @@ class OffloadManager:
                 self._abandon(x, cause="reset")
         self._reset_pending = True
         self._gpu_hash.clear()
+        self._lazy_reset("reset")
         status = self._try_complete_reset()
         log.info("offload_reset", status=status.value, in_flight=len(self._xfers))
         return status
@@ -904,6 +971,9 @@ class OffloadManager:
         apply(t, TransferInput.COMPLETE if ok else TransferInput.FAIL, cause="all_ranks_reported")
         if not ok:
             self._n.failed_transfers += 1
+            if not is_load and not self._eager:
+                # Blocks ahead of the lazy cursor may have counted on this store.
+                self._lazy_reset("store_failed")
             log.warning(
                 "offload_transfer_failed",
                 transfer_id=t.transfer_id,
