@@ -62,7 +62,9 @@ async def wait_all_tasks_blocked(rounds: int = 2) -> None:
 
     asyncio has no public API for this; its ready queue (``loop._ready``) is the ground truth, as
     in trio's ``wait_all_tasks_blocked``. Seeing it empty on ``rounds`` consecutive checkpoints
-    means the callbacks that woke tasks have run and those tasks blocked again.
+    means the callbacks that woke tasks have run and those tasks blocked again. Only one task at
+    a time may wait here (two would keep each other runnable forever), so a test body must not
+    call it while ``FakeClock.autojump`` runs: it blocks on an event instead.
     """
     loop = asyncio.get_running_loop()
     empty = 0
