@@ -296,6 +296,9 @@ async def test_shutdown_drains_work_in_flight(fake: FakeBackend, clock: FakeCloc
             assert not stopped.is_set()
             assert len(copies(fake)) == 2
             assert not fake.closed
+            with pytest.raises(ClosedError):
+                rt.bind(StepPlan(3, loads=(load(3, "c", [3], [3]),)))
+            assert rt.transfer_state(3) is None
             fake.release_all()
         assert stopped.is_set()
         assert fake.closed

@@ -11,6 +11,7 @@ thread, through ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 import anyio
@@ -44,6 +45,7 @@ class Reactor:
     _has_work: anyio.Event = field(factory=anyio.Event)
     _sleep_scope: anyio.CancelScope | None = None
     _loop: asyncio.AbstractEventLoop | None = None
+    _loop_thread: int | None = None
     _wake_pending: bool = False
     _closed: bool = False
     polls: int = 0  # how many times poll() ran: tests and the benchmark read it
@@ -121,6 +123,10 @@ class Reactor:
             return
         # A benign race: at worst two wakeups are queued, never none after a completion.
         self._wake_pending = True
+        if threading.get_ident() == self._loop_thread:
+            # Called from a backend method on the loop itself: no need to write the self-pipe.
+            loop.call_soon(self._on_wakeup)
+            return
         try:
             loop.call_soon_threadsafe(self._on_wakeup)
         except RuntimeError:
@@ -132,6 +138,7 @@ class Reactor:
         if self._loop is not None:
             raise ConfigError("reactor.run() is already running")
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self.backend.set_wakeup(self.wakeup_threadsafe)
         log.debug("reactor_started", backend=self.backend.name)
         try:

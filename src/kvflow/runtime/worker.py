@@ -63,7 +63,7 @@ class WorkerRuntime:
     _completed: list[int] = field(factory=list)
     _failed: list[int] = field(factory=list)
     _invalid: set[int] = field(factory=set)
-    _running: bool = False
+    _stopping: bool = False
     _closed: bool = False
 
     def __attrs_post_init__(self) -> None:
@@ -97,7 +97,6 @@ class WorkerRuntime:
         async with anyio.create_task_group() as tg:
             tg.start_soon(rt.reactor.run)
             tg.start_soon(rt.executor.run)
-            rt._running = True
             log.info("worker_runtime_started", rank=rank, backend=backend.name)
             try:
                 yield rt
@@ -114,8 +113,9 @@ class WorkerRuntime:
         """Stop: ``drain`` submits and waits for everything queued; else queued copies fail
         (cause ``shutdown``) and only those already on the device are waited for. Then the
         reactor stops and the backend closes. Idempotent."""
-        if self._closed:
+        if self._closed or self._stopping:
             return
+        self._stopping = True
         log.info(
             "worker_runtime_stopping",
             rank=self.rank,
@@ -144,7 +144,7 @@ class WorkerRuntime:
         log.info("worker_runtime_stopped", rank=self.rank)
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._stopping:
             raise ClosedError(f"worker runtime of rank {self.rank} is shut down")
 
     # -- registration -------------------------------------------------------------------------
@@ -242,12 +242,15 @@ class WorkerRuntime:
         self, step: int, specs: Sequence[TransferSpec], wait_for: tuple[object, ...]
     ) -> None:
         live = [s for s in specs if s.transfer_id in self._entries]
+        if not live:
+            return
+        # Enqueue first: if the executor refuses (closing), no transfer has changed state. The
+        # actor cannot run before the transitions below, which are all on this thread.
+        self.executor.enqueue(CopyOrder(step, live[0].direction, tuple(live), wait_for))
         for s in live:
             apply(self._entries[s.transfer_id].transfer, TransferInput.LAUNCH, cause="launched")
             key = (s.request_id, s.direction)
             self._live[key] = self._live.get(key, 0) + 1
-        if live:
-            self.executor.enqueue(CopyOrder(step, live[0].direction, tuple(live), wait_for))
 
     def _on_done(self, specs: Sequence[TransferSpec], status: FenceStatus, cause: str) -> None:
         ok = status is FenceStatus.DONE
