@@ -175,6 +175,30 @@ async def test_load_waits_for_in_flight_store_on_same_block(
     assert fake.violations == []
 
 
+async def test_store_waits_for_in_flight_load_on_same_block(
+    fake: FakeBackend, clock: FakeClock
+) -> None:
+    """A store of a GPU block an in-flight load still writes is fenced after that load."""
+    async with WorkerRuntime.open(fake, clock=clock) as rt:
+        fake.cpu_version[(0, 9)] = 42
+        rt.bind(StepPlan(1, loads=(load(1, "a", [3], [9]),)))
+        rt.start_load_kv()
+        rt.bind(StepPlan(2, stores=(store(2, "a", [3], [10]),)))
+        rt.wait_for_save()
+        await wait_all_tasks_blocked()
+        load_copy, store_copy = copies(fake)
+        assert load_copy in store_copy.wait_for
+        fake.release(store_copy)
+        fake.release(store_copy.wait_for[0])  # compute done
+        await wait_all_tasks_blocked()
+        assert store_copy.status is FenceStatus.PENDING
+        fake.release(load_copy)
+        await wait_all_tasks_blocked()
+        assert sorted(rt.build_report().completed) == [1, 2]
+    assert fake.cpu_version[(0, 10)] == 42
+    assert fake.violations == []
+
+
 async def test_load_into_other_blocks_does_not_wait(fake: FakeBackend, clock: FakeClock) -> None:
     """A load that shares no GPU block with in-flight stores waits for nothing."""
     async with WorkerRuntime.open(fake, clock=clock) as rt:

@@ -6,8 +6,9 @@ completes; a copy moves versions from its source blocks to its destination block
 A copy runs once the test releases its fence (``release``, ``fail``, ``release_at`` on the clock)
 and every fence it waits for has finished. The backend records a *violation* when a copy reads a
 GPU block whose compute write was still pending when the copy was submitted (a store not fenced
-after compute reads stale data), or when a load overwrites a GPU block that an in-flight store
-submitted before it is still reading. ``auto_complete`` runs everything at once (benchmarks).
+after compute reads stale data), or when it runs before an earlier-submitted copy of the same GPU
+block that it conflicts with has finished (a load overwriting a block a store still reads, a
+store reading a block a load still writes, two loads writing one block). ``auto_complete`` runs everything at once (benchmarks).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class FakeFence:
     release_at: float | None = None
     writes: list[tuple[BlockKey, int]] = field(factory=list)  # compute: versions it lands
     stale_if_pending: list[tuple[BlockKey, FakeFence | None]] = field(factory=list)
-    readers_to_outlive: list[tuple[BlockKey, FakeFence]] = field(factory=list)
+    must_follow: list[tuple[BlockKey, FakeFence]] = field(
+        factory=list
+    )  # earlier copies, same block
 
     @property
     def done(self) -> bool:
@@ -124,15 +127,14 @@ class FakeBackend:
             fence.stale_if_pending = [
                 (k, self._unfenced[k]) for k in gpu_keys if k in self._unfenced
             ]
-        else:
-            wanted = set(gpu_keys)
-            fence.readers_to_outlive = [
-                (k, f)
-                for f in self._live
-                if f.batch is not None and f.batch.direction is Direction.STORE
-                for k in self._gpu_keys(f.batch)
-                if k in wanted
-            ]
+        wanted = set(gpu_keys)
+        fence.must_follow = [
+            (k, f)
+            for f in self._live
+            if f.batch is not None and Direction.LOAD in (f.batch.direction, batch.direction)
+            for k in self._gpu_keys(f.batch)
+            if k in wanted
+        ]
         self.submitted.append(fence)
         self._live.append(fence)
         log.debug(
@@ -239,6 +241,18 @@ class FakeBackend:
         if f in self._live:
             self._live.remove(f)
 
+    @staticmethod
+    def _overlap_message(f: FakeFence, earlier: FakeFence, key: BlockKey) -> str:
+        assert f.batch is not None
+        assert earlier.batch is not None
+        if f.batch.direction is Direction.STORE:
+            what = f"store {f.fence_id} read GPU block {key}"
+        else:
+            what = f"load {f.fence_id} overwrote GPU block {key}"
+        if earlier.batch.direction is Direction.STORE:
+            return f"{what} while store {earlier.fence_id} was still reading it"
+        return f"{what} while load {earlier.fence_id} was still writing it"
+
     def _run_copy(self, f: FakeFence) -> None:
         batch = f.batch
         assert batch is not None
@@ -247,12 +261,9 @@ class FakeBackend:
                 self.violations.append(
                     f"copy {f.fence_id} read GPU block {key} before the compute writing it finished"
                 )
-        for key, reader in f.readers_to_outlive:
-            if not reader.done:
-                self.violations.append(
-                    f"load {f.fence_id} overwrote GPU block {key} while store {reader.fence_id} "
-                    "was still reading it"
-                )
+        for key, earlier in f.must_follow:
+            if not earlier.done:
+                self.violations.append(self._overlap_message(f, earlier, key))
         pairs = [
             ((g, gb), (g, cb))
             for g, (gids, cids) in enumerate(

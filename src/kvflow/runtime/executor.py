@@ -84,7 +84,8 @@ class DmaExecutor:
     coalesce: bool = True
     _send: MemoryObjectSendStream[_Command] = field(init=False)
     _recv: MemoryObjectReceiveStream[_Command] = field(init=False)
-    _store_readers: dict[BlockKey, Fence] = field(factory=dict)
+    _readers: dict[BlockKey, list[Fence]] = field(factory=dict)  # in-flight stores
+    _writers: dict[BlockKey, Fence] = field(factory=dict)  # the latest in-flight load
     _queued: int = 0  # orders in the inbox, not yet submitted
     _outstanding: int = 0  # batches submitted, not yet finished
     _no_outstanding: anyio.Event = field(factory=anyio.Event)
@@ -173,14 +174,7 @@ class DmaExecutor:
             self._finish(transfers, FenceStatus.DONE, "no_blocks")
             return
         keys = [(g, b) for g, ids in enumerate(batch.gpu_block_ids) for b in ids]
-        wait_for = list(order.wait_for)
-        if order.direction is Direction.LOAD:
-            seen: set[int] = set()
-            for k in keys:
-                reader = self._store_readers.get(k)
-                if reader is not None and id(reader) not in seen:
-                    seen.add(id(reader))
-                    wait_for.append(reader)
+        wait_for = [*order.wait_for, *self._conflicts(keys, order.direction)]
         if self._outstanding == 0:
             self._no_outstanding = anyio.Event()
         self._outstanding += 1
@@ -196,9 +190,11 @@ class DmaExecutor:
             self._batch_finished(transfers, FenceStatus.FAILED, "submit_error", [], None)
             return
         self.submits += 1
-        if order.direction is Direction.STORE:
-            for k in keys:
-                self._store_readers[k] = fence
+        for k in keys:
+            if order.direction is Direction.STORE:
+                self._readers.setdefault(k, []).append(fence)
+            else:
+                self._writers[k] = fence
         log.debug(
             "copy_batch_submitted",
             step=order.step,
@@ -213,22 +209,44 @@ class DmaExecutor:
                 transfers,
                 status,
                 "fence_done" if status is FenceStatus.DONE else "fence_failed",
-                keys if order.direction is Direction.STORE else [],
+                keys,
                 fence,
             ),
         )
+
+    def _conflicts(self, keys: Sequence[BlockKey], direction: Direction) -> list[Fence]:
+        """In-flight copies a new one must follow on the device: a load waits for stores still
+        reading and loads still writing its GPU blocks; a store waits for loads still writing
+        them. (Two stores of one block only read it and need no order.)"""
+        out: list[Fence] = []
+        seen: set[int] = set()
+        for k in keys:
+            found = [] if direction is Direction.STORE else list(self._readers.get(k, ()))
+            writer = self._writers.get(k)
+            if writer is not None:
+                found.append(writer)
+            for f in found:
+                if id(f) not in seen:
+                    seen.add(id(f))
+                    out.append(f)
+        return out
 
     def _batch_finished(
         self,
         transfers: Sequence[TransferSpec],
         status: FenceStatus,
         cause: str,
-        read_keys: Sequence[BlockKey],
+        keys: Sequence[BlockKey],
         fence: Fence | None,
     ) -> None:
-        for k in read_keys:
-            if self._store_readers.get(k) is fence:
-                del self._store_readers[k]
+        for k in keys:
+            if self._writers.get(k) is fence:
+                del self._writers[k]
+            readers = self._readers.get(k)
+            if readers is not None and fence in readers:
+                readers.remove(fence)
+                if not readers:
+                    del self._readers[k]
         self._outstanding -= 1
         log.debug("copy_batch_finished", transfers=len(transfers), status=status.value)
         if self._outstanding == 0:
