@@ -8,7 +8,7 @@ import torch
 from kvflow.backends.host import HostBackend
 from kvflow.core.protocol import StepPlan, TransferSpec
 from kvflow.core.transfer import Direction
-from kvflow.errors import ClosedError
+from kvflow.errors import ClosedError, ConfigError
 from kvflow.runtime.portal import SyncWorkerRuntime
 
 
@@ -60,3 +60,15 @@ def test_sync_facade_round_trip_and_load_errors() -> None:
     with pytest.raises(ClosedError):
         rt.get_finished()
     rt.shutdown()
+
+
+def test_posted_call_error_is_raised_by_the_next_call() -> None:
+    """A bad plan bound without waiting raises its ConfigError at the next facade call, once."""
+    with SyncWorkerRuntime(HostBackend()) as rt:
+        rt.register_kv_caches({"kv": torch.zeros(4, 16)}, 4)
+        rt.allocate_cpu_tier(4)
+        twice = TransferSpec(1, "a", Direction.STORE, [[0]], [[0]])
+        rt.bind_connector_metadata(StepPlan(1, stores=(twice, twice)))
+        with pytest.raises(ConfigError, match="twice"):
+            rt.get_finished()
+        assert rt.get_finished() == (set(), set())

@@ -21,7 +21,7 @@ import anyio
 import structlog
 from attrs import define, field
 
-from kvflow.backends.base import Backend, FenceStatus
+from kvflow.backends.base import Backend, Fence, FenceStatus
 from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
@@ -224,14 +224,16 @@ class WorkerRuntime:
         self._loads_launched = True
         self._launch(plan.step, plan.loads, ())
 
-    def wait_for_save(self) -> None:
-        """Launch the bound plan's stores, fenced after the compute the engine issued so far."""
+    def wait_for_save(self, compute_fence: Fence | None = None) -> None:
+        """Launch the bound plan's stores, fenced after the compute the engine issued so far:
+        ``compute_fence`` if given (recorded on the engine's thread), else one recorded now."""
         self._check_open()
         plan = self._plan
         if plan is None or self._stores_launched:
             return
+        fence = compute_fence if compute_fence is not None else self.backend.compute_fence()
         self._stores_launched = True
-        self._launch(plan.step, plan.stores, (self.backend.compute_fence(),))
+        self._launch(plan.step, plan.stores, (fence,))
 
     def launch(self) -> None:
         """``start_load_kv`` and ``wait_for_save`` together (after this step's compute is issued)."""
@@ -239,7 +241,7 @@ class WorkerRuntime:
         self.wait_for_save()
 
     def _launch(
-        self, step: int, specs: Sequence[TransferSpec], wait_for: tuple[object, ...]
+        self, step: int, specs: Sequence[TransferSpec], wait_for: tuple[Fence, ...]
     ) -> None:
         live = [s for s in specs if s.transfer_id in self._entries]
         if not live:
