@@ -34,6 +34,11 @@ class KVStyle(enum.StrEnum):
     BLOCK_FIRST = "block_first"
 
 
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    """A typed converter: mypy's attrs plugin cannot bind ``converter=tuple``'s type variable."""
+    return tuple(int(v) for v in values)
+
+
 @frozen
 class TensorDesc:
     """What kvflow needs to know of one KV tensor; built from a torch tensor by the runtime."""
