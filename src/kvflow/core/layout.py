@@ -25,10 +25,6 @@ from attrs import field, frozen
 from kvflow.errors import LayoutError
 
 
-def _ints(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
 class KVStyle(enum.StrEnum):
     KV_FIRST = "kv_first"
     BLOCK_FIRST = "block_first"
