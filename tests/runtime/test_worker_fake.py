@@ -440,3 +440,38 @@ async def test_every_transition_of_the_table_is_logged(fake: FakeBackend, clock:
     logged = {(e["from"], e["input"], e["to"]) for e in events(logs, "transfer_transition")}
     table = {(s.value, i.value, t.value) for (s, i), t in TRANSITIONS.items()}
     assert logged == table
+
+
+async def test_error_in_the_body_abandons_in_flight_work_and_closes(
+    fake: FakeBackend, clock: FakeClock
+) -> None:
+    """An exception inside the runtime's block abandons transfers in flight and closes the backend."""
+    with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="engine crashed")):
+        async with WorkerRuntime.open(fake, clock=clock) as rt:
+            rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
+            rt.start_load_kv()
+            await wait_all_tasks_blocked()
+            raise RuntimeError("engine crashed")
+    assert rt.transfer_state(1) is TransferState.ABANDONED
+    assert fake.closed
+
+
+async def test_concurrent_shutdowns_both_wait(fake: FakeBackend, clock: FakeClock) -> None:
+    """A second shutdown call waits for the first to finish instead of returning early."""
+    done: list[str] = []
+    async with WorkerRuntime.open(fake, clock=clock) as rt:
+        rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
+        rt.start_load_kv()
+        await wait_all_tasks_blocked()
+
+        async def stop(name: str) -> None:
+            await rt.shutdown()
+            done.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop, "first")
+            tg.start_soon(stop, "second")
+            await wait_all_tasks_blocked()
+            assert done == []
+            fake.release_all()
+        assert sorted(done) == ["first", "second"]
