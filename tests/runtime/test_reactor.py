@@ -6,6 +6,7 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from kvflow.backends.base import CopyBatch, FenceStatus
 from kvflow.backends.fake import FakeBackend
@@ -129,3 +130,23 @@ async def test_bad_backoff_and_closed_reactor_raise(fake: FakeBackend, clock: Fa
     reactor.close()
     with pytest.raises(ClosedError):
         reactor.watch(fake.submit(STORE_0_TO_0), lambda status: None)
+
+
+async def test_a_failing_waiter_does_not_strand_the_others(
+    fake: FakeBackend, clock: FakeClock
+) -> None:
+    """A waiter callback that raises is logged; the other waiters still get their status."""
+    reactor = Reactor(fake, clock)
+    fence = fake.submit(STORE_0_TO_0)
+    got: list[FenceStatus] = []
+
+    def broken(status: FenceStatus) -> None:
+        raise RuntimeError("bug in a waiter")
+
+    reactor.watch(fence, broken)
+    reactor.watch(fence, got.append)
+    fake.release(fence)
+    with capture_logs() as logs:
+        reactor.process(reactor.poll())
+    assert got == [FenceStatus.DONE]
+    assert [e["event"] for e in logs] == ["reactor_waiter_failed"]

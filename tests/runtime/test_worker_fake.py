@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from kvflow.backends.base import CopyBatch, FenceStatus
 from kvflow.backends.fake import GARBAGE, FakeBackend, FakeFence
 from kvflow.core.protocol import StepPlan, TransferSpec
-from kvflow.core.transfer import Direction, TransferState
+from kvflow.core.transfer import TRANSITIONS, Direction, TransferState
 from kvflow.errors import ClosedError, ConfigError
 from kvflow.runtime.clock import FakeClock, wait_all_tasks_blocked
 from kvflow.runtime.worker import WorkerRuntime
@@ -412,3 +412,66 @@ async def test_bind_rejects_bad_plans_without_changing_state(
         fake.release_all()
         await wait_all_tasks_blocked()
         assert rt.build_report().completed == (1,)
+
+
+async def test_every_transition_of_the_table_is_logged(fake: FakeBackend, clock: FakeClock) -> None:
+    """A run touching every (state, input) pair of the transfer table logs each one."""
+    with capture_logs() as logs:
+        async with WorkerRuntime.open(fake, clock=clock, coalesce=False) as rt:
+            rt.bind(StepPlan(1, loads=tuple(load(i, f"r{i}", [i], [i]) for i in range(1, 5))))
+            rt.start_load_kv()
+            rt.bind(
+                StepPlan(
+                    2, loads=(load(5, "r5", [5], [5]), load(6, "r6", [6], [6])), abandoned=(3, 4)
+                )
+            )
+            await rt.handle_preemptions(StepPlan(3, abandoned=(5,)))
+            assert rt.transfer_state(5) is None
+            rt.start_load_kv()
+            await wait_all_tasks_blocked()
+            one, two, three, four, six = copies(fake)
+            fake.release(one)
+            fake.fail(two)
+            fake.release(three)
+            fake.fail(four)
+            fake.release(six)
+            await wait_all_tasks_blocked()
+            rt.build_report()
+    logged = {(e["from"], e["input"], e["to"]) for e in events(logs, "transfer_transition")}
+    table = {(s.value, i.value, t.value) for (s, i), t in TRANSITIONS.items()}
+    assert logged == table
+
+
+async def test_error_in_the_body_abandons_in_flight_work_and_closes(
+    fake: FakeBackend, clock: FakeClock
+) -> None:
+    """An exception inside the runtime's block abandons transfers in flight and closes the backend."""
+    with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="engine crashed")):
+        async with WorkerRuntime.open(fake, clock=clock) as rt:
+            rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
+            rt.start_load_kv()
+            await wait_all_tasks_blocked()
+            raise RuntimeError("engine crashed")
+    assert rt.transfer_state(1) is TransferState.ABANDONED
+    assert fake.closed
+
+
+async def test_concurrent_shutdowns_both_wait(fake: FakeBackend, clock: FakeClock) -> None:
+    """A second shutdown call waits for the first to finish instead of returning early."""
+    done: list[str] = []
+    async with WorkerRuntime.open(fake, clock=clock) as rt:
+        rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
+        rt.start_load_kv()
+        await wait_all_tasks_blocked()
+
+        async def stop(name: str) -> None:
+            await rt.shutdown()
+            done.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop, "first")
+            tg.start_soon(stop, "second")
+            await wait_all_tasks_blocked()
+            assert done == []
+            fake.release_all()
+        assert sorted(done) == ["first", "second"]

@@ -4,7 +4,9 @@ The worker runtime hands it one ``CopyOrder`` per step and direction; the actor 
 backend submissions, each fenced on the device (never by blocking the host):
 
 - a store waits for its step's compute fence (it must not read a block compute still writes);
-- a load waits for every in-flight store that still reads one of its destination GPU blocks.
+- a load waits for every in-flight store that still reads one of its destination GPU blocks
+  (and for an in-flight load still writing one);
+- a store waits for an in-flight load still writing one of its source GPU blocks.
 
 An order's transfers are coalesced into one ``CopyBatch`` (one submit, one fence). A batch fails
 as a whole, so a failed coalesced batch fails every transfer in it: never a false success, at

@@ -79,7 +79,11 @@ class Reactor:
         """Hand each finished fence's status to its waiters. Pure dispatch; never queries."""
         for watch, status in done:
             for waiter in watch.waiters:
-                waiter(status)
+                try:
+                    waiter(status)
+                except Exception:
+                    # One broken waiter must not strand the others' completions.
+                    log.exception("reactor_waiter_failed", status=status.value)
 
     # -- the waiting side ------------------------------------------------------------------
     def watch(self, fence: Fence, callback: Callable[[FenceStatus], None]) -> None:

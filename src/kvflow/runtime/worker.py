@@ -65,6 +65,7 @@ class WorkerRuntime:
     _invalid: set[int] = field(factory=set)
     _stopping: bool = False
     _closed: bool = False
+    _stopped: anyio.Event = field(factory=anyio.Event)
 
     def __attrs_post_init__(self) -> None:
         if self.rank < 0:
@@ -113,7 +114,10 @@ class WorkerRuntime:
         """Stop: ``drain`` submits and waits for everything queued; else queued copies fail
         (cause ``shutdown``) and only those already on the device are waited for. Then the
         reactor stops and the backend closes. Idempotent."""
-        if self._closed or self._stopping:
+        if self._closed:
+            return
+        if self._stopping:
+            await self._stopped.wait()  # another task is shutting down: wait for it
             return
         self._stopping = True
         log.info(
@@ -139,6 +143,7 @@ class WorkerRuntime:
 
     def _close_rest(self) -> None:
         self._closed = True
+        self._stopped.set()
         self.reactor.close()
         self.backend.close()
         log.info("worker_runtime_stopped", rank=self.rank)
