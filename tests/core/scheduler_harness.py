@@ -130,6 +130,26 @@ class Sim:
         self.requests[rid] = req
         return req
 
+    def stored(
+        self, rid: str, tokens: Sequence[int], extra_keys: tuple[str, ...] = ()
+    ) -> KVRequest:
+        """A request prefilled in one step whose stores every rank completed."""
+        req = self.add(rid, tokens, extra_keys)
+        self.match(req)
+        self.step(new=[(req, len(req.all_token_ids))])
+        self.complete()
+        return req
+
+    def loading(self, rid: str, tokens: Sequence[int]) -> tuple[KVRequest, TransferSpec]:
+        """A request whose whole CPU hit is allocated and launched as a load (still in flight)."""
+        req = self.add(rid, tokens)
+        hit, is_async = self.match(req)
+        assert hit, f"{rid}: no CPU hit"
+        assert is_async
+        self.alloc(req, hit, hit)
+        (load,) = self.step().loads
+        return req, load
+
     def match(self, req: KVRequest, gpu_computed: int = 0) -> tuple[int | None, bool]:
         return self.mgr.get_num_new_matched_tokens(req, gpu_computed)
 
