@@ -44,10 +44,13 @@ class FakeWorkers:
         failed: Iterable[int] = (),
         invalid: Iterable[int] = (),
     ) -> StepReport:
-        completed, failed = tuple(completed), tuple(failed)
-        for tid in (*completed, *failed):
-            self.unreported.get(tid, set()).discard(rank)
-        return StepReport(rank, completed, failed, frozenset(invalid))
+        return StepReport(rank, tuple(completed), tuple(failed), frozenset(invalid))
+
+    def accepted(self, reports: Iterable[StepReport]) -> None:
+        """The manager took these reports: their ranks are done with those transfers."""
+        for report in reports:
+            for tid in (*report.completed, *report.failed):
+                self.unreported.get(tid, set()).discard(report.rank)
 
 
 class Sim:
@@ -246,6 +249,7 @@ class Sim:
         """Hand reports to the manager; copy the data of what completed; act on the outcome."""
         reports = list(reports)
         out = self.mgr.update_from_reports(reports)
+        self.workers.accepted(reports)
         for tid in out.committed:
             self._copy(self.workers.launched[tid])
         for rid in out.finished_sending:

@@ -12,6 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.requests import CachedRequest, SchedulerOutput
 from kvflow.core.scheduler import (
     GroupSpec,
     OffloadManager,
@@ -727,3 +728,29 @@ def test_request_dropped_by_engine_mid_store_keeps_other_requests_blocks(make_si
     assert out.finished_sending == frozenset(), "b never asked for a delayed free"
     assert sim.on_cpu(a) == [True, True]
     assert sim.mgr.cpu_pools[0].num_cached_blocks == 2
+
+
+def test_invalid_step_or_report_is_rejected_whole(make_sim: MakeSim) -> None:
+    """A bad scheduler output or report raises before any of it is applied."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    tid = store.transfer_id
+    with pytest.raises(ReportError, match="unknown"):
+        sim.mgr.update_from_reports([sim.workers.report(0, completed=[tid, tid + 100])])
+    assert sim.on_cpu(a) == [False, False], "the valid half of the report was not applied"
+    bad = SchedulerOutput(
+        99,
+        cached_requests=(CachedRequest("a", [[]], 8, 1), CachedRequest("ghost", [[]], 0, 1)),
+        preempted_request_ids=frozenset({"a"}),
+    )
+    with pytest.raises(ConfigError, match="ghost"):
+        sim.mgr.build_step_plan(bad)
+    a.all_token_ids.extend(range(8, 16))
+    short = SchedulerOutput(99, cached_requests=(CachedRequest("a", [[]], 8, 8),))
+    with pytest.raises(ConfigError, match="cannot hold"):
+        sim.mgr.build_step_plan(short)
+    assert sim.mgr.num_live_transfers("a") == 1, "the preemption in the bad output was not applied"
+    assert sim.complete().committed == (tid,)
+    assert sim.on_cpu(a)[:2] == [True, True]
