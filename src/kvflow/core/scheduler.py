@@ -278,6 +278,7 @@ class OffloadManager:
 
     @property
     def reset_pending(self) -> bool:
+        """True between a ``reset_cache`` that found transfers in flight and their settling."""
         return self._reset_pending
 
     def num_live_transfers(self, request_id: str | None = None) -> int:
@@ -288,6 +289,8 @@ class OffloadManager:
         return 0 if st is None else len(st.transfers)
 
     def has_request(self, request_id: str) -> bool:
+        """Whether the manager still keeps state for the request (finished ones: until their
+        transfers settle)."""
         return request_id in self._requests
 
     def cpu_refs(self) -> list[Counter[int]]:
@@ -304,6 +307,7 @@ class OffloadManager:
         return held
 
     def stats(self) -> OffloadStats:
+        """A frozen snapshot of the counters and of the CPU tier's occupancy."""
         return OffloadStats(
             **asdict(self._n),
             transfers_in_flight=len(self._xfers),
