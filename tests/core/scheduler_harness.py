@@ -44,10 +44,13 @@ class FakeWorkers:
         failed: Iterable[int] = (),
         invalid: Iterable[int] = (),
     ) -> StepReport:
-        completed, failed = tuple(completed), tuple(failed)
-        for tid in (*completed, *failed):
-            self.unreported.get(tid, set()).discard(rank)
-        return StepReport(rank, completed, failed, frozenset(invalid))
+        return StepReport(rank, tuple(completed), tuple(failed), frozenset(invalid))
+
+    def accepted(self, reports: Iterable[StepReport]) -> None:
+        """The manager took these reports: their ranks are done with those transfers."""
+        for report in reports:
+            for tid in (*report.completed, *report.failed):
+                self.unreported.get(tid, set()).discard(report.rank)
 
 
 class Sim:
@@ -129,6 +132,26 @@ class Sim:
         req = KVRequest.from_prompt(rid, list(tokens), extra_keys)
         self.requests[rid] = req
         return req
+
+    def stored(
+        self, rid: str, tokens: Sequence[int], extra_keys: tuple[str, ...] = ()
+    ) -> KVRequest:
+        """A request prefilled in one step whose stores every rank completed."""
+        req = self.add(rid, tokens, extra_keys)
+        self.match(req)
+        self.step(new=[(req, len(req.all_token_ids))])
+        self.complete()
+        return req
+
+    def loading(self, rid: str, tokens: Sequence[int]) -> tuple[KVRequest, TransferSpec]:
+        """A request whose whole CPU hit is allocated and launched as a load (still in flight)."""
+        req = self.add(rid, tokens)
+        hit, is_async = self.match(req)
+        assert hit, f"{rid}: no CPU hit"
+        assert is_async
+        self.alloc(req, hit, hit)
+        (load,) = self.step().loads
+        return req, load
 
     def match(self, req: KVRequest, gpu_computed: int = 0) -> tuple[int | None, bool]:
         return self.mgr.get_num_new_matched_tokens(req, gpu_computed)
@@ -226,6 +249,7 @@ class Sim:
         """Hand reports to the manager; copy the data of what completed; act on the outcome."""
         reports = list(reports)
         out = self.mgr.update_from_reports(reports)
+        self.workers.accepted(reports)
         for tid in out.committed:
             self._copy(self.workers.launched[tid])
         for rid in out.finished_sending:

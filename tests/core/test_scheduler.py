@@ -12,6 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.requests import CachedRequest, SchedulerOutput
 from kvflow.core.scheduler import (
     GroupSpec,
     OffloadManager,
@@ -99,10 +100,7 @@ def test_lazy_round_trip(make_sim: MakeSim) -> None:
 def test_full_prompt_hit_recomputes_last_token(make_sim: MakeSim) -> None:
     """A hit covering the whole prompt is capped one token short; the last block still loads."""
     sim = make_sim(ONE_GROUP)
-    a = sim.add("a", range(8))
-    sim.match(a)
-    sim.step(new=[(a, 8)])
-    sim.complete()
+    sim.stored("a", range(8))
     b = sim.add("b", range(8))
     assert sim.match(b) == (7, True)
     sim.alloc(b, 7, 7)
@@ -178,10 +176,7 @@ def test_cpu_eviction_is_lru(make_sim: MakeSim) -> None:
     sim.alloc(a2, 8, 8)
     sim.step()
     sim.complete()
-    c = sim.add("c", range(200, 208))
-    sim.match(c)
-    sim.step(new=[(c, 8)])
-    sim.complete()
+    c = sim.stored("c", range(200, 208))
     assert sim.on_cpu(a) == [True, True]
     assert sim.on_cpu(b) == [False, False]
     assert sim.on_cpu(c) == [True, True]
@@ -341,10 +336,7 @@ def test_lazy_cursor_survives_steps_and_resets_when_its_block_is_reused(make_sim
 def test_last_full_block_of_finishing_request_is_stored(make_sim: MakeSim) -> None:
     """The block completed by a request's final decode step is stored before its GPU blocks go."""
     sim = make_sim(ONE_GROUP)
-    a = sim.add("a", range(6))
-    sim.match(a)
-    sim.step(new=[(a, 6)])
-    sim.complete()
+    a = sim.stored("a", range(6))
     assert sim.decode(a, 6).stores == ()
     (store,) = sim.decode(a, 7).stores  # computes token 7: block 1 is full
     assert store.gpu_block_ids == ((sim.tables["a"][0][1],),)
@@ -361,14 +353,8 @@ def test_last_full_block_of_finishing_request_is_stored(make_sim: MakeSim) -> No
 def test_finishing_with_load_in_flight_cleans_up_after_transfer(make_sim: MakeSim) -> None:
     """A request finishing mid-load keeps its blocks until the device finishes; nothing is loaded."""
     sim = make_sim(ONE_GROUP)
-    a = sim.add("a", range(8))
-    sim.match(a)
-    sim.step(new=[(a, 8)])
-    sim.complete()
-    b = sim.add("b", [*range(8), 1])
-    sim.match(b)
-    sim.alloc(b, 8, 8)
-    (load,) = sim.step().loads
+    sim.stored("a", range(8))
+    b, load = sim.loading("b", [*range(8), 1])
     assert sim.finish(b) is True
     plan = sim.step()
     assert plan.abandoned == (load.transfer_id,)
@@ -406,10 +392,7 @@ def test_preemption_with_transfers_in_flight(make_sim: MakeSim) -> None:
     sim.match(base)
     sim.step(new=[(base, 8)])
     sim.complete([t for t in sim.workers.in_flight() if t != store.transfer_id])
-    b = sim.add("b", [*range(100, 108), 5])
-    sim.match(b)
-    sim.alloc(b, 8, 8)
-    (load,) = sim.step().loads
+    _b, load = sim.loading("b", [*range(100, 108), 5])
     plan = sim.step(preempted=["a", "b"])  # the engine frees a's and b's GPU blocks at once
     assert plan.flush is True
     assert plan.abandoned == (load.transfer_id,)
@@ -426,14 +409,8 @@ def test_preemption_with_transfers_in_flight(make_sim: MakeSim) -> None:
 def test_get_num_new_matched_tokens_waits_while_own_load_in_flight(make_sim: MakeSim) -> None:
     """A request whose abandoned load is still on the device is told to ask again (None)."""
     sim = make_sim(ONE_GROUP)
-    a = sim.add("a", range(8))
-    sim.match(a)
-    sim.step(new=[(a, 8)])
-    sim.complete()
-    b = sim.add("b", [*range(8), 1])
-    sim.match(b)
-    sim.alloc(b, 8, 8)
-    sim.step()
+    sim.stored("a", range(8))
+    b, _ = sim.loading("b", [*range(8), 1])
     sim.step(preempted=["b"])
     assert sim.match(b) == (None, False)
     sim.complete()
@@ -443,10 +420,7 @@ def test_get_num_new_matched_tokens_waits_while_own_load_in_flight(make_sim: Mak
 def test_reset_with_pending_stores_and_loads(make_sim: MakeSim) -> None:
     """Reset abandons in-flight copies, is pending until they settle, then empties the CPU tier."""
     sim = make_sim(ONE_GROUP)
-    a = sim.add("a", range(8))
-    sim.match(a)
-    sim.step(new=[(a, 8)])
-    sim.complete()
+    sim.stored("a", range(8))
     b = sim.add("b", [*range(8), 1])
     sim.match(b)
     sim.alloc(b, 8, 8)
@@ -533,10 +507,7 @@ def test_rank_never_reporting_keeps_transfer_in_flight(make_sim: MakeSim) -> Non
 def test_failed_load_reports_invalid_blocks_and_keeps_valid_prefix(make_sim: MakeSim) -> None:
     """A load failing on one rank settles as failed; only its blocks are invalid, the rest stay."""
     sim = make_sim(ONE_GROUP, world_size=2)
-    a = sim.add("a", range(16))
-    sim.match(a)
-    sim.step(new=[(a, 16)])
-    sim.complete()
+    a = sim.stored("a", range(16))
     b = sim.add("b", [*range(16), 9])
     assert sim.match(b, gpu_computed=4) == (12, True)  # block 0 is a GPU prefix hit
     sim.alloc(b, 16, 12)
@@ -562,14 +533,8 @@ def test_failed_load_reports_invalid_blocks_and_keeps_valid_prefix(make_sim: Mak
 def test_failed_load_without_block_detail_invalidates_all_its_blocks(make_sim: MakeSim) -> None:
     """A failure report naming no blocks makes every block of the load invalid."""
     sim = make_sim(ONE_GROUP)
-    a = sim.add("a", range(8))
-    sim.match(a)
-    sim.step(new=[(a, 8)])
-    sim.complete()
-    b = sim.add("b", [*range(8), 1])
-    sim.match(b)
-    sim.alloc(b, 8, 8)
-    (load,) = sim.step().loads
+    sim.stored("a", range(8))
+    _b, load = sim.loading("b", [*range(8), 1])
     out = sim.report([sim.workers.report(0, failed=[load.transfer_id])])
     assert out.invalid_block_ids == set(load.gpu_block_ids[0])
 
@@ -675,10 +640,7 @@ def test_speculative_tokens_are_not_stored(make_sim: MakeSim) -> None:
 def test_extra_keys_separate_cache_entries(make_sim: MakeSim) -> None:
     """The same tokens under different extra keys (e.g. LoRA) never hit each other."""
     sim = make_sim(ONE_GROUP)
-    a = sim.add("a", range(8), extra_keys=("lora-1",))
-    sim.match(a)
-    sim.step(new=[(a, 8)])
-    sim.complete()
+    sim.stored("a", range(8), extra_keys=("lora-1",))
     assert sim.match(sim.add("b", [*range(8), 1], extra_keys=("lora-2",))) == (0, False)
     assert sim.match(sim.add("c", [*range(8), 1], extra_keys=("lora-1",))) == (8, True)
 
@@ -689,10 +651,7 @@ def test_extra_keys_separate_cache_entries(make_sim: MakeSim) -> None:
 def test_update_state_after_alloc_called_again_replaces_the_load(make_sim: MakeSim) -> None:
     """A second allocation before planning replaces the first; zero drops the pin."""
     sim = make_sim(ONE_GROUP)
-    a = sim.add("a", range(12))
-    sim.match(a)
-    sim.step(new=[(a, 12)])
-    sim.complete()
+    sim.stored("a", range(12))
     b = sim.add("b", [*range(12), 1])
     assert sim.match(b) == (12, True)
     sim.alloc(b, 12, 12)
@@ -733,7 +692,7 @@ def test_config_validation() -> None:
         SchedulerConfig(groups=())
     with pytest.raises(ConfigError, match="world_size"):
         SchedulerConfig(groups=ONE_GROUP, world_size=0)
-    with pytest.raises(ValueError, match="sometimes"):
+    with pytest.raises(ConfigError, match="sometimes"):
         SchedulerConfig(groups=ONE_GROUP, store_policy="sometimes")
     with pytest.raises(ConfigError, match="gpu_view"):
         OffloadManager(SchedulerConfig(groups=ONE_GROUP, store_policy=StorePolicy.LAZY))
@@ -769,3 +728,29 @@ def test_request_dropped_by_engine_mid_store_keeps_other_requests_blocks(make_si
     assert out.finished_sending == frozenset(), "b never asked for a delayed free"
     assert sim.on_cpu(a) == [True, True]
     assert sim.mgr.cpu_pools[0].num_cached_blocks == 2
+
+
+def test_invalid_step_or_report_is_rejected_whole(make_sim: MakeSim) -> None:
+    """A bad scheduler output or report raises before any of it is applied."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    tid = store.transfer_id
+    with pytest.raises(ReportError, match="unknown"):
+        sim.mgr.update_from_reports([sim.workers.report(0, completed=[tid, tid + 100])])
+    assert sim.on_cpu(a) == [False, False], "the valid half of the report was not applied"
+    bad = SchedulerOutput(
+        99,
+        cached_requests=(CachedRequest("a", [[]], 8, 1), CachedRequest("ghost", [[]], 0, 1)),
+        preempted_request_ids=frozenset({"a"}),
+    )
+    with pytest.raises(ConfigError, match="ghost"):
+        sim.mgr.build_step_plan(bad)
+    a.all_token_ids.extend(range(8, 16))
+    short = SchedulerOutput(99, cached_requests=(CachedRequest("a", [[]], 8, 8),))
+    with pytest.raises(ConfigError, match="cannot hold"):
+        sim.mgr.build_step_plan(short)
+    assert sim.mgr.num_live_transfers("a") == 1, "the preemption in the bad output was not applied"
+    assert sim.complete().committed == (tid,)
+    assert sim.on_cpu(a)[:2] == [True, True]

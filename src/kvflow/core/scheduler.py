@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 
 import structlog
-from attrs import define, field, frozen
+from attrs import asdict, define, field, frozen
 
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
@@ -88,6 +88,15 @@ def _as_groups(value: Iterable[GroupSpec]) -> tuple[GroupSpec, ...]:
     return tuple(value)
 
 
+def _as_policy(value: str) -> StorePolicy:
+    try:
+        return StorePolicy(value)
+    except ValueError:
+        raise ConfigError(
+            f"store_policy must be one of {[p.value for p in StorePolicy]}, got {value!r}"
+        ) from None
+
+
 @frozen
 class SchedulerConfig:
     """Configuration of one ``OffloadManager``.
@@ -98,7 +107,7 @@ class SchedulerConfig:
 
     groups: tuple[GroupSpec, ...] = field(converter=_as_groups)
     world_size: int = 1
-    store_policy: StorePolicy = field(default=StorePolicy.EAGER, converter=StorePolicy)
+    store_policy: StorePolicy = field(default=StorePolicy.EAGER, converter=_as_policy)
     lazy_watermark: int = 64
     null_block_id: int | None = None
 
@@ -129,39 +138,30 @@ class StepOutcome:
     reset_complete: bool = False
 
 
-@frozen
-class OffloadStats:
-    """A snapshot of the manager's counters (monotonic since construction) and its CPU tier."""
-
-    lookups: int
-    hits: int
-    misses: int
-    hit_tokens: int
-    blocks_stored: int
-    blocks_loaded: int
-    bytes_stored: int
-    bytes_loaded: int
-    skipped_stores: int
-    failed_transfers: int
-    abandoned_transfers: int
-    transfers_in_flight: int
-    cpu_blocks_used: int
-    cpu_blocks_cached: int
-
-
 @define(eq=False)
 class _Counters:
-    lookups: int = 0
-    hits: int = 0
+    """The manager's monotonic counters (since construction)."""
+
+    lookups: int = 0  # get_num_new_matched_tokens calls answered with a number
+    hits: int = 0  # ... of which found a CPU hit
     misses: int = 0
     hit_tokens: int = 0
-    blocks_stored: int = 0
+    blocks_stored: int = 0  # committed into the CPU prefix cache
     blocks_loaded: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
-    skipped_stores: int = 0
+    skipped_stores: int = 0  # blocks not stored because the CPU pool had no evictable block
     failed_transfers: int = 0
     abandoned_transfers: int = 0
+
+
+@frozen
+class OffloadStats(_Counters):
+    """A snapshot of the manager's counters and of its CPU tier."""
+
+    transfers_in_flight: int = 0
+    cpu_blocks_used: int = 0
+    cpu_blocks_cached: int = 0
 
 
 @define(eq=False)
@@ -278,6 +278,7 @@ class OffloadManager:
 
     @property
     def reset_pending(self) -> bool:
+        """True between a ``reset_cache`` that found transfers in flight and their settling."""
         return self._reset_pending
 
     def num_live_transfers(self, request_id: str | None = None) -> int:
@@ -288,6 +289,8 @@ class OffloadManager:
         return 0 if st is None else len(st.transfers)
 
     def has_request(self, request_id: str) -> bool:
+        """Whether the manager still keeps state for the request (finished ones: until their
+        transfers settle)."""
         return request_id in self._requests
 
     def cpu_refs(self) -> list[Counter[int]]:
@@ -304,19 +307,9 @@ class OffloadManager:
         return held
 
     def stats(self) -> OffloadStats:
-        n = self._n
+        """A frozen snapshot of the counters and of the CPU tier's occupancy."""
         return OffloadStats(
-            lookups=n.lookups,
-            hits=n.hits,
-            misses=n.misses,
-            hit_tokens=n.hit_tokens,
-            blocks_stored=n.blocks_stored,
-            blocks_loaded=n.blocks_loaded,
-            bytes_stored=n.bytes_stored,
-            bytes_loaded=n.bytes_loaded,
-            skipped_stores=n.skipped_stores,
-            failed_transfers=n.failed_transfers,
-            abandoned_transfers=n.abandoned_transfers,
+            **asdict(self._n),
             transfers_in_flight=len(self._xfers),
             cpu_blocks_used=sum(p.num_blocks - p.num_free_blocks for p in self._cpu),
             cpu_blocks_cached=sum(p.num_cached_blocks for p in self._cpu),
