@@ -236,7 +236,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests left, or finished ids the workers have not been told yet (vLLM's
+        ``has_requests``: one more step reports them to ``get_finished``)."""
+        return bool(self.requests or self._finished_since_last_step)
 
     @property
     def num_waiting_for_remote(self) -> int:
@@ -483,6 +485,12 @@ class Scheduler:
                     req.load_target_tokens = pos
                     req.stats.recomputed_tokens += lost
                     self.blocks.rollback(req.request_id, pos)
+                    log.info(
+                        "kv_load_failed_recompute",
+                        request_id=req.request_id,
+                        valid_tokens=pos,
+                        recomputed_tokens=lost,
+                    )
                 continue
             if pos >= req.num_computed_tokens:
                 continue  # the block is being computed, not loaded: nothing to undo
