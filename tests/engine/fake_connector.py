@@ -44,6 +44,8 @@ class FakeConnector:
     calls: list[str] = field(factory=list)
     preemptions_seen: list[frozenset[str]] = field(factory=list)
     outputs_seen: list[KVConnectorOutput] = field(factory=list)
+    scheduler_outputs: list[SchedulerOutput] = field(factory=list)
+    requests_seen: list[RequestLike] = field(factory=list)
     _matched: dict[str, tuple[int, int]] = field(factory=dict)  # request → (first block, count)
     _new_loads: list[Job] = field(factory=list)
     _new_saves: list[Job] = field(factory=list)
@@ -65,6 +67,7 @@ class FakeConnector:
         self, request: RequestLike, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self.calls.append("get_num_new_matched_tokens")
+        self.requests_seen.append(request)
         bs = self.kv_config.block_size
         first = num_computed_tokens // bs
         hashes = self._hashes(request)
@@ -88,6 +91,7 @@ class FakeConnector:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
         self.calls.append("build_connector_meta")
+        self.scheduler_outputs.append(scheduler_output)
         meta = FakeMeta(
             tuple(self._new_loads), tuple(self._new_saves), scheduler_output.preempted_request_ids
         )

@@ -9,6 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvflow.connector.api import SchedulerConnector, WorkerConnector
+from kvflow.core.requests import RequestLike
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest
 from kvflow.engine.model import model_config
 from kvflow.engine.scheduler import RequestStatus
@@ -100,6 +101,10 @@ def test_async_hit_waits_for_remote_kvs_then_runs() -> None:
     assert later.external_loaded_tokens == 24
     assert [first.output_token_ids, later.output_token_ids] == _reference(ps, 4)
     assert any("later" in o.finished_recving for o in fake.outputs_seen)
+    # Once loaded it enters the batch as a new request whose loaded tokens count as computed.
+    news = [n for o in fake.scheduler_outputs for n in o.new_requests if n.request_id == "later"]
+    assert [(n.num_computed_tokens, n.num_scheduled_tokens) for n in news] == [(24, 5)]
+    assert all(isinstance(r, RequestLike) for r in fake.requests_seen)
 
 
 @pytest.mark.parametrize("load_async", [False, True])

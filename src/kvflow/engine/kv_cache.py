@@ -20,6 +20,9 @@ from attrs import frozen
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec
 from kvflow.errors import ConfigError
 
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+"""SDPA takes ``enable_gqa`` (grouped KV heads without copying them) from torch 2.5 on."""
+
 
 def layer_name(layer: int) -> str:
     return f"model.layers.{layer}.self_attn"
@@ -151,10 +154,17 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
     rep = q.shape[1] // kv_heads
     keys = cache[0].view(-1, kv_heads, head_dim)[meta.key_slots]  # (B, K, kv_heads, D)
     values = cache[1].view(-1, kv_heads, head_dim)[meta.key_slots]
-    keys = keys.permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
-    values = values.permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
+    keys = keys.permute(0, 2, 1, 3)
+    values = values.permute(0, 2, 1, 3)
     queries = q[meta.query_index].permute(0, 2, 1, 3)  # (B, heads, Q, D)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask)
+    if _SDPA_GQA:
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.mask, enable_gqa=rep > 1
+        )
+    else:  # torch < 2.5: expand the KV heads by hand
+        keys = keys.repeat_interleave(rep, dim=1)
+        values = values.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask)
     result: torch.Tensor = out.permute(0, 2, 1, 3)[meta.query_valid]
     return result
 

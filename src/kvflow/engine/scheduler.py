@@ -373,14 +373,9 @@ class Scheduler:
                 num_scheduled_tokens=n,
                 resumed_from_preemption=True,
             )
-        elif hit is None:  # second allocation after an async load
-            record = CachedRequest(
-                request_id=req.request_id,
-                new_block_ids=added,
-                num_computed_tokens=start,
-                num_scheduled_tokens=n,
-            )
         else:
+            # First time in a batch, also after an async load (its blocks came with the load,
+            # as in vLLM, where such a request is scheduled as a new one).
             record = NewRequest(
                 request_id=req.request_id,
                 block_ids=self.blocks.block_ids(req.request_id),
