@@ -107,19 +107,26 @@ def build_attention_metadata(
     n = torch.tensor(list(num_scheduled), dtype=torch.long, device=device)
     end = c + n
     offsets = torch.cumsum(n, 0) - n
-    total = int(n.sum())
+    # Sizes come from the Python lists: reading them off the device would sync every step.
+    total = sum(num_scheduled)
     req = torch.repeat_interleave(torch.arange(b, device=device), n)
     positions = c[req] + torch.arange(total, device=device) - offsets[req]
     slot_mapping = tables[req, positions // block_size] * block_size + positions % block_size
 
-    q_max = max(1, int(n.max()))
+    q_max = max(1, *num_scheduled)
     q_ar = torch.arange(q_max, device=device)
     query_valid = q_ar[None, :] < n[:, None]
     query_index = torch.where(query_valid, offsets[:, None] + q_ar[None, :], 0)
     q_pos = c[:, None] + q_ar[None, :]
 
     start = torch.zeros_like(c) if window is None else (c - window + 1).clamp(min=0)
-    k_max = max(1, int((end - start).max()))
+    k_max = max(
+        1,
+        *(
+            cc + nn - (0 if window is None else max(0, cc - window + 1))
+            for cc, nn in zip(num_computed, num_scheduled, strict=True)
+        ),
+    )
     k_ar = torch.arange(k_max, device=device)
     k_pos = start[:, None] + k_ar[None, :]
     k_valid = k_pos < end[:, None]
@@ -157,11 +164,13 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
     keys = keys.permute(0, 2, 1, 3)
     values = values.permute(0, 2, 1, 3)
     queries = q[meta.query_index].permute(0, 2, 1, 3)  # (B, heads, Q, D)
-    if _SDPA_GQA:
+    # On CUDA, expanded heads keep SDPA on its memory-efficient masked kernel; enable_gqa with
+    # a mask may fall back to the math kernel, which materialises every score.
+    if _SDPA_GQA and q.device.type == "cpu":
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=meta.mask, enable_gqa=rep > 1
         )
-    else:  # torch < 2.5: expand the KV heads by hand
+    else:
         keys = keys.repeat_interleave(rep, dim=1)
         values = values.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask)
