@@ -1,0 +1,199 @@
+"""The pinned CPU tier: host memory kvflow allocates itself and registers with the driver in chunks.
+
+Each KV cache group gets one page-aligned anonymous mapping of exactly ``num_blocks * block_bytes``
+bytes (no power-of-two rounding, unlike a caching pinned allocator). Registration
+(``cuMemHostRegister``, what ``cudaHostRegister`` calls) runs on a background thread, chunk by
+chunk, lowest block ids first; a transfer that needs a chunk not yet registered registers it on
+the spot, so the first transfers run within a chunk's registration time of start-up.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from kvflow.backends.cuda.driver import Context, check, cu
+from kvflow.errors import BackendError, ConfigError
+
+log = structlog.get_logger("kvflow.backends.cuda")
+
+
+class _GroupBuffer:
+    """One group's mapping and which of its chunks are registered."""
+
+    __slots__ = (
+        "array",
+        "block_bytes",
+        "chunk_blocks",
+        "mapping",
+        "nbytes",
+        "num_blocks",
+        "ptr",
+        "registered",
+    )
+
+    def __init__(self, num_blocks: int, block_bytes: int, chunk_bytes: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.nbytes = num_blocks * block_bytes
+        # Chunks hold whole blocks, so no copy ever spans two registrations.
+        self.chunk_blocks = max(1, chunk_bytes // block_bytes) if block_bytes else 1
+        num_chunks = -(-num_blocks // self.chunk_blocks) if num_blocks else 0
+        self.registered = [False] * num_chunks
+        self.mapping: mmap.mmap | None = mmap.mmap(-1, self.nbytes) if self.nbytes else None
+        self.array: npt.NDArray[np.uint8] = (
+            np.frombuffer(self.mapping, dtype=np.uint8)
+            if self.mapping is not None
+            else np.zeros(0, dtype=np.uint8)
+        )
+        self.ptr = int(self.array.ctypes.data) if self.nbytes else 0
+
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        lo = chunk * self.chunk_blocks * self.block_bytes
+        hi = min(self.nbytes, lo + self.chunk_blocks * self.block_bytes)
+        return lo, hi
+
+
+class PinnedTier:
+    """Block-major host buffers for every group, pinned in the background, unpinned on close."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        num_blocks: Sequence[int],
+        block_bytes: Sequence[int],
+        *,
+        chunk_bytes: int,
+        background: bool = True,
+    ) -> None:
+        if len(num_blocks) != len(block_bytes):
+            raise ConfigError(
+                f"CPU tier: {len(num_blocks)} block counts for {len(block_bytes)} KV cache groups"
+            )
+        if any(n < 0 for n in num_blocks):
+            raise ConfigError(f"CPU tier: negative block count in {list(num_blocks)}")
+        if chunk_bytes <= 0:
+            raise ConfigError(f"CPU tier: chunk_bytes must be positive, got {chunk_bytes}")
+        self._ctx = ctx
+        self._groups = [
+            _GroupBuffer(n, bb, chunk_bytes) for n, bb in zip(num_blocks, block_bytes, strict=True)
+        ]
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._register_all, name="kvflow-pin", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._register_all()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (and, once registration finishes, pinned): exactly what was asked."""
+        return sum(g.nbytes for g in self._groups)
+
+    @property
+    def registered_bytes(self) -> int:
+        with self._lock:
+            return sum(
+                hi - lo
+                for g in self._groups
+                for c, done in enumerate(g.registered)
+                if done
+                for lo, hi in (g.chunk_range(c),)
+            )
+
+    def ptr(self, group: int) -> int:
+        return self._groups[group].ptr
+
+    def chunk_blocks(self, group: int) -> int:
+        return self._groups[group].chunk_blocks
+
+    def num_blocks(self, group: int) -> int:
+        return self._groups[group].num_blocks
+
+    def array(self, group: int) -> npt.NDArray[np.uint8]:
+        """Group ``group``'s bytes as ``(num_blocks, block_bytes)``; a view, not a copy."""
+        g = self._groups[group]
+        return g.array.reshape(g.num_blocks, g.block_bytes)
+
+    def wait_registered(self) -> None:
+        """Block until every chunk is registered (start-up; tests and benchmarks)."""
+        self._done.wait()
+        if self._error is not None:
+            raise BackendError(f"pinning the CPU tier failed: {self._error}") from self._error
+
+    def ensure(self, group: int, max_block: int) -> None:
+        """Make sure blocks ``0..max_block`` of ``group`` are pinned; registers missing chunks now."""
+        g = self._groups[group]
+        last = max_block // g.chunk_blocks
+        if all(g.registered[: last + 1]):
+            return
+        self._ctx.enter()
+        for chunk in range(last + 1):
+            self._register(g, chunk)
+
+    def _register(self, g: _GroupBuffer, chunk: int) -> None:
+        with self._lock:
+            if g.registered[chunk] or self._stop:
+                return
+            lo, hi = g.chunk_range(chunk)
+            check(cu.cuMemHostRegister(g.ptr + lo, hi - lo, 0), "cuMemHostRegister")
+            g.registered[chunk] = True
+
+    def _register_all(self) -> None:
+        try:
+            self._ctx.enter()
+            most = max((len(g.registered) for g in self._groups), default=0)
+            # Round-robin over groups, so every group's low block ids are pinned early.
+            for chunk in range(most):
+                for g in self._groups:
+                    if chunk < len(g.registered):
+                        self._register(g, chunk)
+                if self._stop:
+                    break
+        except BaseException as exc:
+            self._error = exc
+            log.error("cpu_tier_pin_failed", error=str(exc))
+        finally:
+            self._done.set()
+        if self._error is None:
+            log.info("cpu_tier_pinned", bytes=self.nbytes, groups=len(self._groups))
+
+    def close(self) -> None:
+        """Stop registering, unregister every registered chunk, drop the mappings. Idempotent."""
+        with self._lock:
+            self._stop = True
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._ctx.enter()
+        unpinned = 0
+        with self._lock:
+            for g in self._groups:
+                for c, done in enumerate(g.registered):
+                    if done:
+                        lo, hi = g.chunk_range(c)
+                        check(cu.cuMemHostUnregister(g.ptr + lo), "cuMemHostUnregister")
+                        g.registered[c] = False
+                        unpinned += hi - lo
+        if unpinned:
+            log.info("cpu_tier_unpinned", bytes=unpinned)
+
+
+def is_registered(ptr: int) -> bool:
+    """Whether the driver knows ``ptr`` as page-locked host memory (for tests and doctor)."""
+    err, _flags = cu.cuMemHostGetFlags(ptr)
+    return int(err) == 0
+
+
+__all__ = ["PinnedTier", "is_registered"]
