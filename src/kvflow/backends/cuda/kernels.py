@@ -162,7 +162,7 @@ class StageKernel:
         grid = min(self.max_ctas, n * num_regions)
         check(
             cu.cuLaunchKernel(
-                self.function, grid, 1, 1, THREADS, 1, 1, 0, stream, self._pointers, None
+                self.function, grid, 1, 1, THREADS, 1, 1, 0, stream, self._pointers, 0
             ),
             "cuLaunchKernel(kvf_stage)",
         )
