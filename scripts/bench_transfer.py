@@ -58,7 +58,7 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
     }
     for t in kv.values():
         t.view(torch.uint8).random_(0, 256)
-    backend = CudaBackend(0, CudaConfig())
+    backend = CudaBackend(0, CudaConfig(slot_bytes=args.slot_mib << 20, num_slots=args.slots))
     layout = backend.register_kv_caches(kv, nblocks)
     block_bytes = layout.groups[0].block_bytes
     step_bytes = step * block_bytes
@@ -246,19 +246,18 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
     )
     out["gbps"]["ceiling/both"] = bandwidth([ceiling("store"), ceiling("load")], args.reps)
 
-    launch = []
-    for method in ("auto", "direct"):
+    # Python-side launch cost: the submit call alone, with the copy queues drained before it.
+    out["launch_us"] = {}
+    for name, method in (("kvflow", "auto"), ("staged", "staged"), ("batch", "direct")):
         backend.set_method(method)  # type: ignore[arg-type]
         times = []
-        for i in range(30):
+        for _ in range(25):
+            backend.flush()
             began = time.perf_counter()
             backend.submit(batches["store"])
             times.append(time.perf_counter() - began)
-            if i % 4 == 3:
-                backend.flush()
         backend.flush()
-        launch.append(statistics.median(times[5:]) * 1e6)
-    out["launch_us"] = {"kvflow": launch[0], "batch": launch[1]}
+        out["launch_us"][name] = statistics.median(times[5:]) * 1e6
     backend.close()
     drv.cu.cuStreamDestroy(own)
     return out
@@ -304,6 +303,7 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         "kvflow both GB/s",
         "ceiling both GB/s",
         "launch µs kvflow",
+        "launch µs staged",
         "launch µs batch",
         "first copy s",
         "all pinned s",
@@ -317,6 +317,7 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             f"{r['gbps']['kvflow/both']:.1f}",
             f"{r['gbps']['ceiling/both']:.1f}",
             f"{r['launch_us']['kvflow']:.0f}",
+            f"{r['launch_us']['staged']:.0f}",
             f"{r['launch_us']['batch']:.0f}",
             f"{r['first_transfer_s']:.2f}",
             f"{r['pinned_s']:.2f}",
@@ -360,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--matmuls", type=int, default=20, help="matmuls per interference window")
+    p.add_argument("--slot-mib", type=int, default=128, help="kvflow staging slot size")
+    p.add_argument("--slots", type=int, default=2, help="kvflow staging slots per direction")
     p.add_argument("--json", help="write results here")
     p.add_argument("--from-json", help="read results instead of measuring")
     p.add_argument("--plot", help="write the bandwidth plot (PNG) here")

@@ -217,3 +217,82 @@ def test_kernel_source_is_self_contained() -> None:
     assert 'extern "C" __global__' in SOURCE
     assert f"#define KVF_MAX_IDS {MAX_IDS}" in SOURCE
     assert "@" not in SOURCE
+
+
+class FakeDriver:
+    """Records host (un)registrations the way the driver would see them."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls: list[tuple[int, int]] = []
+
+    def cuMemHostRegister(self, ptr: int, size: int, flags: int) -> tuple[int]:
+        self.calls.append((ptr, size))
+        self.registered[ptr] = size
+        return (0,)
+
+    def cuMemHostUnregister(self, ptr: int) -> tuple[int]:
+        del self.registered[ptr]
+        return (0,)
+
+
+class FakeContext:
+    def enter(self) -> None:
+        """Nothing to make current without a GPU."""
+
+
+def test_pinned_tier_registers_exact_bytes_in_whole_block_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunks hold whole blocks, cover exactly the bytes asked, and are all unregistered on close."""
+    from kvflow.backends.cuda import pinned
+
+    fake = FakeDriver()
+    monkeypatch.setattr(pinned, "cu", fake)
+    ctx: Any = FakeContext()
+    tier = pinned.PinnedTier(ctx, [10, 3], [3000, 5000], chunk_bytes=7000, register="now")
+    tier.wait_registered()
+    assert tier.nbytes == 10 * 3000 + 3 * 5000
+    assert tier.registered_bytes == tier.nbytes
+    assert sum(fake.registered.values()) == tier.nbytes
+    assert tier.chunk_blocks(0) == 2  # 7000 // 3000: a chunk never splits a block
+    assert tier.chunk_blocks(1) == 1  # a block larger than the chunk size gets a chunk of its own
+    sizes0 = sorted(n for p, n in fake.calls if tier.ptr(0) <= p < tier.ptr(0) + 30000)
+    assert sizes0 == [6000] * 5
+    assert tier.ptr(0) % 4096 == 0
+    assert tier.array(0).shape == (10, 3000)
+    tier.ensure(0, 9)  # already pinned: no new registration
+    assert len(fake.calls) == 5 + 3
+    tier.close()
+    assert fake.registered == {}
+    assert tier.registered_bytes == 0
+    tier.close()
+
+
+def test_pinned_tier_registers_needed_chunk_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer that needs a chunk the background thread has not reached registers it at once."""
+    from kvflow.backends.cuda import pinned
+
+    fake = FakeDriver()
+    monkeypatch.setattr(pinned, "cu", fake)
+    ctx: Any = FakeContext()
+    tier = pinned.PinnedTier(ctx, [8], [1000], chunk_bytes=2000, register="lazy")
+    assert fake.calls == []
+    tier.ensure(0, 5)
+    assert [n for _, n in fake.calls] == [2000, 2000, 2000]
+    assert tier.registered_bytes == 6000
+    tier.close()
+    assert fake.registered == {}
+
+
+def test_pinned_tier_rejects_bad_sizes() -> None:
+    """Mismatched group counts, negative block counts or a zero chunk size are config errors."""
+    from kvflow.backends.cuda import pinned
+
+    ctx: Any = FakeContext()
+    with pytest.raises(ConfigError, match="block counts"):
+        pinned.PinnedTier(ctx, [1, 2], [10], chunk_bytes=10, register="now")
+    with pytest.raises(ConfigError, match="negative"):
+        pinned.PinnedTier(ctx, [-1], [10], chunk_bytes=10, register="now")
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        pinned.PinnedTier(ctx, [1], [10], chunk_bytes=0, register="now")

@@ -52,8 +52,8 @@ class CudaConfig:
     method: Method = "auto"
     staged_max_page_bytes: int = 512 * KiB
     """``auto`` stages a group whose smallest page is at most this; larger pages go direct."""
-    slot_bytes: int = 64 * MiB
-    num_slots: int = 4
+    slot_bytes: int = 128 * MiB
+    num_slots: int = 2
     """Staging ring per direction: ``num_slots`` slots of ``slot_bytes`` on the GPU."""
     gather_ctas: int = 64
     """CTAs of one gather/scatter launch: few enough to leave compute most of the GPU."""
@@ -279,8 +279,10 @@ class CudaBackend:
                 filled=[drv.new_event() for _ in range(cfg.num_slots)],
                 free=[drv.new_event() for _ in range(cfg.num_slots)],
             )
+        self._kernel.warm_up(self._lanes[Direction.STORE].sm)
         # torch allocated the staging buffers on its current stream; our streams must not race it.
         torch.cuda.synchronize(self.device)
+        self.flush()
 
     # -- fences --------------------------------------------------------------------------------
 
@@ -358,11 +360,20 @@ class CudaBackend:
         drv.record(event, last)
         return CudaFence(event, self)
 
-    def _copy(self, desc: Descriptors, lane: _Lane, stream: Any) -> None:
+    def _copy(self, desc: Descriptors, lane: _Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
+        """Copy descriptors ``lo:hi`` of ``desc`` on ``stream`` (one driver call when batched)."""
+        hi = len(desc) if hi < 0 else hi
         if self._batch is not None:
-            self._batch(desc, lane.attrs, stream)
+            self._batch.raw(
+                desc.dst.ctypes.data + 8 * lo,
+                desc.src.ctypes.data + 8 * lo,
+                desc.size.ctypes.data + 8 * lo,
+                hi - lo,
+                lane.attrs,
+                stream,
+            )
         else:
-            drv.memcpy_each(desc, stream)
+            drv.memcpy_each(desc.slice(lo, hi), stream)
 
     def _staged_copy(
         self,
@@ -388,44 +399,41 @@ class CudaBackend:
             chunk_blocks=tier.chunk_blocks(g),
             store=store,
         )
+        nsub = plan.num_subbatches
+        nslots = len(ring.filled)
+        slots = (ring.next + np.arange(nsub)) % nslots
+        ring.next = (ring.next + nsub) % nslots
+        slot_ptrs = (ring.base + slots * ring.slot_bytes).astype(np.uint64)
+        # Every staging-side address at once: each descriptor's slot base plus its offset in it.
+        staging = plan.dma.src if store else plan.dma.dst
+        staging = staging + np.repeat(slot_ptrs, np.diff(plan.desc_bounds))
+        dma = (
+            Descriptors(plan.dma.dst, staging, plan.dma.size)
+            if store
+            else Descriptors(staging, plan.dma.src, plan.dma.size)
+        )
         regions_ptr = int(self._table_dev[g].data_ptr())
-        nreg = table.num_regions
-        for k in range(plan.num_subbatches):
-            lo, hi = int(plan.bounds[k]), int(plan.bounds[k + 1])
-            slot, slot_ptr = ring.take()
-            dma = plan.dma.slice(int(plan.desc_bounds[k]), int(plan.desc_bounds[k + 1]))
+        nreg, bb = table.num_regions, table.block_bytes
+        bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
+        for k, (slot, slot_ptr) in enumerate(zip(slots.tolist(), slot_ptrs.tolist(), strict=True)):
+            lo, hi, dlo, dhi = bounds[k], bounds[k + 1], dbounds[k], dbounds[k + 1]
+            filled, free = ring.filled[slot], ring.free[slot]
             if store:
-                dma = Descriptors(dma.dst, dma.src + np.uint64(slot_ptr), dma.size)
-                drv.wait(lane.sm, ring.free[slot])
-                kernel.launch(
-                    lane.sm,
-                    regions_ptr,
-                    nreg,
-                    slot_ptr,
-                    table.block_bytes,
-                    gpu[lo:hi],
-                    to_staging=True,
-                )
-                drv.record(ring.filled[slot], lane.sm)
-                drv.wait(lane.dma, ring.filled[slot])
-                self._copy(dma, lane, lane.dma)
-                drv.record(ring.free[slot], lane.dma)
+                drv.wait(lane.sm, free)
+                kernel.launch(lane.sm, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=True)
+                drv.record(filled, lane.sm)
+                drv.wait(lane.dma, filled)
+                self._copy(dma, lane, lane.dma, dlo, dhi)
+                drv.record(free, lane.dma)
             else:
-                dma = Descriptors(dma.dst + np.uint64(slot_ptr), dma.src, dma.size)
-                drv.wait(lane.dma, ring.free[slot])
-                self._copy(dma, lane, lane.dma)
-                drv.record(ring.filled[slot], lane.dma)
-                drv.wait(lane.sm, ring.filled[slot])
+                drv.wait(lane.dma, free)
+                self._copy(dma, lane, lane.dma, dlo, dhi)
+                drv.record(filled, lane.dma)
+                drv.wait(lane.sm, filled)
                 kernel.launch(
-                    lane.sm,
-                    regions_ptr,
-                    nreg,
-                    slot_ptr,
-                    table.block_bytes,
-                    gpu[lo:hi],
-                    to_staging=False,
+                    lane.sm, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=False
                 )
-                drv.record(ring.free[slot], lane.sm)
+                drv.record(free, lane.sm)
 
     # -- inspection, flush, shutdown ------------------------------------------------------------
 

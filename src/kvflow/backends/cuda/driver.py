@@ -94,11 +94,15 @@ def new_event() -> Any:
 
 
 def record(event: Any, stream: Any) -> None:
-    check(cu.cuEventRecord(event, stream), "cuEventRecord")
+    (err,) = cu.cuEventRecord(event, stream)
+    if err:
+        check((err,), "cuEventRecord")
 
 
 def wait(stream: Any, event: Any) -> None:
-    check(cu.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+    (err,) = cu.cuStreamWaitEvent(stream, event, 0)
+    if err:
+        check((err,), "cuStreamWaitEvent")
 
 
 def stream_of(handle: int) -> Any:
@@ -162,6 +166,7 @@ class BatchMemcpy:
         self.abi = abi
         self._fn = ctypes.CFUNCTYPE(ctypes.c_int, *_ARGTYPES[abi])(address)
         self._fail_idx = ctypes.c_size_t(0)
+        self._fail_ptr = ctypes.addressof(self._fail_idx)
 
     @classmethod
     def resolve(cls, driver_version: int) -> BatchMemcpy:
@@ -181,25 +186,32 @@ class BatchMemcpy:
         )
 
     def __call__(self, desc: Descriptors, attrs: CopyAttributes, stream: Any) -> None:
-        n = len(desc)
-        if n == 0:
-            return
-        args: list[Any] = [
+        self.raw(
             desc.dst.ctypes.data,
             desc.src.ctypes.data,
             desc.size.ctypes.data,
-            n,
-            attrs.ptr,
-            attrs.idx_ptr,
-            1,
-        ]
+            len(desc),
+            attrs,
+            stream,
+        )
+
+    def raw(
+        self, dst: int, src: int, size: int, count: int, attrs: CopyAttributes, stream: Any
+    ) -> None:
+        """Copy ``count`` descriptors from raw uint64 arrays at ``dst``/``src``/``size``."""
+        if count == 0:
+            return
         if self.abi == 12080:
-            args.append(ctypes.addressof(self._fail_idx))
-        args.append(int(stream))
-        err = self._fn(*args)
+            err = self._fn(
+                dst, src, size, count, attrs.ptr, attrs.idx_ptr, 1, self._fail_ptr, int(stream)
+            )
+        else:
+            err = self._fn(dst, src, size, count, attrs.ptr, attrs.idx_ptr, 1, int(stream))
         if err != 0:
             where = f" at descriptor {self._fail_idx.value}" if self.abi == 12080 else ""
-            raise BackendError(f"cuMemcpyBatchAsync failed with CUresult {err}{where} ({n} copies)")
+            raise BackendError(
+                f"cuMemcpyBatchAsync failed with CUresult {err}{where} ({count} copies)"
+            )
 
 
 def memcpy_each(desc: Descriptors, stream: Any) -> None:

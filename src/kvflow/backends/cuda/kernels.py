@@ -136,6 +136,20 @@ class StageKernel:
         self._ints = self._params[24:36].view(np.int32)  # nregions, nblocks, to_staging
         self._ids = self._params[40:].view(np.int32)
 
+    def warm_up(self, stream: Any) -> None:
+        """Launch once with no work, so that the kernel is loaded now.
+
+        Under lazy module loading the first launch loads the function, which can wait for the
+        whole device to go idle; that must happen at start-up, not inside a store that races
+        with compute.
+        """
+        self._ints[0] = 0
+        self._ints[1] = 0
+        check(
+            cu.cuLaunchKernel(self.function, 1, 1, 1, THREADS, 1, 1, 0, stream, self._pointers, 0),
+            "cuLaunchKernel(kvf_stage)",
+        )
+
     def launch(
         self,
         stream: Any,
@@ -160,12 +174,11 @@ class StageKernel:
         self._ints[2] = 1 if to_staging else 0
         self._ids[:n] = gpu_ids
         grid = min(self.max_ctas, n * num_regions)
-        check(
-            cu.cuLaunchKernel(
-                self.function, grid, 1, 1, THREADS, 1, 1, 0, stream, self._pointers, 0
-            ),
-            "cuLaunchKernel(kvf_stage)",
+        (err,) = cu.cuLaunchKernel(
+            self.function, grid, 1, 1, THREADS, 1, 1, 0, stream, self._pointers, 0
         )
+        if err:
+            check((err,), "cuLaunchKernel(kvf_stage)")
 
     def unload(self) -> None:
         check(cu.cuModuleUnload(self.module), "cuModuleUnload")

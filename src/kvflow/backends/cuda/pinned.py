@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -30,9 +31,11 @@ class _GroupBuffer:
         "array",
         "block_bytes",
         "chunk_blocks",
+        "claimed",
         "mapping",
         "nbytes",
         "num_blocks",
+        "prefix_blocks",
         "ptr",
         "registered",
     )
@@ -45,6 +48,8 @@ class _GroupBuffer:
         self.chunk_blocks = max(1, chunk_bytes // block_bytes) if block_bytes else 1
         num_chunks = -(-num_blocks // self.chunk_blocks) if num_blocks else 0
         self.registered = [False] * num_chunks
+        self.claimed = [False] * num_chunks  # a thread is registering (or has registered) it
+        self.prefix_blocks = 0  # blocks 0..prefix_blocks-1 are known pinned: the fast check
         self.mapping: mmap.mmap | None = mmap.mmap(-1, self.nbytes) if self.nbytes else None
         self.array: npt.NDArray[np.uint8] = (
             np.frombuffer(self.mapping, dtype=np.uint8)
@@ -69,7 +74,7 @@ class PinnedTier:
         block_bytes: Sequence[int],
         *,
         chunk_bytes: int,
-        background: bool = True,
+        register: Literal["background", "now", "lazy"] = "background",
     ) -> None:
         if len(num_blocks) != len(block_bytes):
             raise ConfigError(
@@ -84,17 +89,21 @@ class PinnedTier:
             _GroupBuffer(n, bb, chunk_bytes) for n, bb in zip(num_blocks, block_bytes, strict=True)
         ]
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._done = threading.Event()
         self._stop = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        if background:
+        self._mode = register
+        if register == "background":
             self._thread = threading.Thread(
                 target=self._register_all, name="kvflow-pin", daemon=True
             )
             self._thread.start()
-        else:
+        elif register == "now":
             self._register_all()
+        else:  # lazy: only what transfers ask for (tests, tiny tiers)
+            self._done.set()
 
     @property
     def nbytes(self) -> int:
@@ -131,24 +140,52 @@ class PinnedTier:
         self._done.wait()
         if self._error is not None:
             raise BackendError(f"pinning the CPU tier failed: {self._error}") from self._error
+        with self._changed:
+            while (
+                self._mode != "lazy"
+                and not self._stop
+                and not all(all(g.registered) for g in self._groups)
+            ):
+                self._changed.wait()
 
     def ensure(self, group: int, max_block: int) -> None:
-        """Make sure blocks ``0..max_block`` of ``group`` are pinned; registers missing chunks now."""
+        """Make sure blocks ``0..max_block`` of ``group`` are pinned; registers missing chunks now.
+
+        Only the first seconds after start-up ever get past the first check. No lock is held
+        while the driver registers, so a transfer never queues behind the background thread's
+        whole backlog: at most behind the one chunk it needs.
+        """
         g = self._groups[group]
-        last = max_block // g.chunk_blocks
-        if all(g.registered[: last + 1]):
+        if max_block < g.prefix_blocks:
             return
         self._ctx.enter()
-        for chunk in range(last + 1):
-            self._register(g, chunk)
+        for chunk in range(max_block // g.chunk_blocks + 1):
+            self._register(g, chunk, wait=True)
 
-    def _register(self, g: _GroupBuffer, chunk: int) -> None:
-        with self._lock:
+    def _register(self, g: _GroupBuffer, chunk: int, *, wait: bool) -> None:
+        with self._changed:
+            while g.claimed[chunk] and not g.registered[chunk]:
+                if not wait:
+                    return
+                self._changed.wait()
             if g.registered[chunk] or self._stop:
                 return
-            lo, hi = g.chunk_range(chunk)
+            g.claimed[chunk] = True
+        lo, hi = g.chunk_range(chunk)
+        try:
             check(cu.cuMemHostRegister(g.ptr + lo, hi - lo, 0), "cuMemHostRegister")
+        except BaseException:
+            with self._changed:
+                g.claimed[chunk] = False
+                self._changed.notify_all()
+            raise
+        with self._changed:
             g.registered[chunk] = True
+            while (
+                g.prefix_blocks < g.num_blocks and g.registered[g.prefix_blocks // g.chunk_blocks]
+            ):
+                g.prefix_blocks = min(g.num_blocks, g.prefix_blocks + g.chunk_blocks)
+            self._changed.notify_all()
 
     def _register_all(self) -> None:
         try:
@@ -158,7 +195,7 @@ class PinnedTier:
             for chunk in range(most):
                 for g in self._groups:
                     if chunk < len(g.registered):
-                        self._register(g, chunk)
+                        self._register(g, chunk, wait=False)
                 if self._stop:
                     break
         except BaseException as exc:
@@ -178,14 +215,22 @@ class PinnedTier:
             self._thread = None
         self._ctx.enter()
         unpinned = 0
-        with self._lock:
+        with self._changed:
+            # A chunk another thread claimed but has not finished is waited for, then unpinned.
+            while any(
+                c and not r
+                for g in self._groups
+                for c, r in zip(g.claimed, g.registered, strict=True)
+            ):
+                self._changed.wait()
             for g in self._groups:
                 for c, done in enumerate(g.registered):
                     if done:
                         lo, hi = g.chunk_range(c)
                         check(cu.cuMemHostUnregister(g.ptr + lo), "cuMemHostUnregister")
-                        g.registered[c] = False
+                        g.registered[c] = g.claimed[c] = False
                         unpinned += hi - lo
+                g.prefix_blocks = 0
         if unpinned:
             log.info("cpu_tier_unpinned", bytes=unpinned)
 
