@@ -30,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+console = Console(width=180)
 KiB = 1024
 METHODS = ("ceiling", "per_chunk", "batch", "staged", "kvflow")
 DIRECTIONS = ("store", "load")
@@ -68,8 +68,16 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
     while backend.query(first).value == "pending":
         pass
     t_first = time.perf_counter() - t0
+    # How long an engine's kernel launch can stall while the rest of the tier is being pinned.
+    probe = torch.zeros(1, device="cuda")
+    stalls = [0.0]
+    while not backend.cpu_tier.pinning_finished:
+        began = time.perf_counter()
+        probe.add_(1)
+        stalls.append(time.perf_counter() - began)
     backend.cpu_tier.wait_registered()
     t_pinned = time.perf_counter() - t0
+    torch.cuda.synchronize()
     auto_path = backend.path(0)
 
     rng = np.random.default_rng(chunk)
@@ -84,7 +92,7 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
 
     timer = torch.cuda.Stream()
     timer_h = drv.stream_of(timer.cuda_stream)
-    own = drv.lowest_priority_stream()
+    own_streams = {d: drv.lowest_priority_stream() for d in DIRECTIONS}
     table = RegionTable.from_group(layout.groups[0])
     cpu_base = backend.cpu_tier.ptr(0)
     chunk_bytes = backend.cpu_tier.chunk_blocks(0) * block_bytes
@@ -92,13 +100,14 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
     contiguous.random_(0, 256)
     torch.cuda.synchronize()
 
-    def own_event() -> Any:
+    def own_event(stream: Any) -> Any:
         ev = drv.new_event()
-        drv.record(ev, own)
+        drv.record(ev, stream)
         return CudaFence(ev, backend)
 
     def ceiling(direction: str) -> Issue:
         store = direction == "store"
+        own = own_streams[direction]
 
         def issue(gate: Any) -> Any:
             drv.wait(own, gate.event)
@@ -107,7 +116,7 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
                 gpu, cpu = int(contiguous.data_ptr()) + lo, cpu_base + lo
                 dst, src = (cpu, gpu) if store else (gpu, cpu)
                 drv.check(drv.cu.cuMemcpyAsync(dst, src, n, own), "cuMemcpyAsync")
-            return own_event()
+            return own_event(own)
 
         return issue
 
@@ -120,11 +129,12 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
             cpu_base,
             store=direction == "store",
         )
+        own = own_streams[direction]
 
         def issue(gate: Any) -> Any:
             drv.wait(own, gate.event)
             drv.memcpy_each(desc, own)
-            return own_event()
+            return own_event(own)
 
         return issue
 
@@ -218,6 +228,57 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
         per_gb = lost / (gb_per_ms * window) if gb_per_ms else float("nan")
         return window / mm_alone, per_gb
 
+    def launch_breakdown() -> dict[str, float]:
+        """Where one staged 512-block store's launch time goes, each part alone (µs, median)."""
+        from kvflow.backends.cuda.kernels import MAX_IDS
+        from kvflow.backends.cuda.plan import Descriptors, block_ids, staged_plan
+
+        backend.set_method("staged")
+        b = batches["store"]
+        per_slot = min(MAX_IDS, (args.slot_mib << 20) // block_bytes)
+
+        def plan_only() -> None:
+            block_ids(b.gpu_block_ids[0], nblocks, "GPU")
+            cpu = block_ids(b.cpu_block_ids[0], 2 * step, "CPU")
+            staged_plan(
+                table,
+                cpu,
+                cpu_base,
+                blocks_per_slot=per_slot,
+                chunk_blocks=backend.cpu_tier.chunk_blocks(0),
+                store=True,
+            )
+
+        src = (int(contiguous.data_ptr()) + np.arange(step) * block_bytes).astype(np.uint64)
+        dst = (cpu_base + np.asarray(cpu_a) * block_bytes).astype(np.uint64)
+        scattered = Descriptors(dst, src, np.full(step, block_bytes, dtype=np.uint64))
+        one = Descriptors(dst[:1], src[:1], np.array([block_bytes], dtype=np.uint64))
+        lane = backend._lanes[Direction.STORE]  # benchmark-only peek at the store lane
+        batch = backend._batch
+        own = own_streams["store"]
+
+        def timed(fn: Callable[[], Any]) -> float:
+            times = []
+            for _ in range(15):
+                torch.cuda.synchronize()
+                backend.flush()
+                began = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - began)
+            torch.cuda.synchronize()
+            return statistics.median(times[3:]) * 1e6
+
+        runs = CopyBatch(Direction.STORE, (tuple(gpu_a),), (tuple(range(step)),))
+        parts = {
+            "plan": timed(plan_only),
+            "kvflow_cpu_runs": timed(lambda: backend.submit(runs)),
+        }
+        if batch is not None:
+            parts["batch_512_blocks"] = timed(lambda: batch(scattered, lane.attrs, own))
+            parts["batch_1_copy"] = timed(lambda: batch(one, lane.attrs, own))
+        backend.set_method("auto")
+        return parts
+
     out: dict[str, Any] = {
         "chunk_kib": chunk // KiB,
         "block_bytes": block_bytes,
@@ -226,6 +287,7 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
         "first_transfer_s": t_first,
         "pinned_s": t_pinned,
         "pinned_bytes": backend.cpu_tier.nbytes,
+        "pin_stall_max_ms": max(stalls) * 1e3,
         "gbps": {},
         "slowdown": {},
         "ms_lost_per_gb": {},
@@ -258,8 +320,10 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
             times.append(time.perf_counter() - began)
         backend.flush()
         out["launch_us"][name] = statistics.median(times[5:]) * 1e6
+    out["launch_us"].update(launch_breakdown())
     backend.close()
-    drv.cu.cuStreamDestroy(own)
+    for stream in own_streams.values():
+        drv.cu.cuStreamDestroy(stream)
     return out
 
 
@@ -305,7 +369,9 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         "launch µs kvflow",
         "launch µs staged",
         "launch µs batch",
+        "launch µs kvflow, CPU ids in runs",
         "first copy s",
+        "max launch stall while pinning ms",
         "all pinned s",
         "pinned GiB",
     ):
@@ -319,11 +385,32 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             f"{r['launch_us']['kvflow']:.0f}",
             f"{r['launch_us']['staged']:.0f}",
             f"{r['launch_us']['batch']:.0f}",
+            f"{r['launch_us']['kvflow_cpu_runs']:.0f}",
             f"{r['first_transfer_s']:.2f}",
+            f"{r['pin_stall_max_ms']:.0f}",
             f"{r['pinned_s']:.2f}",
             f"{r['pinned_bytes'] / 2**30:.2f}",
         )
     console.print(t3)
+    t4 = Table(title="launch cost breakdown, µs (each part alone, queues drained)")
+    for c in (
+        "chunk",
+        "kvflow step",
+        "numpy plan",
+        "1 cuMemcpyBatchAsync, 512 blocks",
+        "…, 1 block",
+    ):
+        t4.add_column(c, justify="right")
+    for r in results:
+        lu = r["launch_us"]
+        t4.add_row(
+            f"{r['chunk_kib']} KiB",
+            f"{lu['kvflow']:.0f}",
+            f"{lu['plan']:.0f}",
+            f"{lu.get('batch_512_blocks', float('nan')):.0f}",
+            f"{lu.get('batch_1_copy', float('nan')):.0f}",
+        )
+    console.print(t4)
 
 
 def plot(results: list[dict[str, Any]], meta: dict[str, Any], path: str) -> None:

@@ -178,6 +178,8 @@ def test_store_waits_for_compute_fence(make_backend: Any, method: str) -> None:
     backend = make_backend(method=method)
     backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([8])
+    # Pinning may wait for in-flight GPU work; keep it out of the timed race below.
+    backend.cpu_tier.wait_registered()
     old = block_bytes(kv, "flash", 4).numpy()
 
     gpu_sleep()
@@ -202,6 +204,8 @@ def test_load_waits_for_in_flight_store_of_same_block(make_backend: Any, method:
     backend = make_backend(method=method)
     backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([8])
+    # Pinning may wait for in-flight GPU work; keep it out of the timed race below.
+    backend.cpu_tier.wait_registered()
     backend.submit(store([9], [0]))  # CPU block 0 := block 9's bytes
     backend.flush()
     incoming = backend.cpu_block(0, 0).copy()
@@ -231,6 +235,8 @@ def test_flush_waits_for_everything_submitted(make_backend: Any) -> None:
     backend = make_backend(method="auto")
     backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([64])
+    # Pinning may wait for in-flight GPU work; keep it out of the timed race below.
+    backend.cpu_tier.wait_registered()
     want = {b: block_bytes(kv, "flash", b) for b in range(32)}
     gpu_sleep()
     gate = backend.compute_fence()

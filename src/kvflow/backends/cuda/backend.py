@@ -57,7 +57,8 @@ class CudaConfig:
     """Staging ring per direction: ``num_slots`` slots of ``slot_bytes`` on the GPU."""
     gather_ctas: int = 64
     """CTAs of one gather/scatter launch: few enough to leave compute most of the GPU."""
-    register_chunk_bytes: int = 256 * MiB
+    register_chunk_bytes: int = 64 * MiB
+    """Pinning granularity: a transfer waits for at most the one chunk it needs."""
     use_batch_memcpy: bool = True
     """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
 

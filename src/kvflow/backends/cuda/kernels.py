@@ -2,8 +2,8 @@
 
 One kernel moves whole pages between the engine's paged per-region layout and a block-major
 staging slot (the CPU tier's layout), so that the copy engine then moves whole blocks. A small
-persistent grid (``max_ctas``) walks the pages: the copy takes SMs for tens of microseconds per
-slot instead of occupying the whole GPU. Block ids travel as a by-value kernel parameter, so a
+persistent grid (``max_ctas``) walks the pages, one warp per page: the copy takes SMs for tens
+of microseconds per slot instead of occupying the whole GPU. Block ids travel as a by-value kernel parameter, so a
 launch needs no host→device upload and no buffer that must outlive it.
 """
 
@@ -21,52 +21,57 @@ MAX_IDS = 512
 """Block ids one launch carries in its parameter block (2 KiB of the 4 KiB parameter space)."""
 
 THREADS = 256
+WARPS = THREADS // 32
 
 _TEMPLATE = r"""
 #define KVF_MAX_IDS @MAX_IDS@
 struct KvfRegion { long long base; long long stride; long long page; long long off; };
 struct KvfIds { int v[KVF_MAX_IDS]; };
 
-__device__ __forceinline__ void kvf_copy_page(char* dst, const char* src, long long n) {
+__device__ __forceinline__ void kvf_copy_page(char* dst, const char* src, long long n, int lane) {
+    // One warp per page; each lane keeps 8 16-byte loads in flight, so a 4 KiB page is a single
+    // round trip and small pages cost the SMs no more time per byte than large ones.
     if (((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst)
           | static_cast<unsigned long long>(n)) & 15ull) == 0ull) {
         const uint4* s = reinterpret_cast<const uint4*>(src);
         uint4* d = reinterpret_cast<uint4*>(dst);
         const long long nv = n >> 4;
-        const long long t = blockDim.x;
-        for (long long k = threadIdx.x; k < nv; k += 4 * t) {
-            uint4 v[4];
+        for (long long k = lane; k < nv; k += 8 * 32) {
+            uint4 v[8];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const long long kk = k + u * t;
+            for (int u = 0; u < 8; ++u) {
+                const long long kk = k + u * 32;
                 if (kk < nv) v[u] = __ldcs(s + kk);
             }
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const long long kk = k + u * t;
+            for (int u = 0; u < 8; ++u) {
+                const long long kk = k + u * 32;
                 if (kk < nv) __stcs(d + kk, v[u]);
             }
         }
     } else {
-        for (long long k = threadIdx.x; k < n; k += blockDim.x) dst[k] = src[k];
+        for (long long k = lane; k < n; k += 32) dst[k] = src[k];
     }
 }
 
-// Page p of the launch is region (p % nregions) of block (p / nregions): consecutive CTAs
+// Page p of the launch is region (p % nregions) of block (p / nregions): consecutive warps
 // touch consecutive staging bytes. to_staging = 1 gathers (store), 0 scatters (load).
 extern "C" __global__ void __launch_bounds__(@THREADS@) kvf_stage(
     const KvfRegion* __restrict__ regions, long long staging, long long block_bytes,
     int nregions, int nblocks, int to_staging, const __grid_constant__ KvfIds ids)
 {
     const long long npages = static_cast<long long>(nregions) * nblocks;
-    for (long long p = blockIdx.x; p < npages; p += gridDim.x) {
+    const int lane = threadIdx.x & 31;
+    const long long nwarps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+    const long long first = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    for (long long p = first; p < npages; p += nwarps) {
         const int i = static_cast<int>(p / nregions);
         const int r = static_cast<int>(p - static_cast<long long>(i) * nregions);
         const KvfRegion rg = regions[r];
         char* gpu = reinterpret_cast<char*>(rg.base + static_cast<long long>(ids.v[i]) * rg.stride);
         char* stg = reinterpret_cast<char*>(staging + i * block_bytes + rg.off);
-        if (to_staging) kvf_copy_page(stg, gpu, rg.page);
-        else kvf_copy_page(gpu, stg, rg.page);
+        if (to_staging) kvf_copy_page(stg, gpu, rg.page, lane);
+        else kvf_copy_page(gpu, stg, rg.page, lane);
     }
 }
 """
@@ -173,7 +178,7 @@ class StageKernel:
         self._ints[1] = n
         self._ints[2] = 1 if to_staging else 0
         self._ids[:n] = gpu_ids
-        grid = min(self.max_ctas, n * num_regions)
+        grid = min(self.max_ctas, -(-n * num_regions // WARPS))
         (err,) = cu.cuLaunchKernel(
             self.function, grid, 1, 1, THREADS, 1, 1, 0, stream, self._pointers, 0
         )

@@ -111,6 +111,11 @@ class PinnedTier:
         return sum(g.nbytes for g in self._groups)
 
     @property
+    def pinning_finished(self) -> bool:
+        """Whether the background registration has run to its end (or failed)."""
+        return self._done.is_set()
+
+    @property
     def registered_bytes(self) -> int:
         with self._lock:
             return sum(
