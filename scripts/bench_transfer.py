@@ -58,7 +58,12 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
     }
     for t in kv.values():
         t.view(torch.uint8).random_(0, 256)
-    backend = CudaBackend(0, CudaConfig(slot_bytes=args.slot_mib << 20, num_slots=args.slots))
+    config = CudaConfig(
+        slot_bytes=args.slot_mib << 20,
+        num_slots=args.slots,
+        register_chunk_bytes=args.pin_chunk_mib << 20,
+    )
+    backend = CudaBackend(0, config)
     layout = backend.register_kv_caches(kv, nblocks)
     block_bytes = layout.groups[0].block_bytes
     step_bytes = step * block_bytes
@@ -450,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matmuls", type=int, default=20, help="matmuls per interference window")
     p.add_argument("--slot-mib", type=int, default=128, help="kvflow staging slot size")
     p.add_argument("--slots", type=int, default=2, help="kvflow staging slots per direction")
+    p.add_argument("--pin-chunk-mib", type=int, default=64, help="CPU tier registration chunk")
     p.add_argument("--json", help="write results here")
     p.add_argument("--from-json", help="read results instead of measuring")
     p.add_argument("--plot", help="write the bandwidth plot (PNG) here")

@@ -178,9 +178,12 @@ def test_store_waits_for_compute_fence(make_backend: Any, method: str) -> None:
     backend = make_backend(method=method)
     backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([8])
-    # Pinning may wait for in-flight GPU work; keep it out of the timed race below.
-    backend.cpu_tier.wait_registered()
     old = block_bytes(kv, "flash", 4).numpy()
+    # Load torch's strided-fill kernel now: under lazy loading its first use waits for the whole
+    # GPU to go idle, which would end the sleep below before the race starts.
+    for t in kv.values():
+        t.view(torch.uint8)[:, 5].fill_(0x11)
+    torch.cuda.synchronize()
 
     gpu_sleep()
     for t in kv.values():
@@ -204,8 +207,6 @@ def test_load_waits_for_in_flight_store_of_same_block(make_backend: Any, method:
     backend = make_backend(method=method)
     backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([8])
-    # Pinning may wait for in-flight GPU work; keep it out of the timed race below.
-    backend.cpu_tier.wait_registered()
     backend.submit(store([9], [0]))  # CPU block 0 := block 9's bytes
     backend.flush()
     incoming = backend.cpu_block(0, 0).copy()
@@ -235,8 +236,6 @@ def test_flush_waits_for_everything_submitted(make_backend: Any) -> None:
     backend = make_backend(method="auto")
     backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([64])
-    # Pinning may wait for in-flight GPU work; keep it out of the timed race below.
-    backend.cpu_tier.wait_registered()
     want = {b: block_bytes(kv, "flash", b) for b in range(32)}
     gpu_sleep()
     gate = backend.compute_fence()
