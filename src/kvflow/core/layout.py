@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from attrs import field, frozen
 
@@ -30,13 +30,18 @@ class KVStyle(enum.StrEnum):
     BLOCK_FIRST = "block_first"
 
 
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    """A typed converter: mypy's attrs plugin cannot bind ``converter=tuple``'s type variable."""
+    return tuple(int(v) for v in values)
+
+
 @frozen
 class TensorDesc:
     """What kvflow needs to know of one KV tensor; built from a torch tensor by the runtime."""
 
     name: str
-    shape: tuple[int, ...] = field(converter=tuple)
-    strides: tuple[int, ...] = field(converter=tuple)  # in elements, like torch
+    shape: tuple[int, ...] = field(converter=_ints)
+    strides: tuple[int, ...] = field(converter=_ints)  # in elements, like torch
     itemsize: int
     data_ptr: int
     device: str
