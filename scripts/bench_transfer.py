@@ -184,6 +184,7 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
         last = []
         for _ in range(reps):
             last = [issue(fence) for issue in issues]
+        backend.wait_launched()  # kvflow fences are recorded on its launch thread
         end = finish(last)
         end.synchronize()
         backend.flush()
@@ -217,6 +218,7 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
         inflight: list[Any] = []
         while not e1.query() and len(done) < 400:
             f = issue(backend.compute_fence())
+            backend.wait_launched()
             ev = torch.cuda.Event(enable_timing=True)
             drv.wait(timer_h, f.event)
             ev.record(timer)
@@ -274,9 +276,17 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
             return statistics.median(times[3:]) * 1e6
 
         runs = CopyBatch(Direction.STORE, (tuple(gpu_a),), (tuple(range(step)),))
+
+        def submit_runs_issued() -> None:
+            backend.submit(runs)
+            backend.wait_launched()
+
         parts = {
             "plan": timed(plan_only),
             "kvflow_cpu_runs": timed(lambda: backend.submit(runs)),
+            "kvflow_cpu_runs_issued": timed(
+                lambda: (backend.submit(runs), backend.wait_launched())
+            ),
         }
         if batch is not None:
             parts["batch_512_blocks"] = timed(lambda: batch(scattered, lane.attrs, own))
@@ -314,17 +324,21 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
     out["gbps"]["ceiling/both"] = bandwidth([ceiling("store"), ceiling("load")], args.reps)
 
     # Python-side launch cost: the submit call alone, with the copy queues drained before it.
+    # "issued": until the launch thread has made every driver call of the step.
     out["launch_us"] = {}
     for name, method in (("kvflow", "auto"), ("staged", "staged"), ("batch", "direct")):
         backend.set_method(method)  # type: ignore[arg-type]
-        times = []
+        times, issued = [], []
         for _ in range(25):
             backend.flush()
             began = time.perf_counter()
             backend.submit(batches["store"])
             times.append(time.perf_counter() - began)
+            backend.wait_launched()
+            issued.append(time.perf_counter() - began)
         backend.flush()
         out["launch_us"][name] = statistics.median(times[5:]) * 1e6
+        out["launch_us"][f"{name}_issued"] = statistics.median(issued[5:]) * 1e6
     out["launch_us"].update(launch_breakdown())
     backend.close()
     for stream in own_streams.values():
@@ -332,13 +346,20 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
     return out
 
 
+def new_table(title: str, columns: list[str], first: int = 0) -> Table:
+    """A rich table; columns from index ``first`` on are right-aligned figures."""
+    table = Table(title=title)
+    for i, c in enumerate(columns):
+        table.add_column(c, justify="right" if i >= first else "left")
+    return table
+
+
 def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    table = Table(title=f"GPU↔CPU transfer, {meta['device']} (driver {meta['driver']})")
-    table.add_column("chunk")
-    table.add_column("dir")
-    for m in METHODS:
-        table.add_column(f"{m} GB/s", justify="right")
-    table.add_column("kvflow/ceil", justify="right")
+    table = new_table(
+        f"GPU↔CPU transfer, {meta['device']} (driver {meta['driver']})",
+        ["chunk", "dir", *(f"{m} GB/s" for m in METHODS), "kvflow/ceil"],
+        first=2,
+    )
     for r in results:
         for d in DIRECTIONS:
             g = r["gbps"]
@@ -349,11 +370,11 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
                 f"{100 * g[f'kvflow/{d}'] / g[f'ceiling/{d}']:.0f}%",
             )
     console.print(table)
-    t2 = Table(title="bf16 8192³ matmul slowdown (×) / matmul ms lost per GB copied")
-    t2.add_column("chunk")
-    t2.add_column("dir")
-    for m in METHODS:
-        t2.add_column(m, justify="right")
+    t2 = new_table(
+        "bf16 8192³ matmul slowdown (×) / matmul ms lost per GB copied",
+        ["chunk", "dir", *METHODS],
+        first=2,
+    )
     for r in results:
         for d in DIRECTIONS:
             t2.add_row(
@@ -365,55 +386,54 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
                 ),
             )
     console.print(t2)
-    t3 = Table(title="store+load together, launch cost, CPU tier start-up")
-    for c in (
-        "chunk",
-        "auto path",
-        "kvflow both GB/s",
-        "ceiling both GB/s",
-        "launch µs kvflow",
-        "launch µs staged",
-        "launch µs batch",
-        "launch µs kvflow, CPU ids in runs",
-        "first copy s",
-        "max launch stall while pinning ms",
-        "all pinned s",
-        "pinned GiB",
-    ):
-        t3.add_column(c, justify="right")
+    t3 = new_table(
+        "store+load together, launch cost, CPU tier start-up",
+        [
+            "chunk",
+            "auto path",
+            "kvflow both GB/s",
+            "ceiling both GB/s",
+            "launch µs kvflow",
+            "… issued",
+            "launch µs batch",
+            "… issued",
+            "launch µs kvflow, CPU ids in runs",
+            "… issued",
+            "first copy s",
+            "max launch stall while pinning ms",
+            "all pinned s",
+            "pinned GiB",
+        ],
+    )
     for r in results:
+        lu = r["launch_us"]
         t3.add_row(
             f"{r['chunk_kib']} KiB",
             r["auto_path"],
             f"{r['gbps']['kvflow/both']:.1f}",
             f"{r['gbps']['ceiling/both']:.1f}",
-            f"{r['launch_us']['kvflow']:.0f}",
-            f"{r['launch_us']['staged']:.0f}",
-            f"{r['launch_us']['batch']:.0f}",
-            f"{r['launch_us']['kvflow_cpu_runs']:.0f}",
+            *(
+                f"{lu.get(k, float('nan')):.0f}"
+                for k in ("kvflow", "staged", "batch", "kvflow_cpu_runs")
+            ),
             f"{r['first_transfer_s']:.2f}",
-            f"{r['pin_stall_max_ms']:.0f}",
+            f"{r.get('pin_stall_max_ms', float('nan')):.0f}",
             f"{r['pinned_s']:.2f}",
             f"{r['pinned_bytes'] / 2**30:.2f}",
         )
     console.print(t3)
-    t4 = Table(title="launch cost breakdown, µs (each part alone, queues drained)")
-    for c in (
-        "chunk",
-        "kvflow step",
-        "numpy plan",
-        "1 cuMemcpyBatchAsync, 512 blocks",
-        "…, 1 block",
-    ):
-        t4.add_column(c, justify="right")
+    t4 = new_table(
+        "launch cost breakdown, µs (each part alone, queues drained)",
+        ["chunk", "kvflow issued", "numpy plan", "1 cuMemcpyBatchAsync, 512 blocks", "…, 1 block"],
+    )
     for r in results:
         lu = r["launch_us"]
         t4.add_row(
             f"{r['chunk_kib']} KiB",
-            f"{lu['kvflow']:.0f}",
-            f"{lu['plan']:.0f}",
-            f"{lu.get('batch_512_blocks', float('nan')):.0f}",
-            f"{lu.get('batch_1_copy', float('nan')):.0f}",
+            *(
+                f"{lu.get(k, float('nan')):.0f}"
+                for k in ("kvflow_issued", "plan", "batch_512_blocks", "batch_1_copy")
+            ),
         )
     console.print(t4)
 
@@ -428,7 +448,8 @@ def plot(results: list[dict[str, Any]], meta: dict[str, Any], path: str) -> None
     chunks = [r["chunk_kib"] for r in results]
     for ax, d, title in zip(axes, DIRECTIONS, ("store (GPU→CPU)", "load (CPU→GPU)"), strict=True):
         for m in METHODS:
-            ax.plot(chunks, [r["gbps"][f"{m}/{d}"] for r in results], marker="o", label=m)
+            style = "--" if m == "staged" else "-"
+            ax.plot(chunks, [r["gbps"][f"{m}/{d}"] for r in results], style, marker="o", label=m)
         ax.set_xscale("log", base=2)
         ax.set_xticks(chunks, [f"{c} KiB" for c in chunks])
         ax.set_xlabel("chunk (page) size")

@@ -81,6 +81,17 @@ def make_backend() -> Iterator[Any]:
         b.close()
 
 
+def ready(
+    make_backend: Any, style: str, dtype: Any, chunk: int, n: int, cpu_blocks: int, **cfg: Any
+) -> tuple[dict[str, Any], Any]:
+    """Random KV tensors and a backend with them registered and a CPU tier allocated."""
+    kv = make_kv(style, dtype, chunk, n)
+    backend = make_backend(**cfg)
+    backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([cpu_blocks])
+    return kv, backend
+
+
 def store(gpu: list[int], cpu: list[int]) -> CopyBatch:
     return CopyBatch(Direction.STORE, (tuple(gpu),), (tuple(cpu),))
 
@@ -170,14 +181,20 @@ def test_many_blocks_use_several_launches(make_backend: Any) -> None:
     assert np.array_equal(got, before.reshape(1200, -1))
 
 
+@pytest.mark.parametrize("launch_thread", [True, False])
 @pytest.mark.parametrize("method", ["staged", "direct"])
-def test_store_waits_for_compute_fence(make_backend: Any, method: str) -> None:
+def test_store_waits_for_compute_fence(make_backend: Any, method: str, launch_thread: bool) -> None:
     """A store fenced after the kernel that writes its block copies the new bytes; unfenced, the old."""
-    n = 16
-    kv = make_kv("flash", torch.bfloat16, 16 * KiB, n)
-    backend = make_backend(method=method)
-    backend.register_kv_caches(kv, n)
-    backend.allocate_cpu_tier([8])
+    kv, backend = ready(
+        make_backend,
+        "flash",
+        torch.bfloat16,
+        16 * KiB,
+        16,
+        8,
+        method=method,
+        launch_thread=launch_thread,
+    )
     old = block_bytes(kv, "flash", 4).numpy()
     # Load torch's strided-fill kernel now: under lazy loading its first use waits for the whole
     # GPU to go idle, which would end the sleep below before the race starts.
@@ -202,11 +219,7 @@ def test_store_waits_for_compute_fence(make_backend: Any, method: str) -> None:
 @pytest.mark.parametrize("method", ["staged", "direct"])
 def test_load_waits_for_in_flight_store_of_same_block(make_backend: Any, method: str) -> None:
     """A load into a block an in-flight store still reads, fenced on that store, lands after it."""
-    n = 16
-    kv = make_kv("mla", torch.bfloat16, 32 * KiB, n)
-    backend = make_backend(method=method)
-    backend.register_kv_caches(kv, n)
-    backend.allocate_cpu_tier([8])
+    kv, backend = ready(make_backend, "mla", torch.bfloat16, 32 * KiB, 16, 8, method=method)
     backend.submit(store([9], [0]))  # CPU block 0 := block 9's bytes
     backend.flush()
     incoming = backend.cpu_block(0, 0).copy()
@@ -229,13 +242,31 @@ def test_load_waits_for_in_flight_store_of_same_block(make_backend: Any, method:
     assert np.array_equal(backend.cpu_block(0, 2), incoming)
 
 
+def test_failed_launch_fails_its_fence_only(
+    make_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch whose driver calls fail on the launch thread gets a FAILED fence; later ones run."""
+    kv, backend = ready(make_backend, "mla", torch.bfloat16, 4 * KiB, 8, 8, method="direct")
+    real_copy = backend._copy
+
+    def broken(*args: Any, **kw: Any) -> None:
+        raise BackendError("injected copy failure")
+
+    monkeypatch.setattr(backend, "_copy", broken)
+    failed = backend.submit(store([1], [1]))
+    backend.wait_launched()
+    assert backend.query(failed) is FenceStatus.FAILED
+    monkeypatch.setattr(backend, "_copy", real_copy)
+    want = block_bytes(kv, "mla", 2)
+    ok = backend.submit(store([2], [2]))
+    backend.flush()
+    assert backend.query(ok) is FenceStatus.DONE
+    assert np.array_equal(backend.cpu_block(0, 2), want.numpy())
+
+
 def test_flush_waits_for_everything_submitted(make_backend: Any) -> None:
     """Preemption flush: after flush() every fence handed out is done and every copy landed."""
-    n = 64
-    kv = make_kv("flash", torch.float8_e4m3fn, 4 * KiB, n)
-    backend = make_backend(method="auto")
-    backend.register_kv_caches(kv, n)
-    backend.allocate_cpu_tier([64])
+    kv, backend = ready(make_backend, "flash", torch.float8_e4m3fn, 4 * KiB, 64, 64, method="auto")
     want = {b: block_bytes(kv, "flash", b) for b in range(32)}
     gpu_sleep()
     gate = backend.compute_fence()

@@ -27,9 +27,9 @@ GPU_BASE = 1 << 20  # simulated address space: [GPU regions | CPU tier | staging
 def tdesc(
     name: str, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, ptr: int
 ) -> TensorDesc:
-    # attrs' tuple converter types its input as a bare generic Iterable; pass through Any.
-    fields: dict[str, Any] = {"shape": shape, "strides": strides}
-    return TensorDesc(name=name, itemsize=itemsize, data_ptr=ptr, device="cuda:0", **fields)
+    return TensorDesc(
+        name=name, shape=shape, strides=strides, itemsize=itemsize, data_ptr=ptr, device="cuda:0"
+    )
 
 
 def flash_table(num_layers: int, num_blocks: int, page: int) -> RegionTable:

@@ -15,6 +15,9 @@ store waits (device-side) on the compute fence, a load on any in-flight store of
 from __future__ import annotations
 
 import contextlib
+import functools
+import queue
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -33,6 +36,7 @@ from kvflow.backends.cuda.plan import (
     direct_descriptors,
     staged_plan,
 )
+from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError
@@ -61,6 +65,8 @@ class CudaConfig:
     """Pinning granularity: a transfer waits for at most the one chunk it needs."""
     use_batch_memcpy: bool = True
     """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
+    launch_thread: bool = True
+    """Issue driver calls on a launch thread; False issues them inside ``submit``."""
 
     def __attrs_post_init__(self) -> None:
         if self.method not in ("auto", "staged", "direct"):
@@ -73,18 +79,58 @@ class CudaConfig:
 
 
 class CudaFence:
-    """A CUDA event; created by one backend and only meaningful to it."""
+    """A CUDA event; created by one backend and only meaningful to it.
 
-    __slots__ = ("event", "owner")
+    ``launched`` turns true once the event is recorded after its copies (at once, or on the
+    launch thread); until then the fence is pending whatever the event says.
+    """
 
-    def __init__(self, event: Any, owner: CudaBackend) -> None:
+    __slots__ = ("error", "event", "launched", "owner")
+
+    def __init__(self, event: Any, owner: CudaBackend, *, launched: bool = True) -> None:
         self.event = event
         self.owner = owner
+        self.launched = launched
+        self.error: str | None = None
 
     def __del__(self) -> None:
         # At interpreter shutdown the driver may already be gone.
         with contextlib.suppress(Exception):
             drv.cu.cuEventDestroy(self.event)
+
+
+class _Launcher:
+    """One thread that issues the driver calls of submitted batches, in submission order.
+
+    The caller's ``submit`` only validates and enqueues, so the driver's per-descriptor cost of
+    ``cuMemcpyBatchAsync`` (hundreds of µs for a step's scattered blocks) and any wait for a CPU
+    chunk still being pinned happen off the event loop; the driver calls release the GIL.
+    """
+
+    def __init__(self, ctx: drv.Context) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(ctx,), name="kvflow-cuda-launch", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Block until every job enqueued so far has been issued."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        done.wait()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self, ctx: drv.Context) -> None:
+        ctx.enter()
+        while (job := self._jobs.get()) is not None:
+            job()
 
 
 @define(eq=False)
@@ -111,21 +157,6 @@ class _Lane:
     sm: Any
     attrs: drv.CopyAttributes
     ring: _Ring | None = None
-
-
-def describe_tensor(name: str, tensor: Any) -> TensorDesc:
-    """A torch tensor as a ``TensorDesc`` (private stand-in until the runtime's helper lands)."""
-    if isinstance(tensor, TensorDesc):
-        return tensor
-    return TensorDesc(
-        name=name,
-        shape=tuple(tensor.shape),
-        strides=tuple(tensor.stride()),
-        itemsize=tensor.element_size(),
-        data_ptr=tensor.data_ptr(),
-        device=str(tensor.device),
-        dtype=str(tensor.dtype).removeprefix("torch."),
-    )
 
 
 class CudaBackend:
@@ -166,6 +197,7 @@ class CudaBackend:
             for d in Direction
         }
         self._join = drv.new_event()
+        self._launcher = _Launcher(self._ctx) if self.config.launch_thread else None
         self._kernel: StageKernel | None = None
         self.layout: KVLayout | None = None
         self._tables: list[RegionTable] = []
@@ -192,7 +224,10 @@ class CudaBackend:
         self._check_open()
         if self.layout is not None:
             raise BackendError("KV caches are already registered with this backend")
-        descs = {name: describe_tensor(name, t) for name, t in tensors.items()}
+        descs = {
+            name: t if isinstance(t, TensorDesc) else describe(name, t)
+            for name, t in tensors.items()
+        }
         want = f"cuda:{self.device}"
         for d in descs.values():
             if d.device != want:
@@ -297,6 +332,9 @@ class CudaBackend:
 
     def query(self, fence: Fence) -> FenceStatus:
         event = self._event_of(fence)
+        assert isinstance(fence, CudaFence)
+        if not fence.launched:
+            return FenceStatus.FAILED if fence.error is not None else FenceStatus.PENDING
         (err,) = drv.cu.cuEventQuery(event)
         if err == drv.cu.CUresult.CUDA_SUCCESS:
             return FenceStatus.DONE
@@ -337,29 +375,49 @@ class CudaBackend:
             if len(gpu):
                 work.append((g, table, gpu, cpu))
         self._ctx.enter()
-        store = batch.direction is Direction.STORE
-        lane = self._lanes[batch.direction]
+        fence = CudaFence(drv.new_event(), self, launched=False)
+        job = functools.partial(self._issue, batch.direction, work, waits, fence)
+        if self._launcher is not None:
+            self._launcher.put(job)
+        else:
+            job()
+        return fence
+
+    def _issue(
+        self, direction: Direction, work: list[Any], waits: list[Any], fence: CudaFence
+    ) -> None:
+        """Queue one batch's copies after ``waits`` and record ``fence`` after them."""
+        tier = self._tier
+        assert tier is not None
+        store = direction is Direction.STORE
+        lane = self._lanes[direction]
         staged = direct = False
-        for stream in (lane.sm, lane.dma):
-            for event in waits:
-                drv.wait(stream, event)
-        for g, table, gpu, cpu in work:
-            tier.ensure(g, int(cpu.max()))
-            if self._staged[g]:
-                self._staged_copy(lane, g, table, gpu, cpu, tier, store=store)
-                staged = True
-            else:
-                desc = direct_descriptors(table, gpu, cpu, tier.ptr(g), store=store)
-                self._copy(desc, lane, lane.dma)
-                direct = True
-        # A batch's last work is a DMA for stores; for staged loads it is the scatter kernel.
-        last = lane.sm if staged and not store else lane.dma
-        if staged and direct and not store:
-            drv.record(self._join, lane.dma)
-            drv.wait(lane.sm, self._join)
-        event = drv.new_event()
-        drv.record(event, last)
-        return CudaFence(event, self)
+        try:
+            for stream in (lane.sm, lane.dma):
+                for event in waits:
+                    drv.wait(stream, event)
+            for g, table, gpu, cpu in work:
+                tier.ensure(g, int(cpu.max()))
+                if self._staged[g]:
+                    self._staged_copy(lane, g, table, gpu, cpu, tier, store=store)
+                    staged = True
+                else:
+                    desc = direct_descriptors(table, gpu, cpu, tier.ptr(g), store=store)
+                    self._copy(desc, lane, lane.dma)
+                    direct = True
+            # A batch's last work is a DMA for stores; for staged loads it is the scatter kernel.
+            last = lane.sm if staged and not store else lane.dma
+            if staged and direct and not store:
+                drv.record(self._join, lane.dma)
+                drv.wait(lane.sm, self._join)
+            drv.record(fence.event, last)
+        except Exception as exc:
+            fence.error = str(exc)
+            log.error("cuda_submit_failed", direction=str(direction), error=str(exc))
+            if self._launcher is None:
+                raise
+            return
+        fence.launched = True
 
     def _copy(self, desc: Descriptors, lane: _Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
         """Copy descriptors ``lo:hi`` of ``desc`` on ``stream`` (one driver call when batched)."""
@@ -457,8 +515,14 @@ class CudaBackend:
         row: np.ndarray[Any, np.dtype[np.uint8]] = self.cpu_tier.array(group)[block]
         return row
 
+    def wait_launched(self) -> None:
+        """Block until every submitted batch has been handed to the driver (its fence recorded)."""
+        if self._launcher is not None:
+            self._launcher.drain()
+
     def flush(self) -> None:
         """Block until everything submitted so far has finished (preemption, shutdown)."""
+        self.wait_launched()
         self._ctx.enter()
         for lane in self._lanes.values():
             drv.check(drv.cu.cuStreamSynchronize(lane.dma), "cuStreamSynchronize")
@@ -469,6 +533,8 @@ class CudaBackend:
             return
         self.flush()
         self._closed = True
+        if self._launcher is not None:
+            self._launcher.close()
         if self._tier is not None:
             self._tier.close()
         if self._kernel is not None:
@@ -489,4 +555,4 @@ class CudaBackend:
             raise ClosedError("the CUDA backend is closed")
 
 
-__all__ = ["CudaBackend", "CudaConfig", "CudaFence", "describe_tensor"]
+__all__ = ["CudaBackend", "CudaConfig", "CudaFence"]
