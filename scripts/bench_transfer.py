@@ -284,9 +284,7 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
         parts = {
             "plan": timed(plan_only),
             "kvflow_cpu_runs": timed(lambda: backend.submit(runs)),
-            "kvflow_cpu_runs_issued": timed(
-                lambda: (backend.submit(runs), backend.wait_launched())
-            ),
+            "kvflow_cpu_runs_issued": timed(submit_runs_issued),
         }
         if batch is not None:
             parts["batch_512_blocks"] = timed(lambda: batch(scattered, lane.attrs, own))
