@@ -365,7 +365,11 @@ class CudaBackend:
                 f"copy batch has {len(batch.gpu_block_ids)}/{len(batch.cpu_block_ids)} groups, "
                 f"layout has {len(self._tables)}"
             )
-        waits = [self._event_of(f) for f in wait_for]
+        # The fences themselves travel with the job: a caller may drop a fence (and so destroy
+        # its event) before the launch thread has waited on it.
+        for f in wait_for:
+            self._event_of(f)  # a fence from elsewhere raises here, in the caller's thread
+        waits = list(wait_for)
         work = []
         for g, table in enumerate(self._tables):
             gpu = block_ids(batch.gpu_block_ids[g], table.num_blocks, f"group {g} GPU")
@@ -386,6 +390,7 @@ class CudaBackend:
     def _issue(
         self, direction: Direction, work: list[Any], waits: list[Any], fence: CudaFence
     ) -> None:
+        # ``waits`` holds CudaFence objects (checked by ``submit``), kept alive until used here.
         """Queue one batch's copies after ``waits`` and record ``fence`` after them."""
         tier = self._tier
         assert tier is not None
@@ -394,8 +399,8 @@ class CudaBackend:
         staged = direct = False
         try:
             for stream in (lane.sm, lane.dma):
-                for event in waits:
-                    drv.wait(stream, event)
+                for waited in waits:
+                    drv.wait(stream, waited.event)
             for g, table, gpu, cpu in work:
                 tier.ensure(g, int(cpu.max()))
                 if self._staged[g]:
