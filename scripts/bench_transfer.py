@@ -412,7 +412,14 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             f"{r['gbps']['ceiling/both']:.1f}",
             *(
                 f"{lu.get(k, float('nan')):.0f}"
-                for k in ("kvflow", "staged", "batch", "kvflow_cpu_runs")
+                for k in (
+                    "kvflow",
+                    "kvflow_issued",
+                    "batch",
+                    "batch_issued",
+                    "kvflow_cpu_runs",
+                    "kvflow_cpu_runs_issued",
+                )
             ),
             f"{r['first_transfer_s']:.2f}",
             f"{r.get('pin_stall_max_ms', float('nan')):.0f}",
