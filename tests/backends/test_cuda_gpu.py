@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from kvflow.backends.base import CopyBatch, FenceStatus
 from kvflow.core.transfer import Direction
@@ -253,9 +254,13 @@ def test_failed_launch_fails_its_fence_only(
         raise BackendError("injected copy failure")
 
     monkeypatch.setattr(backend, "_copy", broken)
-    failed = backend.submit(store([1], [1]))
-    backend.wait_launched()
+    with capture_logs() as logs:
+        failed = backend.submit(store([1], [1]))
+        backend.wait_launched()
     assert backend.query(failed) is FenceStatus.FAILED
+    assert [(e["event"], e["error"]) for e in logs if e["event"] == "cuda_submit_failed"] == [
+        ("cuda_submit_failed", "injected copy failure")
+    ]
     monkeypatch.setattr(backend, "_copy", real_copy)
     want = block_bytes(kv, "mla", 2)
     ok = backend.submit(store([2], [2]))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from kvflow.backends.cuda import driver as drv
 from kvflow.backends.cuda.plan import (
@@ -250,7 +251,8 @@ def test_pinned_tier_registers_exact_bytes_in_whole_block_chunks(
     fake = FakeDriver()
     monkeypatch.setattr(pinned, "cu", fake)
     ctx: Any = FakeContext()
-    tier = pinned.PinnedTier(ctx, [10, 3], [3000, 5000], chunk_bytes=7000, register="now")
+    with capture_logs() as logs:
+        tier = pinned.PinnedTier(ctx, [10, 3], [3000, 5000], chunk_bytes=7000, register="now")
     tier.wait_registered()
     assert tier.nbytes == 10 * 3000 + 3 * 5000
     assert tier.registered_bytes == tier.nbytes
@@ -263,10 +265,15 @@ def test_pinned_tier_registers_exact_bytes_in_whole_block_chunks(
     assert tier.array(0).shape == (10, 3000)
     tier.ensure(0, 9)  # already pinned: no new registration
     assert len(fake.calls) == 5 + 3
-    tier.close()
+    with capture_logs() as closing:
+        tier.close()
+        tier.close()
     assert fake.registered == {}
     assert tier.registered_bytes == 0
-    tier.close()
+    assert [e for e in logs if e["event"] == "cpu_tier_pinned"] == [
+        {"event": "cpu_tier_pinned", "log_level": "info", "bytes": 45000, "groups": 2}
+    ]
+    assert [(e["event"], e["bytes"]) for e in closing] == [("cpu_tier_unpinned", 45000)]
 
 
 def test_pinned_tier_registers_needed_chunk_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
