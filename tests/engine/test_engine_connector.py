@@ -159,7 +159,7 @@ def test_preemptions_reach_handle_preemptions() -> None:
 def test_full_external_hit_leaves_a_block_to_compute() -> None:
     """A hit covering the whole prompt is cut to the block before the last token, never mid-block."""
     (p,) = shared_prefix_prompts(8, [0])
-    engine, fake = _engine(enable_prefix_caching=False)
+    engine, _ = _engine(enable_prefix_caching=False)
     engine.run_to_completion(requests([p], 1))
     (again,) = engine.run_to_completion(requests([p], 1))
     assert again.external_loaded_tokens == 4  # 8 tokens hit, but the second block is recomputed
