@@ -15,16 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from attrs import asdict, frozen
+from attrs import asdict, evolve, frozen
 
+from kvflow.bench.config import BenchConfig
 from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.config import OffloadConfig
 from kvflow.connector.offload import ConnectorStats, OffloadConnector
 from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.transfer import Direction
 from kvflow.engine.engine import Engine, EngineConfig, make_kv_cache_config
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
 from kvflow.engine.workload import MultiRoundQA, WorkloadResult, run_multi_round
-from kvflow.bench.config import BenchConfig
 from kvflow.runtime.clock import SystemClock
 from kvflow.tracing import trace_to
 
@@ -117,12 +118,20 @@ def _run(
     return run_multi_round(engine, workload, on_round_done=done)
 
 
+def _gbps(copies: dict[Direction, tuple[int, float]] | None, direction: Direction) -> float:
+    if not copies:
+        return 0.0
+    moved, busy = copies[direction]
+    return moved / busy / 1e9 if busy > 0 else 0.0
+
+
 def _result(
     offload: bool,
     engine: Engine,
     result: WorkloadResult,
     rounds: int,
     stats: ConnectorStats | None,
+    copies: dict[Direction, tuple[int, float]] | None = None,
 ) -> RunResult:
     computed = result.total("prefill_tokens_computed")
     loaded = result.total("external_loaded_tokens")
@@ -136,8 +145,8 @@ def _result(
         prefill_tokens_loaded=loaded,
         gpu_cached_tokens=result.total("gpu_cached_tokens"),
         cpu_hit_rate=loaded / (loaded + computed) if loaded + computed else 0.0,
-        store_gbps=stats.store_gbps if stats is not None else 0.0,
-        load_gbps=stats.load_gbps if stats is not None else 0.0,
+        store_gbps=_gbps(copies, Direction.STORE),
+        load_gbps=_gbps(copies, Direction.LOAD),
         blocks_stored=m.blocks_stored if m else 0,
         blocks_loaded=m.blocks_loaded if m else 0,
         bytes_stored=m.bytes_stored if m else 0,
@@ -177,6 +186,12 @@ def run_bench(
         cpu_bytes=cpu_bytes, store_policy=cfg.store_policy, backend=cfg.backend
     )
 
+    # Warm up (first-call allocations, kernel selection, lazy CUDA init) so neither timed run
+    # pays for it; the warm-up engine is thrown away with its cache.
+    warm = Engine(model_cfg, engine_cfg, model=model, clock=clock.now)
+    run_multi_round(warm, evolve(workload, num_rounds=1, seed=workload.seed + 1))
+    warm.shutdown()
+
     baseline = Engine(model_cfg, engine_cfg, model=model, clock=clock.now)
     off = _run("offload off", baseline, workload, on_round)
     off_result = _result(False, baseline, off, cfg.rounds, None)
@@ -203,7 +218,14 @@ def run_bench(
         )
         on = _run("offload on", offloaded, workload, on_round)
     assert connector is not None
-    on_result = _result(True, offloaded, on, cfg.rounds, connector.scheduler.stats())
+    on_result = _result(
+        True,
+        offloaded,
+        on,
+        cfg.rounds,
+        connector.scheduler.stats(),
+        connector.worker.copy_throughput(),
+    )
     backend = connector.worker.backend.name
     offloaded.shutdown()
     device = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"

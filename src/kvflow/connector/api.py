@@ -87,6 +87,10 @@ class KVCacheConfig:
         return {name: g.group_id for g in self.groups for name in g.layer_names}
 
 
+def _reports(values: Iterable[StepReport]) -> tuple[StepReport, ...]:
+    return tuple(values)
+
+
 @frozen
 class KVConnectorOutput:
     """What the worker role reported after one step (vLLM's ``KVConnectorOutput``)."""
@@ -94,10 +98,14 @@ class KVConnectorOutput:
     finished_sending: frozenset[str] = field(default=frozenset(), converter=_str_set)
     finished_recving: frozenset[str] = field(default=frozenset(), converter=_str_set)
     invalid_block_ids: frozenset[int] = field(default=frozenset(), converter=_int_set)
+    reports: tuple[StepReport, ...] = field(default=(), converter=_reports)
+    """The ranks' own reports of the transfers they finished, for the scheduler role."""
 
     @property
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (
+            self.finished_sending or self.finished_recving or self.invalid_block_ids or self.reports
+        )
 
 
 @runtime_checkable

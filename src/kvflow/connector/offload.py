@@ -244,6 +244,10 @@ class OffloadWorker:
         sending, recving = self.runtime.get_finished()
         return sending or None, recving or None
 
+    def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
+        """Per direction: (bytes copied, seconds copies were in flight) on this rank."""
+        return self.runtime.copy_throughput()
+
     def build_worker_report(self) -> StepReport:
         return self.runtime.build_report()
 

@@ -226,10 +226,11 @@ class Scheduler:
             raise ConfigError(f"request {request.request_id}: empty prompt")
         if request.max_tokens <= 0:
             raise ConfigError(f"request {request.request_id}: max_tokens must be positive")
-        need = -(-(request.num_prompt_tokens + request.max_tokens) // self.blocks.block_size)
-        if any(g.sliding_window is None for g in self.blocks.config.groups) and (
-            need > self.blocks.num_usable_blocks
-        ):
+        # Every group draws on the one shared pool; a sliding-window group may hold as many
+        # blocks as a full one while a long chunk is computed, so count it in full.
+        per_group = -(-(request.num_prompt_tokens + request.max_tokens) // self.blocks.block_size)
+        need = per_group * len(self.blocks.config.groups)
+        if need > self.blocks.num_usable_blocks:
             raise ConfigError(
                 f"request {request.request_id}: needs {need} GPU blocks, the cache has "
                 f"{self.blocks.num_usable_blocks}"
@@ -465,6 +466,11 @@ class Scheduler:
         sampled: Mapping[str, int],
         kv_output: KVConnectorOutput,
     ) -> list[StepOutput]:
+        # A connector that decides when transfers are done (kvflow's: once every rank
+        # reported) hands back the output to act on; others return None (vLLM's contract).
+        decided = self.connector.update_connector_output(kv_output)
+        if decided is not None:
+            kv_output = decided
         rolled_back = self._handle_invalid_blocks(kv_output.invalid_block_ids)
         now = self.clock()
         results: list[StepOutput] = []
@@ -494,7 +500,6 @@ class Scheduler:
                 self._finish(req, now)
             results.append(StepOutput(req.request_id, (token,), finished))
 
-        self.connector.update_connector_output(kv_output)
         self._finished_recving |= kv_output.finished_recving
         for rid in kv_output.finished_sending:
             if rid in self._delayed_free:

@@ -77,6 +77,27 @@ def coalesce(transfers: Sequence[TransferSpec], direction: Direction) -> CopyBat
 
 
 @define(eq=False)
+class CopyThroughput:
+    """What one direction's copies achieved: blocks per group moved, and the time copies of this
+    direction were in flight (the union of submit → fence-seen intervals, so overlapping batches
+    count once)."""
+
+    blocks: list[int] = field(factory=list)  # per KV cache group
+    busy_s: float = 0.0
+    batches: int = 0
+    _last_end: float = float("-inf")
+
+    def observe(self, start: float, end: float, blocks_per_group: Sequence[int]) -> None:
+        self.busy_s += max(0.0, end - max(start, self._last_end))
+        self._last_end = max(self._last_end, end)
+        self.batches += 1
+        if len(self.blocks) < len(blocks_per_group):
+            self.blocks += [0] * (len(blocks_per_group) - len(self.blocks))
+        for g, n in enumerate(blocks_per_group):
+            self.blocks[g] += n
+
+
+@define(eq=False)
 class DmaExecutor:
     """The actor. ``run()`` in a task; ``enqueue`` / ``flush`` / ``close`` from the loop thread."""
 
@@ -94,6 +115,9 @@ class DmaExecutor:
     _stopped: anyio.Event = field(factory=anyio.Event)
     _cancelling: bool = False
     submits: int = 0  # backend.submit calls, for tests and the benchmark
+    throughput: dict[Direction, CopyThroughput] = field(
+        factory=lambda: {d: CopyThroughput() for d in Direction}
+    )
 
     def __attrs_post_init__(self) -> None:
         self._send, self._recv = anyio.create_memory_object_stream[_Command](math.inf)
@@ -205,16 +229,22 @@ class DmaExecutor:
             blocks=batch.num_blocks,
             waits=len(wait_for),
         )
-        self.reactor.watch(
-            fence,
-            lambda status: self._batch_finished(
+        started = self.reactor.clock.now()
+        per_group = [len(ids) for ids in batch.gpu_block_ids]
+        stats = self.throughput[order.direction]
+
+        def finished(status: FenceStatus) -> None:
+            if status is FenceStatus.DONE:
+                stats.observe(started, self.reactor.clock.now(), per_group)
+            self._batch_finished(
                 transfers,
                 status,
                 "fence_done" if status is FenceStatus.DONE else "fence_failed",
                 keys,
                 fence,
-            ),
-        )
+            )
+
+        self.reactor.watch(fence, finished)
 
     def _conflicts(self, keys: Sequence[BlockKey], direction: Direction) -> list[Fence]:
         """In-flight copies a new one must follow on the device: a load waits for stores still
@@ -259,4 +289,4 @@ class DmaExecutor:
         self.on_done(transfers, status, cause)
 
 
-__all__ = ["CopyOrder", "DmaExecutor", "coalesce"]
+__all__ = ["CopyOrder", "CopyThroughput", "DmaExecutor", "coalesce"]

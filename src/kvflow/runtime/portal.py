@@ -29,6 +29,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from kvflow.backends.base import Backend
 from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport
+from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
 from kvflow.runtime.clock import Clock
 from kvflow.runtime.worker import WorkerRuntime
@@ -174,6 +175,10 @@ class SyncWorkerRuntime:
         report = self._call(self._rt.build_report)
         self._load_errors |= report.invalid_block_ids
         return report
+
+    def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
+        """Per direction: (bytes copied, seconds in flight), from the executor's accounting."""
+        return self._call(self._rt.copy_throughput)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU block ids of failed loads seen in reports since the last call."""

@@ -280,6 +280,15 @@ class WorkerRuntime:
                 del self._live[key]
                 self._finished[s.direction].add(s.request_id)
 
+    def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
+        """Per direction: (bytes copied, seconds copies of that direction were in flight)."""
+        sizes = [g.block_bytes for g in self.layout.groups] if self.layout is not None else []
+        out: dict[Direction, tuple[int, float]] = {}
+        for direction, t in self.executor.throughput.items():
+            moved = sum(n * size for n, size in zip(t.blocks, sizes, strict=False))
+            out[direction] = (moved, t.busy_s)
+        return out
+
     # -- results ------------------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)``: requests whose last in-flight store / load
