@@ -26,6 +26,7 @@ the affected ``finished_recving`` are held back until then, as vLLM requires.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -148,16 +149,19 @@ def group_block_ids(block_ids: Sequence[Sequence[int]]) -> GroupBlockIds:
 
 
 def translate_scheduler_output(
-    scheduler_output: VLLMSchedulerOutput, step: int, num_groups: int
+    scheduler_output: VLLMSchedulerOutput, step: int, num_groups: int, boundary: int = 1
 ) -> SchedulerOutput:
     """vLLM's ``SchedulerOutput`` of one step as kvflow's (block ids per KV cache group).
 
-    ``num_computed_tokens`` is, in both, the count before this step's tokens; a running request
-    with no new blocks this step gets an empty list per group.
+    ``num_computed_tokens`` is, in both, the count before this step's tokens. A running request
+    is passed on only when it has news for the CPU tier: new blocks, a resumption, speculative
+    tokens, or computed tokens that reach a multiple of ``boundary`` this step (the connector
+    passes the gcd of the groups' block sizes, so no block completion is ever skipped; 1 passes
+    every request). In steady decode that skips most of a batch, which keeps the adapter's cost
+    per step proportional to the blocks that complete rather than to the requests that run.
     """
     num_scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
-    no_blocks: GroupBlockIds = ((),) * num_groups
     new = tuple(
         NewRequest(
             r.req_id,
@@ -170,26 +174,38 @@ def translate_scheduler_output(
     )
     cached_data = scheduler_output.scheduled_cached_reqs
     resumed = cached_data.resumed_req_ids
-    cached = tuple(
-        CachedRequest(
-            rid,
-            no_blocks if new_ids is None else new_ids,
-            computed,
-            num_scheduled.get(rid, 0),
-            len(spec.get(rid, ())),
-            rid in resumed,
+    no_blocks: GroupBlockIds = ((),) * num_groups
+    cached = []
+    for rid, new_ids, computed in zip(
+        cached_data.req_ids,
+        cached_data.new_block_ids,
+        cached_data.num_computed_tokens,
+        strict=True,
+    ):
+        scheduled = num_scheduled[rid]
+        # The common case first and cheapest: a decode token inside a block.
+        if (
+            new_ids is None
+            and (computed + scheduled) // boundary == computed // boundary
+            and rid not in resumed
+            and rid not in spec
+        ):
+            continue
+        has_blocks = new_ids is not None and any(new_ids)
+        cached.append(
+            CachedRequest(
+                rid,
+                new_ids if has_blocks else no_blocks,
+                computed,
+                scheduled,
+                len(spec.get(rid, ())),
+                rid in resumed,
+            )
         )
-        for rid, new_ids, computed in zip(
-            cached_data.req_ids,
-            cached_data.new_block_ids,
-            cached_data.num_computed_tokens,
-            strict=True,
-        )
-    )
     return SchedulerOutput(
         step=step,
         new_requests=new,
-        cached_requests=cached,
+        cached_requests=tuple(cached),
         finished_request_ids=frozenset(scheduler_output.finished_req_ids),
         preempted_request_ids=frozenset(scheduler_output.preempted_req_ids or ()),
     )
@@ -525,6 +541,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self.geometry, self.options.cpu_bytes_per_rank(self.world_size)
         )
         self._num_groups = len(self.geometry)
+        self._boundary = math.gcd(*(g.block_size for g in self.geometry))
         self._views = RequestViews()
         self._relay = OutcomeRelay()
         self._step = 0
@@ -629,7 +646,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         step = self._step
         self._step += 1
         plan = self.manager.build_step_plan(
-            translate_scheduler_output(scheduler_output, step, self._num_groups)
+            translate_scheduler_output(scheduler_output, step, self._num_groups, self._boundary)
         )
         return KVFlowConnectorMetadata(plan, self._relay.take_echo())
 

@@ -1,0 +1,206 @@
+"""Per-step time of vLLM's real v1 scheduler on CPU, without and with KV offload connectors.
+
+Workload: N running requests with P-token prompts (all prefilled first, not timed), then D timed
+decode steps. A step is ``schedule()`` + ``update_from_output()``, which includes the connector's
+scheduler-side work (``build_connector_meta``, ``update_connector_output``, match and alloc
+hooks). The workers are played by a stand-in that reports every transfer of a step complete in
+that step's output, so stores settle as they would on a fast device.
+
+Configurations, measured side by side in one process: no connector; vLLM's
+``SimpleCPUOffloadConnector`` eager and lazy; kvflow's ``KVFlowConnector`` eager and lazy (when
+kvflow's scheduler-side manager is importable; otherwise reported as not available).
+
+    PYTHONPATH=src /work/venv-vllm/bin/python scripts/bench_vllm_scheduler.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter_ns
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.integrations.vllm_harness import (  # noqa: E402
+    LAYERS,
+    KVFLOW_MODULE,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    model_runner_output,
+    page_bytes,
+)
+
+Echo = Callable[[Any], Any]
+
+
+def simple_echo(scheduler_output: Any) -> Any:
+    """SimpleCPUOffloadConnector's workers: this step's store event and loads are done."""
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.simple_kv_offload.metadata import (
+        INVALID_JOB_ID,
+        SimpleCPUOffloadWorkerMetadata,
+    )
+
+    meta = scheduler_output.kv_connector_metadata
+    stores = {} if meta.store_event == INVALID_JOB_ID else {meta.store_event: 1}
+    recving = {r for reqs in meta.load_event_to_reqs.values() for r in reqs}
+    if not stores and not recving:
+        return None
+    return KVConnectorOutput(
+        finished_recving=recving or None,
+        kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(stores) if stores else None,
+    )
+
+
+def kvflow_echo(scheduler_output: Any) -> Any:
+    """kvflow's workers: every transfer of this step's plan is reported complete."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvflow.core.protocol import StepReport
+    from kvflow.integrations.vllm import KVFlowWorkerMetadata
+
+    plan = scheduler_output.kv_connector_metadata.plan
+    done = tuple(t.transfer_id for t in (*plan.stores, *plan.loads))
+    if not done:
+        return None
+    return KVConnectorOutput(
+        kv_connector_worker_meta=KVFlowWorkerMetadata((StepReport(rank=0, completed=done),))
+    )
+
+
+def run(
+    name: str,
+    connector: str | None,
+    module: str | None,
+    extra: dict[str, object],
+    echo: Echo | None,
+    args: argparse.Namespace,
+    progress: Progress,
+) -> list[int]:
+    """Per-decode-step times in ns for one configuration."""
+    blocks_per_req = (args.prompt + args.decode + 2 * args.block_size) // args.block_size + 1
+    num_blocks = args.requests * blocks_per_req + 64
+    config = make_vllm_config(
+        connector=connector,
+        module_path=module,
+        extra_config=extra,
+        block_size=args.block_size,
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=args.batch_tokens,
+        max_model_len=args.prompt + args.decode + 64,
+    )
+    scheduler = make_scheduler(config, num_blocks)
+    for i in range(args.requests):
+        # Distinct prompts: no GPU prefix hits, every block is new (the offloaders' worst case).
+        tokens = [(i * 131 + j * 7) % 30000 + 10 for j in range(args.prompt)]
+        scheduler.add_request(
+            make_request(tokens, max_tokens=args.decode + 1000, block_size=args.block_size)
+        )
+
+    def step() -> int:
+        t0 = perf_counter_ns()
+        so = scheduler.schedule()
+        t1 = perf_counter_ns()
+        mro = model_runner_output(scheduler, so, echo(so) if echo is not None else None)
+        t2 = perf_counter_ns()
+        scheduler.update_from_output(so, mro)
+        t3 = perf_counter_ns()
+        return (t1 - t0) + (t3 - t2)
+
+    task = progress.add_task(f"{name}: prefill", total=None)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
+        step()
+    progress.update(task, description=f"{name}: decode", total=args.decode, completed=0)
+    for _ in range(args.warmup):
+        step()
+    gc.collect()
+    times = []
+    for _ in range(args.decode):
+        times.append(step())
+        progress.advance(task)
+    assert len(scheduler.running) == args.requests, "a request stopped running mid-measurement"
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--decode", type=int, default=128, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batch-tokens", type=int, default=8192)
+    args = parser.parse_args()
+
+    bytes_per_block = page_bytes(args.block_size) * len(LAYERS)
+    cpu_bytes = 4 * args.requests * (args.prompt + args.decode) // args.block_size * bytes_per_block
+    configs: list[tuple[str, str | None, str | None, dict[str, object], Echo | None]] = [
+        ("no connector", None, None, {}, None),
+        (
+            "SimpleCPUOffload eager",
+            "SimpleCPUOffloadConnector",
+            None,
+            {"cpu_bytes_to_use": cpu_bytes},
+            simple_echo,
+        ),
+        (
+            "SimpleCPUOffload lazy",
+            "SimpleCPUOffloadConnector",
+            None,
+            {"cpu_bytes_to_use": cpu_bytes, "lazy_offload": True},
+            simple_echo,
+        ),
+    ]
+    kvflow_ready = importlib.util.find_spec("kvflow.core.scheduler") is not None
+    for policy in ("eager", "lazy"):
+        if kvflow_ready:
+            extra: dict[str, object] = {"cpu_bytes_to_use": cpu_bytes, "store_policy": policy}
+            configs.append(
+                (f"kvflow {policy}", "KVFlowConnector", KVFLOW_MODULE, extra, kvflow_echo)
+            )
+
+    results: dict[str, list[int]] = {}
+    with Progress() as progress:
+        for name, connector, module, extra_config, echo in configs:
+            results[name] = run(name, connector, module, extra_config, echo, args, progress)
+
+    base = statistics.median(results["no connector"])
+    simple_added = statistics.median(results["SimpleCPUOffload eager"]) - base
+    table = Table(
+        title=(
+            f"vLLM scheduler step on CPU: {args.requests} running requests, "
+            f"{args.prompt}-token prompts, {args.decode} decode steps"
+        )
+    )
+    for col in ("configuration", "median ms", "p90 ms", "max ms", "added ms", "added / eager simple"):
+        table.add_column(col, justify="right" if col != "configuration" else "left")
+    for name, times in results.items():
+        ms = sorted(t / 1e6 for t in times)
+        added = statistics.median(times) - base
+        ratio = f"{added / simple_added:.2f}" if simple_added > 0 and name != "no connector" else "-"
+        table.add_row(
+            name,
+            f"{statistics.median(ms):.3f}",
+            f"{ms[int(0.9 * (len(ms) - 1))]:.3f}",
+            f"{ms[-1]:.3f}",
+            f"{added / 1e6:+.3f}",
+            ratio,
+        )
+    if not kvflow_ready:
+        table.add_row("kvflow eager / lazy", "n/a", "", "", "", "manager not merged yet")
+    Console(width=130).print(table)
+
+
+if __name__ == "__main__":
+    main()
