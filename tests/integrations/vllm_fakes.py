@@ -139,6 +139,8 @@ class ScriptedRuntime:
     rank: int = 0
     hold: set[int] = field(factory=set)
     fail: set[int] = field(factory=set)
+    hold_directions: set[Direction] = field(factory=set)
+    fail_directions: set[Direction] = field(factory=set)
     plans: list[StepPlan] = field(factory=list)
     calls: list[str] = field(factory=list)
     registered: dict[str, Any] = field(factory=dict)
@@ -169,9 +171,12 @@ class ScriptedRuntime:
         self.calls.append("wait_for_save")
 
     def build_report(self) -> StepReport:
-        done = [t for t in self._in_flight if t not in self.hold]
-        failed = tuple(t for t in done if t in self.fail)
-        completed = tuple(t for t in done if t not in self.fail)
+        flight = self._in_flight
+        done = [
+            t for t in flight if t not in self.hold and flight[t].direction not in self.hold_directions
+        ]
+        failed = tuple(t for t in done if t in self.fail or flight[t].direction in self.fail_directions)
+        completed = tuple(t for t in done if t not in failed)
         invalid = {
             b
             for t in failed
