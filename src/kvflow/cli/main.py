@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from collections.abc import Sequence
 
 import kvflow
@@ -15,6 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvflow {kvflow.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("doctor", help="show Python, torch, CUDA and batched-copy support")
+    trace = sub.add_parser("trace", help="summarize a --trace JSON-lines file as tables")
+    trace.add_argument("file", type=Path, help="a trace written by kvflow bench --trace")
+    trace.add_argument("--top", type=int, default=10, help="how many slowest transfers to list")
     return parser
 
 
@@ -25,6 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvflow.cli.doctor import run_doctor
 
         return run_doctor()
+    if args.command == "trace":
+        from kvflow.cli.trace import run_trace
+
+        return run_trace(args.file, top=args.top)
     parser.print_help()
     return 2
 

@@ -18,11 +18,15 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from attrs import field, frozen
 
 from kvflow.errors import LayoutError
+
+
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
 
 
 class KVStyle(enum.StrEnum):
@@ -35,8 +39,8 @@ class TensorDesc:
     """What kvflow needs to know of one KV tensor; built from a torch tensor by the runtime."""
 
     name: str
-    shape: tuple[int, ...] = field(converter=tuple)
-    strides: tuple[int, ...] = field(converter=tuple)  # in elements, like torch
+    shape: tuple[int, ...] = field(converter=_ints)
+    strides: tuple[int, ...] = field(converter=_ints)  # in elements, like torch
     itemsize: int
     data_ptr: int
     device: str
