@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from typing import Any
+
 import torch
 
 from kvflow.core.transfer import Direction
@@ -25,7 +27,7 @@ from tests.integrations.vllm_fakes import (
     worker_connector,
     worker_pass,
 )
-from tests.integrations.vllm_harness import LAYERS, NUM_KV_HEADS, HEAD_SIZE, VLLMHarness
+from tests.integrations.vllm_harness import HEAD_SIZE, LAYERS, NUM_KV_HEADS, VLLMHarness
 
 BS = 16
 
@@ -54,7 +56,7 @@ class Rig:
         assert isinstance(runtime, ScriptedRuntime)
         self.runtime = runtime
 
-    def step(self) -> tuple[object, set[str]]:
+    def step(self) -> tuple[Any, set[str]]:
         so = self.h.schedule()
         return so, self.h.finish(so, worker_pass(self.worker, so))
 
@@ -63,7 +65,9 @@ def test_vllm_factory_builds_the_connector_from_the_module_path() -> None:
     """KVTransferConfig's module path and class name give vLLM a working KVFlowConnector."""
     rig = Rig()
     assert type(rig.h.connector).__name__ == "ScriptedConnector"
-    assert rig.h.connector.num_cpu_blocks == (1 << 20) // (2 * BS * NUM_KV_HEADS * HEAD_SIZE * 2 * 2)
+    assert rig.h.connector.num_cpu_blocks == (1 << 20) // (
+        2 * BS * NUM_KV_HEADS * HEAD_SIZE * 2 * 2
+    )
     so, _ = rig.step()
     assert isinstance(so.kv_connector_metadata, KVFlowConnectorMetadata)
     assert rig.manager.outputs[0].step == 0
@@ -83,10 +87,13 @@ def test_bad_extra_config_fails_scheduler_construction_with_a_named_error() -> N
 def test_worker_registers_vllms_kv_caches_and_sizes_the_cpu_tier() -> None:
     """register_kv_caches hands every layer's tensor, the block count and the layer→group map on."""
     rig = Rig(num_blocks=32)
-    caches = {name: torch.zeros(2, 32, BS, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16) for name in LAYERS}
+    caches = {
+        name: torch.zeros(2, 32, BS, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
+        for name in LAYERS
+    }
     rig.worker.register_kv_caches(caches)
     assert rig.runtime.registered["num_blocks"] == 32
-    assert rig.runtime.registered["groups"] == {name: 0 for name in LAYERS}
+    assert rig.runtime.registered["groups"] == dict.fromkeys(LAYERS, 0)
     assert rig.runtime.cpu_blocks == [rig.worker.num_cpu_blocks]
 
 

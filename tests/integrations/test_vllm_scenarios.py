@@ -137,7 +137,9 @@ def test_preemption_with_transfers_in_flight_settles() -> None:
     """Requests preempted while their stores are in flight all finish and every transfer settles."""
     rig = Rig(num_blocks=10, max_num_batched_tokens=256)
     rig.runtime.hold_directions = {Direction.STORE}
-    requests = [rig.h.add([(i * 13 + s) % 30000 + 10 for i in range(60)], max_tokens=30) for s in (1, 2)]
+    requests = [
+        rig.h.add([(i * 13 + s) % 30000 + 10 for i in range(60)], max_tokens=30) for s in (1, 2)
+    ]
     preempted = False
     for _ in range(30):
         so, _ = rig.step()

@@ -153,7 +153,9 @@ def test_preemption_and_resumption_translate() -> None:
     assert preempted & {a.request_id, b.request_id}
     assert resumed is not None
     assert resumed.request_id in preempted
-    assert len(resumed.new_block_ids[0]) == len(h.block_ids(h.scheduler.requests[resumed.request_id])[0])
+    assert len(resumed.new_block_ids[0]) == len(
+        h.block_ids(h.scheduler.requests[resumed.request_id])[0]
+    )
 
 
 def test_geometry_and_cpu_block_count_follow_the_kv_cache_config() -> None:

@@ -173,9 +173,13 @@ class ScriptedRuntime:
     def build_report(self) -> StepReport:
         flight = self._in_flight
         done = [
-            t for t in flight if t not in self.hold and flight[t].direction not in self.hold_directions
+            t
+            for t in flight
+            if t not in self.hold and flight[t].direction not in self.hold_directions
         ]
-        failed = tuple(t for t in done if t in self.fail or flight[t].direction in self.fail_directions)
+        failed = tuple(
+            t for t in done if t in self.fail or flight[t].direction in self.fail_directions
+        )
         completed = tuple(t for t in done if t not in failed)
         invalid = {
             b

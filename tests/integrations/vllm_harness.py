@@ -249,7 +249,9 @@ class VLLMHarness:
     def connector(self) -> Any:
         return self.scheduler.connector
 
-    def add(self, prompt: list[int], *, max_tokens: int = 8, request_id: str | None = None) -> Request:
+    def add(
+        self, prompt: list[int], *, max_tokens: int = 8, request_id: str | None = None
+    ) -> Request:
         request = make_request(
             prompt, max_tokens=max_tokens, block_size=self.block_size, request_id=request_id
         )
@@ -260,7 +262,9 @@ class VLLMHarness:
         return self.scheduler.schedule()
 
     def finish(
-        self, scheduler_output: SchedulerOutput, kv_connector_output: KVConnectorOutput | None = None
+        self,
+        scheduler_output: SchedulerOutput,
+        kv_connector_output: KVConnectorOutput | None = None,
     ) -> set[str]:
         """Feed the step's model-runner output back; returns the ids of requests that finished."""
         outputs = self.scheduler.update_from_output(

@@ -322,13 +322,17 @@ def _positive_int(key: str, value: object) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if type(value) is not int or value <= 0:
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive int, got {value!r}")
+        raise ConfigError(
+            f"kv_connector_extra_config[{key!r}] must be a positive int, got {value!r}"
+        )
     return value
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be one of {choices}, got {value!r}")
+        raise ConfigError(
+            f"kv_connector_extra_config[{key!r}] must be one of {choices}, got {value!r}"
+        )
     return str(value)
 
 
@@ -633,7 +637,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.manager.get_num_new_matched_tokens(self._views.get(request), num_computed_tokens)
+        return self.manager.get_num_new_matched_tokens(
+            self._views.get(request), num_computed_tokens
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -642,7 +648,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self._views.get(request), group_block_ids(blocks.get_block_ids()), num_external_tokens
         )
 
-    def build_connector_meta(self, scheduler_output: VLLMSchedulerOutput) -> KVFlowConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: VLLMSchedulerOutput
+    ) -> KVFlowConnectorMetadata:
         step = self._step
         self._step += 1
         plan = self.manager.build_step_plan(
@@ -696,9 +704,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.bind_connector_metadata(connector_metadata.plan)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if isinstance(kv_connector_metadata, KVFlowConnectorMetadata):
-            if kv_connector_metadata.plan.flush:
-                self.worker.handle_preemptions(kv_connector_metadata.plan)
+        if (
+            isinstance(kv_connector_metadata, KVFlowConnectorMetadata)
+            and kv_connector_metadata.plan.flush
+        ):
+            self.worker.handle_preemptions(kv_connector_metadata.plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker.start_load_kv()
