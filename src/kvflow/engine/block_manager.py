@@ -1,0 +1,243 @@
+"""GPU block accounting for the engine's scheduler: block tables, prefix caching, sliding windows.
+
+One ``kvflow.core.block_pool.BlockPool`` per KV cache group, block 0 of each held forever as the
+null block. A request's table in a full-attention group covers every position; in a sliding-window
+group, blocks wholly before the window of the next query are freed and replaced by the null block.
+Prefix hits use the request's chained block hashes: a full-attention group needs every block of the
+prefix cached, a sliding-window group only the blocks inside the window at the hit point; the hit is
+the longest length every group agrees on. Blocks enter the prefix cache once computed (after the
+step that wrote them), so a block is never matched before its data exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import structlog
+
+from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVCacheGroupSpec
+from kvflow.core.block_pool import BlockPool
+from kvflow.core.hashing import BlockHash
+from kvflow.core.protocol import GroupBlockIds
+from kvflow.errors import BlockPoolError
+
+log = structlog.get_logger("kvflow.engine.blocks")
+
+
+def _first_needed_block(group: KVCacheGroupSpec, num_computed: int, block_size: int) -> int:
+    """Index of the first block the query at position ``num_computed`` can still see."""
+    if group.sliding_window is None:
+        return 0
+    return max(0, num_computed - group.sliding_window + 1) // block_size
+
+
+class BlockManager:
+    """Per-request block tables over one pool per KV cache group."""
+
+    def __init__(self, config: KVCacheConfig, *, enable_prefix_caching: bool = True) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pools = [
+            BlockPool(config.num_blocks, name=f"gpu.g{g.group_id}") for g in config.groups
+        ]
+        for pool in self.pools:
+            (null,) = pool.get_new_blocks(1)
+            if null != NULL_BLOCK_ID:  # pragma: no cover - a fresh pool hands out block 0 first
+                raise BlockPoolError(
+                    f"{pool.name}: expected block {NULL_BLOCK_ID} first, got {null}"
+                )
+        self.tables: dict[str, list[list[int]]] = {}
+        self._num_cached: dict[str, list[int]] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.config.num_blocks - 1
+
+    def num_free_blocks(self, group: int = 0) -> int:
+        return self.pools[group].num_free_blocks
+
+    def block_ids(self, request_id: str) -> GroupBlockIds:
+        return tuple(tuple(t) for t in self.tables.get(request_id, [[] for _ in self.pools]))
+
+    # ---- prefix hits ------------------------------------------------------------------------
+
+    def find_prefix_hit(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> list[list[int]]:
+        """Per group, the table of the longest cached prefix that leaves at least one token of
+        ``num_tokens`` to compute (the last token's logits are needed). Touches nothing."""
+        if not self.enable_prefix_caching:
+            return [[] for _ in self.pools]
+        max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        hashes = block_hashes[:max_blocks]
+        n = max_blocks
+        for group, pool in zip(self.config.groups, self.pools, strict=True):
+            if group.sliding_window is None:
+                n = min(n, len(pool.find_longest_prefix(hashes[:n])))
+        for group, pool in zip(self.config.groups, self.pools, strict=True):
+            if group.sliding_window is not None:
+                n = self._sliding_hit(group, pool, hashes, n)
+        tables: list[list[int]] = []
+        for group, pool in zip(self.config.groups, self.pools, strict=True):
+            first = _first_needed_block(group, n * self.block_size, self.block_size)
+            table = [NULL_BLOCK_ID] * first
+            for h in hashes[first:n]:
+                bid = pool.get_cached_block(h)
+                assert bid is not None
+                table.append(bid)
+            tables.append(table)
+        return tables
+
+    def _sliding_hit(
+        self, group: KVCacheGroupSpec, pool: BlockPool, hashes: Sequence[BlockHash], limit: int
+    ) -> int:
+        """Largest ``n <= limit`` whose window blocks at position ``n * block_size`` are cached."""
+        run = 0  # cached blocks ending at index i - 1
+        runs = [0]
+        for h in hashes[:limit]:
+            run = run + 1 if pool.is_cached(h) else 0
+            runs.append(run)
+        for n in range(limit, 0, -1):
+            if runs[n] >= n - _first_needed_block(group, n * self.block_size, self.block_size):
+                return n
+        return 0
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    def allocate(
+        self,
+        request_id: str,
+        num_computed: int,
+        num_new_tokens: int,
+        prefix_hit: list[list[int]] | None = None,
+    ) -> GroupBlockIds | None:
+        """Grow the request's tables to cover ``num_computed + num_new_tokens`` positions.
+
+        ``prefix_hit`` (at admission only) becomes the start of the tables. Returns the blocks
+        newly added per group (the whole tables at admission), or None, changing nothing, when a
+        group has too few free blocks.
+        """
+        admitting = prefix_hit is not None
+        if admitting:
+            assert prefix_hit is not None
+            if request_id in self.tables:
+                raise BlockPoolError(f"request {request_id} already holds blocks")
+            tables = [list(t) for t in prefix_hit]
+        else:
+            tables = self.tables[request_id]
+            self.free_skipped(request_id, num_computed)
+        total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        plans: list[tuple[int, int]] = []  # (nulls to append, new blocks to append) per group
+        for g, (group, pool) in enumerate(zip(self.config.groups, self.pools, strict=True)):
+            have = len(tables[g])
+            first = _first_needed_block(group, num_computed, self.block_size)
+            nulls = max(0, min(first, total_blocks) - have)
+            new = max(0, total_blocks - have - nulls)
+            reused = 0
+            if admitting:
+                reused = sum(
+                    1 for b in tables[g] if b != NULL_BLOCK_ID and pool.block(b).ref_cnt == 0
+                )
+            if new + reused > pool.num_free_blocks:
+                return None
+            plans.append((nulls, new))
+        if admitting:
+            self._num_cached[request_id] = [len(t) for t in tables]
+        added: list[tuple[int, ...]] = []
+        for g, pool in enumerate(self.pools):
+            if admitting:
+                pool.touch([b for b in tables[g] if b != NULL_BLOCK_ID])
+            nulls, new = plans[g]
+            fresh = [NULL_BLOCK_ID] * nulls + pool.get_new_blocks(new)
+            tables[g].extend(fresh)
+            added.append(tuple(tables[g]) if admitting else tuple(fresh))
+        if admitting:
+            self.tables[request_id] = tables
+        return tuple(added)
+
+    def free_skipped(self, request_id: str, num_computed: int) -> None:
+        """Free sliding-window blocks no future query of the request can see."""
+        tables = self.tables[request_id]
+        for g, (group, pool) in enumerate(zip(self.config.groups, self.pools, strict=True)):
+            first = _first_needed_block(group, num_computed, self.block_size)
+            table = tables[g]
+            gone = [b for b in table[: min(first, len(table))] if b != NULL_BLOCK_ID]
+            if gone:
+                pool.free(reversed(gone))
+                for j in range(min(first, len(table))):
+                    table[j] = NULL_BLOCK_ID
+
+    def free(self, request_id: str) -> None:
+        """Give back every block of the request, tail first so its tail is evicted first."""
+        tables = self.tables.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+        if tables is None:
+            return
+        for pool, table in zip(self.pools, tables, strict=True):
+            pool.free(b for b in reversed(table) if b != NULL_BLOCK_ID)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+
+    def cache_computed(
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_computed: int
+    ) -> None:
+        """Enter the request's blocks that are now fully computed into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        tables, done = self.tables[request_id], self._num_cached[request_id]
+        full = min(num_computed // self.block_size, len(block_hashes))
+        for g, pool in enumerate(self.pools):
+            start = done[g]
+            if full <= start:
+                continue
+            pairs = [
+                (bid, block_hashes[j])
+                for j, bid in enumerate(tables[g][start:full], start)
+                if bid != NULL_BLOCK_ID and pool.block(bid).block_hash is None
+            ]
+            if pairs:
+                pool.cache([p[0] for p in pairs], [p[1] for p in pairs])
+            done[g] = full
+
+    def rollback(self, request_id: str, num_computed: int) -> None:
+        """The request's KV past ``num_computed`` is invalid: stop counting it as cached."""
+        done = self._num_cached.get(request_id)
+        if done is not None:
+            for g in range(len(done)):
+                done[g] = min(done[g], num_computed // self.block_size)
+
+    def first_invalid_position(self, request_id: str, invalid: set[int]) -> int | None:
+        """Start of the first block of the request listed in ``invalid`` (any group), or None."""
+        tables = self.tables.get(request_id)
+        if tables is None:
+            return None
+        first: int | None = None
+        for table in tables:
+            for j, bid in enumerate(table):
+                if bid != NULL_BLOCK_ID and bid in invalid:
+                    pos = j * self.block_size
+                    first = pos if first is None else min(first, pos)
+                    break
+        return first
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Drop invalid blocks from every group's prefix cache (their data is garbage)."""
+        ids = [b for b in block_ids if b != NULL_BLOCK_ID]
+        for pool in self.pools:
+            pool.uncache(b for b in ids if 0 <= b < pool.num_blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refuses while any request holds blocks."""
+        if self.tables:
+            return False
+        for pool in self.pools:
+            pool.free([NULL_BLOCK_ID])
+        ok = all(pool.reset_prefix_cache() for pool in self.pools)
+        for pool in self.pools:
+            pool.touch([NULL_BLOCK_ID])
+        log.debug("gpu_prefix_cache_reset", ok=ok)
+        return ok
+
+
+__all__ = ["BlockManager"]

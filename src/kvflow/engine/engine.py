@@ -1,0 +1,308 @@
+"""The engine: a scheduler and a model runner stepped together, with an optional KV connector.
+
+``Engine.step()`` is one iteration: schedule → ``build_connector_meta`` → the runner's step (the
+worker connector's calls around the forward) → ``update_from_output`` (sampled tokens, then the
+connector's worker output). ``run_to_completion`` drives it synchronously; ``kvflow.engine.frontend``
+drives it from an event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import structlog
+import torch
+from attrs import define, field, frozen
+
+from kvflow.connector.api import (
+    KVCacheConfig,
+    NullConnector,
+    SchedulerConnector,
+    WorkerConnector,
+)
+from kvflow.core.hashing import ExtraKey
+from kvflow.engine.block_manager import BlockManager
+from kvflow.engine.kv_cache import kv_cache_groups
+from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model
+from kvflow.engine.runner import ModelRunner
+from kvflow.engine.scheduler import (
+    Request,
+    RequestStats,
+    Scheduler,
+    SchedulerConfig,
+    StepOutput,
+)
+from kvflow.errors import ConfigError, KVFlowError
+
+log = structlog.get_logger("kvflow.engine")
+
+Clock = Callable[[], float]
+"""Seconds as a float; only differences matter. Injected so tests and the bench control time."""
+
+
+def perf_clock() -> float:
+    """The default clock. kvflow.runtime.clock is not on main yet; this wraps perf_counter."""
+    return time.perf_counter()
+
+
+@frozen
+class EngineConfig:
+    """How the engine runs a model. ``num_gpu_blocks`` counts per KV cache group, block 0 included."""
+
+    block_size: int = 16
+    num_gpu_blocks: int = 256
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    device: str = "cpu"
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    seed: int = 0
+    weights: str | None = None  # a safetensors file; default: random weights from ``seed``
+    max_idle_steps: int = 1_000_000  # steps in a row without progress before giving up
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.num_gpu_blocks < 2:
+            raise ConfigError(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r}: one of {sorted(_DTYPES)}")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_kv_cache_config(model: ModelConfig, config: EngineConfig) -> KVCacheConfig:
+    """The KV cache an engine of this config will have: what a connector is built from."""
+    windows = [model.layer_window(i) for i in range(model.num_layers)]
+    return KVCacheConfig(
+        block_size=config.block_size,
+        num_blocks=config.num_gpu_blocks,
+        groups=kv_cache_groups(model.num_layers, windows),
+        device=config.device,
+    )
+
+
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+@frozen
+class GenerationRequest:
+    """A prompt to complete, as ``run_to_completion`` takes it."""
+
+    prompt_token_ids: tuple[int, ...] = field(converter=_int_tuple)
+    max_tokens: int
+    request_id: str | None = None
+    extra_keys: tuple[ExtraKey, ...] = ()
+
+
+@frozen
+class RequestResult:
+    """A finished request: its tokens and what it cost."""
+
+    request_id: str
+    prompt_len: int
+    output_token_ids: tuple[int, ...]
+    ttft_s: float
+    e2e_s: float
+    prefill_tokens_computed: int
+    gpu_cached_tokens: int
+    external_loaded_tokens: int
+    recomputed_tokens: int
+    num_preemptions: int
+
+
+@define
+class EngineStats:
+    """Counters over the engine's life."""
+
+    steps: int = 0
+    forward_steps: int = 0
+    tokens_computed: int = 0
+    prefill_tokens_computed: int = 0
+    decode_tokens_computed: int = 0
+    gpu_cached_tokens: int = 0
+    external_loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    requests_finished: int = 0
+
+
+class Engine:
+    """A small paged-KV Llama engine; kvflow's reference client.
+
+    ``scheduler_connector`` and ``worker_connector`` are the two roles of a KV connector built
+    for ``make_kv_cache_config(model_config, config)`` (default: ``NullConnector``).
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig | None = None,
+        *,
+        scheduler_connector: SchedulerConnector | None = None,
+        worker_connector: WorkerConnector | None = None,
+        clock: Clock = perf_clock,
+        model: LlamaForCausalLM | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.config = config = config or EngineConfig()
+        self.clock = clock
+        self.device = torch.device(config.device)
+        if model is None:
+            model = build_model(
+                model_config,
+                device=self.device,
+                dtype=None if config.dtype is None else _DTYPES[config.dtype],
+                seed=config.seed,
+                weights=config.weights,
+            )
+        elif model.config != model_config:
+            raise ConfigError("the model given was built for another ModelConfig")
+        self.model = model
+        self.kv_cache_config = make_kv_cache_config(model_config, config)
+        null = NullConnector()
+        self.scheduler_connector: SchedulerConnector = scheduler_connector or null
+        self.worker_connector: WorkerConnector = worker_connector or null
+        self.blocks = BlockManager(
+            self.kv_cache_config, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.blocks,
+            self.scheduler_connector,
+            clock,
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv_cache_config, self.worker_connector, self.device
+        )
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._finished: dict[str, Request] = {}
+        self._idle_steps = 0
+
+    @property
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        return self.runner.kv_caches
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        request_id: str | None = None,
+        extra_keys: tuple[ExtraKey, ...] = (),
+    ) -> str:
+        """Queue a request; returns its id. Token ids must be in the model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt_token_ids),
+            max_tokens=max_tokens,
+            stats=RequestStats(arrival_time=self.clock()),
+            extra_keys=extra_keys,
+            block_size=self.config.block_size,
+        )
+        self.scheduler.add_request(req)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """One engine iteration; returns the tokens it produced."""
+        sched = self.scheduler
+        out, batch = sched.schedule()
+        meta = self.scheduler_connector.build_connector_meta(out)
+        run = self.runner.execute(out, batch, meta)
+        alive = {c.request_id: sched.requests[c.request_id] for c in batch.chunks}
+        outputs = sched.update_from_output(out, batch, run.sampled, run.kv_connector_output)
+        self.stats.steps += 1
+        self.stats.preemptions = sched.num_preemptions
+        if batch.chunks:
+            self.stats.forward_steps += 1
+            self.stats.tokens_computed += batch.num_tokens
+        for o in outputs:
+            if o.finished:
+                self._finished[o.request_id] = alive[o.request_id]
+        progressed = bool(batch.chunks) or not run.kv_connector_output.is_empty
+        self._idle_steps = 0 if progressed else self._idle_steps + 1
+        if self._idle_steps > self.config.max_idle_steps:
+            raise KVFlowError(
+                f"engine made no progress for {self._idle_steps} steps with "
+                f"{len(sched.requests)} requests unfinished (a connector never reported?)"
+            )
+        return outputs
+
+    def take_result(self, request_id: str) -> RequestResult:
+        """The result of a finished request (each can be taken once)."""
+        req = self._finished.pop(request_id)
+        st = req.stats
+        assert st.first_token_time is not None
+        assert st.finish_time is not None
+        s = self.stats
+        s.requests_finished += 1
+        s.prefill_tokens_computed += st.prefill_tokens_computed
+        s.decode_tokens_computed += st.decode_tokens_computed
+        s.gpu_cached_tokens += st.gpu_cached_tokens
+        s.external_loaded_tokens += st.external_loaded_tokens
+        s.recomputed_tokens += st.recomputed_tokens
+        return RequestResult(
+            request_id=req.request_id,
+            prompt_len=req.num_prompt_tokens,
+            output_token_ids=tuple(req.output_token_ids),
+            ttft_s=st.first_token_time - st.arrival_time,
+            e2e_s=st.finish_time - st.arrival_time,
+            prefill_tokens_computed=st.prefill_tokens_computed,
+            gpu_cached_tokens=st.gpu_cached_tokens,
+            external_loaded_tokens=st.external_loaded_tokens,
+            recomputed_tokens=st.recomputed_tokens,
+            num_preemptions=st.num_preemptions,
+        )
+
+    def run_to_completion(self, requests: Sequence[GenerationRequest]) -> list[RequestResult]:
+        """Submit every request at once, step until all (and their transfers) are done."""
+        ids = [
+            self.add_request(
+                r.prompt_token_ids, r.max_tokens, request_id=r.request_id, extra_keys=r.extra_keys
+            )
+            for r in requests
+        ]
+        while self.has_unfinished():
+            self.step()
+        return [self.take_result(rid) for rid in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the GPU prefix cache and the connector's; refuses while requests hold blocks."""
+        return self.scheduler.reset_prefix_cache() and self.scheduler_connector.reset_cache()
+
+    def shutdown(self) -> None:
+        self.worker_connector.shutdown()
+
+
+__all__ = [
+    "Clock",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "GenerationRequest",
+    "RequestResult",
+    "make_kv_cache_config",
+    "perf_clock",
+]

@@ -1,0 +1,118 @@
+"""The model runner: the worker side of a step. Owns the KV tensors and calls the worker connector.
+
+Per step, in vLLM's order: ``bind_connector_metadata`` → ``handle_preemptions`` → ``start_load_kv``
+→ forward (skipped when nothing is scheduled; the connector calls still run, so async transfers
+keep being reported) → ``wait_for_save`` → ``get_finished(finished_req_ids)`` →
+``get_block_ids_with_load_errors`` → ``clear_connector_metadata``. Sampling is greedy.
+"""
+
+from __future__ import annotations
+
+import torch
+from attrs import frozen
+
+from kvflow.connector.api import KVCacheConfig, KVConnectorOutput, WorkerConnector
+from kvflow.core.requests import SchedulerOutput
+from kvflow.engine.kv_cache import (
+    AttentionMetadata,
+    allocate_kv_caches,
+    build_attention_metadata,
+    layer_name,
+)
+from kvflow.engine.model import LlamaForCausalLM
+from kvflow.engine.scheduler import StepBatch
+
+
+@frozen
+class ModelRunnerOutput:
+    sampled: dict[str, int]
+    kv_connector_output: KVConnectorOutput
+
+
+class ModelRunner:
+    """Runs steps of one model over its paged KV cache on one device."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_config: KVCacheConfig,
+        connector: WorkerConnector,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_config = kv_config
+        self.connector = connector
+        self.device = device
+        cfg = model.config
+        dtype = next(model.parameters()).dtype
+        self.kv_caches = allocate_kv_caches(
+            kv_config, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+        )
+        self._layers = [self.kv_caches[layer_name(i)] for i in range(cfg.num_layers)]
+        group_of = kv_config.tensor_groups
+        self._layer_group = [group_of[layer_name(i)] for i in range(cfg.num_layers)]
+        connector.register_kv_caches(dict(self.kv_caches))
+
+    def execute(
+        self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
+    ) -> ModelRunnerOutput:
+        conn = self.connector
+        conn.bind_connector_metadata(connector_meta)
+        conn.handle_preemptions(connector_meta)
+        conn.start_load_kv()
+        sampled = self._forward(batch) if batch.chunks else {}
+        conn.wait_for_save()
+        sending, recving = conn.get_finished(set(out.finished_request_ids))
+        invalid = conn.get_block_ids_with_load_errors()
+        conn.clear_connector_metadata()
+        return ModelRunnerOutput(
+            sampled=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=invalid,
+            ),
+        )
+
+    def _forward(self, batch: StepBatch) -> dict[str, int]:
+        chunks = batch.chunks
+        device = self.device
+        ids = [t for c in chunks for t in c.token_ids]
+        positions = [c.num_computed_tokens + j for c in chunks for j in range(len(c.token_ids))]
+        num_computed = [c.num_computed_tokens for c in chunks]
+        num_scheduled = [len(c.token_ids) for c in chunks]
+        group_meta: list[AttentionMetadata] = [
+            build_attention_metadata(
+                [c.block_ids[g.group_id] for c in chunks],
+                num_computed,
+                num_scheduled,
+                self.kv_config.block_size,
+                g.sliding_window,
+                device,
+            )
+            for g in self.kv_config.groups
+        ]
+        ends: list[int] = []
+        acc = 0
+        for n in num_scheduled:
+            acc += n
+            ends.append(acc - 1)
+        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
+        if not sample_rows:
+            logits_at = torch.tensor([ends[0]], device=device)
+        else:
+            logits_at = torch.tensor([ends[i] for i in sample_rows], device=device)
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self._layers,
+            [group_meta[g] for g in self._layer_group],
+            logits_at,
+        )
+        if not sample_rows:
+            return {}
+        tokens = logits.argmax(dim=-1).tolist()
+        return {chunks[i].request_id: int(tok) for i, tok in zip(sample_rows, tokens, strict=True)}
+
+
+__all__ = ["ModelRunner", "ModelRunnerOutput"]

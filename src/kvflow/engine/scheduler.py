@@ -1,0 +1,542 @@
+"""The engine's scheduler: continuous batching, chunked prefill, prefix hits, preemption, connector.
+
+Each ``schedule()`` spends a token budget: running requests first (a decode token, or the next
+prefill chunk), preempting the most recently admitted running request by recompute when blocks run
+out; then waiting requests in order, each matched against the GPU prefix cache and then asked of
+the scheduler-side connector for external tokens. It returns kvflow's ``SchedulerOutput`` plus the
+``StepBatch`` the model runner executes. ``update_from_output`` takes the sampled tokens and the
+connector's worker output back. The connector is called where vLLM's v1 scheduler calls it; see
+``kvflow.engine`` for the list.
+
+A request's life is one transition table (``TRANSITIONS``), applied by ``transition``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Mapping
+
+import structlog
+from attrs import define, field, frozen
+
+from kvflow.connector.api import KVConnectorOutput, SchedulerConnector
+from kvflow.core.hashing import BlockHash, BlockHasher, ExtraKey
+from kvflow.core.protocol import GroupBlockIds
+from kvflow.core.requests import CachedRequest, NewRequest, SchedulerOutput
+from kvflow.engine.block_manager import BlockManager
+from kvflow.errors import ConfigError, TransitionError
+
+log = structlog.get_logger("kvflow.engine.scheduler")
+
+
+class RequestStatus(enum.StrEnum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # an async external load is in flight
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks given back; waits to be recomputed
+    FINISHED = "finished"  # done generating; blocks may still be held for the connector
+    FREED = "freed"  # blocks returned; terminal
+
+
+class RequestInput(enum.StrEnum):
+    SCHEDULE = "schedule"
+    WAIT_REMOTE = "wait_remote"  # blocks allocated, an async load started
+    REMOTE_DONE = "remote_done"  # the connector reported the load finished
+    PREEMPT = "preempt"
+    FINISH = "finish"
+    FREE = "free"
+
+
+RS, RI = RequestStatus, RequestInput
+
+TRANSITIONS: Mapping[tuple[RequestStatus, RequestInput], RequestStatus] = {
+    (RS.WAITING, RI.SCHEDULE): RS.RUNNING,
+    (RS.WAITING, RI.WAIT_REMOTE): RS.WAITING_FOR_REMOTE_KVS,
+    (RS.WAITING_FOR_REMOTE_KVS, RI.REMOTE_DONE): RS.WAITING,
+    (RS.RUNNING, RI.PREEMPT): RS.PREEMPTED,
+    (RS.RUNNING, RI.FINISH): RS.FINISHED,
+    (RS.PREEMPTED, RI.SCHEDULE): RS.RUNNING,
+    (RS.PREEMPTED, RI.WAIT_REMOTE): RS.WAITING_FOR_REMOTE_KVS,
+    (RS.FINISHED, RI.FREE): RS.FREED,
+}
+"""A request's whole life. Anything not listed is illegal."""
+
+
+@define(eq=False)
+class RequestStats:
+    """What one request cost and got; filled in by the scheduler as it runs."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefill_tokens_computed: int = 0
+    decode_tokens_computed: int = 0
+    gpu_cached_tokens: int = 0  # GPU prefix-cache hits, summed over admissions
+    external_loaded_tokens: int = 0  # loaded through the connector (valid ones only)
+    recomputed_tokens: int = 0  # rolled back after a failed load
+    num_preemptions: int = 0
+
+
+@define(eq=False)
+class Request:
+    """One generation request; implements ``kvflow.core.requests.RequestLike``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stats: RequestStats
+    extra_keys: tuple[ExtraKey, ...] = ()
+    block_size: int = 16
+    output_token_ids: list[int] = field(factory=list)
+    all_token_ids: list[int] = field(factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    # Async external load in flight: tokens computed once it finishes (shrunk by load errors).
+    load_target_tokens: int = 0
+    pending_external_tokens: int = 0  # of those, loaded by the connector
+    kv_transfer_params: dict[str, object] | None = None
+    _hasher: BlockHasher | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        self._hasher = BlockHasher(self.block_size, self.extra_keys)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """Chained hashes of every full block of known tokens."""
+        hasher = self._hasher
+        assert hasher is not None
+        if hasher.num_tokens < self.num_tokens:
+            hasher.extend(self.all_token_ids[hasher.num_tokens :])
+        return hasher.hashes
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.output_token_ids) >= self.max_tokens
+
+
+def transition(request: Request, event: RequestInput, *, cause: str) -> RequestStatus:
+    """Apply one input to ``request`` by the table and log it; illegal pairs raise and change
+    nothing."""
+    old = request.status
+    new = TRANSITIONS.get((old, event))
+    if new is None:
+        log.warning(
+            "request_transition_rejected",
+            request_id=request.request_id,
+            state=old.value,
+            input=event.value,
+            cause=cause,
+        )
+        raise TransitionError("request", request.request_id, old.value, event.value)
+    request.status = new
+    log.debug(
+        "request_transition",
+        request_id=request.request_id,
+        input=event.value,
+        cause=cause,
+        **{"from": old.value, "to": new.value},
+    )
+    return new
+
+
+@frozen
+class ScheduledChunk:
+    """One request's share of a step, as the model runner needs it."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the tokens at positions [num_computed, num_computed + n)
+    num_computed_tokens: int
+    block_ids: GroupBlockIds  # whole tables
+    sample: bool  # the chunk reaches the last known token: sample the next one
+
+
+@frozen
+class StepBatch:
+    """The model runner's view of one step."""
+
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@frozen
+class StepOutput:
+    """Tokens a step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+
+
+@frozen
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")
+
+
+class Scheduler:
+    """Decides each step's work; owns the requests and the GPU block tables."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        connector: SchedulerConnector,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.connector = connector
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_recving: set[str] = set()
+        self._finished_since_last_step: set[str] = set()
+        self._delayed_free: set[str] = set()  # finished, blocks held until finished_sending
+        self._step = 0
+        self.num_preemptions = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ConfigError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ConfigError(f"request {request.request_id}: empty prompt")
+        if request.max_tokens <= 0:
+            raise ConfigError(f"request {request.request_id}: max_tokens must be positive")
+        need = -(-(request.num_prompt_tokens + request.max_tokens) // self.blocks.block_size)
+        if any(g.sliding_window is None for g in self.blocks.config.groups) and (
+            need > self.blocks.num_usable_blocks
+        ):
+            raise ConfigError(
+                f"request {request.request_id}: needs {need} GPU blocks, the cache has "
+                f"{self.blocks.num_usable_blocks}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        """Requests left, or finished ids the workers have not been told yet (vLLM's
+        ``has_requests``: one more step reports them to ``get_finished``)."""
+        return bool(self.requests or self._finished_since_last_step)
+
+    @property
+    def num_waiting_for_remote(self) -> int:
+        return sum(r.status is RS.WAITING_FOR_REMOTE_KVS for r in self.waiting)
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[SchedulerOutput, StepBatch]:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new_reqs: list[NewRequest] = []
+        cached_reqs: list[CachedRequest] = []
+        preempted: set[str] = set()
+        scheduled: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            added = self.blocks.allocate(req.request_id, req.num_computed_tokens, n)
+            while added is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+                added = self.blocks.allocate(req.request_id, req.num_computed_tokens, n)
+            if added is None:
+                break
+            chunks.append(self._chunk(req, n))
+            cached_reqs.append(
+                CachedRequest(
+                    request_id=req.request_id,
+                    new_block_ids=added,
+                    num_computed_tokens=req.num_computed_tokens,
+                    num_scheduled_tokens=n,
+                )
+            )
+            scheduled.add(req.request_id)
+            budget -= n
+            i += 1
+
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if req.status is RS.WAITING_FOR_REMOTE_KVS:
+                if req.request_id not in self._finished_recving:
+                    skipped.append(req)
+                    continue
+                self._finish_remote_load(req)
+            result = self._admit(req, budget)
+            if result is None:  # no blocks: keep the order, try again next step
+                self.waiting.appendleft(req)
+                break
+            if isinstance(result, str):  # not now: waits for its load, or for the connector
+                skipped.append(req)
+                continue
+            chunk, record = result
+            chunks.append(chunk)
+            if isinstance(record, NewRequest):
+                new_reqs.append(record)
+            else:
+                cached_reqs.append(record)
+            scheduled.add(req.request_id)
+            budget -= len(chunk.token_ids)
+        self.waiting.extendleft(reversed(skipped))
+
+        self._step += 1
+        out = SchedulerOutput(
+            step=self._step,
+            new_requests=tuple(new_reqs),
+            cached_requests=tuple(cached_reqs),
+            finished_request_ids=frozenset(self._finished_since_last_step),
+            preempted_request_ids=frozenset(preempted),
+        )
+        self._finished_since_last_step = set()
+        return out, StepBatch(tuple(chunks))
+
+    def _admit(
+        self, req: Request, budget: int
+    ) -> tuple[ScheduledChunk, NewRequest | CachedRequest] | str | None:
+        """Try to start (or restart) a waiting request; None: out of blocks; "skip": not now."""
+        resumed = req.status is RS.PREEMPTED
+        if req.request_id in self.blocks.tables:
+            # Its async load finished: blocks and computed tokens are already in place.
+            hit: list[list[int]] | None = None
+            num_local = 0
+            ext, load_async = 0, False
+        else:
+            hit = self.blocks.find_prefix_hit(req.block_hashes, req.num_tokens)
+            num_local = max((len(t) for t in hit), default=0) * self.blocks.block_size
+            ext_or_none, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+            if ext_or_none is None:
+                return "skip"
+            # At least one token must be computed to get logits (vLLM asks connectors for this).
+            ext = max(0, min(ext_or_none, req.num_tokens - 1 - num_local))
+            load_async = load_async and ext > 0
+            req.num_computed_tokens = num_local
+        start = req.num_computed_tokens + ext
+        n = 0 if load_async else req.num_tokens - start
+        if not load_async and not self.config.enable_chunked_prefill and n > budget:
+            self._undo_admission(req, hit)
+            return None
+        n = min(n, budget)
+        if hit is None:
+            added = self.blocks.allocate(req.request_id, start, n)
+        else:
+            added = self.blocks.allocate(req.request_id, start, n, prefix_hit=hit)
+        if added is None:
+            self._undo_admission(req, hit)
+            return None
+        if hit is not None:
+            req.stats.gpu_cached_tokens += num_local
+        self.connector.update_state_after_alloc(req, self.blocks.block_ids(req.request_id), ext)
+        if load_async:
+            req.load_target_tokens = start
+            req.pending_external_tokens = ext
+            transition(req, RI.WAIT_REMOTE, cause="async_external_hit")
+            return "skip"
+        req.num_computed_tokens = start
+        if ext:
+            req.pending_external_tokens = ext
+        transition(req, RI.SCHEDULE, cause="resumed" if resumed else "admitted")
+        self.running.append(req)
+        chunk = self._chunk(req, n)
+        record: NewRequest | CachedRequest
+        if resumed:
+            record = CachedRequest(
+                request_id=req.request_id,
+                new_block_ids=self.blocks.block_ids(req.request_id),
+                num_computed_tokens=start,
+                num_scheduled_tokens=n,
+                resumed_from_preemption=True,
+            )
+        else:
+            # First time in a batch, also after an async load (its blocks came with the load,
+            # as in vLLM, where such a request is scheduled as a new one).
+            record = NewRequest(
+                request_id=req.request_id,
+                block_ids=self.blocks.block_ids(req.request_id),
+                num_computed_tokens=start,
+                num_scheduled_tokens=n,
+            )
+        return chunk, record
+
+    def _undo_admission(self, req: Request, hit: list[list[int]] | None) -> None:
+        if hit is not None:
+            req.num_computed_tokens = 0
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        c = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=tuple(req.all_token_ids[c : c + n]),
+            num_computed_tokens=c,
+            block_ids=self.blocks.block_ids(req.request_id),
+            sample=c + n == req.num_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        transition(req, RI.PREEMPT, cause="out_of_blocks")
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.pending_external_tokens = 0
+        req.stats.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish_remote_load(self, req: Request) -> None:
+        """vLLM's ``_update_waiting_for_remote_kv``: the loaded blocks count as computed."""
+        self._finished_recving.discard(req.request_id)
+        req.num_computed_tokens = req.load_target_tokens
+        req.stats.external_loaded_tokens += req.pending_external_tokens
+        req.pending_external_tokens = 0
+        self.blocks.cache_computed(req.request_id, req.block_hashes, req.num_computed_tokens)
+        transition(req, RI.REMOTE_DONE, cause="finished_recving")
+
+    # ---- results ----------------------------------------------------------------------------
+
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        batch: StepBatch,
+        sampled: Mapping[str, int],
+        kv_output: KVConnectorOutput,
+    ) -> list[StepOutput]:
+        rolled_back = self._handle_invalid_blocks(kv_output.invalid_block_ids)
+        now = self.clock()
+        results: list[StepOutput] = []
+        for chunk in batch.chunks:
+            req = self.requests[chunk.request_id]
+            if req.request_id in rolled_back or req.status is not RS.RUNNING:
+                continue
+            n = len(chunk.token_ids)
+            c = chunk.num_computed_tokens
+            if n == 1 and c >= req.num_prompt_tokens:
+                req.stats.decode_tokens_computed += 1
+            else:
+                req.stats.prefill_tokens_computed += n
+            req.num_computed_tokens = c + n
+            req.stats.external_loaded_tokens += req.pending_external_tokens
+            req.pending_external_tokens = 0
+            self.blocks.cache_computed(req.request_id, req.block_hashes, req.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
+            if req.stats.first_token_time is None:
+                req.stats.first_token_time = now
+            finished = req.is_finished
+            if finished:
+                self._finish(req, now)
+            results.append(StepOutput(req.request_id, (token,), finished))
+
+        self.connector.update_connector_output(kv_output)
+        self._finished_recving |= kv_output.finished_recving
+        for rid in kv_output.finished_sending:
+            if rid in self._delayed_free:
+                self._delayed_free.discard(rid)
+                self._free(self.requests[rid], cause="finished_sending")
+        return results
+
+    def _handle_invalid_blocks(self, invalid: frozenset[int]) -> set[str]:
+        """Roll requests back to the valid prefix before the first block whose load failed."""
+        if not invalid:
+            return set()
+        bad = set(invalid)
+        rolled: set[str] = set()
+        self.blocks.uncache(bad)
+        for req in [*self.running, *self.waiting]:
+            pos = self.blocks.first_invalid_position(req.request_id, bad)
+            if pos is None:
+                continue
+            if req.status is RS.WAITING_FOR_REMOTE_KVS:
+                if pos < req.load_target_tokens:
+                    lost = req.load_target_tokens - pos
+                    req.pending_external_tokens = max(0, req.pending_external_tokens - lost)
+                    req.load_target_tokens = pos
+                    req.stats.recomputed_tokens += lost
+                    self.blocks.rollback(req.request_id, pos)
+                    log.info(
+                        "kv_load_failed_recompute",
+                        request_id=req.request_id,
+                        valid_tokens=pos,
+                        recomputed_tokens=lost,
+                    )
+                continue
+            if pos >= req.num_computed_tokens:
+                continue  # the block is being computed, not loaded: nothing to undo
+            lost = req.num_computed_tokens - pos
+            loaded_from = req.num_computed_tokens - req.pending_external_tokens
+            req.stats.external_loaded_tokens += max(0, pos - loaded_from)
+            req.stats.recomputed_tokens += lost
+            req.pending_external_tokens = 0
+            req.num_computed_tokens = pos
+            self.blocks.rollback(req.request_id, pos)
+            if req.status is RS.RUNNING:
+                rolled.add(req.request_id)  # this step ran on invalid KV: drop its result
+            log.info(
+                "kv_load_failed_recompute",
+                request_id=req.request_id,
+                valid_tokens=pos,
+                recomputed_tokens=lost,
+            )
+        return rolled
+
+    def _finish(self, req: Request, now: float) -> None:
+        transition(req, RI.FINISH, cause="max_tokens")
+        req.stats.finish_time = now
+        self.running.remove(req)
+        self._finished_since_last_step.add(req.request_id)
+        delay, params = self.connector.request_finished(req, self.blocks.block_ids(req.request_id))
+        req.kv_transfer_params = params
+        if delay:
+            self._delayed_free.add(req.request_id)
+        else:
+            self._free(req, cause="finished")
+
+    def _free(self, req: Request, *, cause: str) -> None:
+        transition(req, RI.FREE, cause=cause)
+        self.blocks.free(req.request_id)
+        del self.requests[req.request_id]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.blocks.reset_prefix_cache()
+
+
+__all__ = [
+    "TRANSITIONS",
+    "Request",
+    "RequestInput",
+    "RequestStats",
+    "RequestStatus",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepBatch",
+    "StepOutput",
+    "transition",
+]

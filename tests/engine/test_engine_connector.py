@@ -1,0 +1,156 @@
+"""The engine calls a KV connector where vLLM does: sync and async hits, failed loads, delayed
+frees, preemptions. Checked with the in-test ``FakeConnector``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from kvflow.connector.api import SchedulerConnector, WorkerConnector
+from kvflow.core.requests import RequestLike
+from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest
+from kvflow.engine.model import model_config
+from kvflow.engine.scheduler import RequestStatus
+from tests.engine.fake_connector import FakeConnector
+from tests.engine.helpers import make_engine, requests, shared_model, shared_prefix_prompts
+
+WORKER_STEP = [
+    "bind_connector_metadata",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_save",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "clear_connector_metadata",
+]
+
+
+def _engine(
+    fake_kwargs: dict[str, Any] | None = None, **config: Any
+) -> tuple[Engine, FakeConnector]:
+    cfg = model_config("tiny")
+    defaults: dict[str, Any] = {"block_size": 4, "num_gpu_blocks": 128}
+    defaults.update(config)
+    econf = EngineConfig(**defaults)
+    from kvflow.engine.engine import make_kv_cache_config
+
+    fake = FakeConnector(make_kv_cache_config(cfg, econf), **(fake_kwargs or {}))
+    engine = Engine(
+        cfg, econf, scheduler_connector=fake, worker_connector=fake, model=shared_model("tiny")
+    )
+    return engine, fake
+
+
+def _reference(ps: list[list[int]], max_tokens: int) -> list[tuple[int, ...]]:
+    engine = make_engine(enable_prefix_caching=False)
+    return [r.output_token_ids for r in engine.run_to_completion(requests(ps, max_tokens))]
+
+
+def _two_rounds(engine: Engine, ps: list[list[int]], max_tokens: int) -> list[Any]:
+    """First prompt alone (its blocks get saved), then the rest (they find them)."""
+    first = engine.run_to_completion(requests(ps[:1], max_tokens))
+    rest = engine.run_to_completion(
+        [GenerationRequest(p, max_tokens, request_id=f"r{i + 1}") for i, p in enumerate(ps[1:])]
+    )
+    return [*first, *rest]
+
+
+def test_fake_connector_fits_both_protocols() -> None:
+    """The fake (and so the engine's calls) matches the two connector roles."""
+    engine, fake = _engine()
+    assert isinstance(fake, SchedulerConnector)
+    assert isinstance(fake, WorkerConnector)
+    assert fake.calls == ["register_kv_caches"]
+    engine.run_to_completion(requests(shared_prefix_prompts(8, [1]), 2))
+    worker_calls = [c for c in fake.calls if c in WORKER_STEP]
+    assert worker_calls == WORKER_STEP * engine.stats.steps
+    assert fake.calls.index("get_num_new_matched_tokens") < fake.calls.index(
+        "update_state_after_alloc"
+    )
+
+
+def test_sync_external_hit_loads_and_matches_reference() -> None:
+    """A later request loads its prefix through the connector and yields the reference tokens."""
+    ps = shared_prefix_prompts(24, [6, 3, 5])
+    engine, fake = _engine(enable_prefix_caching=False)
+    results = _two_rounds(engine, ps, 4)
+    assert [r.output_token_ids for r in results] == _reference(ps, 4)
+    assert results[0].external_loaded_tokens == 0
+    assert [r.external_loaded_tokens for r in results[1:]] == [24, 24]
+    assert engine.stats.external_loaded_tokens == 48
+    assert fake.store  # the first request's blocks were saved
+
+
+def test_async_hit_waits_for_remote_kvs_then_runs() -> None:
+    """An async hit parks the request in WAITING_FOR_REMOTE_KVS until finished_recving."""
+    ps = shared_prefix_prompts(24, [6, 5])
+    engine, fake = _engine({"load_async": True, "load_delay_steps": 3}, enable_prefix_caching=False)
+    (first,) = engine.run_to_completion(requests(ps[:1], 4))
+    engine.add_request(ps[1], 4, request_id="later")
+    statuses = []
+    while engine.has_unfinished():
+        engine.step()
+        req = engine.scheduler.requests.get("later")
+        statuses.append(None if req is None else req.status)
+    waited = statuses.count(RequestStatus.WAITING_FOR_REMOTE_KVS)
+    assert waited == 3
+    assert statuses[0] is RequestStatus.WAITING_FOR_REMOTE_KVS
+    later = engine.take_result("later")
+    assert later.external_loaded_tokens == 24
+    assert [first.output_token_ids, later.output_token_ids] == _reference(ps, 4)
+    assert any("later" in o.finished_recving for o in fake.outputs_seen)
+    # Once loaded it enters the batch as a new request whose loaded tokens count as computed.
+    news = [n for o in fake.scheduler_outputs for n in o.new_requests if n.request_id == "later"]
+    assert [(n.num_computed_tokens, n.num_scheduled_tokens) for n in news] == [(24, 5)]
+    assert all(isinstance(r, RequestLike) for r in fake.requests_seen)
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+@pytest.mark.parametrize("fail_index", [0, 2])
+def test_failed_load_is_recomputed_with_identical_output(load_async: bool, fail_index: int) -> None:
+    """Blocks reported invalid are recomputed from the valid prefix; tokens stay identical."""
+    ps = shared_prefix_prompts(24, [6, 5])
+    engine, fake = _engine(
+        {"load_async": load_async, "fail_loads": 1, "fail_index": fail_index},
+        enable_prefix_caching=False,
+    )
+    with capture_logs() as logs:
+        results = _two_rounds(engine, ps, 4)
+    assert [r.output_token_ids for r in results] == _reference(ps, 4)
+    later = results[1]
+    valid = fail_index * 4  # blocks before the failed one stay loaded
+    assert later.recomputed_tokens == 24 - valid
+    assert later.external_loaded_tokens == valid
+    assert later.prefill_tokens_computed == len(ps[1]) - valid
+    assert any(e["event"] == "kv_load_failed_recompute" for e in logs)
+    assert any(o.invalid_block_ids for o in fake.outputs_seen)
+
+
+def test_delayed_free_holds_blocks_until_finished_sending() -> None:
+    """request_finished → True keeps the blocks until the worker names the request as sent."""
+    ps = shared_prefix_prompts(16, [2, 3])
+    engine, fake = _engine(enable_prefix_caching=False)
+    engine.add_request(ps[0], 1, request_id="a")
+    engine.step()  # prefill + the only token: finished, save queued, blocks held
+    assert "a" in engine.scheduler.requests
+    held = engine.blocks.block_ids("a")[0]
+    assert len(held) == 5
+    assert engine.blocks.num_free_blocks() == 127 - 5
+    assert engine.has_unfinished()
+    engine.step()  # the save runs after this step's forward and is reported
+    assert "a" not in engine.scheduler.requests
+    assert engine.blocks.num_free_blocks() == 127
+    assert any("a" in o.finished_sending for o in fake.outputs_seen)
+    assert not engine.has_unfinished()
+
+
+def test_preemptions_reach_handle_preemptions() -> None:
+    """Preempted request ids are in the step's SchedulerOutput and handle_preemptions sees them."""
+    ps = shared_prefix_prompts(4, [26, 22, 18, 14])
+    engine, fake = _engine(num_gpu_blocks=20, max_num_batched_tokens=16)
+    results = engine.run_to_completion(requests(ps, 8))
+    assert engine.stats.preemptions > 0
+    assert fake.preemptions_seen
+    assert [r.output_token_ids for r in results] == _reference(ps, 8)
