@@ -150,12 +150,12 @@ class Rig:
         self.echo = echo
         self.hook_ns = [0]
         self.manager_ns = [0]
-        connector = self.scheduler.connector
-        if connector is not None:
-            time_hooks(connector, self.hook_ns)
+        instance = self.scheduler.connector
+        if instance is not None:
+            time_hooks(instance, self.hook_ns)
             # kvflow: split the hooks' time into the adapter's and the manager's share.
-            if getattr(connector, "_manager", None) is not None:
-                time_hooks(connector._manager, self.manager_ns, MANAGER_CALLS)
+            if getattr(instance, "_manager", None) is not None:
+                time_hooks(instance._manager, self.manager_ns, MANAGER_CALLS)
         for i in range(args.requests):
             # Distinct prompts: no GPU prefix hits, every block is new (the offloaders' worst case).
             tokens = [(i * 131 + j * 7) % 30000 + 10 for j in range(args.prompt)]
@@ -288,7 +288,9 @@ def main() -> None:
             f"{hooks[name] / simple_hooks:.2f}" if simple_hooks and name != "no connector" else "-",
         )
     if not kvflow_ready:
-        table.add_row("kvflow eager / lazy", "n/a", "", "", "", "", "manager not merged yet", "", "")
+        table.add_row(
+            "kvflow eager / lazy", "n/a", "", "", "", "", "manager not merged yet", "", ""
+        )
     console = Console(width=160)
     console.print(table)
     split = Table(title="kvflow's connector hooks per step: adapter vs manager (ms, mean)")
@@ -297,7 +299,9 @@ def main() -> None:
     for name, rig in rigs.items():
         if rig.manager and any(rig.manager):
             m = statistics.fmean(rig.manager) / 1e6
-            split.add_row(name, f"{hooks[name] / 1e6:.3f}", f"{m:.3f}", f"{hooks[name] / 1e6 - m:.3f}")
+            split.add_row(
+                name, f"{hooks[name] / 1e6:.3f}", f"{m:.3f}", f"{hooks[name] / 1e6 - m:.3f}"
+            )
     if split.row_count:
         console.print(split)
 

@@ -73,6 +73,18 @@ def test_vllm_factory_builds_the_connector_from_the_module_path() -> None:
     assert rig.manager.outputs[0].step == 0
 
 
+def test_connector_logs_its_creation_per_role() -> None:
+    """Each role's connector logs vllm_connector_created with its CPU tier size and policy."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        rig = Rig()
+    created = [e for e in logs if e["event"] == "vllm_connector_created"]
+    assert sorted(e["role"] for e in created) == ["SCHEDULER", "WORKER"]
+    assert {e["cpu_blocks"] for e in created} == {rig.worker.num_cpu_blocks}
+    assert {e["store_policy"] for e in created} == {"eager"}
+
+
 def test_bad_extra_config_fails_scheduler_construction_with_a_named_error() -> None:
     """A misspelt kvflow option stops vLLM at start-up, naming the key."""
     with pytest.raises(ConfigError, match="cpu_bytes"):

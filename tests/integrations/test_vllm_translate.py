@@ -189,11 +189,14 @@ def test_options_are_validated_by_name() -> None:
 
 def test_gpu_cache_view_walks_vllms_free_queue_in_eviction_order() -> None:
     """The lazy policy's view lists vLLM's free blocks in vLLM's order and pins them with touch."""
+    from kvflow.core.gpu_view import GpuCacheView
+
     h = VLLMHarness.build(num_blocks=16)
     request = h.add(prompt(40), max_tokens=1)
     h.run_until_done([request])
     pool = h.scheduler.kv_cache_manager.block_pool
     view = VLLMGpuCacheView(pool)
+    assert isinstance(view, GpuCacheView)
     expected = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
     assert list(view.iter_free()) == expected
     assert 0 not in expected
@@ -202,9 +205,12 @@ def test_gpu_cache_view_walks_vllms_free_queue_in_eviction_order() -> None:
     view.touch(cached)
     assert pool.get_num_free_blocks() == len(expected) - 2
     assert view.next_free(cached[0]) is None  # held blocks are not free
+    assert not view.is_free(cached[0])
+    assert not view.is_free(0)  # the null block is never free
     assert not set(view.iter_free()) & set(cached)
     view.free(cached)
     assert pool.get_num_free_blocks() == len(expected)
+    assert view.is_free(cached[0])
 
 
 def test_relay_writes_the_outcome_into_the_connector_output() -> None:

@@ -130,6 +130,9 @@ class ScriptedManager:
         self.resets += 1
         return "complete"
 
+    def num_live_transfers(self, request_id: str | None = None) -> int:
+        return len(self._pending) + len(self._live)
+
 
 @define
 class ScriptedRuntime:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
@@ -246,6 +246,8 @@ class SchedulerDelegate(Protocol):
 
     def reset_cache(self) -> object: ...
 
+    def num_live_transfers(self, request_id: str | None = None) -> int: ...
+
 
 class WorkerDelegate(Protocol):
     """The synchronous facade of kvflow's worker runtime (``SyncWorkerRuntime``)."""
@@ -294,7 +296,11 @@ class VLLMGpuCacheView:
             return None
         return self._id_or_none(block.next_free_block)
 
-    def block_hash(self, block_id: int) -> object | None:
+    def is_free(self, block_id: int) -> bool:
+        block = self._blocks[block_id]
+        return not block.ref_cnt and not block.is_null
+
+    def block_hash(self, block_id: int) -> Hashable | None:
         block = self._blocks[block_id]
         return None if block.is_null else block.block_hash
 
@@ -575,12 +581,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     def make_scheduler_delegate(self, gpu_view: VLLMGpuCacheView | None) -> SchedulerDelegate:
         """kvflow's ``OffloadManager`` for this vLLM instance's KV cache groups."""
-        config_cls = _import_attr("kvflow.core.scheduler", "SchedulerConfig")
-        group_cls = _import_attr("kvflow.core.scheduler", "GroupSpec")
-        manager_cls = _import_attr("kvflow.core.scheduler", "OffloadManager")
-        config = config_cls(
+        from kvflow.core.scheduler import GroupSpec, OffloadManager, SchedulerConfig
+
+        config = SchedulerConfig(
             groups=[
-                group_cls(
+                GroupSpec(
                     block_size=g.block_size,
                     num_cpu_blocks=self.num_cpu_blocks,
                     sliding_window=g.sliding_window,
@@ -593,24 +598,25 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             lazy_watermark=self.options.lazy_watermark,
             null_block_id=NULL_BLOCK_ID,
         )
-        manager: SchedulerDelegate = manager_cls(config, gpu_view=gpu_view)
-        return manager
+        return OffloadManager(config, gpu_view=gpu_view)
 
     def make_worker_delegate(self) -> WorkerDelegate:
         """kvflow's synchronous worker runtime on the host or CUDA backend."""
+        # Imported here: the scheduler process never needs the runtime's event loop or torch.
+        from kvflow.backends.host import HostBackend
+        from kvflow.runtime.portal import SyncWorkerRuntime
+
         backend_name = self.options.backend
         if backend_name == "auto":
             import torch
 
             backend_name = "cuda" if torch.cuda.is_available() else "host"
-        backend_cls = (
-            _import_attr("kvflow.backends.cuda", "CudaBackend")
+        backend = (
+            _import_attr("kvflow.backends.cuda", "CudaBackend")()
             if backend_name == "cuda"
-            else _import_attr("kvflow.backends.host", "HostBackend")
+            else HostBackend()
         )
-        runtime_cls = _import_attr("kvflow.runtime.portal", "SyncWorkerRuntime")
-        worker: WorkerDelegate = runtime_cls(backend_cls(), rank=_world_rank())
-        return worker
+        return SyncWorkerRuntime(backend, rank=_world_rank())
 
     @property
     def manager(self) -> SchedulerDelegate:
@@ -683,8 +689,12 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     def has_pending_push_work(self) -> bool:
-        # Keeps vLLM's engine loop stepping while held completions wait for their echo.
-        return self._relay.pending
+        # Keeps vLLM's engine loop stepping until every transfer reported and held completions
+        # went through their echo: an idle engine would otherwise leave finished stores
+        # uncommitted, and the next request would miss them.
+        return self._relay.pending or (
+            self._manager is not None and self._manager.num_live_transfers() > 0
+        )
 
     # -- worker side ------------------------------------------------------------------------------
 
