@@ -200,6 +200,10 @@ class ScriptedRuntime:
         out, self._errors = self._errors, set()
         return out
 
+    def in_flight(self) -> list[TransferSpec]:
+        """Transfers handed over and not reported yet."""
+        return list(self._in_flight.values())
+
     def handle_preemptions(self, plan: StepPlan) -> None:
         self.calls.append("handle_preemptions")
 
@@ -210,7 +214,7 @@ class ScriptedRuntime:
 class ScriptedConnector(KVFlowConnector):
     """``KVFlowConnector`` over the scripted manager and runtime."""
 
-    def make_scheduler_delegate(self, gpu_view: VLLMGpuCacheView | None) -> SchedulerDelegate:
+    def make_scheduler_delegate(self, gpu_view: VLLMGpuCacheView) -> SchedulerDelegate:
         return ScriptedManager(self.geometry[0].block_size)
 
     def make_worker_delegate(self) -> WorkerDelegate:

@@ -560,9 +560,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerDelegate | None = None
         self._report: StepReport | None = None
         self._echo: frozenset[int] = frozenset()
-        if role == KVConnectorRole.SCHEDULER and self.options.store_policy == "eager":
-            self._manager = self.make_scheduler_delegate(None)
-        elif role == KVConnectorRole.WORKER:
+        # The scheduler-role manager is built in bind_gpu_block_pool, which vLLM's Scheduler calls
+        # right after this: with a view of vLLM's GPU pool every transfer holds a reference on
+        # its GPU blocks, so vLLM cannot reuse a block under a copy (preemption, abort).
+        if role == KVConnectorRole.WORKER:
             self._worker = self.make_worker_delegate()
         log.info(
             "vllm_connector_created",
@@ -579,7 +580,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- delegate construction (overridable) ------------------------------------------------------
 
-    def make_scheduler_delegate(self, gpu_view: VLLMGpuCacheView | None) -> SchedulerDelegate:
+    def make_scheduler_delegate(self, gpu_view: VLLMGpuCacheView) -> SchedulerDelegate:
         """kvflow's ``OffloadManager`` for this vLLM instance's KV cache groups."""
         from kvflow.core.scheduler import GroupSpec, OffloadManager, SchedulerConfig
 
@@ -622,7 +623,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def manager(self) -> SchedulerDelegate:
         if self._manager is None:
             raise ConfigError(
-                "kvflow's scheduler side is not ready: the lazy policy needs vLLM's GPU block pool "
+                "kvflow's scheduler side is not ready: vLLM binds its GPU block pool "
                 "(bind_gpu_block_pool) first, and worker-role connectors have no manager"
             )
         return self._manager
