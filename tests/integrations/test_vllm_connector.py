@@ -39,9 +39,12 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 class Rig:
     """vLLM's scheduler with a scripted-delegate KVFlowConnector and its worker twin."""
 
-    def __init__(self, num_blocks: int = 64, **config: object) -> None:
+    def __init__(
+        self, num_blocks: int = 64, sliding_window: int | None = None, **config: Any
+    ) -> None:
         self.h = VLLMHarness.build(
             num_blocks=num_blocks,
+            sliding_window=sliding_window,
             connector="ScriptedConnector",
             module_path=FAKES_MODULE,
             extra_config={"cpu_bytes_to_use": 1 << 20},
@@ -143,6 +146,37 @@ def test_failed_load_is_recomputed_by_vllm() -> None:
             computed.append((request.num_computed_tokens, so.num_scheduled_tokens["r"]))
             break
     assert computed == [(50, 50)]  # all 50 tokens scheduled again: nothing loaded was trusted
+
+
+def test_failed_load_in_a_hybrid_model_is_reported_per_request() -> None:
+    """With full-attention and sliding-window groups, vLLM refuses block-level failures; the
+    failed load reaches it as failed_recving and the prompt is recomputed, without a crash."""
+    rig = Rig(sliding_window=32)
+    assert len(rig.h.scheduler.kv_cache_config.kv_cache_groups) == 2
+    request = rig.h.add(prompt(50), max_tokens=2, request_id="r")
+    rig.manager.hits["r"] = 48
+    rig.runtime.fail = {1}
+    so, _ = rig.step()
+    (load,) = so.kv_connector_metadata.plan.loads
+    assert len(load.gpu_block_ids) == 2
+    for _ in range(3):
+        so, _ = rig.step()
+        if "r" in so.num_scheduled_tokens:
+            break
+    assert so.num_scheduled_tokens == {"r": 50}
+    assert request.num_computed_tokens == 50
+
+
+def test_cpu_hit_in_a_hybrid_model_loads_every_group() -> None:
+    """A hybrid model's CPU hit loads both groups' blocks and vLLM computes only the tail."""
+    rig = Rig(sliding_window=32)
+    rig.h.add(prompt(50), max_tokens=2, request_id="r")
+    rig.manager.hits["r"] = 48
+    so, _ = rig.step()
+    (load,) = so.kv_connector_metadata.plan.loads
+    assert [len(g) > 0 for g in load.gpu_block_ids] == [True, True]
+    so, _ = rig.step()  # the load landed in the previous step's output
+    assert so.num_scheduled_tokens == {"r": 2}
 
 
 def test_invalid_ids_only_the_manager_knows_are_echoed_before_the_load_finishes() -> None:

@@ -86,6 +86,23 @@ def test_repeated_prompt_hits_the_cpu_tier_and_vllm_computes_only_the_tail(polic
     assert any(p.loads for p in rig.runtime.plans)
 
 
+def test_hybrid_model_repeated_prompt_hits_the_cpu_tier() -> None:
+    """Full-attention plus sliding-window groups: the repeated prompt is loaded for both groups
+    (the window group only inside its window) and vLLM schedules the 6-token tail."""
+    rig = Rig(sliding_window=32)
+    rig.store_prompt_and_evict_gpu()
+    request = rig.h.add(PROMPT, max_tokens=2)
+    for _ in range(5):
+        so, _ = rig.step()
+        if request.request_id in so.num_scheduled_tokens:
+            break
+    assert so.num_scheduled_tokens == {request.request_id: 6}
+    (load,) = [t for p in rig.runtime.plans for t in p.loads]
+    assert len(load.gpu_block_ids) == 2
+    assert len(load.gpu_block_ids[1]) < len(load.gpu_block_ids[0])
+    rig.run()
+
+
 def test_request_waits_for_its_load_and_runs_after_finished_recving() -> None:
     """While the load is held the request stays WAITING_FOR_REMOTE_KVS; it runs once it lands."""
     rig = Rig()

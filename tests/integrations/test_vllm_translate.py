@@ -227,7 +227,7 @@ def test_relay_writes_the_outcome_into_the_connector_output() -> None:
     relay.apply(out, Outcome())
     assert out.finished_sending == {"a"}
     assert out.finished_recving == {"b"}
-    assert relay.take_echo() == frozenset()
+    assert relay.take_echo() == (frozenset(), frozenset())
     assert not relay.pending
 
 
@@ -244,10 +244,30 @@ def test_relay_holds_loads_whose_failures_vllm_has_not_seen_yet() -> None:
     relay.apply(out, Outcome())
     assert out.finished_recving is None
     assert relay.pending
-    assert relay.take_echo() == frozenset({5})
+    assert relay.take_echo() == (frozenset({5}), frozenset())
     later = KVConnectorOutput(invalid_block_ids={5})
     relay.apply(later, None)
     assert later.finished_recving == {"b"}
+    assert not relay.pending
+
+
+def test_relay_with_several_groups_echoes_unflagged_loads_as_failed_requests() -> None:
+    """With several KV cache groups, loads settled alongside unexplained invalid ids are echoed as
+    failed requests (vLLM recomputes them); loads a worker flagged itself finish at once."""
+
+    class Outcome:
+        finished_sending: frozenset[str] = frozenset()
+        finished_recving = frozenset({"flagged", "other"})
+        invalid_block_ids = frozenset({4})
+
+    relay = OutcomeRelay(per_request=True)
+    out = KVConnectorOutput(failed_recving={"flagged"})
+    relay.apply(out, Outcome())
+    assert out.finished_recving == {"flagged"}
+    assert relay.take_echo() == (frozenset(), frozenset({"other"}))
+    later = KVConnectorOutput(failed_recving={"other"})
+    relay.apply(later, None)
+    assert later.finished_recving == {"other"}
     assert not relay.pending
 
 

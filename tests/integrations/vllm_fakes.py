@@ -72,11 +72,14 @@ class ScriptedManager:
         self.hits.pop(request.request_id, None)
         first = self._computed[request.request_id] // self.block_size
         count = num_external_tokens // self.block_size
-        gpu = tuple(gpu_block_ids[0][first : first + count])
+        # Every group loads the same token range (a sliding-window group's skipped blocks are
+        # vLLM's null block 0 and are not loaded).
+        gpu = tuple(
+            tuple(b for b in group[first : first + count] if b != 0) for group in gpu_block_ids
+        )
+        cpu = tuple(tuple(range(len(g))) for g in gpu)
         self._pending.append(
-            TransferSpec(
-                next(self._ids), request.request_id, Direction.LOAD, (gpu,), (tuple(range(count)),)
-            )
+            TransferSpec(next(self._ids), request.request_id, Direction.LOAD, gpu, cpu)
         )
 
     def build_step_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
@@ -103,7 +106,7 @@ class ScriptedManager:
                 if spec.direction is Direction.LOAD:
                     recving.add(spec.request_id)
                     if tid in report.failed:
-                        invalid.update(spec.gpu_block_ids[0])
+                        invalid.update(b for group in spec.gpu_block_ids for b in group)
                 else:
                     sending.add(spec.request_id)
         return Outcome(frozenset(sending), frozenset(recving), frozenset(invalid))
@@ -121,7 +124,7 @@ class ScriptedManager:
                 request.request_id,
                 Direction.STORE,
                 ids,
-                (tuple(range(len(ids[0]))),),
+                tuple(tuple(range(len(g))) for g in ids),
             )
         )
         return True, None

@@ -37,6 +37,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -134,9 +135,24 @@ def page_bytes(block_size: int) -> int:
     return 2 * block_size * NUM_KV_HEADS * HEAD_SIZE * 2
 
 
-def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
-    """One full-attention group over the tiny model's layers, layer-outermost tensors."""
+def make_kv_cache_config(
+    num_blocks: int, block_size: int = 16, sliding_window: int | None = None
+) -> KVCacheConfig:
+    """One full-attention group over the tiny model's layers, layer-outermost tensors; with
+    ``sliding_window``, a hybrid model instead: layer 0 full attention, layer 1 sliding window."""
     page = page_bytes(block_size)
+    spec = {"block_size": block_size, "num_kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE}
+    groups = (
+        [KVCacheGroupSpec(list(LAYERS), FullAttentionSpec(dtype=torch.float16, **spec))]
+        if sliding_window is None
+        else [
+            KVCacheGroupSpec([LAYERS[0]], FullAttentionSpec(dtype=torch.float16, **spec)),
+            KVCacheGroupSpec(
+                [LAYERS[1]],
+                SlidingWindowSpec(dtype=torch.float16, sliding_window=sliding_window, **spec),
+            ),
+        ]
+    )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
@@ -148,27 +164,19 @@ def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig
             )
             for layer in LAYERS
         ],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                list(LAYERS),
-                FullAttentionSpec(
-                    block_size=block_size,
-                    num_kv_heads=NUM_KV_HEADS,
-                    head_size=HEAD_SIZE,
-                    dtype=torch.float16,
-                ),
-            )
-        ],
+        kv_cache_groups=groups,
     )
 
 
-def make_scheduler(vllm_config: VllmConfig, num_blocks: int) -> Scheduler:
+def make_scheduler(
+    vllm_config: VllmConfig, num_blocks: int, sliding_window: int | None = None
+) -> Scheduler:
     """vLLM's real v1 scheduler (and its connector, if the config names one) on CPU."""
     block_size = vllm_config.cache_config.block_size
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=vllm_config,
-        kv_cache_config=make_kv_cache_config(num_blocks, block_size),
+        kv_cache_config=make_kv_cache_config(num_blocks, block_size, sliding_window),
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
         log_stats=True,
@@ -241,9 +249,12 @@ class VLLMHarness:
     steps: int = 0
 
     @classmethod
-    def build(cls, num_blocks: int = 256, **config: Any) -> VLLMHarness:
+    def build(
+        cls, num_blocks: int = 256, sliding_window: int | None = None, **config: Any
+    ) -> VLLMHarness:
         vllm_config = make_vllm_config(**config)
-        return cls(make_scheduler(vllm_config, num_blocks), vllm_config.cache_config.block_size)
+        scheduler = make_scheduler(vllm_config, num_blocks, sliding_window)
+        return cls(scheduler, vllm_config.cache_config.block_size)
 
     @property
     def connector(self) -> Any:

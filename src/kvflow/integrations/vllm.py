@@ -42,6 +42,7 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
         KVConnectorWorkerMetadata,
         SupportsHMA,
     )
@@ -433,14 +434,24 @@ def num_cpu_blocks(geometry: Sequence[GroupGeometry], cpu_bytes: int) -> int:
 
 
 class KVFlowConnectorMetadata(KVConnectorMetadata):
-    """Scheduler → workers, once per step: the manager's plan, plus load errors to echo back."""
+    """Scheduler → workers, once per step: the manager's plan, plus load failures to echo back
+    (block ids with one KV cache group, request ids with several)."""
 
-    def __init__(self, plan: StepPlan, echo_invalid_block_ids: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        plan: StepPlan,
+        echo_invalid_block_ids: frozenset[int] = frozenset(),
+        echo_failed_request_ids: frozenset[str] = frozenset(),
+    ):
         self.plan = plan
         self.echo_invalid_block_ids = echo_invalid_block_ids
+        self.echo_failed_request_ids = echo_failed_request_ids
 
     def __repr__(self) -> str:
-        return f"KVFlowConnectorMetadata({self.plan!r}, echo={sorted(self.echo_invalid_block_ids)})"
+        return (
+            f"KVFlowConnectorMetadata({self.plan!r}, echo={sorted(self.echo_invalid_block_ids)}, "
+            f"echo_failed={sorted(self.echo_failed_request_ids)})"
+        )
 
 
 class KVFlowWorkerMetadata(KVConnectorWorkerMetadata):
@@ -465,29 +476,44 @@ def _report_has_news(report: StepReport) -> bool:
 class OutcomeRelay:
     """Turns the manager's outcomes into ``KVConnectorOutput`` fields, honouring vLLM's ordering.
 
-    vLLM reads ``invalid_block_ids`` before ``update_connector_output``; ids the workers did not
-    report this pass are echoed through the next metadata, and ``finished_recving`` waits for them.
+    vLLM reads load failures (``invalid_block_ids``, or ``failed_recving`` request ids when there
+    are several KV cache groups, whose block ids it cannot map back) before
+    ``update_connector_output``. Failures the workers did not report in this pass are echoed
+    through the next metadata, and the affected ``finished_recving`` wait for them. With several
+    groups the outcome's block ids cannot be tied to requests, so every load that settled in such
+    a pass and was not flagged by a worker is echoed as failed: vLLM recomputes it, which is
+    always safe.
     """
 
-    __slots__ = ("_echo", "_held_recving")
+    __slots__ = ("_echo", "_echo_requests", "_held_recving", "_per_request")
 
-    def __init__(self) -> None:
+    def __init__(self, per_request: bool = False) -> None:
+        self._per_request = per_request
         self._echo: set[int] = set()
+        self._echo_requests: set[str] = set()
         self._held_recving: set[str] = set()
 
     def apply(self, connector_output: KVConnectorOutput, outcome: OutcomeLike | None) -> None:
-        seen = set(connector_output.invalid_block_ids or ())
         sending = set(connector_output.finished_sending or ())
         recving: set[str] = set()
         if outcome is not None:
             sending |= outcome.finished_sending
             recving |= outcome.finished_recving
-            late = set(outcome.invalid_block_ids) - seen
-            if late:
-                self._echo |= late
-                self._held_recving |= recving
-                recving = set()
-        if self._held_recving and not self._echo:
+            if self._per_request:
+                suspects = recving - set(connector_output.failed_recving or ())
+                if outcome.invalid_block_ids and suspects:
+                    self._echo_requests |= suspects
+                    self._held_recving |= suspects
+                    recving -= suspects
+            else:
+                late = set(outcome.invalid_block_ids) - set(
+                    connector_output.invalid_block_ids or ()
+                )
+                if late:
+                    self._echo |= late
+                    self._held_recving |= recving
+                    recving = set()
+        if self._held_recving and not (self._echo or self._echo_requests):
             recving |= self._held_recving
             self._held_recving = set()
         connector_output.finished_sending = sending or None
@@ -495,14 +521,16 @@ class OutcomeRelay:
             recving | set(connector_output.finished_recving or ())
         ) or None
 
-    def take_echo(self) -> frozenset[int]:
-        """Ids to send to the workers now; held completions are released on the next ``apply``."""
-        echo, self._echo = frozenset(self._echo), set()
+    def take_echo(self) -> tuple[frozenset[int], frozenset[str]]:
+        """Block ids and request ids to send to the workers now; held completions are released on
+        the next ``apply``."""
+        echo = frozenset(self._echo), frozenset(self._echo_requests)
+        self._echo, self._echo_requests = set(), set()
         return echo
 
     @property
     def pending(self) -> bool:
-        return bool(self._echo or self._held_recving)
+        return bool(self._echo or self._echo_requests or self._held_recving)
 
 
 # ---- the connector -------------------------------------------------------------------------------
@@ -553,13 +581,18 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_groups = len(self.geometry)
         self._boundary = math.gcd(*(g.block_size for g in self.geometry))
         self._views = RequestViews()
-        self._relay = OutcomeRelay()
+        # vLLM maps failed block ids back to requests only with a single KV cache group.
+        self._per_request_failures = self._num_groups > 1
+        self._relay = OutcomeRelay(per_request=self._per_request_failures)
         self._step = 0
         self._gpu_view: VLLMGpuCacheView | None = None
         self._manager: SchedulerDelegate | None = None
         self._worker: WorkerDelegate | None = None
         self._report: StepReport | None = None
         self._echo: frozenset[int] = frozenset()
+        self._echo_failed: frozenset[str] = frozenset()
+        self._load_requests: dict[int, str] = {}  # worker: live load transfer → its request
+        self._failed_requests: set[str] = set()  # worker: requests of loads that failed
         # The scheduler-role manager is built in bind_gpu_block_pool, which vLLM's Scheduler calls
         # right after this: with a view of vLLM's GPU pool every transfer holds a reference on
         # its GPU blocks, so vLLM cannot reuse a block under a copy (preemption, abort).
@@ -663,7 +696,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self.manager.build_step_plan(
             translate_scheduler_output(scheduler_output, step, self._num_groups, self._boundary)
         )
-        return KVFlowConnectorMetadata(plan, self._relay.take_echo())
+        return KVFlowConnectorMetadata(plan, *self._relay.take_echo())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -712,7 +745,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             )
         super().bind_connector_metadata(connector_metadata)
         self._echo |= connector_metadata.echo_invalid_block_ids
-        self.worker.bind_connector_metadata(connector_metadata.plan)
+        self._echo_failed |= connector_metadata.echo_failed_request_ids
+        plan = connector_metadata.plan
+        self._load_requests.update((t.transfer_id, t.request_id) for t in plan.loads)
+        self.worker.bind_connector_metadata(plan)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if (
@@ -736,19 +772,38 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.wait_for_save()
 
     def _collect_report(self) -> None:
-        if self._report is None:
-            self._report = self.worker.build_report()
+        if self._report is not None:
+            return
+        report = self._report = self.worker.build_report()
+        for tid in report.completed:
+            self._load_requests.pop(tid, None)
+        for tid in report.failed:
+            rid = self._load_requests.pop(tid, None)
+            if rid is not None:
+                self._failed_requests.add(rid)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Request completion is decided by the scheduler-side manager once all ranks reported.
         self._collect_report()
         return None, None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """No completions (the manager decides them); with several KV cache groups, the requests
+        whose loads failed, as vLLM needs them there."""
+        self._collect_report()
+        failed: set[str] = set()
+        if self._per_request_failures:
+            failed = self._failed_requests | self._echo_failed
+            self._echo_failed = frozenset()
+        self._failed_requests = set()
+        return KVConnectorTransferResults(failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._collect_report()
         errors = set(self.worker.get_block_ids_with_load_errors()) | self._echo
         self._echo = frozenset()
-        return errors
+        # Several groups: vLLM rejects block ids it cannot map back; failed_recving carries them.
+        return set() if self._per_request_failures else errors
 
     def build_connector_worker_meta(self) -> KVFlowWorkerMetadata | None:
         self._collect_report()
