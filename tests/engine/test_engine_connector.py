@@ -154,3 +154,32 @@ def test_preemptions_reach_handle_preemptions() -> None:
     assert engine.stats.preemptions > 0
     assert fake.preemptions_seen
     assert [r.output_token_ids for r in results] == _reference(ps, 8)
+
+
+def test_full_external_hit_leaves_a_block_to_compute() -> None:
+    """A hit covering the whole prompt is cut to the block before the last token, never mid-block."""
+    (p,) = shared_prefix_prompts(8, [0])
+    engine, _ = _engine(enable_prefix_caching=False)
+    engine.run_to_completion(requests([p], 1))
+    (again,) = engine.run_to_completion(requests([p], 1))
+    assert again.external_loaded_tokens == 4  # 8 tokens hit, but the second block is recomputed
+    assert again.prefill_tokens_computed == 4
+    assert [again.output_token_ids] == _reference([p], 1)
+
+
+def test_loaded_requests_holding_every_block_give_them_back() -> None:
+    """Async-loaded requests that hold all blocks but cannot grow release them instead of
+    deadlocking; every request still gets the reference tokens."""
+    ps = [[35, 59, 56, 12, 0], [35, 59, 56, 35, 59, 56], [35, 59, 56, 35, 59, 0]]
+    engine, _ = _engine(
+        {"load_async": True, "load_delay_steps": 1},
+        num_gpu_blocks=3,
+        max_num_batched_tokens=1,
+        enable_prefix_caching=False,
+        max_idle_steps=50,
+    )
+    engine.run_to_completion(requests(ps, 1))
+    with capture_logs() as logs:
+        results = engine.run_to_completion(requests(ps, 1))
+    assert [r.output_token_ids for r in results] == _reference(ps, 1)
+    assert any(e.get("input") == "release_blocks" for e in logs)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from attrs import field, frozen
 
-from kvflow.core.protocol import GroupBlockIds
+from kvflow.core.protocol import GroupBlockIds, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.errors import ConfigError
 
@@ -122,8 +122,10 @@ class SchedulerConnector(Protocol):
         """Everything the workers must do this step; resets the per-step state."""
         ...
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Take in what the workers reported after a step."""
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput | None:
+        """Take in what the workers reported after a step. A connector that decides itself when
+        a transfer is done (kvflow's: once every rank reported) returns the output the engine
+        must act on instead; None means "act on ``output`` as it is" (vLLM's behaviour)."""
         ...
 
     def request_finished(
@@ -171,6 +173,11 @@ class WorkerConnector(Protocol):
         """GPU block ids whose loads failed since the last call; the engine recomputes them."""
         ...
 
+    def build_worker_report(self) -> StepReport | None:
+        """This rank's report of the transfers it finished since the last call, carried to the
+        scheduler role in ``KVConnectorOutput.reports`` (None: nothing to carry)."""
+        ...
+
     def clear_connector_metadata(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -194,7 +201,7 @@ class NullConnector:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
         return None
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput | None:
         return None
 
     def request_finished(
@@ -227,6 +234,9 @@ class NullConnector:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
+
+    def build_worker_report(self) -> StepReport | None:
+        return None
 
     def clear_connector_metadata(self) -> None:
         return None

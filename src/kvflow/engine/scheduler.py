@@ -45,6 +45,7 @@ class RequestInput(enum.StrEnum):
     REMOTE_DONE = "remote_done"  # the connector reported the load finished
     PREEMPT = "preempt"
     FINISH = "finish"
+    RELEASE_BLOCKS = "release_blocks"  # a loaded, not yet running request gives its blocks back
     FREE = "free"
 
 
@@ -59,6 +60,7 @@ TRANSITIONS: Mapping[tuple[RequestStatus, RequestInput], RequestStatus] = {
     (RS.PREEMPTED, RI.SCHEDULE): RS.RUNNING,
     (RS.PREEMPTED, RI.WAIT_REMOTE): RS.WAITING_FOR_REMOTE_KVS,
     (RS.FINISHED, RI.FREE): RS.FREED,
+    (RS.WAITING, RI.RELEASE_BLOCKS): RS.WAITING,
 }
 """A request's whole life. Anything not listed is illegal."""
 
@@ -247,12 +249,20 @@ class Scheduler:
     # ---- scheduling -------------------------------------------------------------------------
 
     def schedule(self) -> tuple[SchedulerOutput, StepBatch]:
+        # Loads reported finished first (vLLM does it as it meets them in the waiting queue;
+        # doing all at once lets the deadlock check below see only loads still in flight).
+        if self._finished_recving:
+            for req in self.waiting:
+                if (
+                    req.status is RS.WAITING_FOR_REMOTE_KVS
+                    and req.request_id in self._finished_recving
+                ):
+                    self._finish_remote_load(req)
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_reqs: list[NewRequest] = []
         cached_reqs: list[CachedRequest] = []
         preempted: set[str] = set()
-        scheduled: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -277,21 +287,26 @@ class Scheduler:
                     num_scheduled_tokens=n,
                 )
             )
-            scheduled.add(req.request_id)
             budget -= n
             i += 1
 
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        blocked: Request | None = None
+        # As in vLLM: a step that had to preempt admits nobody (memory is short).
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             req = self.waiting.popleft()
-            if req.status is RS.WAITING_FOR_REMOTE_KVS:
-                if req.request_id not in self._finished_recving:
-                    skipped.append(req)
-                    continue
-                self._finish_remote_load(req)
+            if req.status is RS.WAITING_FOR_REMOTE_KVS:  # its load is still in flight
+                skipped.append(req)
+                continue
             result = self._admit(req, budget)
             if result is None:  # no blocks: keep the order, try again next step
                 self.waiting.appendleft(req)
+                blocked = req
                 break
             if isinstance(result, str):  # not now: waits for its load, or for the connector
                 skipped.append(req)
@@ -302,9 +317,10 @@ class Scheduler:
                 new_reqs.append(record)
             else:
                 cached_reqs.append(record)
-            scheduled.add(req.request_id)
             budget -= len(chunk.token_ids)
         self.waiting.extendleft(reversed(skipped))
+        if blocked is not None and not chunks:
+            preempted |= self._break_deadlock(blocked)
 
         self._step += 1
         out = SchedulerOutput(
@@ -333,8 +349,13 @@ class Scheduler:
             ext_or_none, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
             if ext_or_none is None:
                 return "skip"
-            # At least one token must be computed to get logits (vLLM asks connectors for this).
-            ext = max(0, min(ext_or_none, req.num_tokens - 1 - num_local))
+            ext = ext_or_none
+            if num_local + ext >= req.num_tokens:
+                # At least one token must be computed to get logits (vLLM asks connectors for
+                # this). Cut back to a block boundary, as the GPU prefix hit is: block-granular
+                # connectors cannot load part of a block.
+                bs = self.blocks.block_size
+                ext = max(0, (req.num_tokens - 1) // bs * bs - num_local)
             load_async = load_async and ext > 0
             req.num_computed_tokens = num_local
         start = req.num_computed_tokens + ext
@@ -406,6 +427,25 @@ class Scheduler:
         req.stats.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _break_deadlock(self, head: Request) -> set[str]:
+        """Nothing runs and ``head`` cannot get blocks. If nothing else will free any (no load in
+        flight, no delayed free), the blocks are held by requests whose async loads finished but
+        which could not be admitted: they give them back (and are matched again later), so the
+        head, which fits alone, can run. vLLM has no such step; tiny caches need it."""
+        if self.running or self._delayed_free:
+            return set()
+        if any(r.status is RS.WAITING_FOR_REMOTE_KVS for r in self.waiting):
+            return set()
+        released: set[str] = set()
+        for req in self.waiting:
+            if req is head or req.request_id not in self.blocks.tables:
+                continue
+            transition(req, RI.RELEASE_BLOCKS, cause="no_blocks_nothing_running")
+            self.blocks.free(req.request_id)
+            req.num_computed_tokens = 0
+            released.add(req.request_id)
+        return released
 
     def _finish_remote_load(self, req: Request) -> None:
         """vLLM's ``_update_waiting_for_remote_kv``: the loaded blocks count as computed."""

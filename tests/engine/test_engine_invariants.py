@@ -1,0 +1,111 @@
+"""Property: however small the cache and budget, the engine's greedy tokens never change and every
+block comes back."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvflow.engine.engine import GenerationRequest
+from tests.engine.helpers import make_engine
+
+_REFERENCE: dict[tuple[str, tuple[int, ...], int], tuple[int, ...]] = {}
+
+
+def _reference(name: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    key = (name, prompt, max_tokens)
+    if key not in _REFERENCE:
+        engine = make_engine(name, num_gpu_blocks=64, enable_prefix_caching=False)
+        (res,) = engine.run_to_completion([GenerationRequest(prompt, max_tokens)])
+        _REFERENCE[key] = res.output_token_ids
+    return _REFERENCE[key]
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[str, list[tuple[tuple[int, ...], int]], int, int, bool]:
+    name = draw(st.sampled_from(["tiny", "tiny-swa6"]))
+    prefix = tuple(draw(st.lists(st.integers(0, 63), min_size=0, max_size=16)))
+    reqs = draw(
+        st.lists(
+            st.tuples(
+                st.lists(st.integers(0, 63), min_size=1, max_size=14).map(
+                    lambda tail: prefix + tuple(tail)
+                ),
+                st.integers(1, 5),
+            ),
+            min_size=1,
+            max_size=5,
+        )
+    )
+    need = max(-(-(len(p) + m) // 4) for p, m in reqs)
+    blocks = draw(st.integers(need + 1, need + 12))
+    budget = draw(st.integers(1, 24))
+    caching = draw(st.booleans())
+    return name, reqs, blocks, budget, caching
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_outputs_and_blocks_survive_any_cache_and_budget(
+    case: tuple[str, list[tuple[tuple[int, ...], int]], int, int, bool],
+) -> None:
+    """Tokens equal a roomy run's; afterwards every block but the null one is free."""
+    name, reqs, blocks, budget, caching = case
+    engine = make_engine(
+        name, num_gpu_blocks=blocks, max_num_batched_tokens=budget, enable_prefix_caching=caching
+    )
+    results = engine.run_to_completion([GenerationRequest(p, m) for p, m in reqs])
+    for (p, m), r in zip(reqs, results, strict=True):
+        assert r.output_token_ids == _reference(name, p, m)
+    assert not engine.has_unfinished()
+    for g in range(len(engine.kv_cache_config.groups)):
+        assert engine.blocks.num_free_blocks(g) == blocks - 1
+    assert not engine.blocks.tables
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workloads().filter(lambda c: c[0] == "tiny"),
+    st.booleans(),
+    st.integers(0, 2),
+    st.integers(0, 3),
+    st.integers(1, 3),
+)
+def test_connector_paths_keep_outputs_and_blocks(
+    case: tuple[str, list[tuple[tuple[int, ...], int]], int, int, bool],
+    load_async: bool,
+    fail_loads: int,
+    fail_index: int,
+    load_delay: int,
+) -> None:
+    """With external hits (sync or async, some failing) tokens still equal a roomy run's and
+    every block comes back once the connector reported its sends."""
+    from kvflow.engine.engine import Engine, EngineConfig, make_kv_cache_config
+    from kvflow.engine.model import model_config
+    from tests.engine.fake_connector import FakeConnector
+    from tests.engine.helpers import shared_model
+
+    name, reqs, blocks, budget, caching = case
+    cfg = model_config(name)
+    econf = EngineConfig(
+        block_size=4,
+        num_gpu_blocks=blocks,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+    )
+    fake = FakeConnector(
+        make_kv_cache_config(cfg, econf),
+        load_async=load_async,
+        load_delay_steps=load_delay,
+        fail_loads=fail_loads,
+        fail_index=fail_index,
+    )
+    engine = Engine(
+        cfg, econf, scheduler_connector=fake, worker_connector=fake, model=shared_model(name)
+    )
+    for _ in range(2):  # the second pass finds the first one's blocks in the fake's store
+        results = engine.run_to_completion([GenerationRequest(p, m) for p, m in reqs])
+        for (p, m), r in zip(reqs, results, strict=True):
+            assert r.output_token_ids == _reference(name, p, m)
+    assert engine.blocks.num_free_blocks() == blocks - 1
+    assert not engine.blocks.tables
