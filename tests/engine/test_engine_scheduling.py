@@ -106,7 +106,9 @@ def test_sliding_window_group_frees_blocks_outside_the_window() -> None:
     held = [b for b in sliding if b != NULL_BLOCK_ID]
     assert len(held) <= 3
     assert not set(held) & set(full)  # one shared pool: each id belongs to one group's table
-    assert engine.blocks.num_free_blocks() == engine.blocks.num_usable_blocks - len(full) - len(held)
+    assert engine.blocks.num_free_blocks() == engine.blocks.num_usable_blocks - len(full) - len(
+        held
+    )
 
 
 def test_invalid_requests_raise_config_errors() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from attrs import asdict, frozen
 
+from kvflow.bench.config import BenchConfig
 from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.config import OffloadConfig
 from kvflow.connector.offload import ConnectorStats, OffloadConnector
@@ -24,7 +25,6 @@ from kvflow.core.gpu_view import GpuCacheView
 from kvflow.engine.engine import Engine, EngineConfig, make_kv_cache_config
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
 from kvflow.engine.workload import MultiRoundQA, WorkloadResult, run_multi_round
-from kvflow.bench.config import BenchConfig
 from kvflow.runtime.clock import SystemClock
 from kvflow.tracing import trace_to
 

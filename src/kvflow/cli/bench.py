@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.cache_fraction,
         help="GPU cache size as a fraction of the working set",
     )
-    p.add_argument("--cpu-bytes", default=None, help="CPU tier size, e.g. 2GiB (default: 2x working set)")
+    p.add_argument(
+        "--cpu-bytes", default=None, help="CPU tier size, e.g. 2GiB (default: 2x working set)"
+    )
     p.add_argument("--store-policy", choices=("eager", "lazy"), default=d.store_policy)
     p.add_argument("--backend", choices=("auto", "host", "cuda"), default=d.backend)
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
@@ -92,9 +94,24 @@ def render(result: BenchResult, console: Console) -> None:
     rows: list[tuple[str, float, float, str]] = [
         ("TTFT p50 (ms)", off.ttft_p50_s * 1e3, on.ttft_p50_s * 1e3, ".2f"),
         ("TTFT p90 (ms)", off.ttft_p90_s * 1e3, on.ttft_p90_s * 1e3, ".2f"),
-        ("prefill tokens computed", off.prefill_tokens_computed, on.prefill_tokens_computed, ",.0f"),
-        ("prefill tokens loaded from CPU", off.prefill_tokens_loaded, on.prefill_tokens_loaded, ",.0f"),
-        ("prefill tokens from GPU prefix cache", off.gpu_cached_tokens, on.gpu_cached_tokens, ",.0f"),
+        (
+            "prefill tokens computed",
+            off.prefill_tokens_computed,
+            on.prefill_tokens_computed,
+            ",.0f",
+        ),
+        (
+            "prefill tokens loaded from CPU",
+            off.prefill_tokens_loaded,
+            on.prefill_tokens_loaded,
+            ",.0f",
+        ),
+        (
+            "prefill tokens from GPU prefix cache",
+            off.gpu_cached_tokens,
+            on.gpu_cached_tokens,
+            ",.0f",
+        ),
         ("CPU hit rate (loaded / (loaded + computed))", off.cpu_hit_rate, on.cpu_hit_rate, ".1%"),
         ("store GB/s (per transfer, launch → commit)", off.store_gbps, on.store_gbps, ".2f"),
         ("load GB/s (per transfer, launch → commit)", off.load_gbps, on.load_gbps, ".2f"),
@@ -106,7 +123,9 @@ def render(result: BenchResult, console: Console) -> None:
         if label == "blocks stored / loaded":
             table.add_row(label, "—", f"{on.blocks_stored:,} / {on.blocks_loaded:,}", "")
             continue
-        shown_ratio = ratio(a, b) if label.startswith(("TTFT", "prefill tokens computed", "wall")) else ""
+        shown_ratio = (
+            ratio(a, b) if label.startswith(("TTFT", "prefill tokens computed", "wall")) else ""
+        )
         table.add_row(label, format(a, fmt), format(b, fmt), shown_ratio)
     console.print(table)
     verdict = "[green]identical[/]" if result.outputs_identical else "[red]DIFFERENT[/]"
@@ -165,7 +184,8 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
         transient=True,
     ) as progress:
         tasks = {
-            name: progress.add_task(name, total=cfg.rounds) for name in ("offload off", "offload on")
+            name: progress.add_task(name, total=cfg.rounds)
+            for name in ("offload off", "offload on")
         }
         result = run_bench(
             cfg, on_round=lambda name, _r: progress.advance(tasks[name]), trace=args.trace

@@ -25,7 +25,6 @@ the affected ``finished_recving`` are held back until then, as vLLM requires.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -536,13 +535,6 @@ class OutcomeRelay:
 # ---- the connector -------------------------------------------------------------------------------
 
 
-def _import_attr(module: str, name: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"kvflow's {module}.{name} is not available: {exc}") from exc
-
-
 def _world_rank() -> int:
     from vllm.distributed import parallel_state
 
@@ -635,22 +627,18 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         return OffloadManager(config, gpu_view=gpu_view)
 
     def make_worker_delegate(self) -> WorkerDelegate:
-        """kvflow's synchronous worker runtime on the host or CUDA backend."""
+        """kvflow's synchronous worker runtime on the backend the options name for this worker's
+        device (``auto``: CUDA for a CUDA worker when a driver is there, else the host backend)."""
         # Imported here: the scheduler process never needs the runtime's event loop or torch.
-        from kvflow.backends.host import HostBackend
+        from kvflow.backends.select import make_backend
         from kvflow.runtime.portal import SyncWorkerRuntime
 
-        backend_name = self.options.backend
-        if backend_name == "auto":
+        device = "cpu"
+        if str(self._vllm_config.device_config.device_type) == "cuda":
             import torch
 
-            backend_name = "cuda" if torch.cuda.is_available() else "host"
-        backend = (
-            _import_attr("kvflow.backends.cuda", "CudaBackend")()
-            if backend_name == "cuda"
-            else HostBackend()
-        )
-        return SyncWorkerRuntime(backend, rank=_world_rank())
+            device = f"cuda:{torch.cuda.current_device()}"
+        return SyncWorkerRuntime(make_backend(self.options.backend, device), rank=_world_rank())
 
     @property
     def manager(self) -> SchedulerDelegate:
