@@ -188,3 +188,21 @@ def test_reset_cache_forgets_the_cpu_tier() -> None:
     request = rig.h.add(PROMPT, max_tokens=1)
     so, _ = rig.step()
     assert so.num_scheduled_tokens == {request.request_id: len(PROMPT)}
+
+
+def test_vllm_keeps_stepping_while_transfers_are_live() -> None:
+    """With a store still in flight and no request left, vLLM's has_requests() stays true, so an
+    idle engine keeps stepping until the store is committed and the next request can hit it."""
+    rig = Rig()
+    rig.runtime.hold_directions = {Direction.STORE}
+    request = rig.h.add(PROMPT, max_tokens=1)
+    for _ in range(3):
+        rig.step()
+    assert request.is_finished()
+    assert rig.manager.num_live_transfers() > 0
+    assert rig.h.connector.has_pending_push_work()
+    assert rig.h.scheduler.has_requests()
+    rig.runtime.hold_directions = set()
+    rig.run()
+    assert not rig.h.connector.has_pending_push_work()
+    assert not rig.h.scheduler.has_requests()
