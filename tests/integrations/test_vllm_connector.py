@@ -99,6 +99,18 @@ def test_bad_extra_config_fails_scheduler_construction_with_a_named_error() -> N
         )
 
 
+def test_a_producer_or_consumer_role_is_refused() -> None:
+    """kvflow's CPU tier needs both directions: any kv_role but kv_both fails at start-up."""
+    with pytest.raises(ConfigError, match="kv_both"):
+        VLLMHarness.build(
+            num_blocks=32,
+            connector="ScriptedConnector",
+            module_path=FAKES_MODULE,
+            extra_config={"cpu_bytes_to_use": 1 << 20},
+            kv_role="kv_producer",
+        )
+
+
 def test_worker_registers_vllms_kv_caches_and_sizes_the_cpu_tier() -> None:
     """register_kv_caches hands every layer's tensor, the block count and the layer→group map on."""
     rig = Rig(num_blocks=32)

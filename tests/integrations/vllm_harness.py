@@ -88,6 +88,7 @@ def make_vllm_config(
     max_num_batched_tokens: int = 1024,
     max_model_len: int = 8192,
     kv_load_failure_policy: str = "recompute",
+    kv_role: str = "kv_both",
 ) -> VllmConfig:
     """A CPU ``VllmConfig`` with prefix caching on and, if ``connector`` is named, a KV connector."""
     model_config = ModelConfig(
@@ -116,7 +117,7 @@ def make_vllm_config(
         else KVTransferConfig(
             kv_connector=connector,
             kv_connector_module_path=module_path,
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_connector_extra_config=dict(extra_config or {}),
             kv_load_failure_policy=kv_load_failure_policy,
         )

@@ -560,6 +560,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        if self._kv_transfer_config.kv_role != "kv_both":
+            raise ConfigError(
+                f"KVFlowConnector needs kv_role='kv_both' (it stores to and loads from its own CPU "
+                f"tier), got {self._kv_transfer_config.kv_role!r}"
+            )
         if kv_cache_config is None:
             raise ConfigError("KVFlowConnector needs vLLM's KVCacheConfig (vLLM >= 0.11)")
         self.options = KVFlowOptions.from_extra_config(
