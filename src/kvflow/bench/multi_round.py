@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from attrs import asdict, evolve, frozen
 
+from kvflow.backends.cuda import CudaBackend
 from kvflow.bench.config import BenchConfig
 from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.config import OffloadConfig
@@ -206,15 +207,23 @@ def run_bench(
         )
         return connector.scheduler, connector.worker
 
+    def ready(engine: Engine) -> Engine:
+        # The CUDA backend pins its CPU tier in the background; time only the steady state.
+        if connector is not None and isinstance(connector.worker.backend, CudaBackend):
+            connector.worker.backend.cpu_tier.wait_registered()
+        return engine
+
     if trace is not None:
         with trace_to(trace, clock.now):
-            offloaded = Engine(
-                model_cfg, engine_cfg, model=model, clock=clock.now, connector_factory=factory
+            offloaded = ready(
+                Engine(
+                    model_cfg, engine_cfg, model=model, clock=clock.now, connector_factory=factory
+                )
             )
             on = _run("offload on", offloaded, workload, on_round)
     else:
-        offloaded = Engine(
-            model_cfg, engine_cfg, model=model, clock=clock.now, connector_factory=factory
+        offloaded = ready(
+            Engine(model_cfg, engine_cfg, model=model, clock=clock.now, connector_factory=factory)
         )
         on = _run("offload on", offloaded, workload, on_round)
     assert connector is not None
