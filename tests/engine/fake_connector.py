@@ -184,6 +184,9 @@ class FakeConnector:
         self.calls.append("build_worker_report")
         return None
 
+    def wait_for_progress(self, timeout: float) -> None:
+        return None
+
     def clear_connector_metadata(self) -> None:
         self.calls.append("clear_connector_metadata")
         self._meta = None

@@ -26,8 +26,11 @@ class BenchConfig:
     backend: str = "auto"
     max_batched_tokens: int = 2048
     seed: int = 0
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
 
     def __attrs_post_init__(self) -> None:
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype {self.dtype!r}: one of float32, bfloat16, float16")
         if not 0 < self.cache_fraction <= 4:
             raise ConfigError(f"cache_fraction must be in (0, 4], got {self.cache_fraction}")
         for name in ("users", "rounds", "question", "answer", "block_size", "max_batched_tokens"):

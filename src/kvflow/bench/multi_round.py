@@ -168,7 +168,13 @@ def run_bench(
     """Run the workload with offload off, then on; ``on_round(run, round)`` reports progress."""
     model_cfg = model_config(cfg.model)
     clock = SystemClock()
-    model: LlamaForCausalLM = build_model(model_cfg, device=cfg.device, seed=cfg.seed)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    model: LlamaForCausalLM = build_model(
+        model_cfg,
+        device=cfg.device,
+        seed=cfg.seed,
+        dtype=None if cfg.dtype is None else dtypes[cfg.dtype],
+    )
     dtype = next(model.parameters()).dtype
     workload = workload_of(cfg, model_cfg)
     probe_kv = make_kv_cache_config(model_cfg, EngineConfig(block_size=cfg.block_size))
@@ -178,6 +184,7 @@ def run_bench(
         num_gpu_blocks=num_blocks,
         max_num_batched_tokens=cfg.max_batched_tokens,
         device=cfg.device,
+        dtype=cfg.dtype,
     )
     kv = make_kv_cache_config(model_cfg, engine_cfg)
     block_bytes = block_bytes_per_group(model_cfg, kv, dtype)

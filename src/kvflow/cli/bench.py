@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "host", "cuda"), default=d.backend)
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="model and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
     p.add_argument("--plot", type=Path, default=None, help="write TTFT per round as a PNG")
@@ -72,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         backend=args.backend,
         max_batched_tokens=args.max_batched_tokens,
         seed=args.seed,
+        dtype=args.dtype,
     )
 
 
@@ -165,6 +173,9 @@ def plot(result: BenchResult, path: Path) -> None:
 
 def run_bench_command(args: argparse.Namespace, console: Console | None = None) -> int:
     console = console or Console()
+    # The engine thread and kvflow's copy/loop threads share the GIL; at the default 5 ms
+    # switch interval a busy engine thread holds the copy threads off for whole milliseconds.
+    sys.setswitchinterval(5e-4)
     if args.threads is not None:
         import torch
 

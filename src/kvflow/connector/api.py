@@ -181,6 +181,12 @@ class WorkerConnector(Protocol):
         """GPU block ids whose loads failed since the last call; the engine recomputes them."""
         ...
 
+    def wait_for_progress(self, timeout: float) -> None:
+        """The engine has nothing to compute: block up to ``timeout`` seconds until a transfer
+        settles, returning at once when none is in flight (not in vLLM's API: kvflow's engine
+        runs workers in its own process and must not spin against their copy threads)."""
+        ...
+
     def build_worker_report(self) -> StepReport | None:
         """This rank's report of the transfers it finished since the last call, carried to the
         scheduler role in ``KVConnectorOutput.reports`` (None: nothing to carry)."""
@@ -244,6 +250,9 @@ class NullConnector:
         return set()
 
     def build_worker_report(self) -> StepReport | None:
+        return None
+
+    def wait_for_progress(self, timeout: float) -> None:
         return None
 
     def clear_connector_metadata(self) -> None:

@@ -248,6 +248,9 @@ class OffloadWorker:
         """Per direction: (bytes copied, seconds copies were in flight) on this rank."""
         return self.runtime.copy_throughput()
 
+    def wait_for_progress(self, timeout: float) -> None:
+        self.runtime.wait_for_progress(timeout)
+
     def build_worker_report(self) -> StepReport:
         return self.runtime.build_report()
 

@@ -39,6 +39,9 @@ from kvflow.errors import ConfigError, KVFlowError
 
 log = structlog.get_logger("kvflow.engine")
 
+IDLE_WAIT_S = 0.002
+"""Longest an engine with nothing to compute blocks waiting for a transfer before re-checking."""
+
 ConnectorFactory = Callable[
     [KVCacheConfig, GpuCacheView], tuple[SchedulerConnector, WorkerConnector]
 ]
@@ -256,6 +259,10 @@ class Engine:
             if o.finished:
                 self._finished[o.request_id] = alive[o.request_id]
         progressed = bool(batch.chunks) or not run.kv_connector_output.is_empty
+        if not batch.chunks and sched.has_unfinished():
+            # Nothing to compute: everyone waits on a transfer. Block briefly for it rather
+            # than spin empty steps that starve the copy threads of the GIL.
+            self.worker_connector.wait_for_progress(IDLE_WAIT_S)
         self._idle_steps = 0 if progressed else self._idle_steps + 1
         if self._idle_steps > self.config.max_idle_steps:
             raise KVFlowError(

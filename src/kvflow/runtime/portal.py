@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -73,6 +74,8 @@ class SyncWorkerRuntime:
             self._portal_cm.__exit__(None, None, None)
             raise
         self._closed = False
+        self._progress = threading.Event()
+        self._rt.progress_hooks.append(self._progress.set)
         self._posted_error: BaseException | None = None
         self._load_errors: set[int] = set()
 
@@ -179,6 +182,20 @@ class SyncWorkerRuntime:
     def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
         """Per direction: (bytes copied, seconds in flight), from the executor's accounting."""
         return self._call(self._rt.copy_throughput)
+
+    def wait_for_progress(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until some copy settles; at once if none is in flight.
+
+        For an engine with nothing to compute but requests waiting on transfers: blocking here
+        releases the GIL to the copy threads instead of spinning empty steps against them.
+        Returns whether a copy settled. (A real-time wait on the device, not a clock sleep.)
+        """
+        self._check_open()
+        if self._rt.in_flight == 0 and not self._progress.is_set():
+            return False
+        settled = self._progress.wait(timeout)
+        self._progress.clear()
+        return settled
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU block ids of failed loads seen in reports since the last call."""

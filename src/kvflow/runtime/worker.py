@@ -14,7 +14,7 @@ engines with a synchronous step loop use ``kvflow.runtime.portal.SyncWorkerRunti
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import anyio
@@ -50,6 +50,8 @@ class WorkerRuntime:
     min_backoff: float = 20e-6
     max_backoff: float = 1e-3
     layout: KVLayout | None = None
+    progress_hooks: list[Callable[[], None]] = field(factory=list)
+    """Called on the loop each time copies settle (the sync facade wakes an idle engine)."""
     reactor: Reactor = field(init=False)
     executor: DmaExecutor = field(init=False)
     _entries: dict[int, _Entry] = field(factory=dict)
@@ -260,6 +262,11 @@ class WorkerRuntime:
             self._live[key] = self._live.get(key, 0) + 1
 
     def _on_done(self, specs: Sequence[TransferSpec], status: FenceStatus, cause: str) -> None:
+        self._settled(specs, status, cause)
+        for hook in self.progress_hooks:
+            hook()
+
+    def _settled(self, specs: Sequence[TransferSpec], status: FenceStatus, cause: str) -> None:
         ok = status is FenceStatus.DONE
         for s in specs:
             e = self._entries.get(s.transfer_id)
