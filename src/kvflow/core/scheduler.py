@@ -288,6 +288,12 @@ class OffloadManager:
         st = self._requests.get(request_id)
         return 0 if st is None else len(st.transfers)
 
+    def transfer_state(self, transfer_id: int) -> tuple[TransferState, frozenset[int]] | None:
+        """A live transfer's state and the ranks that reported it so far; None once released
+        (or never launched). For audits: a store must stay live until every rank reported."""
+        x = self._xfers.get(transfer_id)
+        return None if x is None else (x.transfer.state, frozenset(x.reported))
+
     def has_request(self, request_id: str) -> bool:
         """Whether the manager still keeps state for the request (finished ones: until their
         transfers settle)."""

@@ -47,6 +47,11 @@ ConnectorFactory = Callable[
 ]
 """Builds both connector roles once the engine's KV cache and GPU pool exist."""
 
+RunnerFactory = Callable[
+    [LlamaForCausalLM, KVCacheConfig, WorkerConnector, torch.device], ModelRunner
+]
+"""Builds the model runner (default ``ModelRunner``); tensor parallelism drives its peers here."""
+
 Clock = Callable[[], float]
 """Seconds as a float; only differences matter. Injected so tests and the bench control time."""
 
@@ -159,6 +164,7 @@ class Engine:
         connector_factory: ConnectorFactory | None = None,
         clock: Clock = perf_clock,
         model: LlamaForCausalLM | None = None,
+        runner_factory: RunnerFactory = ModelRunner,
     ) -> None:
         self.model_config = model_config
         self.config = config = config or EngineConfig()
@@ -198,7 +204,7 @@ class Engine:
             self.scheduler_connector,
             clock,
         )
-        self.runner = ModelRunner(
+        self.runner = runner_factory(
             self.model, self.kv_cache_config, self.worker_connector, self.device
         )
         self.stats = EngineStats()
@@ -324,6 +330,7 @@ __all__ = [
     "EngineStats",
     "GenerationRequest",
     "RequestResult",
+    "RunnerFactory",
     "make_kv_cache_config",
     "perf_clock",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -142,6 +142,10 @@ def model_config(name: str) -> ModelConfig:
     return cfg
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -237,6 +241,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Sums the row-parallel partial outputs (o_proj, down_proj) over tensor-parallel ranks;
+        # the identity on one rank. ``kvflow.engine.tp`` sets it on a shard.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     def _layer(self, i: int) -> LlamaDecoderLayer:
         layer = self.model.layers[i]
@@ -266,8 +273,8 @@ class LlamaForCausalLM(nn.Module):
             q, k, v = layer.self_attn.qkv(h, cos, sin)
             write_kv(kv_caches[i], layer_metadata[i].slot_mapping, k, v)
             attn = paged_attention(q, kv_caches[i], layer_metadata[i])
-            x = x + layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self.reduce(layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
+            x = x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
         x = self.model.norm(x[logits_indices])
         logits: torch.Tensor = self.lm_head(x)
         return logits.float()
@@ -296,8 +303,8 @@ class LlamaForCausalLM(nn.Module):
                 v.repeat_interleave(rep, dim=1).transpose(0, 1),
                 attn_mask=allowed,
             ).transpose(0, 1)
-            x = x + layer.self_attn.o_proj(out.reshape(t, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self.reduce(layer.self_attn.o_proj(out.reshape(t, -1)))
+            x = x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
         logits: torch.Tensor = self.lm_head(self.model.norm(x))
         return logits.float()
 

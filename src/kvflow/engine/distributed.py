@@ -1,0 +1,145 @@
+"""Processes for tensor parallelism: start ranks, join them with a deadline, talk between them.
+
+``launch(fn, args, world_size=2)`` starts ``world_size`` processes with torch.multiprocessing
+(spawn), joins them into one torch.distributed group (gloo, on a free loopback port) and runs
+``fn(rank, world_size, *args)`` in each; it returns every rank's return value. A rank that raises
+makes ``launch`` raise (torch terminates the other ranks); a run past ``timeout_s`` is killed and
+raises ``KVFlowError``, so a test never hangs CI. ``ProcessGroupChannel`` carries Python objects
+from rank 0 to every rank and back through gloo's object collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvflow.errors import ConfigError, KVFlowError
+from kvflow.runtime.clock import SystemClock
+
+log = structlog.get_logger("kvflow.engine.distributed")
+
+JOIN_POLL_S = 0.25
+"""How often ``launch`` looks at its ranks while waiting for them."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _rank_entry(
+    rank: int,
+    fn: Callable[..., object],
+    args: tuple[Any, ...],
+    world_size: int,
+    port: int,
+    out_dir: str,
+    timeout_s: float,
+    threads: int,
+) -> None:
+    # One intra-op thread per rank: ranks share the machine's cores and must not oversubscribe.
+    torch.set_num_threads(threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def launch(
+    fn: Callable[..., object],
+    args: Sequence[Any] = (),
+    *,
+    world_size: int = 2,
+    timeout_s: float = 120.0,
+    threads: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their results by rank.
+
+    ``fn`` and ``args`` must pickle (a module-level function). Raises what a rank raised (as
+    torch's ``ProcessRaisedException``, with its traceback), or ``KVFlowError`` after
+    ``timeout_s`` seconds, having killed every rank.
+    """
+    if world_size < 1:
+        raise ConfigError(f"world_size must be positive, got {world_size}")
+    clock = SystemClock()
+    with tempfile.TemporaryDirectory(prefix="kvflow-tp-") as out_dir:
+        port = free_port()
+        log.info("tp_launch", world_size=world_size, port=port)
+        ctx = mp.start_processes(
+            _rank_entry,
+            args=(fn, tuple(args), world_size, port, out_dir, timeout_s, threads),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = clock.now() + timeout_s
+        try:
+            while not ctx.join(timeout=JOIN_POLL_S):
+                if clock.now() > deadline:
+                    raise KVFlowError(f"tensor-parallel ranks still running after {timeout_s} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    log.warning("tp_rank_killed", pid=p.pid)
+                    p.kill()
+                    p.join()
+        return [
+            pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)
+        ]
+
+
+class ProcessGroupChannel:
+    """Objects between rank 0 and the other ranks of the default process group (gloo).
+
+    Rank 0 ``broadcast``s, the others ``receive``; every rank then calls ``gather``, and rank 0
+    gets the list of what each rank gave (its own included).
+    """
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    def broadcast(self, obj: object) -> None:
+        dist.broadcast_object_list([obj], src=0)
+
+    def receive(self) -> object:
+        box: list[object] = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj: object) -> list[object] | None:
+        out: list[object] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over the ranks of the default group (in place; returned for chaining)."""
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+__all__ = ["ProcessGroupChannel", "all_reduce_sum", "free_port", "launch"]
