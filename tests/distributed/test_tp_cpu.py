@@ -8,17 +8,21 @@ Deselect with ``-m "not distributed"``.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from kvflow.connector.config import OffloadConfig
 from kvflow.core.transfer import Direction
 from kvflow.engine.distributed import launch
 from kvflow.engine.engine import Engine
-from kvflow.engine.model import model_config
-from kvflow.engine.tp import RankZeroResult, TPSpec
+from kvflow.engine.model import build_model, model_config
+from kvflow.engine.tp import RankZeroResult, TPSpec, shard_config, shard_model
 from kvflow.engine.workload import run_multi_round
+from kvflow.errors import ConfigError
 from tests.distributed import tp_scenarios as scen
 from tests.engine.helpers import shared_model
 
@@ -49,15 +53,56 @@ def _rank0(results: list[Any]) -> RankZeroResult[dict[str, Any]]:
     return first
 
 
-def test_sharded_forward_matches_the_full_model() -> None:
-    """Each rank holds half the q and kv heads, and with the all-reduce computes the full logits."""
-    results = launch(scen.forward_rank, ("tiny",), world_size=2, timeout_s=TIMEOUT_S)
-    cfg = model_config("tiny")
-    for r in results:
-        assert r["heads"] == cfg.num_heads // 2
-        assert r["kv_heads"] == cfg.num_kv_heads // 2
-        assert r["argmax_equal"]
-        assert r["max_abs_diff"] < 1e-3
+class ThreadSum:
+    """An all-reduce between threads: each rank's thread hands in its part and gets the sum."""
+
+    def __init__(self, world_size: int) -> None:
+        self.barrier = threading.Barrier(world_size, timeout=30)
+        self.parts: list[torch.Tensor | None] = [None] * world_size
+
+    def reducer(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = x.clone()
+            self.barrier.wait()
+            total = torch.stack([p for p in self.parts if p is not None]).sum(0)
+            self.barrier.wait()  # every rank has read the parts before any overwrites its own
+            return total
+
+        return reduce
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
+def test_sharded_forward_matches_the_full_model(name: str) -> None:
+    """Two shards (half the q and kv heads and MLP each) with a summing reduce give the full
+    model's logits, sliding-window layers included."""
+    full = shared_model(name) if name == "tiny" else build_model(model_config(name), seed=0)
+    ids = [(37 * i + 11) % full.config.vocab_size for i in range(40)]
+    want = full.forward_dense(ids)
+    sums = ThreadSum(2)
+    shards = [shard_model(full, r, 2, sums.reducer(r)) for r in range(2)]
+    for shard in shards:
+        assert shard.config.num_heads == full.config.num_heads // 2
+        assert shard.config.num_kv_heads == full.config.num_kv_heads // 2
+        assert shard.config.head_dim == full.config.head_dim
+    got: list[torch.Tensor] = [torch.empty(0)] * 2
+
+    def run(rank: int) -> None:
+        got[rank] = shards[rank].forward_dense(ids)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for logits in got:
+        assert torch.allclose(logits, want, atol=1e-3, rtol=1e-4)
+        assert torch.equal(logits.argmax(-1), want.argmax(-1))
+
+
+def test_shard_config_rejects_heads_not_divisible_by_tp() -> None:
+    """A tp size that does not divide the kv heads is a ConfigError naming the field."""
+    with pytest.raises(ConfigError, match="num_kv_heads 2 is not divisible by tp 4"):
+        shard_config(model_config("tiny"), 4)
 
 
 def test_tp2_with_offload_matches_tp1_and_both_ranks_store_and_load(
@@ -87,9 +132,7 @@ def test_late_rank_reports_commit_nothing_early_and_leak_nothing(
 ) -> None:
     """Rank 1's reports 5 steps late: no early commit, no hit before both ranks have it, no leak."""
     res = _rank0(
-        launch(
-            scen.multi_round_rank, (SPEC, {1: ("delay", 5)}), world_size=2, timeout_s=TIMEOUT_S
-        )
+        launch(scen.multi_round_rank, (SPEC, {1: ("delay", 5)}), world_size=2, timeout_s=TIMEOUT_S)
     )
     got = res.value
     assert got["outputs"] == tp1_outputs

@@ -22,8 +22,7 @@ from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSp
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import TransferState
 from kvflow.engine.engine import EngineConfig
-from kvflow.engine.model import build_model, model_config
-from kvflow.engine.tp import RankZeroResult, TPEngine, TPSpec, run_rank, shard_model
+from kvflow.engine.tp import RankZeroResult, TPEngine, TPSpec, run_rank
 from kvflow.engine.workload import MultiRoundQA, run_multi_round
 from kvflow.errors import ReportError
 
@@ -114,7 +113,7 @@ class DuplicateOnce(ForwardingWorker):
     def build_worker_report(self) -> StepReport | None:
         report = self.inner.build_worker_report()
         assert report is not None
-        if self.done or not report.completed and self.repeat is None:
+        if self.done or (not report.completed and self.repeat is None):
             return report
         if self.repeat is None:
             self.repeat = report.completed
@@ -220,7 +219,8 @@ def _wrap(kinds: dict[int, tuple[str, int]], rank: int, worker: WorkerConnector)
 
 def leaks(tp: TPEngine) -> list[str]:
     """What rank 0 still holds after a run: must be nothing."""
-    assert tp.scheduler is not None and tp.worker is not None
+    assert tp.scheduler is not None
+    assert tp.worker is not None
     manager = tp.scheduler.manager
     out: list[str] = []
     if manager.num_live_transfers():
@@ -238,20 +238,6 @@ def leaks(tp: TPEngine) -> list[str]:
 
 
 # ---- rank bodies ----------------------------------------------------------------------------------
-
-
-def forward_rank(rank: int, world_size: int, name: str) -> dict[str, Any]:
-    """Each rank: its shard's dense logits against the full model's, on one sequence."""
-    full = build_model(model_config(name), seed=0)
-    shard = shard_model(full, rank, world_size)
-    ids = [(37 * i + 11) % full.config.vocab_size for i in range(40)]
-    got, want = shard.forward_dense(ids), full.forward_dense(ids)
-    return {
-        "max_abs_diff": float((got - want).abs().max()),
-        "argmax_equal": bool(torch.equal(got.argmax(-1), want.argmax(-1))),
-        "kv_heads": shard.config.num_kv_heads,
-        "heads": shard.config.num_heads,
-    }
 
 
 def _multi_round_job(tp: TPEngine) -> dict[str, Any]:
@@ -295,7 +281,8 @@ def multi_round_rank(
 def _duplicate_job(tp: TPEngine) -> dict[str, Any]:
     engine = tp.engine
     audit = engine.scheduler_connector
-    assert isinstance(audit, CommitAudit) and tp.scheduler is not None
+    assert isinstance(audit, CommitAudit)
+    assert tp.scheduler is not None
     for i in range(3):
         engine.add_request([(13 * i + j) % 1000 for j in range(40)], 4, request_id=f"d{i}")
     error = ""
@@ -304,9 +291,7 @@ def _duplicate_job(tp: TPEngine) -> dict[str, Any]:
             engine.step()
     except ReportError as exc:
         error = str(exc)
-    states = {
-        tid: tp.scheduler.manager.transfer_state(tid) for _rank, tid in audit.duplicates
-    }
+    states = {tid: tp.scheduler.manager.transfer_state(tid) for _rank, tid in audit.duplicates}
     return {
         "error": error,
         "duplicates": audit.duplicates,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -22,7 +23,7 @@ from typing import Any
 import structlog
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.runtime.clock import SystemClock
@@ -66,6 +67,11 @@ def _rank_entry(
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    # The result is written and the group destroyed; the interpreter's teardown of torch would
+    # cost each rank seconds more, so leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(
@@ -88,7 +94,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="kvflow-tp-") as out_dir:
         port = free_port()
         log.info("tp_launch", world_size=world_size, port=port)
-        ctx = mp.start_processes(
+        ctx: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
             _rank_entry,
             args=(fn, tuple(args), world_size, port, out_dir, timeout_s, threads),
             nprocs=world_size,
@@ -106,9 +112,7 @@ def launch(
                     log.warning("tp_rank_killed", pid=p.pid)
                     p.kill()
                     p.join()
-        return [
-            pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)
-        ]
+        return [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
 class ProcessGroupChannel:
