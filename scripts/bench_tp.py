@@ -109,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         block_size=args.block_size,
         cache_fraction=args.cache_fraction,
         max_batched_tokens=args.budget,
+        backend="host",
     )
     model = model_config(cfg.model)
     workload = workload_of(cfg, model)

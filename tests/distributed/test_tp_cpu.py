@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 from kvflow.connector.config import OffloadConfig
 from kvflow.core.transfer import Direction
@@ -22,7 +23,8 @@ from kvflow.engine.engine import Engine
 from kvflow.engine.model import build_model, model_config
 from kvflow.engine.tp import RankZeroResult, TPSpec, shard_config, shard_model
 from kvflow.engine.workload import run_multi_round
-from kvflow.errors import ConfigError
+from kvflow.errors import ConfigError, KVFlowError
+from kvflow.runtime.clock import SystemClock
 from tests.distributed import tp_scenarios as scen
 from tests.engine.helpers import shared_model
 
@@ -156,3 +158,18 @@ def test_duplicate_report_from_one_rank_is_rejected_not_double_counted() -> None
     # Still in flight, reported by rank 1 once: not counted as the two ranks.
     assert all(state == (True, [1]) for state in got["states"].values()), got["states"]
     assert got["violations"] == []
+
+
+def test_a_failing_rank_fails_the_launch_and_stops_the_other() -> None:
+    """A rank that raises makes launch raise its error, without waiting for the timeout."""
+    clock = SystemClock()
+    start = clock.now()
+    with pytest.raises(ProcessRaisedException, match="rank 1 failed on purpose"):
+        launch(scen.raising_rank, world_size=2, timeout_s=TIMEOUT_S)
+    assert clock.now() - start < TIMEOUT_S / 2
+
+
+def test_a_hanging_rank_is_killed_at_the_timeout() -> None:
+    """A rank that never returns is killed at the deadline and launch raises KVFlowError."""
+    with pytest.raises(KVFlowError, match=r"still running after 3\.0 s"):
+        launch(scen.hanging_rank, world_size=2, timeout_s=3.0)

@@ -9,6 +9,7 @@ before all ranks had the block.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict, deque
 from functools import partial
 from typing import Any
@@ -316,3 +317,16 @@ def duplicate_rank(
         wrap_worker=partial(_wrap, {0: ("delay", 3), 1: ("duplicate", 1)}),
         wrap_scheduler=partial(CommitAudit, world_size=world_size),
     )
+
+
+def raising_rank(rank: int, world_size: int) -> None:
+    """Rank 1 fails while rank 0 waits for it in a collective."""
+    if rank == 1:
+        raise RuntimeError("rank 1 failed on purpose")
+    torch.distributed.barrier()
+
+
+def hanging_rank(rank: int, world_size: int) -> None:
+    """Rank 1 never returns (a lost rank); rank 0 is done."""
+    if rank == 1:
+        threading.Event().wait()
