@@ -8,8 +8,12 @@ per run TTFT p50/p90 and whether the greedy outputs equal the tp=1 offload-off r
 the store/load GB/s of its copies (bytes / seconds in flight, from ``OffloadWorker.
 copy_throughput()``).
 
-    PYTHONPATH=src python scripts/bench_tp.py
-    PYTHONPATH=src python scripts/bench_tp.py --model tiny --users 2 --rounds 2 --json out.json
+    PYTHONPATH=src python scripts/bench_tp.py --model small --users 4 --rounds 4 --answer 8 \
+        --cache-fraction 0.25 --max-batched-tokens 1024 --cpu-bytes 1GiB --json out.json
+    PYTHONPATH=src python scripts/bench_tp.py --users 2 --rounds 2     # tiny model, a smoke run
+
+Options are ``kvflow bench``'s (CPU only; ``--cpu-bytes`` is each rank's tier, default 1 GiB;
+``--threads`` torch threads per rank, default 1).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import argparse
 import json
 import logging
 import platform
+import statistics
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -28,8 +32,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvflow.bench.config import BenchConfig
 from kvflow.bench.multi_round import gpu_blocks_for, workload_of
+from kvflow.cli.bench import add_arguments, config_from_args
 from kvflow.connector.config import OffloadConfig
 from kvflow.core.transfer import Direction
 from kvflow.engine.distributed import launch
@@ -37,24 +41,18 @@ from kvflow.engine.engine import EngineConfig, make_kv_cache_config
 from kvflow.engine.model import model_config
 from kvflow.engine.tp import RankStatus, RankZeroResult, TPEngine, TPSpec, run_rank
 from kvflow.engine.workload import MultiRoundQA, run_multi_round
+from kvflow.errors import ConfigError
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="small")
-    p.add_argument("--users", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--system", type=int, default=256, help="system prompt tokens")
-    p.add_argument("--first-question", type=int, default=128)
-    p.add_argument("--question", type=int, default=32)
-    p.add_argument("--answer", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cache-fraction", type=float, default=0.4)
-    p.add_argument("--budget", type=int, default=1024, help="max tokens per step")
-    p.add_argument("--cpu-bytes", default="1GiB", help="CPU tier of each rank")
+    add_arguments(p)  # kvflow bench's options; --cpu-bytes is each rank's CPU tier here
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    p.add_argument("--json", type=Path, default=None)
-    return p.parse_args(argv)
+    p.add_argument("--repeat", type=int, default=3, help="runs of each configuration (medians)")
+    args = p.parse_args(argv)
+    if args.device != "cpu" or args.plot is not None or args.trace is not None:
+        raise ConfigError("bench_tp runs on CPU (gloo, host backend) and has no --plot/--trace")
+    return args
 
 
 def _quiet() -> None:
@@ -98,19 +96,7 @@ def _gbps(status: RankStatus, direction: Direction) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     _quiet()
-    cfg = BenchConfig(
-        model=args.model,
-        users=args.users,
-        rounds=args.rounds,
-        system_prompt=args.system,
-        first_question=args.first_question,
-        question=args.question,
-        answer=args.answer,
-        block_size=args.block_size,
-        cache_fraction=args.cache_fraction,
-        max_batched_tokens=args.budget,
-        backend="host",
-    )
+    cfg = config_from_args(args)
     model = model_config(cfg.model)
     workload = workload_of(cfg, model)
     probe = make_kv_cache_config(model, EngineConfig(block_size=cfg.block_size))
@@ -118,33 +104,136 @@ def main(argv: Sequence[str] | None = None) -> int:
         block_size=cfg.block_size,
         num_gpu_blocks=gpu_blocks_for(cfg, workload, len(probe.groups)),
         max_num_batched_tokens=cfg.max_batched_tokens,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
     )
-    runs: list[dict[str, Any]] = []
-    console = Console(width=160)
-    plan = [(tp, offload) for tp in (1, 2) for offload in (False, True)]
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("tp runs", total=len(plan))
-        for tp, offload in plan:
-            off_cfg = (
-                OffloadConfig(cpu_bytes=args.cpu_bytes, backend="host", world_size=tp)
-                if offload
-                else None
+    cpu_bytes = cfg.cpu_bytes or 1 << 30
+
+    def one_run(tp: int, offload: bool) -> dict[str, Any]:
+        off_cfg = (
+            OffloadConfig(
+                cpu_bytes=cpu_bytes,
+                store_policy=cfg.store_policy,
+                backend=cfg.backend,
+                world_size=tp,
             )
-            spec = TPSpec(model=cfg.model, engine=engine, offload=off_cfg)
-            first = launch(bench_rank, (spec, workload), world_size=tp, timeout_s=args.timeout)[0]
-            assert isinstance(first, RankZeroResult)
-            runs.append({"tp": tp, "offload": offload, **first.value, "ranks": first.statuses})
-            progress.advance(task)
-    reference = runs[0]["outputs"]
+            if offload
+            else None
+        )
+        spec = TPSpec(model=cfg.model, engine=engine, offload=off_cfg)
+        first = launch(
+            bench_rank,
+            (spec, workload),
+            world_size=tp,
+            timeout_s=args.timeout,
+            threads=args.threads or 1,
+        )[0]
+        assert isinstance(first, RankZeroResult)
+        return {"tp": tp, "offload": offload, **first.value, "ranks": _per_rank(first.statuses)}
+
+    # Interleaved repeats: load from other jobs on the box spreads over every configuration.
+    plan = [(tp, offload) for tp in (1, 2) for offload in (False, True)]
+    records: list[dict[str, Any]] = []
+    console = Console(width=160)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("tp runs", total=len(plan) * args.repeat)
+        for _ in range(args.repeat):
+            for tp, offload in plan:
+                records.append(one_run(tp, offload))
+                progress.advance(task)
+    reference = records[0]["outputs"]
+    for rec in records:
+        rec["outputs_identical_to_tp1"] = rec.pop("outputs") == reference
+    summary = [_summarize([r for r in records if (r["tp"], r["offload"]) == key]) for key in plan]
+    console.print(_table(summary, cfg.model, cfg.users, cfg.rounds, engine.num_gpu_blocks))
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "config": attrs.asdict(cfg),
+                    "repeat": args.repeat,
+                    "num_gpu_blocks": engine.num_gpu_blocks,
+                    "cpu_bytes_per_rank": cpu_bytes,
+                    "backend": "host",
+                    "machine": platform.node() or platform.machine(),
+                    "summary": summary,
+                    "runs": records,
+                },
+                indent=2,
+            )
+        )
+    return 0 if all(r["outputs_identical_to_tp1"] for r in records) else 1
+
+
+def _per_rank(statuses: Sequence[RankStatus]) -> list[dict[str, Any]]:
+    out = []
+    for st in statuses:
+        moved = {d: st.copies.get(d, (0, 0.0))[0] for d in Direction}
+        out.append(
+            {
+                "rank": st.rank,
+                "store_gbps": _gbps(st, Direction.STORE),
+                "load_gbps": _gbps(st, Direction.LOAD),
+                "bytes_stored": moved[Direction.STORE],
+                "bytes_loaded": moved[Direction.LOAD],
+            }
+        )
+    return out
+
+
+def _summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the repeats of one (tp, offload); counts must agree between repeats."""
+    first = runs[0]
+
+    def med(key: str) -> float:
+        return float(statistics.median(r[key] for r in runs))
+
+    ranks = [
+        {
+            "rank": rank["rank"],
+            "store_gbps": statistics.median(r["ranks"][i]["store_gbps"] for r in runs),
+            "load_gbps": statistics.median(r["ranks"][i]["load_gbps"] for r in runs),
+            "bytes_stored": rank["bytes_stored"],
+            "bytes_loaded": rank["bytes_loaded"],
+        }
+        for i, rank in enumerate(first["ranks"])
+    ]
+    return {
+        "tp": first["tp"],
+        "offload": first["offload"],
+        "repeats": len(runs),
+        "ttft_p50_s": med("ttft_p50_s"),
+        "ttft_p50_s_range": (
+            min(r["ttft_p50_s"] for r in runs),
+            max(r["ttft_p50_s"] for r in runs),
+        ),
+        "ttft_p90_s": med("ttft_p90_s"),
+        "wall_s": med("wall_s"),
+        "prefill_tokens_computed": first["prefill_tokens_computed"],
+        "prefill_tokens_loaded": first["prefill_tokens_loaded"],
+        "counts_repeat": all(
+            (r["prefill_tokens_loaded"], r["blocks_stored"], r["blocks_loaded"])
+            == (first["prefill_tokens_loaded"], first["blocks_stored"], first["blocks_loaded"])
+            for r in runs
+        ),
+        "outputs_identical_to_tp1": all(r["outputs_identical_to_tp1"] for r in runs),
+        "ranks": ranks,
+    }
+
+
+def _table(
+    summary: Sequence[dict[str, Any]], model: str, users: int, rounds: int, blocks: int
+) -> Table:
     table = Table(
-        title=f"tensor parallel on CPU (gloo, host backend): {cfg.model}, "
-        f"{cfg.users} users × {cfg.rounds} rounds, {engine.num_gpu_blocks} GPU blocks"
+        title=f"tensor parallel on CPU (gloo, host backend): {model}, {users} users × {rounds} "
+        f"rounds, {blocks} GPU blocks; medians of {summary[0]['repeats']} runs"
     )
     for col in (
         "tp",
         "offload",
-        "TTFT p50 ms",
+        "TTFT p50 ms (min–max)",
         "TTFT p90 ms",
+        "wall s",
         "prefill computed / loaded",
         "outputs = tp1",
         "rank",
@@ -153,65 +242,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stored / loaded MiB",
     ):
         table.add_column(col, justify="right")
-    out_runs: list[dict[str, Any]] = []
-    for run in runs:
-        identical = run["outputs"] == reference
-        ranks: list[RankStatus] = run["ranks"] if run["offload"] else run["ranks"][:1]
-        per_rank = []
-        for i, st in enumerate(ranks):
-            moved = {d: st.copies.get(d, (0, 0.0))[0] for d in Direction}
-            per_rank.append(
-                {
-                    "rank": st.rank,
-                    "store_gbps": _gbps(st, Direction.STORE),
-                    "load_gbps": _gbps(st, Direction.LOAD),
-                    "bytes_stored": moved[Direction.STORE],
-                    "bytes_loaded": moved[Direction.LOAD],
-                }
-            )
+    for run in summary:
+        lo, hi = run["ttft_p50_s_range"]
+        shown = run["ranks"] if run["offload"] else run["ranks"][:1]
+        for i, rank in enumerate(shown):
             head = (
                 [
                     str(run["tp"]),
                     "on" if run["offload"] else "off",
-                    f"{run['ttft_p50_s'] * 1e3:.1f}",
-                    f"{run['ttft_p90_s'] * 1e3:.1f}",
+                    f"{run['ttft_p50_s'] * 1e3:.0f} ({lo * 1e3:.0f}–{hi * 1e3:.0f})",
+                    f"{run['ttft_p90_s'] * 1e3:.0f}",
+                    f"{run['wall_s']:.2f}",
                     f"{run['prefill_tokens_computed']} / {run['prefill_tokens_loaded']}",
-                    "yes" if identical else "NO",
+                    "yes" if run["outputs_identical_to_tp1"] else "NO",
                 ]
                 if i == 0
-                else [""] * 6
+                else [""] * 7
             )
             tail = (
                 [
-                    str(st.rank),
-                    f"{_gbps(st, Direction.STORE):.2f}",
-                    f"{_gbps(st, Direction.LOAD):.2f}",
-                    f"{moved[Direction.STORE] / 2**20:.1f} / {moved[Direction.LOAD] / 2**20:.1f}",
+                    str(rank["rank"]),
+                    f"{rank['store_gbps']:.2f}",
+                    f"{rank['load_gbps']:.2f}",
+                    f"{rank['bytes_stored'] / 2**20:.1f} / {rank['bytes_loaded'] / 2**20:.1f}",
                 ]
                 if run["offload"]
-                else ["-", "-", "-", "-"]
+                else ["–"] * 4
             )
             table.add_row(*head, *tail)
-        out_runs.append(
-            {k: v for k, v in run.items() if k not in ("outputs", "ranks")}
-            | {"outputs_identical_to_tp1": identical, "ranks": per_rank}
-        )
-    console.print(table)
-    if args.json is not None:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "config": attrs.asdict(cfg),
-                    "num_gpu_blocks": engine.num_gpu_blocks,
-                    "cpu_bytes_per_rank": args.cpu_bytes,
-                    "backend": "host",
-                    "machine": platform.node() or platform.machine(),
-                    "runs": out_runs,
-                },
-                indent=2,
-            )
-        )
-    return 0 if all(r["outputs_identical_to_tp1"] for r in out_runs) else 1
+    return table
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from kvflow.engine.tp import RankZeroResult, TPSpec, shard_config, shard_model
 from kvflow.engine.workload import run_multi_round
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.runtime.clock import SystemClock
+from tests.connector.test_offload_end_to_end import WORKLOAD
 from tests.distributed import tp_scenarios as scen
 from tests.engine.helpers import shared_model
 
@@ -43,7 +44,7 @@ def tp1_outputs() -> dict[tuple[int, int], tuple[int, ...]]:
     """Greedy outputs of the workload on one rank (the full model), offload off."""
     engine = Engine(model_config("tiny"), scen.ENGINE, model=shared_model("tiny"))
     try:
-        return run_multi_round(engine, scen.WORKLOAD).outputs()
+        return run_multi_round(engine, WORKLOAD).outputs()
     finally:
         engine.shutdown()
 

@@ -24,21 +24,12 @@ from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import TransferState
 from kvflow.engine.engine import EngineConfig
 from kvflow.engine.tp import RankZeroResult, TPEngine, TPSpec, run_rank
-from kvflow.engine.workload import MultiRoundQA, run_multi_round
+from kvflow.engine.workload import run_multi_round
 from kvflow.errors import ReportError
-
-WORKLOAD = MultiRoundQA(
-    num_users=4,
-    num_rounds=3,
-    system_prompt_len=24,
-    first_question_len=16,
-    question_len=8,
-    answer_len=4,
-    vocab_size=1024,
-)
-"""Small enough for CI; with ``GPU_BLOCKS`` the histories are evicted and reloaded."""
+from tests.connector.test_offload_end_to_end import WORKLOAD
 
 GPU_BLOCKS = 41
+"""With ``WORKLOAD`` (the offload end-to-end tests' workload), histories are evicted and reloaded."""
 ENGINE = EngineConfig(block_size=4, num_gpu_blocks=GPU_BLOCKS, max_num_batched_tokens=64)
 
 
@@ -308,22 +299,24 @@ def _duplicate_job(tp: TPEngine) -> dict[str, Any]:
 def duplicate_rank(
     rank: int, world_size: int, spec: TPSpec
 ) -> RankZeroResult[dict[str, Any]] | None:
-    """Rank 0's reports are held back 3 steps; rank 1 names its first transfers twice."""
+    """Rank 0's reports are held back 50 steps (so the store is surely still live when rank 1
+    repeats it); rank 1 names its first transfers twice."""
     return run_rank(
         rank,
         world_size,
         spec,
         _duplicate_job,
-        wrap_worker=partial(_wrap, {0: ("delay", 3), 1: ("duplicate", 1)}),
+        wrap_worker=partial(_wrap, {0: ("delay", 50), 1: ("duplicate", 1)}),
         wrap_scheduler=partial(CommitAudit, world_size=world_size),
     )
 
 
 def raising_rank(rank: int, world_size: int) -> None:
-    """Rank 1 fails while rank 0 waits for it in a collective."""
+    """Rank 1 fails while rank 0 waits for it forever (outside a collective, so rank 0 cannot
+    fail first with a lost-peer error of its own)."""
     if rank == 1:
         raise RuntimeError("rank 1 failed on purpose")
-    torch.distributed.barrier()
+    threading.Event().wait()
 
 
 def hanging_rank(rank: int, world_size: int) -> None:

@@ -24,7 +24,12 @@ from kvflow.connector.config import OffloadConfig
 from kvflow.connector.offload import ConnectorStats, OffloadConnector
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.transfer import Direction
-from kvflow.engine.engine import Engine, EngineConfig, make_kv_cache_config
+from kvflow.engine.engine import (
+    Engine,
+    EngineConfig,
+    block_bytes_per_group,
+    make_kv_cache_config,
+)
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
 from kvflow.engine.workload import MultiRoundQA, WorkloadResult, run_multi_round
 from kvflow.runtime.clock import SystemClock
@@ -78,13 +83,6 @@ class BenchResult:
             "config": asdict(self.config),
             "machine": platform.node() or platform.machine(),
         }
-
-
-def block_bytes_per_group(cfg: ModelConfig, kv: KVCacheConfig, dtype: torch.dtype) -> list[int]:
-    """Bytes of one block of each KV cache group over all its layers (K and V)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * kv.block_size * cfg.num_kv_heads * cfg.head_dim * item
-    return [per_layer * len(g.layer_names) for g in kv.groups]
 
 
 def workload_of(cfg: BenchConfig, model: ModelConfig) -> MultiRoundQA:

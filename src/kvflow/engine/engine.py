@@ -101,6 +101,14 @@ def make_kv_cache_config(model: ModelConfig, config: EngineConfig) -> KVCacheCon
     )
 
 
+def block_bytes_per_group(model: ModelConfig, kv: KVCacheConfig, dtype: torch.dtype) -> list[int]:
+    """Bytes of one block of each KV cache group over all its layers (K and V): what a
+    connector's CPU tier holds per block. A tensor-parallel shard's config gives its share."""
+    item = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * kv.block_size * model.num_kv_heads * model.head_dim * item
+    return [per_layer * len(g.layer_names) for g in kv.groups]
+
+
 def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
     return tuple(values)
 
@@ -331,6 +339,7 @@ __all__ = [
     "GenerationRequest",
     "RequestResult",
     "RunnerFactory",
+    "block_bytes_per_group",
     "make_kv_cache_config",
     "perf_clock",
 ]

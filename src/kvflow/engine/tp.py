@@ -25,7 +25,6 @@ import structlog
 import torch
 from attrs import define, frozen
 
-from kvflow.bench.multi_round import block_bytes_per_group
 from kvflow.connector.api import (
     KVCacheConfig,
     KVConnectorOutput,
@@ -39,7 +38,14 @@ from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.requests import SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.engine.distributed import ProcessGroupChannel, all_reduce_sum
-from kvflow.engine.engine import Clock, Engine, EngineConfig, make_kv_cache_config, perf_clock
+from kvflow.engine.engine import (
+    Clock,
+    Engine,
+    EngineConfig,
+    block_bytes_per_group,
+    make_kv_cache_config,
+    perf_clock,
+)
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
 from kvflow.engine.runner import ModelRunner, ModelRunnerOutput
 from kvflow.engine.scheduler import StepBatch
