@@ -97,6 +97,7 @@ class Request:
     # Async external load in flight: tokens computed once it finishes (shrunk by load errors).
     load_target_tokens: int = 0
     pending_external_tokens: int = 0  # of those, loaded by the connector
+    reset_after_load: bool = False  # a failed load left it unable to resume in place
     kv_transfer_params: dict[str, object] | None = None
     _hasher: BlockHasher | None = None
 
@@ -213,6 +214,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_recving: set[str] = set()
         self._finished_since_last_step: set[str] = set()
+        self._preempted_since_last_step: set[str] = set()  # by failed loads, after a step
         self._delayed_free: set[str] = set()  # finished, blocks held until finished_sending
         self._step = 0
         self.num_preemptions = 0
@@ -262,7 +264,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new_reqs: list[NewRequest] = []
         cached_reqs: list[CachedRequest] = []
-        preempted: set[str] = set()
+        preempted, self._preempted_since_last_step = self._preempted_since_last_step, set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -428,6 +430,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _restart(self, req: Request) -> None:
+        """Give back all of a request's blocks after a failed load; it is matched again later.
+        A running one counts as preempted (its id reaches ``handle_preemptions`` next step)."""
+        log.info("kv_load_failed_restart", request_id=req.request_id, status=req.status.value)
+        if req.status is RS.RUNNING:
+            transition(req, RI.PREEMPT, cause="kv_load_failed")
+            self.running.remove(req)
+            self.waiting.appendleft(req)
+            self._preempted_since_last_step.add(req.request_id)
+        else:
+            transition(req, RI.RELEASE_BLOCKS, cause="kv_load_failed")
+        self.blocks.free(req.request_id)
+
     def _break_deadlock(self, head: Request) -> set[str]:
         """Nothing runs and ``head`` cannot get blocks. If nothing else will free any (no load in
         flight, no delayed free), the blocks are held by requests whose async loads finished but
@@ -450,10 +465,17 @@ class Scheduler:
     def _finish_remote_load(self, req: Request) -> None:
         """vLLM's ``_update_waiting_for_remote_kv``: the loaded blocks count as computed."""
         self._finished_recving.discard(req.request_id)
-        req.num_computed_tokens = req.load_target_tokens
-        req.stats.external_loaded_tokens += req.pending_external_tokens
-        req.pending_external_tokens = 0
-        self.blocks.cache_computed(req.request_id, req.block_hashes, req.num_computed_tokens)
+        if req.reset_after_load:
+            # The load is over, so its blocks can go; the request starts again from scratch.
+            req.reset_after_load = False
+            log.info("kv_load_failed_restart", request_id=req.request_id, status=req.status.value)
+            self.blocks.free(req.request_id)
+            req.load_target_tokens = req.pending_external_tokens = req.num_computed_tokens = 0
+        else:
+            req.num_computed_tokens = req.load_target_tokens
+            req.stats.external_loaded_tokens += req.pending_external_tokens
+            req.pending_external_tokens = 0
+            self.blocks.cache_computed(req.request_id, req.block_hashes, req.num_computed_tokens)
         transition(req, RI.REMOTE_DONE, cause="finished_recving")
 
     # ---- results ----------------------------------------------------------------------------
@@ -515,6 +537,9 @@ class Scheduler:
                 continue
             if req.status is RS.WAITING_FOR_REMOTE_KVS:
                 if pos < req.load_target_tokens:
+                    if not self.blocks.can_resume_at(req.request_id, pos):
+                        pos = 0
+                        req.reset_after_load = True
                     lost = req.load_target_tokens - pos
                     req.pending_external_tokens = max(0, req.pending_external_tokens - lost)
                     req.load_target_tokens = pos
@@ -529,15 +554,24 @@ class Scheduler:
                 continue
             if pos >= req.num_computed_tokens:
                 continue  # the block is being computed, not loaded: nothing to undo
+            running = req.status is RS.RUNNING
+            if running:
+                rolled.add(req.request_id)  # this step ran on invalid KV: drop its result
+            restart = not self.blocks.can_resume_at(req.request_id, pos)
+            if restart:
+                # Sliding-window blocks before the failed one were never loaded (they were
+                # outside the window): nothing valid to resume from, so start over.
+                pos = 0
             lost = req.num_computed_tokens - pos
             loaded_from = req.num_computed_tokens - req.pending_external_tokens
             req.stats.external_loaded_tokens += max(0, pos - loaded_from)
             req.stats.recomputed_tokens += lost
             req.pending_external_tokens = 0
             req.num_computed_tokens = pos
-            self.blocks.rollback(req.request_id, pos)
-            if req.status is RS.RUNNING:
-                rolled.add(req.request_id)  # this step ran on invalid KV: drop its result
+            if restart:
+                self._restart(req)
+            else:
+                self.blocks.rollback(req.request_id, pos)
             log.info(
                 "kv_load_failed_recompute",
                 request_id=req.request_id,
