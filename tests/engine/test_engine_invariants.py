@@ -94,6 +94,7 @@ def test_connector_paths_keep_outputs_and_blocks(
         num_gpu_blocks=blocks,
         max_num_batched_tokens=budget,
         enable_prefix_caching=caching,
+        max_idle_steps=200,  # a stuck engine fails fast instead of spinning
     )
     fake = FakeConnector(
         make_kv_cache_config(cfg, econf),

@@ -272,6 +272,13 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             added = self.blocks.allocate(req.request_id, req.num_computed_tokens, n)
             while added is None:
+                # Blocks held by loaded requests that are not running go first: otherwise a
+                # running request could preempt itself forever while they wait behind it.
+                released = self._release_one_loaded(exclude=None, cause="running_needs_blocks")
+                if released is not None:
+                    preempted.add(released)
+                    added = self.blocks.allocate(req.request_id, req.num_computed_tokens, n)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -453,14 +460,23 @@ class Scheduler:
         if any(r.status is RS.WAITING_FOR_REMOTE_KVS for r in self.waiting):
             return set()
         released: set[str] = set()
-        for req in self.waiting:
-            if req is head or req.request_id not in self.blocks.tables:
+        while (rid := self._release_one_loaded(exclude=head, cause="nothing_running")) is not None:
+            released.add(rid)
+        return released
+
+    def _release_one_loaded(self, *, exclude: Request | None, cause: str) -> str | None:
+        """The last waiting request whose async load finished but which was not admitted gives
+        its blocks back (it is matched again later); its id, or None if there is none."""
+        for req in reversed(self.waiting):
+            if req is exclude or req.status is not RS.WAITING:
                 continue
-            transition(req, RI.RELEASE_BLOCKS, cause="no_blocks_nothing_running")
+            if req.request_id not in self.blocks.tables:
+                continue
+            transition(req, RI.RELEASE_BLOCKS, cause=cause)
             self.blocks.free(req.request_id)
             req.num_computed_tokens = 0
-            released.add(req.request_id)
-        return released
+            return req.request_id
+        return None
 
     def _finish_remote_load(self, req: Request) -> None:
         """vLLM's ``_update_waiting_for_remote_kv``: the loaded blocks count as computed."""
