@@ -215,11 +215,11 @@ def run_bench(
             backend.cpu_tier.wait_registered()
         return made
 
-    # Warm up (first-call allocations, kernel selection, lazy CUDA module loading) so neither
-    # timed run pays for it. On a GPU each new (query, context) shape costs a one-time setup
-    # that reached hundreds of ms on the H200, and the two runs meet different shapes, so
-    # "full" runs both once untimed. Warm-up engines are thrown away with their caches.
-    full = cfg.warmup == "full" or (cfg.warmup == "auto" and cfg.device.startswith("cuda"))
+    # Warm up (first-call allocations, kernel and primitive selection per shape, lazy CUDA
+    # module loading) so neither timed run pays for it: each new (query, context) shape costs
+    # once, hundreds of ms on the H200 and tens on the CPU, and the two runs meet different
+    # shapes, so "full" runs both once untimed. Warm-up engines are thrown away with their caches.
+    full = cfg.warmup == "full"
     for offload in (False, True) if full else (False,):
         warm = engine(offload)
         run_multi_round(

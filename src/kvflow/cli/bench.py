@@ -47,9 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--warmup",
-        choices=("auto", "round", "full"),
+        choices=("round", "full"),
         default=d.warmup,
-        help="untimed warm-up: one round, or both runs once (auto: full on CUDA)",
+        help="untimed warm-up: both runs once (default, fair), or one round (faster)",
     )
     p.add_argument(
         "--dtype",
