@@ -21,11 +21,12 @@ import structlog
 from attrs import define, field, frozen
 
 from kvflow.connector.api import KVConnectorOutput, SchedulerConnector
+from kvflow.core.fsm import Machine
 from kvflow.core.hashing import BlockHash, BlockHasher, ExtraKey
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.core.requests import CachedRequest, NewRequest, SchedulerOutput
 from kvflow.engine.block_manager import BlockManager
-from kvflow.errors import ConfigError, TransitionError
+from kvflow.errors import ConfigError
 
 log = structlog.get_logger("kvflow.engine.scheduler")
 
@@ -63,6 +64,15 @@ TRANSITIONS: Mapping[tuple[RequestStatus, RequestInput], RequestStatus] = {
     (RS.WAITING, RI.RELEASE_BLOCKS): RS.WAITING,
 }
 """A request's whole life. Anything not listed is illegal."""
+
+REQUEST_MACHINE: Machine[RequestStatus, RequestInput] = Machine(
+    "request",
+    TRANSITIONS,
+    id_field="request_id",
+    initial=RS.WAITING,
+    terminal=(RS.FREED,),
+    logger="kvflow.engine.scheduler",
+)
 
 
 @define(eq=False)
@@ -130,26 +140,8 @@ class Request:
 def transition(request: Request, event: RequestInput, *, cause: str) -> RequestStatus:
     """Apply one input to ``request`` by the table and log it; illegal pairs raise and change
     nothing."""
-    old = request.status
-    new = TRANSITIONS.get((old, event))
-    if new is None:
-        log.warning(
-            "request_transition_rejected",
-            request_id=request.request_id,
-            state=old.value,
-            input=event.value,
-            cause=cause,
-        )
-        raise TransitionError("request", request.request_id, old.value, event.value)
-    request.status = new
-    log.debug(
-        "request_transition",
-        request_id=request.request_id,
-        input=event.value,
-        cause=cause,
-        **{"from": old.value, "to": new.value},
-    )
-    return new
+    request.status = REQUEST_MACHINE.apply(request.request_id, request.status, event, cause=cause)
+    return request.status
 
 
 @frozen
