@@ -16,7 +16,7 @@ from attrs import define, field, frozen
 
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVConnectorOutput
 from kvflow.core.hashing import BlockHash, hash_blocks
-from kvflow.core.protocol import GroupBlockIds
+from kvflow.core.protocol import GroupBlockIds, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 
 
@@ -252,6 +252,13 @@ class FakeConnector:
         self.calls.append("get_block_ids_with_load_errors")
         errors, self._errors = self._errors, set()
         return errors
+
+    def build_worker_report(self) -> StepReport | None:
+        self.calls.append("build_worker_report")
+        return None
+
+    def wait_for_progress(self, timeout: float) -> None:
+        return None
 
     def clear_connector_metadata(self) -> None:
         self.calls.append("clear_connector_metadata")

@@ -23,6 +23,7 @@ WORKER_STEP = [
     "wait_for_save",
     "get_finished",
     "get_block_ids_with_load_errors",
+    "build_worker_report",
     "clear_connector_metadata",
 ]
 

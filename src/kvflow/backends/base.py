@@ -67,7 +67,12 @@ class Backend(Protocol):
         ...
 
     def compute_fence(self) -> Fence:
-        """A fence after all compute the engine has issued so far (stores wait on it)."""
+        """A fence after all compute the engine has issued so far (stores wait on it).
+
+        Unlike the other methods it may be called from the engine's own thread (the synchronous
+        facade does, in ``wait_for_save``), so a GPU backend can record it on that thread's
+        current stream.
+        """
         ...
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> Fence:

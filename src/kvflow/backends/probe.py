@@ -43,9 +43,11 @@ def _check(result: Any) -> Any:
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
-def resolve_batch_memcpy(driver: Any) -> tuple[int | None, int | None]:
-    """(ABI version, function address) of ``cuMemcpyBatchAsync``, newest ABI first; (None, None)."""
-    for abi in BATCH_MEMCPY_ABIS:
+def resolve_batch_memcpy(
+    driver: Any, abis: tuple[int, ...] = BATCH_MEMCPY_ABIS
+) -> tuple[int | None, int | None]:
+    """(ABI version, function address) of ``cuMemcpyBatchAsync``, first of ``abis`` that resolves."""
+    for abi in abis:
         try:
             result = driver.cuGetProcAddress(
                 b"cuMemcpyBatchAsync", abi, driver.CUflags(0) if hasattr(driver, "CUflags") else 0

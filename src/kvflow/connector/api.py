@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from attrs import field, frozen
 
-from kvflow.core.protocol import GroupBlockIds
+from kvflow.core.protocol import GroupBlockIds, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.errors import ConfigError
 
@@ -87,6 +87,10 @@ class KVCacheConfig:
         return {name: g.group_id for g in self.groups for name in g.layer_names}
 
 
+def _reports(values: Iterable[StepReport]) -> tuple[StepReport, ...]:
+    return tuple(values)
+
+
 @frozen
 class KVConnectorOutput:
     """What the worker role reported after one step (vLLM's ``KVConnectorOutput``)."""
@@ -94,10 +98,14 @@ class KVConnectorOutput:
     finished_sending: frozenset[str] = field(default=frozenset(), converter=_str_set)
     finished_recving: frozenset[str] = field(default=frozenset(), converter=_str_set)
     invalid_block_ids: frozenset[int] = field(default=frozenset(), converter=_int_set)
+    reports: tuple[StepReport, ...] = field(default=(), converter=_reports)
+    """The ranks' own reports of the transfers they finished, for the scheduler role."""
 
     @property
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (
+            self.finished_sending or self.finished_recving or self.invalid_block_ids or self.reports
+        )
 
 
 @runtime_checkable
@@ -127,8 +135,10 @@ class SchedulerConnector(Protocol):
         """Everything the workers must do this step; resets the per-step state."""
         ...
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Take in what the workers reported after a step."""
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput | None:
+        """Take in what the workers reported after a step. A connector that decides itself when
+        a transfer is done (kvflow's: once every rank reported) returns the output the engine
+        must act on instead; None means "act on ``output`` as it is" (vLLM's behaviour)."""
         ...
 
     def request_finished(
@@ -179,6 +189,17 @@ class WorkerConnector(Protocol):
         this step stored from its blocks is garbage and must not be kept."""
         ...
 
+    def wait_for_progress(self, timeout: float) -> None:
+        """The engine has nothing to compute: block up to ``timeout`` seconds until a transfer
+        settles, returning at once when none is in flight (not in vLLM's API: kvflow's engine
+        runs workers in its own process and must not spin against their copy threads)."""
+        ...
+
+    def build_worker_report(self) -> StepReport | None:
+        """This rank's report of the transfers it finished since the last call, carried to the
+        scheduler role in ``KVConnectorOutput.reports`` (None: nothing to carry)."""
+        ...
+
     def clear_connector_metadata(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -202,7 +223,7 @@ class NullConnector:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
         return None
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput | None:
         return None
 
     def request_finished(
@@ -235,6 +256,12 @@ class NullConnector:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
+
+    def build_worker_report(self) -> StepReport | None:
+        return None
+
+    def wait_for_progress(self, timeout: float) -> None:
+        return None
 
     def clear_connector_metadata(self) -> None:
         return None

@@ -25,13 +25,14 @@ from attrs import field, frozen
 from kvflow.errors import LayoutError
 
 
-def _ints(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
 class KVStyle(enum.StrEnum):
     KV_FIRST = "kv_first"
     BLOCK_FIRST = "block_first"
+
+
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    """A typed converter: mypy's attrs plugin cannot bind ``converter=tuple``'s type variable."""
+    return tuple(int(v) for v in values)
 
 
 @frozen

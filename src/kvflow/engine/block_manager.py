@@ -1,12 +1,15 @@
 """GPU block accounting for the engine's scheduler: block tables, prefix caching, sliding windows.
 
-One ``kvflow.core.block_pool.BlockPool`` per KV cache group, block 0 of each held forever as the
-null block. A request's table in a full-attention group covers every position; in a sliding-window
-group, blocks wholly before the window of the next query are freed and replaced by the null block.
-Prefix hits use the request's chained block hashes: a full-attention group needs every block of the
-prefix cached, a sliding-window group only the blocks inside the window at the hit point; the hit is
-the longest length every group agrees on. Blocks enter the prefix cache once computed (after the
-step that wrote them), so a block is never matched before its data exists.
+One ``kvflow.core.block_pool.BlockPool`` shared by every KV cache group (as in vLLM), block 0 held
+forever as the null block, so a block id names one block whatever its group: transfers, invalid
+block reports and the offload manager's GPU references need no group to go with an id. A group's
+prefix-cache key is the block hash tagged with the group id. A request's table in a
+full-attention group covers every position; in a sliding-window group, blocks wholly before the
+window of the next query are freed and replaced by the null block. Prefix hits use the request's
+chained block hashes: a full-attention group needs every block of the prefix cached, a
+sliding-window group only the blocks inside the window at the hit point; the hit is the longest
+length every group agrees on. Blocks enter the prefix cache once computed (after the step that
+wrote them), so a block is never matched before its data exists.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import structlog
 
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVCacheGroupSpec
 from kvflow.core.block_pool import BlockPool
+from kvflow.core.gpu_view import BlockPoolGpuView
 from kvflow.core.hashing import BlockHash
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.errors import BlockPoolError
@@ -38,15 +42,12 @@ class BlockManager:
         self.config = config
         self.block_size = config.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pools = [
-            BlockPool(config.num_blocks, name=f"gpu.g{g.group_id}") for g in config.groups
-        ]
-        for pool in self.pools:
-            (null,) = pool.get_new_blocks(1)
-            if null != NULL_BLOCK_ID:  # pragma: no cover - a fresh pool hands out block 0 first
-                raise BlockPoolError(
-                    f"{pool.name}: expected block {NULL_BLOCK_ID} first, got {null}"
-                )
+        self.pool = BlockPool(config.num_blocks, name="gpu")
+        # One entry per group, all the same pool: per-group code reads naturally.
+        self.pools = [self.pool] * len(config.groups)
+        (null,) = self.pool.get_new_blocks(1)
+        if null != NULL_BLOCK_ID:  # pragma: no cover - a fresh pool hands out block 0 first
+            raise BlockPoolError(f"gpu: expected block {NULL_BLOCK_ID} first, got {null}")
         self.tables: dict[str, list[list[int]]] = {}
         self._num_cached: dict[str, list[int]] = {}
 
@@ -54,8 +55,17 @@ class BlockManager:
     def num_usable_blocks(self) -> int:
         return self.config.num_blocks - 1
 
-    def num_free_blocks(self, group: int = 0) -> int:
-        return self.pools[group].num_free_blocks
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def gpu_view(self) -> BlockPoolGpuView:
+        """The offload manager's view of the shared GPU pool (free queue, refs)."""
+        return BlockPoolGpuView(self.pool)
+
+    @staticmethod
+    def cache_key(group: int, block_hash: BlockHash) -> BlockHash:
+        """The prefix-cache key of a block of ``group``: one pool serves every group."""
+        return block_hash + group.to_bytes(2, "little")
 
     def block_ids(self, request_id: str) -> GroupBlockIds:
         return tuple(tuple(t) for t in self.tables.get(request_id, [[] for _ in self.pools]))
@@ -72,17 +82,18 @@ class BlockManager:
         max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
         hashes = block_hashes[:max_blocks]
         n = max_blocks
+        keyed = [[self.cache_key(g.group_id, h) for h in hashes] for g in self.config.groups]
         for group, pool in zip(self.config.groups, self.pools, strict=True):
             if group.sliding_window is None:
-                n = min(n, len(pool.find_longest_prefix(hashes[:n])))
+                n = min(n, len(pool.find_longest_prefix(keyed[group.group_id][:n])))
         for group, pool in zip(self.config.groups, self.pools, strict=True):
             if group.sliding_window is not None:
-                n = self._sliding_hit(group, pool, hashes, n)
+                n = self._sliding_hit(group, pool, keyed[group.group_id], n)
         tables: list[list[int]] = []
         for group, pool in zip(self.config.groups, self.pools, strict=True):
             first = _first_needed_block(group, n * self.block_size, self.block_size)
             table = [NULL_BLOCK_ID] * first
-            for h in hashes[first:n]:
+            for h in keyed[group.group_id][first:n]:
                 bid = pool.get_cached_block(h)
                 assert bid is not None
                 table.append(bid)
@@ -129,6 +140,7 @@ class BlockManager:
             self.free_skipped(request_id, num_computed)
         total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
         plans: list[tuple[int, int]] = []  # (nulls to append, new blocks to append) per group
+        needed = 0  # free blocks this allocation takes from the shared pool, all groups
         for g, (group, pool) in enumerate(zip(self.config.groups, self.pools, strict=True)):
             have = len(tables[g])
             first = _first_needed_block(group, num_computed, self.block_size)
@@ -139,9 +151,10 @@ class BlockManager:
                 reused = sum(
                     1 for b in tables[g] if b != NULL_BLOCK_ID and pool.block(b).ref_cnt == 0
                 )
-            if new + reused > pool.num_free_blocks:
-                return None
+            needed += new + reused
             plans.append((nulls, new))
+        if needed > self.pool.num_free_blocks:
+            return None
         if admitting:
             self._num_cached[request_id] = [len(t) for t in tables]
         added: list[tuple[int, ...]] = []
@@ -192,7 +205,7 @@ class BlockManager:
             if full <= start:
                 continue
             pairs = [
-                (bid, block_hashes[j])
+                (bid, self.cache_key(g, block_hashes[j]))
                 for j, bid in enumerate(tables[g][start:full], start)
                 if bid != NULL_BLOCK_ID and pool.block(bid).block_hash is None
             ]
@@ -235,19 +248,17 @@ class BlockManager:
 
     def uncache(self, block_ids: Iterable[int]) -> None:
         """Drop invalid blocks from every group's prefix cache (their data is garbage)."""
-        ids = [b for b in block_ids if b != NULL_BLOCK_ID]
-        for pool in self.pools:
-            pool.uncache(b for b in ids if 0 <= b < pool.num_blocks)
+        self.pool.uncache(
+            b for b in block_ids if b != NULL_BLOCK_ID and 0 <= b < self.pool.num_blocks
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refuses while any request holds blocks."""
         if self.tables:
             return False
-        for pool in self.pools:
-            pool.free([NULL_BLOCK_ID])
-        ok = all(pool.reset_prefix_cache() for pool in self.pools)
-        for pool in self.pools:
-            pool.touch([NULL_BLOCK_ID])
+        self.pool.free([NULL_BLOCK_ID])
+        ok = self.pool.reset_prefix_cache()
+        self.pool.touch([NULL_BLOCK_ID])
         log.debug("gpu_prefix_cache_reset", ok=ok)
         return ok
 

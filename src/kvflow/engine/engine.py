@@ -22,6 +22,7 @@ from kvflow.connector.api import (
     SchedulerConnector,
     WorkerConnector,
 )
+from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import ExtraKey
 from kvflow.engine.block_manager import BlockManager
 from kvflow.engine.kv_cache import kv_cache_groups
@@ -38,6 +39,14 @@ from kvflow.errors import ConfigError, KVFlowError
 
 log = structlog.get_logger("kvflow.engine")
 
+IDLE_WAIT_S = 0.002
+"""Longest an engine with nothing to compute blocks waiting for a transfer before re-checking."""
+
+ConnectorFactory = Callable[
+    [KVCacheConfig, GpuCacheView], tuple[SchedulerConnector, WorkerConnector]
+]
+"""Builds both connector roles once the engine's KV cache and GPU pool exist."""
+
 Clock = Callable[[], float]
 """Seconds as a float; only differences matter. Injected so tests and the bench control time."""
 
@@ -49,7 +58,8 @@ def perf_clock() -> float:
 
 @frozen
 class EngineConfig:
-    """How the engine runs a model. ``num_gpu_blocks`` counts per KV cache group, block 0 included."""
+    """How the engine runs a model. ``num_gpu_blocks`` is the one GPU pool every KV cache group
+    shares, block 0 (the null block) included."""
 
     block_size: int = 16
     num_gpu_blocks: int = 256
@@ -146,6 +156,7 @@ class Engine:
         *,
         scheduler_connector: SchedulerConnector | None = None,
         worker_connector: WorkerConnector | None = None,
+        connector_factory: ConnectorFactory | None = None,
         clock: Clock = perf_clock,
         model: LlamaForCausalLM | None = None,
     ) -> None:
@@ -165,12 +176,18 @@ class Engine:
             raise ConfigError("the model given was built for another ModelConfig")
         self.model = model
         self.kv_cache_config = make_kv_cache_config(model_config, config)
-        null = NullConnector()
-        self.scheduler_connector: SchedulerConnector = scheduler_connector or null
-        self.worker_connector: WorkerConnector = worker_connector or null
         self.blocks = BlockManager(
             self.kv_cache_config, enable_prefix_caching=config.enable_prefix_caching
         )
+        if connector_factory is not None:
+            if scheduler_connector is not None or worker_connector is not None:
+                raise ConfigError("give either connector_factory or the two connector roles")
+            scheduler_connector, worker_connector = connector_factory(
+                self.kv_cache_config, self.blocks.gpu_view()
+            )
+        null = NullConnector()
+        self.scheduler_connector: SchedulerConnector = scheduler_connector or null
+        self.worker_connector: WorkerConnector = worker_connector or null
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -242,6 +259,10 @@ class Engine:
             if o.finished:
                 self._finished[o.request_id] = alive[o.request_id]
         progressed = bool(batch.chunks) or not run.kv_connector_output.is_empty
+        if not batch.chunks and sched.has_unfinished():
+            # Nothing to compute: everyone waits on a transfer. Block briefly for it rather
+            # than spin empty steps that starve the copy threads of the GIL.
+            self.worker_connector.wait_for_progress(IDLE_WAIT_S)
         self._idle_steps = 0 if progressed else self._idle_steps + 1
         if self._idle_steps > self.config.max_idle_steps:
             raise KVFlowError(

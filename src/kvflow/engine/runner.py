@@ -3,7 +3,7 @@
 Per step, in vLLM's order: ``bind_connector_metadata`` → ``handle_preemptions`` → ``start_load_kv``
 → forward (skipped when nothing is scheduled; the connector calls still run, so async transfers
 keep being reported) → ``wait_for_save`` → ``get_finished(finished_req_ids)`` →
-``get_block_ids_with_load_errors`` → ``clear_connector_metadata``. Sampling is greedy.
+``get_block_ids_with_load_errors`` → ``build_worker_report`` → ``clear_connector_metadata``. Sampling is greedy.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class ModelRunner:
         conn.wait_for_save()
         sending, recving = conn.get_finished(set(out.finished_request_ids))
         invalid = conn.get_block_ids_with_load_errors()
+        report = conn.build_worker_report()
         conn.clear_connector_metadata()
         return ModelRunnerOutput(
             sampled=sampled,
@@ -71,6 +72,7 @@ class ModelRunner:
                 finished_sending=sending,
                 finished_recving=recving,
                 invalid_block_ids=invalid,
+                reports=() if report is None else (report,),
             ),
         )
 

@@ -21,11 +21,12 @@ import structlog
 from attrs import define, field, frozen
 
 from kvflow.connector.api import KVConnectorOutput, SchedulerConnector
+from kvflow.core.fsm import Machine
 from kvflow.core.hashing import BlockHash, BlockHasher, ExtraKey
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.core.requests import CachedRequest, NewRequest, SchedulerOutput
 from kvflow.engine.block_manager import BlockManager
-from kvflow.errors import ConfigError, TransitionError
+from kvflow.errors import ConfigError
 
 log = structlog.get_logger("kvflow.engine.scheduler")
 
@@ -63,6 +64,15 @@ TRANSITIONS: Mapping[tuple[RequestStatus, RequestInput], RequestStatus] = {
     (RS.WAITING, RI.RELEASE_BLOCKS): RS.WAITING,
 }
 """A request's whole life. Anything not listed is illegal."""
+
+REQUEST_MACHINE: Machine[RequestStatus, RequestInput] = Machine(
+    "request",
+    TRANSITIONS,
+    id_field="request_id",
+    initial=RS.WAITING,
+    terminal=(RS.FREED,),
+    logger="kvflow.engine.scheduler",
+)
 
 
 @define(eq=False)
@@ -131,26 +141,8 @@ class Request:
 def transition(request: Request, event: RequestInput, *, cause: str) -> RequestStatus:
     """Apply one input to ``request`` by the table and log it; illegal pairs raise and change
     nothing."""
-    old = request.status
-    new = TRANSITIONS.get((old, event))
-    if new is None:
-        log.warning(
-            "request_transition_rejected",
-            request_id=request.request_id,
-            state=old.value,
-            input=event.value,
-            cause=cause,
-        )
-        raise TransitionError("request", request.request_id, old.value, event.value)
-    request.status = new
-    log.debug(
-        "request_transition",
-        request_id=request.request_id,
-        input=event.value,
-        cause=cause,
-        **{"from": old.value, "to": new.value},
-    )
-    return new
+    request.status = REQUEST_MACHINE.apply(request.request_id, request.status, event, cause=cause)
+    return request.status
 
 
 @frozen
@@ -228,10 +220,11 @@ class Scheduler:
             raise ConfigError(f"request {request.request_id}: empty prompt")
         if request.max_tokens <= 0:
             raise ConfigError(f"request {request.request_id}: max_tokens must be positive")
-        need = -(-(request.num_prompt_tokens + request.max_tokens) // self.blocks.block_size)
-        if any(g.sliding_window is None for g in self.blocks.config.groups) and (
-            need > self.blocks.num_usable_blocks
-        ):
+        # Every group draws on the one shared pool; a sliding-window group may hold as many
+        # blocks as a full one while a long chunk is computed, so count it in full.
+        per_group = -(-(request.num_prompt_tokens + request.max_tokens) // self.blocks.block_size)
+        need = per_group * len(self.blocks.config.groups)
+        if need > self.blocks.num_usable_blocks:
             raise ConfigError(
                 f"request {request.request_id}: needs {need} GPU blocks, the cache has "
                 f"{self.blocks.num_usable_blocks}"
@@ -503,6 +496,11 @@ class Scheduler:
         sampled: Mapping[str, int],
         kv_output: KVConnectorOutput,
     ) -> list[StepOutput]:
+        # A connector that decides when transfers are done (kvflow's: once every rank
+        # reported) hands back the output to act on; others return None (vLLM's contract).
+        decided = self.connector.update_connector_output(kv_output)
+        if decided is not None:
+            kv_output = decided
         rolled_back = self._handle_invalid_blocks(kv_output.invalid_block_ids)
         now = self.clock()
         results: list[StepOutput] = []
@@ -532,7 +530,6 @@ class Scheduler:
                 self._finish(req, now)
             results.append(StepOutput(req.request_id, (token,), finished))
 
-        self.connector.update_connector_output(kv_output)
         self._finished_recving |= kv_output.finished_recving
         for rid in kv_output.finished_sending:
             if rid in self._delayed_free:

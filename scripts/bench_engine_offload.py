@@ -1,0 +1,286 @@
+"""Benchmark what the CPU tier buys the reference engine, beyond the multi-round ``kvflow bench``.
+
+Two scenarios, each run with offload off and on in one process, on one model:
+
+- ``reload``: one long context (default 16k tokens). Its prefill is computed once; then the GPU
+  prefix cache is dropped and the same prompt comes back: with offload on, its KV is loaded from
+  the CPU tier instead of recomputed. Goal (issue 6): reload ≥ 5× faster than recompute.
+- ``noreuse``: every prompt unique (0 % reuse): offload only stores, never loads. Goal: offload on
+  costs ≤ 3 % in wall time and TTFT.
+
+    PYTHONPATH=src python scripts/bench_engine_offload.py --model llama-1b --device cuda
+    PYTHONPATH=src python scripts/bench_engine_offload.py --model tiny --context 2048   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvflow.backends.cuda import CudaBackend
+from kvflow.bench.multi_round import block_bytes_per_group
+from kvflow.connector.api import KVCacheConfig
+from kvflow.connector.config import OffloadConfig
+from kvflow.connector.offload import OffloadConnector
+from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.transfer import Direction
+from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest, make_kv_cache_config
+from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
+from kvflow.runtime.clock import SystemClock
+from kvflow.tracing import trace_to
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--context", type=int, default=16384, help="reload: prompt tokens")
+    p.add_argument("--requests", type=int, default=64, help="noreuse: requests per run")
+    p.add_argument("--prompt", type=int, default=1024, help="noreuse: prompt tokens")
+    p.add_argument("--answer", type=int, default=32, help="noreuse: output tokens")
+    p.add_argument("--repeat", type=int, default=3, help="noreuse: runs of each, alternating")
+    p.add_argument("--budget", type=int, default=4096, help="max tokens per step")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cpu-bytes", default="4GiB")
+    p.add_argument("--scenario", choices=("reload", "noreuse", "both"), default="both")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--trace", type=Path, default=None, help="reload: JSON-lines trace of the reload"
+    )
+    return p.parse_args(argv)
+
+
+class Bench:
+    """Builds engines on one shared model, with or without kvflow's connector."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cfg: ModelConfig = model_config(args.model)
+        self.model: LlamaForCausalLM = build_model(self.cfg, device=args.device, seed=0)
+        self.dtype = next(self.model.parameters()).dtype
+        self.clock = SystemClock()
+        self.connectors: list[OffloadConnector] = []
+
+    def engine(self, num_blocks: int, offload: bool) -> Engine:
+        args = self.args
+        econf = EngineConfig(
+            block_size=args.block_size,
+            num_gpu_blocks=num_blocks,
+            max_num_batched_tokens=args.budget,
+            max_num_seqs=256,
+            device=args.device,
+        )
+        if not offload:
+            return Engine(self.cfg, econf, model=self.model, clock=self.clock.now)
+        kv = make_kv_cache_config(self.cfg, econf)
+        block_bytes = block_bytes_per_group(self.cfg, kv, self.dtype)
+
+        def factory(kv_cfg: KVCacheConfig, view: GpuCacheView) -> tuple[Any, Any]:
+            conn = OffloadConnector.build(
+                OffloadConfig(cpu_bytes=args.cpu_bytes),
+                kv_cfg,
+                block_bytes,
+                gpu_view=view,
+                now=self.clock.now,
+            )
+            self.connectors.append(conn)
+            return conn.scheduler, conn.worker
+
+        engine = Engine(
+            self.cfg, econf, model=self.model, clock=self.clock.now, connector_factory=factory
+        )
+        # The CUDA backend pins its CPU tier in the background; time only the steady state.
+        backend = self.connectors[-1].worker.backend
+        if isinstance(backend, CudaBackend):
+            backend.cpu_tier.wait_registered()
+        return engine
+
+    def prompt(self, n: int, seed: int) -> list[int]:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, min(self.cfg.vocab_size, 32000), (n,), generator=gen).tolist()
+
+
+def reload_scenario(b: Bench, progress: Progress) -> dict[str, float]:
+    args = b.args
+    blocks = 2 * (args.context // args.block_size + 2) + 1
+    task = progress.add_task("reload: long context", total=4)
+    prompt = b.prompt(args.context, seed=1)
+
+    def ttft(engine: Engine, rid: str) -> tuple[float, int, int]:
+        (r,) = engine.run_to_completion([GenerationRequest(prompt, 1, request_id=rid)])
+        return r.ttft_s, r.prefill_tokens_computed, r.external_loaded_tokens
+
+    off = b.engine(blocks, offload=False)
+    # Warm up with a prompt as long as the measured one: the first long prefill pays one-time
+    # costs (allocator growth, kernel selection for new shapes) that are not recompute.
+    # Two tokens: the decode step at full context is a shape of its own, and the reload's first
+    # token is exactly that step.
+    off.run_to_completion([GenerationRequest(b.prompt(args.context, seed=3), 2)])
+    compute_off, computed_off, _ = ttft(off, "off")
+    off.shutdown()
+    progress.advance(task)
+    on = b.engine(blocks, offload=True)
+    on.run_to_completion([GenerationRequest(b.prompt(args.context, seed=4), 2)])
+    compute_on, _, _ = ttft(on, "first")
+    progress.advance(task)
+    conn = b.connectors[-1]
+
+    def settle(engine: Engine) -> None:
+        """Step until every transfer landed, so the GPU copy can be dropped."""
+        for _ in range(100_000):
+            if not engine.has_unfinished() and conn.scheduler.manager.num_live_transfers() == 0:
+                return
+            engine.step()
+
+    settle(on)
+    assert on.scheduler.reset_prefix_cache(), "GPU prefix cache still in use"
+    progress.advance(task)
+    before = conn.worker.copy_throughput()[Direction.LOAD]
+    if args.trace is not None:
+        with trace_to(args.trace, b.clock.now):
+            reload_s, computed, loaded = ttft(on, "again")
+    else:
+        reload_s, computed, loaded = ttft(on, "again")
+    progress.advance(task)
+    # A second reload: whatever the first paid once (first use of a kernel or a shape) shows
+    # as the difference between the two.
+    settle(on)
+    assert on.scheduler.reset_prefix_cache(), "GPU prefix cache still in use"
+    reload2_s, _, loaded2 = ttft(on, "again2")
+    after = conn.worker.copy_throughput()[Direction.LOAD]
+    latency = conn.scheduler.stats().load_latency
+    on.shutdown()
+    return {
+        "context_tokens": args.context,
+        "recompute_ttft_s": compute_off,
+        "first_prefill_with_offload_ttft_s": compute_on,
+        "reload_ttft_s": reload_s,
+        "reload_tokens_loaded": loaded,
+        "reload_tokens_computed": computed,
+        "recompute_tokens": computed_off,
+        "speedup": compute_off / reload_s,
+        "second_reload_ttft_s": reload2_s,
+        "second_reload_tokens_loaded": loaded2,
+        "load_bytes": after[0] - before[0],
+        "load_copy_in_flight_s": after[1] - before[1],
+        "load_launch_to_commit_s": latency[1],
+    }
+
+
+def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, float]:
+    args = b.args
+    per_req = -(-(args.prompt + args.answer) // args.block_size)
+    blocks = per_req * min(args.requests, 64) + 1
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    task = progress.add_task("noreuse: unique prompts", total=2 * args.repeat + 1)
+    seed = 100
+    warm = b.engine(blocks, offload=False)
+    warm.run_to_completion([GenerationRequest(b.prompt(args.prompt, 99), 4) for _ in range(4)])
+    warm.shutdown()
+    progress.advance(task)
+    for _ in range(args.repeat):
+        for offload in (False, True):
+            engine = b.engine(blocks, offload=offload)
+            reqs = [
+                GenerationRequest(b.prompt(args.prompt, seed + i), args.answer)
+                for i in range(args.requests)
+            ]
+            seed += args.requests  # never the same prompt twice, in any run
+            t0 = b.clock.now()
+            results = engine.run_to_completion(reqs)
+            wall = b.clock.now() - t0
+            assert all(r.external_loaded_tokens == 0 for r in results)
+            runs[offload].append((wall, statistics.median(r.ttft_s for r in results)))
+            engine.shutdown()
+            progress.advance(task)
+    off_wall = statistics.median(w for w, _ in runs[False])
+    on_wall = statistics.median(w for w, _ in runs[True])
+    off_ttft = statistics.median(t for _, t in runs[False])
+    on_ttft = statistics.median(t for _, t in runs[True])
+    stats = b.connectors[-1].scheduler.stats().manager
+    return {
+        "requests": args.requests,
+        "prompt_tokens": args.prompt,
+        "off_wall_s": off_wall,
+        "on_wall_s": on_wall,
+        "wall_overhead": on_wall / off_wall - 1,
+        "off_ttft_p50_s": off_ttft,
+        "on_ttft_p50_s": on_ttft,
+        "ttft_overhead": on_ttft / off_ttft - 1,
+        "blocks_stored_last_run": stats.blocks_stored,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    sys.setswitchinterval(5e-4)  # as kvflow bench: keep the copy threads' GIL waits short
+    console = Console()
+    b = Bench(args)
+    out: dict[str, Any] = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+    }
+    with Progress(console=console, transient=True) as progress:
+        if args.scenario in ("reload", "both"):
+            out["reload"] = reload_scenario(b, progress)
+        if args.scenario in ("noreuse", "both"):
+            out["noreuse"] = noreuse_scenario(b, progress)
+    table = Table(title=f"offload on the reference engine: {args.model} on {out['device']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("goal", justify="right")
+    if "reload" in out:
+        r = out["reload"]
+        table.add_row(
+            f"recompute {r['context_tokens']:,}-token prefill, TTFT (ms)",
+            f"{r['recompute_ttft_s'] * 1e3:.1f}",
+            "",
+        )
+        table.add_row("reload it from CPU, TTFT (ms)", f"{r['reload_ttft_s'] * 1e3:.1f}", "")
+        table.add_row(
+            "  tokens loaded / computed on reload",
+            f"{r['reload_tokens_loaded']:,} / {r['reload_tokens_computed']:,}",
+            "",
+        )
+        table.add_row(
+            "  load: MB, copy in flight (ms), launch → commit (ms)",
+            f"{r['load_bytes'] / 1e6:.0f}, {r['load_copy_in_flight_s'] * 1e3:.1f}, {r['load_launch_to_commit_s'] * 1e3:.1f}",
+            "",
+        )
+        table.add_row("reload speed-up over recompute", f"{r['speedup']:.1f}×", "≥ 5×")
+        table.add_row("second reload, TTFT (ms)", f"{r['second_reload_ttft_s'] * 1e3:.1f}", "")
+    if "noreuse" in out:
+        n = out["noreuse"]
+        table.add_row(
+            f"0 % reuse, {n['requests']} × {n['prompt_tokens']} tokens: wall off / on (s)",
+            f"{n['off_wall_s']:.3f} / {n['on_wall_s']:.3f}",
+            "",
+        )
+        table.add_row("  offload overhead, wall", f"{n['wall_overhead']:+.1%}", "≤ +3 %")
+        table.add_row(
+            "  TTFT p50 off / on (ms)",
+            f"{n['off_ttft_p50_s'] * 1e3:.1f} / {n['on_ttft_p50_s'] * 1e3:.1f}",
+            "",
+        )
+        table.add_row("  offload overhead, TTFT p50", f"{n['ttft_overhead']:+.1%}", "≤ +3 %")
+    console.print(table)
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,310 @@
+"""Per-step time of vLLM's real v1 scheduler on CPU, without and with KV offload connectors.
+
+Workload: N running requests with P-token prompts (all prefilled first, not timed), then D timed
+decode steps. A step is ``schedule()`` + ``update_from_output()``, which includes the connector's
+scheduler-side work (``build_connector_meta``, ``update_connector_output``, match and alloc
+hooks). The workers are played by a stand-in that reports every transfer of a step complete in
+that step's output, so stores settle as they would on a fast device.
+
+Configurations, measured side by side in one process: no connector; vLLM's
+``SimpleCPUOffloadConnector`` eager and lazy; kvflow's ``KVFlowConnector`` eager and lazy (when
+kvflow's scheduler-side manager is importable; otherwise reported as not available).
+
+    PYTHONPATH=src /work/venv-vllm/bin/python scripts/bench_vllm_scheduler.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import logging
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter_ns
+from typing import Any
+
+import structlog
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.integrations.vllm_harness import (
+    KVFLOW_MODULE,
+    LAYERS,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    model_runner_output,
+    page_bytes,
+)
+
+Echo = Callable[[Any], Any]
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "has_pending_push_work",
+    "take_events",
+    "get_kv_connector_stats",
+)
+
+
+MANAGER_CALLS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_step_plan",
+    "update_from_reports",
+    "request_finished",
+)
+
+
+def time_hooks(connector: Any, sink: list[int], names: tuple[str, ...] = HOOKS) -> None:
+    """Wrap the connector's scheduler-side hooks so their time adds up in ``sink[0]`` (ns).
+
+    Timing the hooks directly is robust to machine noise; the step totals also show the indirect
+    cost (what vLLM itself does differently because a connector is there).
+    """
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = perf_counter_ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                sink[0] += perf_counter_ns() - t0
+
+        return timed
+
+    for name in names:
+        if hasattr(connector, name):
+            setattr(connector, name, wrap(getattr(connector, name)))
+
+
+def simple_echo(scheduler_output: Any) -> Any:
+    """SimpleCPUOffloadConnector's workers: this step's store event and loads are done."""
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.simple_kv_offload.metadata import (
+        INVALID_JOB_ID,
+        SimpleCPUOffloadWorkerMetadata,
+    )
+
+    meta = scheduler_output.kv_connector_metadata
+    stores = {} if meta.store_event == INVALID_JOB_ID else {meta.store_event: 1}
+    recving = {r for reqs in meta.load_event_to_reqs.values() for r in reqs}
+    if not stores and not recving:
+        return None
+    return KVConnectorOutput(
+        finished_recving=recving or None,
+        kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(stores) if stores else None,
+    )
+
+
+def kvflow_echo(scheduler_output: Any) -> Any:
+    """kvflow's workers: every transfer of this step's plan is reported complete."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvflow.core.protocol import StepReport
+    from kvflow.integrations.vllm import KVFlowWorkerMetadata
+
+    plan = scheduler_output.kv_connector_metadata.plan
+    done = tuple(t.transfer_id for t in (*plan.stores, *plan.loads))
+    if not done:
+        return None
+    return KVConnectorOutput(
+        kv_connector_worker_meta=KVFlowWorkerMetadata((StepReport(rank=0, completed=done),))
+    )
+
+
+class Rig:
+    """One configuration: its own scheduler, prefilled, stepped by ``step``."""
+
+    def __init__(
+        self,
+        connector: str | None,
+        module: str | None,
+        extra: dict[str, object],
+        echo: Echo | None,
+        args: argparse.Namespace,
+    ) -> None:
+        blocks_per_req = (
+            args.prompt + args.decode + args.warmup + 2 * args.block_size
+        ) // args.block_size
+        config = make_vllm_config(
+            connector=connector,
+            module_path=module,
+            extra_config=extra,
+            block_size=args.block_size,
+            max_num_seqs=args.requests,
+            max_num_batched_tokens=args.batch_tokens,
+            max_model_len=args.prompt + args.decode + args.warmup + 64,
+        )
+        self.scheduler = make_scheduler(config, args.requests * (blocks_per_req + 1) + 64)
+        self.echo = echo
+        self.hook_ns = [0]
+        self.manager_ns = [0]
+        instance = self.scheduler.connector
+        if instance is not None:
+            time_hooks(instance, self.hook_ns)
+            # kvflow: split the hooks' time into the adapter's and the manager's share.
+            if getattr(instance, "_manager", None) is not None:
+                time_hooks(instance._manager, self.manager_ns, MANAGER_CALLS)
+        for i in range(args.requests):
+            # Distinct prompts: no GPU prefix hits, every block is new (the offloaders' worst case).
+            tokens = [(i * 131 + j * 7) % 30000 + 10 for j in range(args.prompt)]
+            self.scheduler.add_request(
+                make_request(tokens, max_tokens=args.decode + 1000, block_size=args.block_size)
+            )
+        while any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in self.scheduler.requests.values()
+        ):
+            self.step()
+        self.times: list[int] = []
+        self.hooks: list[int] = []
+        self.manager: list[int] = []
+
+    def step(self) -> int:
+        """One step; returns the ns spent in vLLM's scheduler (not in building the fake output)."""
+        scheduler = self.scheduler
+        t0 = perf_counter_ns()
+        so = scheduler.schedule()
+        t1 = perf_counter_ns()
+        kv_out = self.echo(so) if self.echo is not None else None
+        mro = model_runner_output(scheduler, so, kv_out)
+        t2 = perf_counter_ns()
+        scheduler.update_from_output(so, mro)
+        t3 = perf_counter_ns()
+        return (t1 - t0) + (t3 - t2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--decode", type=int, default=128, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batch-tokens", type=int, default=8192)
+    args = parser.parse_args()
+    # Debug events of every transfer would be printed and timed; a benchmark wants warnings only.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+    bytes_per_block = page_bytes(args.block_size) * len(LAYERS)
+    cpu_bytes = 4 * args.requests * (args.prompt + args.decode) // args.block_size * bytes_per_block
+    configs: list[tuple[str, str | None, str | None, dict[str, object], Echo | None]] = [
+        ("no connector", None, None, {}, None),
+        (
+            "SimpleCPUOffload eager",
+            "SimpleCPUOffloadConnector",
+            None,
+            {"cpu_bytes_to_use": cpu_bytes},
+            simple_echo,
+        ),
+        (
+            "SimpleCPUOffload lazy",
+            "SimpleCPUOffloadConnector",
+            None,
+            {"cpu_bytes_to_use": cpu_bytes, "lazy_offload": True},
+            simple_echo,
+        ),
+    ]
+    kvflow_ready = importlib.util.find_spec("kvflow.core.scheduler") is not None
+    for policy in ("eager", "lazy"):
+        if kvflow_ready:
+            extra: dict[str, object] = {"cpu_bytes_to_use": cpu_bytes, "store_policy": policy}
+            configs.append(
+                (f"kvflow {policy}", "KVFlowConnector", KVFLOW_MODULE, extra, kvflow_echo)
+            )
+
+    rigs: dict[str, Rig] = {}
+    with Progress() as progress:
+        task = progress.add_task("prefill", total=len(configs))
+        for name, connector, module, extra_config, echo in configs:
+            rigs[name] = Rig(connector, module, extra_config, echo, args)
+            progress.advance(task)
+        # Round robin, one step of each configuration in turn: machine noise hits all alike.
+        task = progress.add_task("decode", total=args.warmup + args.decode)
+        for n in range(args.warmup + args.decode):
+            gc.collect()
+            for rig in rigs.values():
+                before, before_manager = rig.hook_ns[0], rig.manager_ns[0]
+                t = rig.step()
+                if n >= args.warmup:
+                    rig.times.append(t)
+                    rig.hooks.append(rig.hook_ns[0] - before)
+                    rig.manager.append(rig.manager_ns[0] - before_manager)
+            progress.advance(task)
+    for name, rig in rigs.items():
+        assert len(rig.scheduler.running) == args.requests, f"{name}: a request stopped running"
+    results = {name: rig.times for name, rig in rigs.items()}
+    hooks = {name: statistics.fmean(rig.hooks) if rig.hooks else 0.0 for name, rig in rigs.items()}
+    simple_hooks = hooks["SimpleCPUOffload eager"]
+
+    # Means, not medians: with equal prompt lengths every request opens a block on the same step,
+    # so the per-block work lands on one step in 16; the mean charges it to every step.
+    base = statistics.fmean(results["no connector"])
+    simple_added = statistics.fmean(results["SimpleCPUOffload eager"]) - base
+    table = Table(
+        title=(
+            f"vLLM scheduler step on CPU: {args.requests} running requests, "
+            f"{args.prompt}-token prompts, {args.decode} decode steps"
+        )
+    )
+    for col in (
+        "configuration",
+        "mean ms",
+        "median ms",
+        "p90 ms",
+        "max ms",
+        "added ms (mean)",
+        "added / eager simple",
+        "connector hooks ms",
+        "hooks / eager simple",
+    ):
+        table.add_column(col, justify="right" if col != "configuration" else "left")
+    for name, times in results.items():
+        ms = sorted(t / 1e6 for t in times)
+        added = statistics.fmean(times) - base
+        ratio = (
+            f"{added / simple_added:.2f}" if simple_added > 0 and name != "no connector" else "-"
+        )
+        table.add_row(
+            name,
+            f"{statistics.fmean(ms):.3f}",
+            f"{statistics.median(ms):.3f}",
+            f"{ms[int(0.9 * (len(ms) - 1))]:.3f}",
+            f"{ms[-1]:.3f}",
+            f"{added / 1e6:+.3f}",
+            ratio,
+            f"{hooks[name] / 1e6:.3f}",
+            f"{hooks[name] / simple_hooks:.2f}" if simple_hooks and name != "no connector" else "-",
+        )
+    if not kvflow_ready:
+        table.add_row(
+            "kvflow eager / lazy", "n/a", "", "", "", "", "manager not merged yet", "", ""
+        )
+    console = Console(width=160)
+    console.print(table)
+    split = Table(title="kvflow's connector hooks per step: adapter vs manager (ms, mean)")
+    for col in ("configuration", "hooks", "kvflow manager", "adapter (translation)"):
+        split.add_column(col, justify="right" if col != "configuration" else "left")
+    for name, rig in rigs.items():
+        if rig.manager and any(rig.manager):
+            m = statistics.fmean(rig.manager) / 1e6
+            split.add_row(
+                name, f"{hooks[name] / 1e6:.3f}", f"{m:.3f}", f"{hooks[name] / 1e6 - m:.3f}"
+            )
+    if split.row_count:
+        console.print(split)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,563 @@
+"""``CudaBackend``: the backend protocol on a CUDA GPU, through cuda-python.
+
+Two ways to move a batch of blocks, chosen per KV cache group by page size:
+
+- direct: one ``cuMemcpyBatchAsync`` over every (block, region) page — good when pages are large;
+- staged: a gather kernel packs the pages of up to a slot's worth of blocks into a block-major
+  staging slot on the GPU, then the copy engine moves whole blocks (runs of them) to the CPU tier;
+  loads run the same pipeline backwards. Slots form a ring per direction; gather ``k + 1`` overlaps
+  DMA ``k`` on a second stream, ordered by per-slot events.
+
+Every stream kvflow creates is non-blocking at the lowest priority. Fences are CUDA events: a
+store waits (device-side) on the compute fence, a load on any in-flight store of its blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import structlog
+from attrs import define, evolve, frozen
+
+from kvflow.backends.base import CopyBatch, Fence, FenceStatus
+from kvflow.backends.cuda import driver as drv
+from kvflow.backends.cuda.kernels import MAX_IDS, StageKernel
+from kvflow.backends.cuda.pinned import PinnedTier
+from kvflow.backends.cuda.plan import (
+    Descriptors,
+    RegionTable,
+    block_ids,
+    direct_descriptors,
+    staged_plan,
+)
+from kvflow.backends.torch_layout import describe
+from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
+from kvflow.core.transfer import Direction
+from kvflow.errors import BackendError, ClosedError, ConfigError
+
+log = structlog.get_logger("kvflow.backends.cuda")
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+Method = Literal["auto", "staged", "direct"]
+
+
+@frozen
+class CudaConfig:
+    """Tuning of the CUDA backend; the defaults come from ``scripts/bench_transfer.py`` on an H200."""
+
+    method: Method = "auto"
+    staged_max_page_bytes: int = 512 * KiB
+    """``auto`` stages a group whose smallest page is at most this; larger pages go direct."""
+    slot_bytes: int = 128 * MiB
+    num_slots: int = 2
+    """Staging ring per direction: ``num_slots`` slots of ``slot_bytes`` on the GPU."""
+    gather_ctas: int = 64
+    """CTAs of one gather/scatter launch: few enough to leave compute most of the GPU."""
+    register_chunk_bytes: int = 64 * MiB
+    """Pinning granularity: a transfer waits for at most the one chunk it needs."""
+    use_batch_memcpy: bool = True
+    """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
+    launch_thread: bool = True
+    """Issue driver calls on a launch thread; False issues them inside ``submit``."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.method not in ("auto", "staged", "direct"):
+            raise ConfigError(
+                f"CudaConfig.method must be auto, staged or direct, not {self.method!r}"
+            )
+        for name in ("slot_bytes", "num_slots", "gather_ctas", "register_chunk_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"CudaConfig.{name} must be positive")
+
+
+class CudaFence:
+    """A CUDA event; created by one backend and only meaningful to it.
+
+    ``launched`` turns true once the event is recorded after its copies (at once, or on the
+    launch thread); until then the fence is pending whatever the event says.
+    """
+
+    __slots__ = ("error", "event", "launched", "owner")
+
+    def __init__(self, event: Any, owner: CudaBackend, *, launched: bool = True) -> None:
+        self.event = event
+        self.owner = owner
+        self.launched = launched
+        self.error: str | None = None
+
+    def __del__(self) -> None:
+        # At interpreter shutdown the driver may already be gone.
+        with contextlib.suppress(Exception):
+            drv.cu.cuEventDestroy(self.event)
+
+
+class _Launcher:
+    """One thread that issues the driver calls of submitted batches, in submission order.
+
+    The caller's ``submit`` only validates and enqueues, so the driver's per-descriptor cost of
+    ``cuMemcpyBatchAsync`` (hundreds of µs for a step's scattered blocks) and any wait for a CPU
+    chunk still being pinned happen off the event loop; the driver calls release the GIL.
+    """
+
+    def __init__(self, ctx: drv.Context) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(ctx,), name="kvflow-cuda-launch", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Block until every job enqueued so far has been issued."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        done.wait()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self, ctx: drv.Context) -> None:
+        ctx.enter()
+        while (job := self._jobs.get()) is not None:
+            job()
+
+
+@define(eq=False)
+class _Ring:
+    """One direction's staging slots and the events that order their reuse."""
+
+    base: int
+    slot_bytes: int
+    filled: list[Any]  # recorded when slot k's data is ready for its second stage
+    free: list[Any]  # recorded when slot k's second stage is done with it
+    next: int = 0
+
+    def take(self) -> tuple[int, int]:
+        k = self.next
+        self.next = (k + 1) % len(self.filled)
+        return k, self.base + k * self.slot_bytes
+
+
+@define(eq=False)
+class _Lane:
+    """One direction's streams: ``dma`` runs copy-engine work, ``sm`` the gather/scatter kernel."""
+
+    dma: Any
+    sm: Any
+    attrs: drv.CopyAttributes
+    ring: _Ring | None = None
+
+
+class CudaBackend:
+    """The backend protocol on one CUDA device. Methods are called from one thread."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0, config: CudaConfig | None = None) -> None:
+        self.config = config or CudaConfig()
+        try:
+            import torch
+        except Exception as exc:  # pragma: no cover - torch is a dependency
+            raise BackendError(f"torch is not importable: {exc}") from exc
+        if not torch.cuda.is_available():
+            raise BackendError("CUDA backend: torch sees no CUDA device")
+        self._torch = torch
+        torch.cuda.init()  # type: ignore[no-untyped-call]
+        self._ctx = drv.Context(device)
+        self.device = device
+        self._batch: drv.BatchMemcpy | None = None
+        self.batch_error: str | None = None
+        if self.config.use_batch_memcpy:
+            try:
+                self._batch = drv.BatchMemcpy.resolve(self._ctx.driver_version)
+            except BackendError as exc:
+                self.batch_error = str(exc)
+                log.warning(
+                    "cuda_batch_memcpy_unavailable", reason=str(exc), fallback="cuMemcpyAsync"
+                )
+        else:
+            self.batch_error = "disabled by CudaConfig.use_batch_memcpy"
+        self._lanes = {
+            d: _Lane(
+                dma=drv.lowest_priority_stream(),
+                sm=drv.lowest_priority_stream(),
+                attrs=drv.CopyAttributes(store=d is Direction.STORE, device=device),
+            )
+            for d in Direction
+        }
+        self._join = drv.new_event()
+        self._launcher = _Launcher(self._ctx) if self.config.launch_thread else None
+        self._kernel: StageKernel | None = None
+        self.layout: KVLayout | None = None
+        self._tables: list[RegionTable] = []
+        self._table_dev: list[Any] = []  # torch tensors keeping the region tables alive
+        self._staging: list[Any] = []
+        self._tier: PinnedTier | None = None
+        self._staged: list[bool] = []
+        self._closed = False
+        log.info(
+            "cuda_backend_opened",
+            device=device,
+            driver=self._ctx.driver_version,
+            batch_memcpy_abi=self._batch.abi if self._batch else None,
+        )
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register_kv_caches(
+        self,
+        tensors: Mapping[str, Any],
+        num_blocks: int | Mapping[int, int],
+        groups: Mapping[str, int] | None = None,
+    ) -> KVLayout:
+        self._check_open()
+        if self.layout is not None:
+            raise BackendError("KV caches are already registered with this backend")
+        descs = {
+            name: t if isinstance(t, TensorDesc) else describe(name, t)
+            for name, t in tensors.items()
+        }
+        want = f"cuda:{self.device}"
+        for d in descs.values():
+            if d.device != want:
+                raise ConfigError(f"tensor {d.name!r} is on {d.device}, this backend drives {want}")
+        layout = derive_layout(descs, num_blocks, groups, device=want)
+        self._ctx.enter()
+        self._tables = [RegionTable.from_group(g) for g in layout.groups]
+        torch = self._torch
+        self._table_dev = [
+            torch.from_numpy(t.as_device_rows()).to(f"cuda:{self.device}") for t in self._tables
+        ]
+        self._staged = [self._wants_staging(t) for t in self._tables]
+        self.layout = layout
+        log.info(
+            "cuda_kv_caches_registered",
+            groups=len(layout.groups),
+            regions=layout.num_regions,
+            paths=["staged" if s else "direct" for s in self._staged],
+        )
+        return layout
+
+    def _wants_staging(self, table: RegionTable) -> bool:
+        method = self.config.method
+        fits = table.block_bytes <= self.config.slot_bytes
+        if method == "staged" and not fits:
+            raise ConfigError(
+                f"group {table.group}: a block of {table.block_bytes} bytes does not fit a "
+                f"staging slot of {self.config.slot_bytes}"
+            )
+        if method == "staged":
+            return True
+        if method == "direct":
+            return False
+        return fits and table.min_page_bytes <= self.config.staged_max_page_bytes
+
+    def allocate_cpu_tier(self, num_blocks: Sequence[int]) -> None:
+        self._check_open()
+        if self.layout is None:
+            raise BackendError("register_kv_caches must come before allocate_cpu_tier")
+        if self._tier is not None:
+            raise BackendError("the CPU tier is already allocated")
+        if len(num_blocks) != len(self._tables):
+            raise ConfigError(
+                f"allocate_cpu_tier: {len(num_blocks)} block counts for {len(self._tables)} groups"
+            )
+        self._ctx.enter()
+        if any(self._staged):
+            self._setup_staging()
+        self._tier = PinnedTier(
+            self._ctx,
+            list(num_blocks),
+            [t.block_bytes for t in self._tables],
+            chunk_bytes=self.config.register_chunk_bytes,
+        )
+
+    def set_method(self, method: Method) -> None:
+        """Re-choose every group's path, e.g. to compare paths on one pinned tier (benchmarks)."""
+        self._check_open()
+        if self.layout is None:
+            raise BackendError("register_kv_caches must come before set_method")
+        self.flush()
+        self.config = evolve(self.config, method=method)
+        self._staged = [self._wants_staging(t) for t in self._tables]
+        if any(self._staged) and self._kernel is None and self._tier is not None:
+            self._setup_staging()
+
+    def _setup_staging(self) -> None:
+        torch = self._torch
+        cfg = self.config
+        major = self._ctx.attribute(
+            drv.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        )
+        minor = self._ctx.attribute(
+            drv.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
+        )
+        self._kernel = StageKernel(f"sm_{major}{minor}", cfg.gather_ctas)
+        for lane in self._lanes.values():
+            buf = torch.empty(
+                cfg.num_slots * cfg.slot_bytes, dtype=torch.uint8, device=f"cuda:{self.device}"
+            )
+            self._staging.append(buf)
+            lane.ring = _Ring(
+                base=int(buf.data_ptr()),
+                slot_bytes=cfg.slot_bytes,
+                filled=[drv.new_event() for _ in range(cfg.num_slots)],
+                free=[drv.new_event() for _ in range(cfg.num_slots)],
+            )
+        self._kernel.warm_up(self._lanes[Direction.STORE].sm)
+        # torch allocated the staging buffers on its current stream; our streams must not race it.
+        torch.cuda.synchronize(self.device)
+        self.flush()
+
+    # -- fences --------------------------------------------------------------------------------
+
+    def compute_fence(self) -> CudaFence:
+        self._check_open()
+        self._ctx.enter()
+        event = drv.new_event()
+        stream = self._torch.cuda.current_stream(self.device).cuda_stream
+        drv.record(event, drv.stream_of(stream))
+        return CudaFence(event, self)
+
+    def query(self, fence: Fence) -> FenceStatus:
+        event = self._event_of(fence)
+        assert isinstance(fence, CudaFence)
+        if not fence.launched:
+            return FenceStatus.FAILED if fence.error is not None else FenceStatus.PENDING
+        (err,) = drv.cu.cuEventQuery(event)
+        if err == drv.cu.CUresult.CUDA_SUCCESS:
+            return FenceStatus.DONE
+        if err == drv.cu.CUresult.CUDA_ERROR_NOT_READY:
+            return FenceStatus.PENDING
+        log.error("cuda_fence_failed", error=getattr(err, "name", str(err)))
+        return FenceStatus.FAILED
+
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        """CUDA events can only be polled; the reactor polls ``query``."""
+
+    def _event_of(self, fence: Fence) -> Any:
+        if not isinstance(fence, CudaFence) or fence.owner is not self:
+            raise BackendError(f"fence {fence!r} was not made by this CUDA backend")
+        return fence.event
+
+    # -- copies --------------------------------------------------------------------------------
+
+    def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> CudaFence:
+        self._check_open()
+        tier = self._tier
+        if tier is None:
+            raise BackendError("submit before allocate_cpu_tier")
+        if len(batch.gpu_block_ids) != len(self._tables) or len(batch.cpu_block_ids) != len(
+            self._tables
+        ):
+            raise ConfigError(
+                f"copy batch has {len(batch.gpu_block_ids)}/{len(batch.cpu_block_ids)} groups, "
+                f"layout has {len(self._tables)}"
+            )
+        # The fences themselves travel with the job: a caller may drop a fence (and so destroy
+        # its event) before the launch thread has waited on it.
+        for f in wait_for:
+            self._event_of(f)  # a fence from elsewhere raises here, in the caller's thread
+        waits = list(wait_for)
+        work = []
+        for g, table in enumerate(self._tables):
+            gpu = block_ids(batch.gpu_block_ids[g], table.num_blocks, f"group {g} GPU")
+            cpu = block_ids(batch.cpu_block_ids[g], tier.num_blocks(g), f"group {g} CPU")
+            if len(gpu) != len(cpu):
+                raise ConfigError(f"group {g}: {len(gpu)} GPU blocks but {len(cpu)} CPU blocks")
+            if len(gpu):
+                work.append((g, table, gpu, cpu))
+        self._ctx.enter()
+        fence = CudaFence(drv.new_event(), self, launched=False)
+        job = functools.partial(self._issue, batch.direction, work, waits, fence)
+        if self._launcher is not None:
+            self._launcher.put(job)
+        else:
+            job()
+        return fence
+
+    def _issue(
+        self, direction: Direction, work: list[Any], waits: list[Any], fence: CudaFence
+    ) -> None:
+        # ``waits`` holds CudaFence objects (checked by ``submit``), kept alive until used here.
+        """Queue one batch's copies after ``waits`` and record ``fence`` after them."""
+        tier = self._tier
+        assert tier is not None
+        store = direction is Direction.STORE
+        lane = self._lanes[direction]
+        staged = direct = False
+        try:
+            for stream in (lane.sm, lane.dma):
+                for waited in waits:
+                    drv.wait(stream, waited.event)
+            for g, table, gpu, cpu in work:
+                tier.ensure(g, int(cpu.max()))
+                if self._staged[g]:
+                    self._staged_copy(lane, g, table, gpu, cpu, tier, store=store)
+                    staged = True
+                else:
+                    desc = direct_descriptors(table, gpu, cpu, tier.ptr(g), store=store)
+                    self._copy(desc, lane, lane.dma)
+                    direct = True
+            # A batch's last work is a DMA for stores; for staged loads it is the scatter kernel.
+            last = lane.sm if staged and not store else lane.dma
+            if staged and direct and not store:
+                drv.record(self._join, lane.dma)
+                drv.wait(lane.sm, self._join)
+            drv.record(fence.event, last)
+        except Exception as exc:
+            fence.error = str(exc)
+            log.error("cuda_submit_failed", direction=str(direction), error=str(exc))
+            if self._launcher is None:
+                raise
+            return
+        fence.launched = True
+
+    def _copy(self, desc: Descriptors, lane: _Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
+        """Copy descriptors ``lo:hi`` of ``desc`` on ``stream`` (one driver call when batched)."""
+        hi = len(desc) if hi < 0 else hi
+        if self._batch is not None:
+            self._batch.raw(
+                desc.dst.ctypes.data + 8 * lo,
+                desc.src.ctypes.data + 8 * lo,
+                desc.size.ctypes.data + 8 * lo,
+                hi - lo,
+                lane.attrs,
+                stream,
+            )
+        else:
+            drv.memcpy_each(desc.slice(lo, hi), stream)
+
+    def _staged_copy(
+        self,
+        lane: _Lane,
+        g: int,
+        table: RegionTable,
+        gpu: Any,
+        cpu: Any,
+        tier: PinnedTier,
+        *,
+        store: bool,
+    ) -> None:
+        ring = lane.ring
+        kernel = self._kernel
+        assert ring is not None
+        assert kernel is not None
+        per_slot = min(MAX_IDS, ring.slot_bytes // table.block_bytes)
+        plan = staged_plan(
+            table,
+            cpu,
+            tier.ptr(g),
+            blocks_per_slot=per_slot,
+            chunk_blocks=tier.chunk_blocks(g),
+            store=store,
+        )
+        nsub = plan.num_subbatches
+        nslots = len(ring.filled)
+        slots = (ring.next + np.arange(nsub)) % nslots
+        ring.next = (ring.next + nsub) % nslots
+        slot_ptrs = (ring.base + slots * ring.slot_bytes).astype(np.uint64)
+        # Every staging-side address at once: each descriptor's slot base plus its offset in it.
+        staging = plan.dma.src if store else plan.dma.dst
+        staging = staging + np.repeat(slot_ptrs, np.diff(plan.desc_bounds))
+        dma = (
+            Descriptors(plan.dma.dst, staging, plan.dma.size)
+            if store
+            else Descriptors(staging, plan.dma.src, plan.dma.size)
+        )
+        regions_ptr = int(self._table_dev[g].data_ptr())
+        nreg, bb = table.num_regions, table.block_bytes
+        bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
+        for k, (slot, slot_ptr) in enumerate(zip(slots.tolist(), slot_ptrs.tolist(), strict=True)):
+            lo, hi, dlo, dhi = bounds[k], bounds[k + 1], dbounds[k], dbounds[k + 1]
+            filled, free = ring.filled[slot], ring.free[slot]
+            if store:
+                drv.wait(lane.sm, free)
+                kernel.launch(lane.sm, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=True)
+                drv.record(filled, lane.sm)
+                drv.wait(lane.dma, filled)
+                self._copy(dma, lane, lane.dma, dlo, dhi)
+                drv.record(free, lane.dma)
+            else:
+                drv.wait(lane.dma, free)
+                self._copy(dma, lane, lane.dma, dlo, dhi)
+                drv.record(filled, lane.dma)
+                drv.wait(lane.sm, filled)
+                kernel.launch(
+                    lane.sm, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=False
+                )
+                drv.record(free, lane.sm)
+
+    # -- inspection, flush, shutdown ------------------------------------------------------------
+
+    def path(self, group: int) -> str:
+        """``"staged"`` or ``"direct"``: how copies of ``group`` run."""
+        return "staged" if self._staged[group] else "direct"
+
+    @property
+    def batch_memcpy_abi(self) -> int | None:
+        return self._batch.abi if self._batch else None
+
+    @property
+    def cpu_tier(self) -> PinnedTier:
+        if self._tier is None:
+            raise BackendError("the CPU tier is not allocated")
+        return self._tier
+
+    def cpu_block(self, group: int, block: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The bytes of CPU block ``block`` of ``group`` (a view into the pinned tier)."""
+        row: np.ndarray[Any, np.dtype[np.uint8]] = self.cpu_tier.array(group)[block]
+        return row
+
+    def wait_launched(self) -> None:
+        """Block until every submitted batch has been handed to the driver (its fence recorded)."""
+        if self._launcher is not None:
+            self._launcher.drain()
+
+    def flush(self) -> None:
+        """Block until everything submitted so far has finished (preemption, shutdown)."""
+        self.wait_launched()
+        self._ctx.enter()
+        for lane in self._lanes.values():
+            drv.check(drv.cu.cuStreamSynchronize(lane.dma), "cuStreamSynchronize")
+            drv.check(drv.cu.cuStreamSynchronize(lane.sm), "cuStreamSynchronize")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        if self._launcher is not None:
+            self._launcher.close()
+        if self._tier is not None:
+            self._tier.close()
+        if self._kernel is not None:
+            self._kernel.unload()
+        for lane in self._lanes.values():
+            if lane.ring is not None:
+                for ev in (*lane.ring.filled, *lane.ring.free):
+                    drv.cu.cuEventDestroy(ev)
+            drv.cu.cuStreamDestroy(lane.dma)
+            drv.cu.cuStreamDestroy(lane.sm)
+        drv.cu.cuEventDestroy(self._join)
+        self._staging.clear()
+        self._table_dev.clear()
+        log.info("cuda_backend_closed", device=self.device)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the CUDA backend is closed")
+
+
+__all__ = ["CudaBackend", "CudaConfig", "CudaFence"]

@@ -1,0 +1,237 @@
+"""Thin helpers over cuda-python's driver bindings: error checks, context, streams, events, and
+the raw ``cuMemcpyBatchAsync`` call.
+
+cuda-python's own ``cuMemcpyBatchAsync`` wrapper takes Python lists of pointer objects, far too
+slow for tens of thousands of descriptors per step. So the function pointer is resolved through
+``cuGetProcAddress`` for a chosen ABI and called with raw numpy arrays through a ctypes
+``CFUNCTYPE`` (the only ctypes use here; every other driver call goes through cuda-python).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvflow.backends.cuda.plan import Descriptors
+from kvflow.backends.probe import BATCH_MEMCPY_ABIS, resolve_batch_memcpy
+from kvflow.errors import BackendError
+
+try:
+    from cuda.bindings import driver as cu
+except Exception:  # pragma: no cover - cuda-python is a dependency, but stay importable
+    cu = None
+
+
+def check(result: Any, what: str) -> Any:
+    """cuda-python returns ``(err, *values)``; raise ``BackendError`` naming ``what`` on error."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        name = getattr(err, "name", str(err))
+        raise BackendError(f"{what} failed: {name} ({int(err)})")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def require_driver() -> Any:
+    """The driver module after ``cuInit``; ``BackendError`` when there is no usable CUDA."""
+    if cu is None:
+        raise BackendError("cuda-python is not importable")
+    try:
+        check(cu.cuInit(0), "cuInit")
+    except BackendError:
+        raise
+    except Exception as exc:  # a missing libcuda.so.1 raises RuntimeError from the bindings
+        raise BackendError(f"no CUDA driver: {exc}") from exc
+    return cu
+
+
+class Context:
+    """The device's primary context (the one torch uses), made current on each calling thread."""
+
+    def __init__(self, device: int) -> None:
+        drv = require_driver()
+        count = int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
+        if not 0 <= device < count:
+            raise BackendError(f"CUDA device {device} does not exist ({count} visible)")
+        self.device = device
+        self.cu_device = check(drv.cuDeviceGet(device), "cuDeviceGet")
+        self.ctx = check(drv.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
+        self.driver_version = int(check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
+        self._local = threading.local()
+        self._released = False
+        self.enter()
+
+    def enter(self) -> None:
+        """Make the context current on this thread (once per thread)."""
+        if getattr(self._local, "ctx", None) is not self.ctx:
+            check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+            self._local.ctx = self.ctx
+
+    def attribute(self, attr: Any) -> int:
+        return int(check(cu.cuDeviceGetAttribute(attr, self.cu_device), "cuDeviceGetAttribute"))
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            check(cu.cuDevicePrimaryCtxRelease(self.cu_device), "cuDevicePrimaryCtxRelease")
+
+
+def lowest_priority_stream() -> Any:
+    """A non-blocking stream at the context's lowest priority (it never waits on stream 0)."""
+    least, _greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+    return check(
+        cu.cuStreamCreateWithPriority(cu.CUstream_flags.CU_STREAM_NON_BLOCKING, least),
+        "cuStreamCreateWithPriority",
+    )
+
+
+def new_event() -> Any:
+    return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+
+def record(event: Any, stream: Any) -> None:
+    (err,) = cu.cuEventRecord(event, stream)
+    if err:
+        check((err,), "cuEventRecord")
+
+
+def wait(stream: Any, event: Any) -> None:
+    (err,) = cu.cuStreamWaitEvent(stream, event, 0)
+    if err:
+        check((err,), "cuStreamWaitEvent")
+
+
+def stream_of(handle: int) -> Any:
+    """A cuda-python stream object for a raw handle (e.g. ``torch.cuda.Stream.cuda_stream``)."""
+    return cu.CUstream(handle)
+
+
+_PTR = ctypes.c_void_p
+_SIZE = ctypes.c_size_t
+_ARGTYPES = {
+    # CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
+    13000: (_PTR, _PTR, _PTR, _SIZE, _PTR, _PTR, _SIZE, _PTR),
+    # CUDA 12.8: the same with a failIdx out-parameter before the stream
+    12080: (_PTR, _PTR, _PTR, _SIZE, _PTR, _PTR, _SIZE, _PTR, _PTR),
+}
+
+
+def choose_abi(driver_version: int) -> tuple[int, ...]:
+    """ABIs to try for this driver, preferred first: a 13.x driver gets the 13.0 ABI."""
+    return tuple(abi for abi in BATCH_MEMCPY_ABIS if abi <= driver_version)
+
+
+class CopyAttributes:
+    """One ``CUmemcpyAttributes`` for a whole batch, built with cuda-python's struct.
+
+    Stores (GPU → CPU) use source access order STREAM: the copy may read the GPU page only once
+    the stream reaches it, after the compute that wrote it (ANY raced with compute, vllm#45704).
+    Loads read the CPU tier, which nothing else writes while they are in flight: ANY.
+    """
+
+    def __init__(self, *, store: bool, device: int) -> None:
+        order = cu.CUmemcpySrcAccessOrder
+        loc = cu.CUmemLocationType
+        self.attrs = cu.CUmemcpyAttributes()
+        self.attrs.srcAccessOrder = (
+            order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            if store
+            else order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
+        )
+        gpu_hint, cpu_hint = (
+            (self.attrs.srcLocHint, self.attrs.dstLocHint)
+            if store
+            else (self.attrs.dstLocHint, self.attrs.srcLocHint)
+        )
+        gpu_hint.type = loc.CU_MEM_LOCATION_TYPE_DEVICE
+        gpu_hint.id = device
+        cpu_hint.type = loc.CU_MEM_LOCATION_TYPE_HOST
+        cpu_hint.id = 0
+        self.attrs.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        self.ptr = int(self.attrs.getPtr())
+        self._idx = np.zeros(1, dtype=np.uint64)
+        self.idx_ptr = int(self._idx.ctypes.data)
+
+
+class BatchMemcpy:
+    """``cuMemcpyBatchAsync`` resolved for one ABI, called on raw pointer arrays."""
+
+    def __init__(self, abi: int, address: int) -> None:
+        if abi not in _ARGTYPES:
+            raise BackendError(f"unknown cuMemcpyBatchAsync ABI {abi}")
+        self.abi = abi
+        self._fn = ctypes.CFUNCTYPE(ctypes.c_int, *_ARGTYPES[abi])(address)
+        self._fail_idx = ctypes.c_size_t(0)
+        self._fail_ptr = ctypes.addressof(self._fail_idx)
+
+    @classmethod
+    def resolve(cls, driver_version: int) -> BatchMemcpy:
+        """Resolve the function for this driver; ``BackendError`` on drivers older than 12.8."""
+        abis = choose_abi(driver_version)
+        if not abis:
+            raise BackendError(
+                f"cuMemcpyBatchAsync needs a CUDA 12.8+ driver; this one is "
+                f"{driver_version // 1000}.{driver_version % 1000 // 10}"
+            )
+        found, address = resolve_batch_memcpy(cu, abis)
+        if found is not None and address is not None:
+            return cls(found, address)
+        raise BackendError(
+            f"cuGetProcAddress found no cuMemcpyBatchAsync for ABIs {abis} "
+            f"(driver {driver_version})"
+        )
+
+    def __call__(self, desc: Descriptors, attrs: CopyAttributes, stream: Any) -> None:
+        self.raw(
+            desc.dst.ctypes.data,
+            desc.src.ctypes.data,
+            desc.size.ctypes.data,
+            len(desc),
+            attrs,
+            stream,
+        )
+
+    def raw(
+        self, dst: int, src: int, size: int, count: int, attrs: CopyAttributes, stream: Any
+    ) -> None:
+        """Copy ``count`` descriptors from raw uint64 arrays at ``dst``/``src``/``size``."""
+        if count == 0:
+            return
+        if self.abi == 12080:
+            err = self._fn(
+                dst, src, size, count, attrs.ptr, attrs.idx_ptr, 1, self._fail_ptr, int(stream)
+            )
+        else:
+            err = self._fn(dst, src, size, count, attrs.ptr, attrs.idx_ptr, 1, int(stream))
+        if err != 0:
+            where = f" at descriptor {self._fail_idx.value}" if self.abi == 12080 else ""
+            raise BackendError(
+                f"cuMemcpyBatchAsync failed with CUresult {err}{where} ({count} copies)"
+            )
+
+
+def memcpy_each(desc: Descriptors, stream: Any) -> None:
+    """The fallback without ``cuMemcpyBatchAsync``: one ``cuMemcpyAsync`` per descriptor."""
+    for d, s, n in zip(desc.dst.tolist(), desc.src.tolist(), desc.size.tolist(), strict=True):
+        check(cu.cuMemcpyAsync(d, s, n, stream), "cuMemcpyAsync")
+
+
+__all__ = [
+    "BatchMemcpy",
+    "Context",
+    "CopyAttributes",
+    "check",
+    "choose_abi",
+    "cu",
+    "lowest_priority_stream",
+    "memcpy_each",
+    "new_event",
+    "record",
+    "require_driver",
+    "stream_of",
+    "wait",
+]

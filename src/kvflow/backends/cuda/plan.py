@@ -1,0 +1,200 @@
+"""Copy descriptors for the CUDA backend, built with numpy: no per-chunk Python loops.
+
+Pure functions from block ids and a group's region table to the pointer/size arrays that
+``cuMemcpyBatchAsync`` takes, and to the run structure of the staged path. Nothing here touches
+a device, so it is tested on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+from attrs import frozen
+
+from kvflow.core.layout import GroupLayout
+from kvflow.errors import ConfigError
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+
+@frozen
+class RegionTable:
+    """One KV cache group's regions as columns, ready for vectorized address arithmetic."""
+
+    group: int
+    num_blocks: int
+    base: I64  # GPU address of page 0 of each region
+    stride: I64  # bytes between consecutive GPU blocks of each region
+    page: I64  # bytes of one page of each region
+    cpu_offset: I64  # where each region's page sits inside one block-major CPU block
+    block_bytes: int  # one whole block across all regions (one CPU block)
+
+    @classmethod
+    def from_group(cls, group: GroupLayout) -> RegionTable:
+        regions = group.regions
+        return cls(
+            group=group.group,
+            num_blocks=group.num_blocks,
+            base=np.array([r.base_ptr for r in regions], dtype=np.int64),
+            stride=np.array([r.block_stride_bytes for r in regions], dtype=np.int64),
+            page=np.array([r.page_bytes for r in regions], dtype=np.int64),
+            cpu_offset=np.array(group.cpu_offsets, dtype=np.int64),
+            block_bytes=group.block_bytes,
+        )
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.base)
+
+    @property
+    def min_page_bytes(self) -> int:
+        return int(self.page.min())
+
+    def as_device_rows(self) -> I64:
+        """``(R, 4)`` rows ``(base, stride, page, cpu_offset)``: the gather kernel's region table."""
+        return np.ascontiguousarray(
+            np.stack([self.base, self.stride, self.page, self.cpu_offset], axis=1), dtype=np.int64
+        )
+
+
+def block_ids(ids: Sequence[int], limit: int, what: str) -> I64:
+    """``ids`` as an int64 array; ``ConfigError`` naming ``what`` if any is outside ``[0, limit)``."""
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+        bad = arr[(arr < 0) | (arr >= limit)][0]
+        raise ConfigError(f"{what} block id {int(bad)} is outside 0..{limit - 1}")
+    return arr
+
+
+@frozen
+class Descriptors:
+    """Parallel arrays of one batched copy: ``size[i]`` bytes from ``src[i]`` to ``dst[i]``."""
+
+    dst: U64
+    src: U64
+    size: U64
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.size.sum())
+
+    def slice(self, lo: int, hi: int) -> Descriptors:
+        return Descriptors(self.dst[lo:hi], self.src[lo:hi], self.size[lo:hi])
+
+
+def _as_u64(a: I64) -> U64:
+    return np.ascontiguousarray(a).view(np.uint64)
+
+
+def direct_descriptors(
+    table: RegionTable, gpu_ids: I64, cpu_ids: I64, cpu_base: int, *, store: bool
+) -> Descriptors:
+    """One descriptor per (block, region) page, block-major; runs of whole blocks merged.
+
+    Where a group has a single region whose GPU pages are back to back (cross-layer layouts),
+    consecutive ids on both sides make one larger copy instead of one per block.
+    """
+    if table.num_regions == 1 and table.stride[0] == table.page[0] == table.block_bytes:
+        starts, lengths = runs(gpu_ids, cpu_ids)
+        gpu = table.base[0] + gpu_ids[starts] * table.stride[0]
+        cpu = cpu_base + cpu_ids[starts] * table.block_bytes
+        size = lengths * table.block_bytes
+    else:
+        gpu = (table.base[None, :] + gpu_ids[:, None] * table.stride[None, :]).reshape(-1)
+        cpu = (cpu_base + cpu_ids[:, None] * table.block_bytes + table.cpu_offset[None, :]).reshape(
+            -1
+        )
+        size = np.broadcast_to(table.page[None, :], (len(gpu_ids), table.num_regions)).reshape(-1)
+    dst, src = (cpu, gpu) if store else (gpu, cpu)
+    return Descriptors(_as_u64(dst), _as_u64(src), _as_u64(np.asarray(size, dtype=np.int64)))
+
+
+def runs(a: I64, b: I64, chunk_blocks: int = 0) -> tuple[I64, I64]:
+    """Maximal runs over which ``a`` and ``b`` both step by +1: (start indices, lengths).
+
+    With ``chunk_blocks`` a run also ends where ``b`` enters a new registration chunk, so that no
+    copy spans two separately pinned ranges.
+    """
+    n = len(a)
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    brk = (np.diff(a) != 1) | (np.diff(b) != 1)
+    if chunk_blocks > 0:
+        brk |= (b[1:] % chunk_blocks) == 0
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1)).astype(np.int64)
+    lengths = np.diff(np.concatenate((starts, [n]))).astype(np.int64)
+    return starts, lengths
+
+
+@frozen
+class StagedPlan:
+    """A group's blocks cut into sub-batches that each fit one staging slot.
+
+    Sub-batch ``k`` holds blocks ``bounds[k]:bounds[k + 1]``, gathered into its slot in that order;
+    its DMA descriptors are ``dma.slice(desc_bounds[k], desc_bounds[k + 1])``, with staging-side
+    addresses relative to the slot (add the slot's address before use).
+    """
+
+    bounds: I64
+    dma: Descriptors
+    desc_bounds: I64
+
+    @property
+    def num_subbatches(self) -> int:
+        return len(self.bounds) - 1
+
+
+def staged_plan(
+    table: RegionTable,
+    cpu_ids: I64,
+    cpu_base: int,
+    *,
+    blocks_per_slot: int,
+    chunk_blocks: int,
+    store: bool,
+) -> StagedPlan:
+    """Sub-batches of ``blocks_per_slot`` blocks and whole-block DMA runs between slot and CPU.
+
+    Inside a slot, block ``i`` of the sub-batch sits at ``i * block_bytes``; consecutive CPU ids
+    therefore make one contiguous copy (split at registration-chunk and sub-batch boundaries).
+    """
+    if blocks_per_slot <= 0:
+        raise ConfigError(f"blocks_per_slot must be positive, got {blocks_per_slot}")
+    n = len(cpu_ids)
+    bounds = np.arange(0, n + blocks_per_slot, blocks_per_slot, dtype=np.int64)
+    bounds[-1] = n
+    if len(bounds) >= 2 and bounds[-2] == n:
+        bounds = bounds[:-1]
+    position = np.arange(n, dtype=np.int64)
+    # A new sub-batch restarts at slot offset 0, so runs must break there too.
+    slot_pos = position % blocks_per_slot
+    starts, lengths = runs(slot_pos, cpu_ids, chunk_blocks)
+    bb = table.block_bytes
+    slot_off = slot_pos[starts] * bb
+    cpu = cpu_base + cpu_ids[starts] * bb
+    size = lengths * bb
+    dst, src = (cpu, slot_off) if store else (slot_off, cpu)
+    desc_bounds = np.searchsorted(starts, bounds).astype(np.int64)
+    return StagedPlan(
+        bounds=bounds,
+        dma=Descriptors(_as_u64(dst), _as_u64(src), _as_u64(size)),
+        desc_bounds=desc_bounds,
+    )
+
+
+__all__ = [
+    "Descriptors",
+    "RegionTable",
+    "StagedPlan",
+    "block_ids",
+    "direct_descriptors",
+    "runs",
+    "staged_plan",
+]

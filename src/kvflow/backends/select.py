@@ -1,0 +1,34 @@
+"""Pick and build a backend by name: ``auto`` takes CUDA for CUDA tensors when a driver is there."""
+
+from __future__ import annotations
+
+from kvflow.backends.base import Backend
+from kvflow.backends.probe import probe_cuda
+from kvflow.errors import BackendError, ConfigError
+
+
+def make_backend(kind: str, device: str) -> Backend:
+    """A backend for KV tensors on ``device`` ("cpu", "cuda", "cuda:1"); ``kind`` auto/host/cuda."""
+    on_cuda = device.startswith("cuda")
+    if kind == "auto":
+        kind = "cuda" if on_cuda and probe_cuda().available else "host"
+    if kind == "host":
+        if on_cuda:
+            raise ConfigError(f"backend 'host' cannot copy KV tensors on {device}; use 'cuda'")
+        from kvflow.backends.host import HostBackend
+
+        return HostBackend()
+    if kind == "cuda":
+        if not on_cuda:
+            raise ConfigError(f"backend 'cuda' needs KV tensors on a CUDA device, not {device}")
+        probe = probe_cuda()
+        if not probe.available:
+            raise BackendError(f"backend 'cuda' asked for, but no CUDA: {probe.error}")
+        from kvflow.backends.cuda import CudaBackend
+
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        return CudaBackend(index)
+    raise ConfigError(f"unknown backend {kind!r}: one of auto, host, cuda")
+
+
+__all__ = ["make_backend"]

@@ -1,0 +1,1 @@
+"""``kvflow bench``: the multi-round QA workload on the reference engine, offload off vs on."""

@@ -1,0 +1,46 @@
+"""``BenchConfig``: the shape of one ``kvflow bench`` run (importable without torch)."""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+from kvflow.errors import ConfigError
+
+
+@frozen
+class BenchConfig:
+    """Everything one ``kvflow bench`` run needs; lengths in tokens."""
+
+    model: str = "tiny"
+    device: str = "cpu"
+    users: int = 8
+    rounds: int = 4
+    system_prompt: int = 256
+    first_question: int = 128
+    question: int = 32
+    answer: int = 16
+    block_size: int = 16
+    cache_fraction: float = 0.4
+    cpu_bytes: int | None = None  # default: room for twice the working set
+    store_policy: str = "eager"
+    backend: str = "auto"
+    max_batched_tokens: int = 2048
+    seed: int = 0
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # "full": both runs once untimed, so neither pays first-use costs of new shapes (fair);
+    # "round": only one round, faster but it favours the second (offload-on) run.
+    warmup: str = "full"
+
+    def __attrs_post_init__(self) -> None:
+        if self.warmup not in ("round", "full"):
+            raise ConfigError(f"warmup {self.warmup!r}: one of round, full")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype {self.dtype!r}: one of float32, bfloat16, float16")
+        if not 0 < self.cache_fraction <= 4:
+            raise ConfigError(f"cache_fraction must be in (0, 4], got {self.cache_fraction}")
+        for name in ("users", "rounds", "question", "answer", "block_size", "max_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+__all__ = ["BenchConfig"]

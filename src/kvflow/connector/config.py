@@ -1,0 +1,107 @@
+"""``OffloadConfig``: the one configuration object of kvflow's offload connector, validated.
+
+It comes from code, from a CLI, or from a plain mapping (vLLM's ``kv_connector_extra_config``);
+``from_mapping`` rejects unknown keys and wrong types with a ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from attrs import field, fields, frozen
+
+from kvflow.core.scheduler import StorePolicy
+from kvflow.errors import ConfigError
+
+
+class BackendKind(enum.StrEnum):
+    AUTO = "auto"  # cuda when the KV tensors are on a CUDA device and a driver is there, else host
+    HOST = "host"
+    CUDA = "cuda"
+
+
+def _size(value: object) -> int:
+    """Bytes as an int, or a string with a binary suffix: "512MiB", "4GiB"."""
+    if isinstance(value, bool):
+        raise ConfigError("cpu_bytes must be a size, not a bool")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "B": 1}
+        for unit, mult in units.items():
+            if text.endswith(unit):
+                number = text[: -len(unit)].strip()
+                try:
+                    return int(float(number) * mult)
+                except ValueError:
+                    break
+        if text.isdigit():
+            return int(text)
+    raise ConfigError(f"cpu_bytes: {value!r} is not a size (an int, or e.g. '8GiB', '512MiB')")
+
+
+@frozen
+class OffloadConfig:
+    """How kvflow's CPU tier is sized and driven.
+
+    - ``cpu_bytes``: bytes of the pinned CPU tier, split evenly in blocks over the KV cache groups;
+    - ``store_policy``: ``eager`` (store each block once computed) or ``lazy`` (store blocks about
+      to be evicted from the GPU);
+    - ``lazy_watermark``: lazy policy, blocks at the eviction end of the GPU free queue kept stored;
+    - ``backend``: ``auto``, ``host`` or ``cuda``;
+    - ``world_size``: tensor-parallel ranks that must all report a copy before it commits.
+    """
+
+    cpu_bytes: int = field(converter=_size)
+    store_policy: StorePolicy = field(default=StorePolicy.EAGER, converter=StorePolicy)
+    lazy_watermark: int = 64
+    backend: BackendKind = field(default=BackendKind.AUTO, converter=BackendKind)
+    world_size: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.cpu_bytes <= 0:
+            raise ConfigError(f"cpu_bytes must be positive, got {self.cpu_bytes}")
+        for name in ("lazy_watermark", "world_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> OffloadConfig:
+        """Build from plain data; unknown keys and bad values raise ``ConfigError`` naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown kvflow option(s) {unknown}; known: {sorted(known)}")
+        if "cpu_bytes" not in options:
+            raise ConfigError("kvflow option 'cpu_bytes' is required (e.g. '8GiB')")
+        try:
+            return cls(**options)
+        except ValueError as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"invalid kvflow option: {exc}") from exc
+
+    def cpu_blocks_per_group(self, block_bytes: Sequence[int]) -> tuple[int, ...]:
+        """CPU blocks of each group: the same count in every group, as many as ``cpu_bytes`` holds.
+
+        Every group needs its own block for a token range to be a hit, so equal counts waste
+        nothing; ``block_bytes[g]`` is one block of group ``g`` over all its layers.
+        """
+        if not block_bytes or any(b <= 0 for b in block_bytes):
+            raise ConfigError(f"block bytes per group must be positive, got {list(block_bytes)}")
+        n = self.cpu_bytes // sum(block_bytes)
+        if n < 1:
+            raise ConfigError(
+                f"cpu_bytes={self.cpu_bytes} holds no block (one block of every group is "
+                f"{sum(block_bytes)} bytes)"
+            )
+        return (n,) * len(block_bytes)
+
+
+__all__ = ["BackendKind", "OffloadConfig"]

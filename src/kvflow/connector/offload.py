@@ -1,0 +1,305 @@
+"""kvflow's offload connector: the CPU tier behind the engine-facing connector interface.
+
+``OffloadScheduler`` is the scheduler role: a thin shell around ``kvflow.core.scheduler``'s
+``OffloadManager`` that turns its step plans into connector metadata and the workers' reports into
+the finished/invalid sets an engine acts on. ``OffloadWorker`` is the worker role: the
+synchronous facade of ``kvflow.runtime`` over a backend. ``OffloadConnector`` builds the pair for
+one engine. Both keep stats; the scheduler also times every transfer from launch to commit.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import structlog
+import torch
+from attrs import define, field, frozen
+
+from kvflow.backends.base import Backend
+from kvflow.backends.select import make_backend
+from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVConnectorOutput
+from kvflow.connector.config import OffloadConfig
+from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
+from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.scheduler import (
+    GroupSpec,
+    OffloadManager,
+    OffloadStats,
+    ResetStatus,
+    SchedulerConfig,
+)
+from kvflow.core.transfer import Direction
+from kvflow.errors import ConfigError
+from kvflow.runtime.portal import SyncWorkerRuntime
+
+log = structlog.get_logger("kvflow.connector")
+
+LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+"""Upper bounds of the transfer latency histogram buckets (the last bucket is open)."""
+
+
+@define(eq=False)
+class LatencyHistogram:
+    """Counts of launch → commit latencies per bucket, plus their sum (Prometheus-style)."""
+
+    counts: list[int] = field(factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    total_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.total_s += seconds
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def quantile(self, q: float) -> float:
+        """The bucket bound below which a fraction ``q`` of observations fall (nan if empty)."""
+        n = self.count
+        if n == 0:
+            return float("nan")
+        rank, acc = q * n, 0
+        for i, c in enumerate(self.counts):
+            acc += c
+            if acc >= rank and c:
+                return LATENCY_BUCKETS_S[i] if i < len(LATENCY_BUCKETS_S) else float("inf")
+        return float("inf")
+
+
+@frozen
+class ConnectorStats:
+    """The connector's counters: the manager's, plus per-direction latency and throughput."""
+
+    manager: OffloadStats
+    store_latency: tuple[tuple[int, ...], float]  # (bucket counts, sum of seconds)
+    load_latency: tuple[tuple[int, ...], float]
+    store_busy_s: float  # summed launch → commit time of stores (throughput denominator)
+    load_busy_s: float
+
+    @property
+    def store_gbps(self) -> float:
+        return self.manager.bytes_stored / self.store_busy_s / 1e9 if self.store_busy_s else 0.0
+
+    @property
+    def load_gbps(self) -> float:
+        return self.manager.bytes_loaded / self.load_busy_s / 1e9 if self.load_busy_s else 0.0
+
+
+def group_specs(
+    kv: KVCacheConfig, block_bytes: Sequence[int], cpu_blocks: Sequence[int]
+) -> tuple[GroupSpec, ...]:
+    if len(block_bytes) != len(kv.groups):
+        raise ConfigError(
+            f"{len(block_bytes)} block sizes in bytes given for {len(kv.groups)} KV cache groups"
+        )
+    return tuple(
+        GroupSpec(
+            block_size=kv.block_size,
+            num_cpu_blocks=n,
+            sliding_window=g.sliding_window,
+            block_bytes=b,
+        )
+        for g, b, n in zip(kv.groups, block_bytes, cpu_blocks, strict=True)
+    )
+
+
+class OffloadScheduler:
+    """The scheduler role. ``gpu_view`` (the engine's GPU pool) lets every transfer hold a GPU
+    reference, so no block is reused under a copy; the lazy policy needs it."""
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        kv_cache_config: KVCacheConfig,
+        block_bytes: Sequence[int],
+        *,
+        gpu_view: GpuCacheView | None = None,
+        now: Callable[[], float] | None = None,
+        null_block_id: int | None = NULL_BLOCK_ID,
+    ) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.cpu_blocks = config.cpu_blocks_per_group(block_bytes)
+        self.manager = OffloadManager(
+            SchedulerConfig(
+                groups=group_specs(kv_cache_config, block_bytes, self.cpu_blocks),
+                world_size=config.world_size,
+                store_policy=config.store_policy,
+                lazy_watermark=config.lazy_watermark,
+                null_block_id=null_block_id,
+            ),
+            gpu_view=gpu_view,
+        )
+        self._now = now
+        self._launched: dict[int, tuple[Direction, float]] = {}
+        self._latency = {Direction.STORE: LatencyHistogram(), Direction.LOAD: LatencyHistogram()}
+
+    # ---- the engine's calls ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.manager.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
+    ) -> None:
+        self.manager.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        plan = self.manager.build_step_plan(scheduler_output)
+        if self._now is not None and (plan.stores or plan.loads):
+            t = self._now()
+            for spec in (*plan.stores, *plan.loads):
+                self._launched[spec.transfer_id] = (spec.direction, t)
+        return plan
+
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput:
+        """Apply the workers' reports; return what the engine must act on (all ranks agreed)."""
+        outcome = self.manager.update_from_reports(output.reports)
+        if self._now is not None and (outcome.committed or outcome.failed):
+            t = self._now()
+            for tid in outcome.committed:
+                launched = self._launched.pop(tid, None)
+                if launched is not None:
+                    self._latency[launched[0]].observe(t - launched[1])
+            for tid in outcome.failed:
+                self._launched.pop(tid, None)
+        return KVConnectorOutput(
+            finished_sending=outcome.finished_sending,
+            finished_recving=outcome.finished_recving,
+            invalid_block_ids=outcome.invalid_block_ids,
+        )
+
+    def request_finished(
+        self, request: RequestLike, block_ids: GroupBlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.manager.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool:
+        return self.manager.reset_cache() is ResetStatus.COMPLETE
+
+    def stats(self) -> ConnectorStats:
+        st, ld = self._latency[Direction.STORE], self._latency[Direction.LOAD]
+        return ConnectorStats(
+            manager=self.manager.stats(),
+            store_latency=(tuple(st.counts), st.total_s),
+            load_latency=(tuple(ld.counts), ld.total_s),
+            store_busy_s=st.total_s,
+            load_busy_s=ld.total_s,
+        )
+
+
+class OffloadWorker:
+    """The worker role of one rank: registers the KV tensors and runs each step's plan."""
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        kv_cache_config: KVCacheConfig,
+        cpu_blocks: Sequence[int],
+        *,
+        backend: Backend | None = None,
+        rank: int = 0,
+    ) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.cpu_blocks = tuple(cpu_blocks)
+        self.rank = rank
+        self.backend = backend or make_backend(config.backend.value, kv_cache_config.device)
+        self.runtime = SyncWorkerRuntime(self.backend, rank=rank)
+        self._plan: StepPlan | None = None
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        kv = self.kv_cache_config
+        self.runtime.register_kv_caches(dict(kv_caches), kv.num_blocks, kv.tensor_groups)
+        self.runtime.allocate_cpu_tier(self.cpu_blocks)
+
+    def _as_plan(self, meta: object) -> StepPlan:
+        if not isinstance(meta, StepPlan):
+            raise ConfigError(f"kvflow worker expects a StepPlan, got {type(meta).__name__}")
+        return meta
+
+    def bind_connector_metadata(self, meta: object) -> None:
+        self._plan = self._as_plan(meta)
+        self.runtime.bind_connector_metadata(self._plan)
+
+    def handle_preemptions(self, meta: object) -> None:
+        plan = self._as_plan(meta)
+        if plan.flush:
+            self.runtime.handle_preemptions(plan)
+
+    def start_load_kv(self) -> None:
+        self.runtime.start_load_kv()
+
+    def wait_for_save(self) -> None:
+        self.runtime.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Which requests may go on is decided by the scheduler once every rank reported; the
+        # per-rank sets are only informative.
+        sending, recving = self.runtime.get_finished()
+        return sending or None, recving or None
+
+    def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
+        """Per direction: (bytes copied, seconds copies were in flight) on this rank."""
+        return self.runtime.copy_throughput()
+
+    def wait_for_progress(self, timeout: float) -> None:
+        self.runtime.wait_for_progress(timeout)
+
+    def build_worker_report(self) -> StepReport:
+        return self.runtime.build_report()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.runtime.get_block_ids_with_load_errors()
+
+    def clear_connector_metadata(self) -> None:
+        self._plan = None
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()
+
+
+@define(eq=False)
+class OffloadConnector:
+    """Both roles of kvflow's connector for one engine process (scheduler and rank-0 worker)."""
+
+    scheduler: OffloadScheduler
+    worker: OffloadWorker
+
+    @classmethod
+    def build(
+        cls,
+        config: OffloadConfig,
+        kv_cache_config: KVCacheConfig,
+        block_bytes: Sequence[int],
+        *,
+        gpu_view: GpuCacheView | None = None,
+        backend: Backend | None = None,
+        now: Callable[[], float] | None = None,
+    ) -> OffloadConnector:
+        scheduler = OffloadScheduler(
+            config, kv_cache_config, block_bytes, gpu_view=gpu_view, now=now
+        )
+        worker = OffloadWorker(config, kv_cache_config, scheduler.cpu_blocks, backend=backend)
+        log.info(
+            "offload_connector_built",
+            cpu_blocks=scheduler.cpu_blocks,
+            store_policy=config.store_policy.value,
+            backend=worker.backend.name,
+        )
+        return cls(scheduler, worker)
+
+
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "ConnectorStats",
+    "LatencyHistogram",
+    "OffloadConnector",
+    "OffloadScheduler",
+    "OffloadWorker",
+]

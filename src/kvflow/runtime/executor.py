@@ -1,0 +1,292 @@
+"""The DMA executor actor: one task, one inbox, every copy submission in order.
+
+The worker runtime hands it one ``CopyOrder`` per step and direction; the actor turns it into
+backend submissions, each fenced on the device (never by blocking the host):
+
+- a store waits for its step's compute fence (it must not read a block compute still writes);
+- a load waits for every in-flight store that still reads one of its destination GPU blocks
+  (and for an in-flight load still writing one);
+- a store waits for an in-flight load still writing one of its source GPU blocks.
+
+An order's transfers are coalesced into one ``CopyBatch`` (one submit, one fence). A batch fails
+as a whole, so a failed coalesced batch fails every transfer in it: never a false success, at
+the price of recomputing / re-storing its neighbours. ``coalesce=False`` submits one batch per
+transfer where exact failure attribution matters more than submission count.
+
+Completions arrive through the reactor as callbacks; ``flush()`` is a barrier in the inbox that
+returns once everything queued before it has been submitted and has finished.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from attrs import define, field, frozen
+
+from kvflow.backends.base import Backend, CopyBatch, Fence, FenceStatus
+from kvflow.core.protocol import TransferSpec
+from kvflow.core.transfer import Direction
+from kvflow.errors import ClosedError
+from kvflow.runtime.reactor import Reactor
+
+log = structlog.get_logger("kvflow.executor")
+
+BlockKey = tuple[int, int]
+"""(KV cache group, GPU block id)"""
+
+DoneCallback = Callable[[Sequence[TransferSpec], FenceStatus, str], None]
+"""``(transfers, DONE or FAILED, cause)``: called on the loop thread when a batch has finished."""
+
+
+@frozen
+class CopyOrder:
+    """One step's transfers of one direction, to submit after ``wait_for``."""
+
+    step: int
+    direction: Direction
+    transfers: tuple[TransferSpec, ...]
+    wait_for: tuple[Fence, ...] = ()
+
+
+@frozen
+class _Flush:
+    done: anyio.Event
+
+
+_Command = CopyOrder | _Flush
+
+
+def coalesce(transfers: Sequence[TransferSpec], direction: Direction) -> CopyBatch:
+    """One ``CopyBatch`` holding every block pair of ``transfers``, group by group."""
+    n_groups = max((len(t.gpu_block_ids) for t in transfers), default=0)
+    gpu: list[list[int]] = [[] for _ in range(n_groups)]
+    cpu: list[list[int]] = [[] for _ in range(n_groups)]
+    for t in transfers:
+        for g, (gids, cids) in enumerate(zip(t.gpu_block_ids, t.cpu_block_ids, strict=True)):
+            gpu[g].extend(gids)
+            cpu[g].extend(cids)
+    return CopyBatch(
+        direction=direction,
+        gpu_block_ids=tuple(tuple(g) for g in gpu),
+        cpu_block_ids=tuple(tuple(c) for c in cpu),
+    )
+
+
+@define(eq=False)
+class CopyThroughput:
+    """What one direction's copies achieved: blocks per group moved, and the time copies of this
+    direction were in flight (the union of submit → fence-seen intervals, so overlapping batches
+    count once)."""
+
+    blocks: list[int] = field(factory=list)  # per KV cache group
+    busy_s: float = 0.0
+    batches: int = 0
+    _last_end: float = float("-inf")
+
+    def observe(self, start: float, end: float, blocks_per_group: Sequence[int]) -> None:
+        self.busy_s += max(0.0, end - max(start, self._last_end))
+        self._last_end = max(self._last_end, end)
+        self.batches += 1
+        if len(self.blocks) < len(blocks_per_group):
+            self.blocks += [0] * (len(blocks_per_group) - len(self.blocks))
+        for g, n in enumerate(blocks_per_group):
+            self.blocks[g] += n
+
+
+@define(eq=False)
+class DmaExecutor:
+    """The actor. ``run()`` in a task; ``enqueue`` / ``flush`` / ``close`` from the loop thread."""
+
+    backend: Backend
+    reactor: Reactor
+    on_done: DoneCallback
+    coalesce: bool = True
+    _send: MemoryObjectSendStream[_Command] = field(init=False)
+    _recv: MemoryObjectReceiveStream[_Command] = field(init=False)
+    _readers: dict[BlockKey, list[Fence]] = field(factory=dict)  # in-flight stores
+    _writers: dict[BlockKey, Fence] = field(factory=dict)  # the latest in-flight load
+    _queued: int = 0  # orders in the inbox, not yet submitted
+    _outstanding: int = 0  # batches submitted, not yet finished
+    _no_outstanding: anyio.Event = field(factory=anyio.Event)
+    _stopped: anyio.Event = field(factory=anyio.Event)
+    _cancelling: bool = False
+    submits: int = 0  # backend.submit calls, for tests and the benchmark
+    throughput: dict[Direction, CopyThroughput] = field(
+        factory=lambda: {d: CopyThroughput() for d in Direction}
+    )
+
+    def __attrs_post_init__(self) -> None:
+        self._send, self._recv = anyio.create_memory_object_stream[_Command](math.inf)
+        self._no_outstanding.set()
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    @property
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    # -- the inbox ----------------------------------------------------------------------------
+    def enqueue(self, order: CopyOrder) -> None:
+        """Queue ``order``; never blocks. Raises ``ClosedError`` once the executor is closing."""
+        if not order.transfers:
+            return
+        try:
+            self._send.send_nowait(order)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+            raise ClosedError("DMA executor is closed") from exc
+        self._queued += 1
+        log.debug(
+            "copy_order_queued",
+            step=order.step,
+            direction=order.direction.value,
+            transfers=len(order.transfers),
+        )
+
+    async def flush(self) -> None:
+        """Return once every order queued so far has been submitted and has finished."""
+        done = anyio.Event()
+        try:
+            self._send.send_nowait(_Flush(done))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+            raise ClosedError("DMA executor is closed") from exc
+        log.debug("flush_requested", queued=self._queued, outstanding=self._outstanding)
+        await done.wait()
+
+    def close(self, *, drain: bool = True) -> None:
+        """Stop taking orders. ``drain``: submit what is queued; else fail it (cause ``shutdown``)."""
+        self._cancelling = self._cancelling or not drain
+        self._send.close()
+
+    async def wait_closed(self) -> None:
+        """Wait until the actor has left its loop and every submitted batch has finished."""
+        await self._stopped.wait()
+        await self._no_outstanding.wait()
+
+    # -- the actor ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            async with self._recv:
+                async for cmd in self._recv:
+                    if isinstance(cmd, _Flush):
+                        # Everything queued before the barrier is submitted by now.
+                        await self._no_outstanding.wait()
+                        cmd.done.set()
+                        log.debug("flush_done")
+                        continue
+                    self._queued -= 1
+                    if self._cancelling:
+                        self._finish(cmd.transfers, FenceStatus.FAILED, "shutdown")
+                        continue
+                    self._submit_order(cmd)
+        finally:
+            self._stopped.set()
+
+    def _submit_order(self, order: CopyOrder) -> None:
+        if self.coalesce:
+            self._submit(order, order.transfers)
+        else:
+            for t in order.transfers:
+                self._submit(order, (t,))
+
+    def _submit(self, order: CopyOrder, transfers: Sequence[TransferSpec]) -> None:
+        batch = coalesce(transfers, order.direction)
+        if batch.num_blocks == 0:
+            self._finish(transfers, FenceStatus.DONE, "no_blocks")
+            return
+        keys = [(g, b) for g, ids in enumerate(batch.gpu_block_ids) for b in ids]
+        wait_for = [*order.wait_for, *self._conflicts(keys, order.direction)]
+        if self._outstanding == 0:
+            self._no_outstanding = anyio.Event()
+        self._outstanding += 1
+        try:
+            fence = self.backend.submit(batch, wait_for)
+        except Exception as exc:  # a refused submit fails its transfers, never the actor
+            log.warning(
+                "copy_submit_failed",
+                step=order.step,
+                direction=order.direction.value,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            self._batch_finished(transfers, FenceStatus.FAILED, "submit_error", [], None)
+            return
+        self.submits += 1
+        for k in keys:
+            if order.direction is Direction.STORE:
+                self._readers.setdefault(k, []).append(fence)
+            else:
+                self._writers[k] = fence
+        log.debug(
+            "copy_batch_submitted",
+            step=order.step,
+            direction=order.direction.value,
+            transfers=len(transfers),
+            blocks=batch.num_blocks,
+            waits=len(wait_for),
+        )
+        started = self.reactor.clock.now()
+        per_group = [len(ids) for ids in batch.gpu_block_ids]
+        stats = self.throughput[order.direction]
+
+        def finished(status: FenceStatus) -> None:
+            if status is FenceStatus.DONE:
+                stats.observe(started, self.reactor.clock.now(), per_group)
+            self._batch_finished(
+                transfers,
+                status,
+                "fence_done" if status is FenceStatus.DONE else "fence_failed",
+                keys,
+                fence,
+            )
+
+        self.reactor.watch(fence, finished)
+
+    def _conflicts(self, keys: Sequence[BlockKey], direction: Direction) -> list[Fence]:
+        """In-flight copies a new one must follow on the device: a load waits for stores still
+        reading and loads still writing its GPU blocks; a store waits for loads still writing
+        them. (Two stores of one block only read it and need no order.)"""
+        out: list[Fence] = []
+        seen: set[int] = set()
+        for k in keys:
+            found = [] if direction is Direction.STORE else list(self._readers.get(k, ()))
+            writer = self._writers.get(k)
+            if writer is not None:
+                found.append(writer)
+            for f in found:
+                if id(f) not in seen:
+                    seen.add(id(f))
+                    out.append(f)
+        return out
+
+    def _batch_finished(
+        self,
+        transfers: Sequence[TransferSpec],
+        status: FenceStatus,
+        cause: str,
+        keys: Sequence[BlockKey],
+        fence: Fence | None,
+    ) -> None:
+        for k in keys:
+            if self._writers.get(k) is fence:
+                del self._writers[k]
+            readers = self._readers.get(k)
+            if readers is not None and fence in readers:
+                readers.remove(fence)
+                if not readers:
+                    del self._readers[k]
+        self._outstanding -= 1
+        log.debug("copy_batch_finished", transfers=len(transfers), status=status.value)
+        if self._outstanding == 0:
+            self._no_outstanding.set()
+        self._finish(transfers, status, cause)
+
+    def _finish(self, transfers: Sequence[TransferSpec], status: FenceStatus, cause: str) -> None:
+        self.on_done(transfers, status, cause)
+
+
+__all__ = ["CopyOrder", "CopyThroughput", "DmaExecutor", "coalesce"]

@@ -1,0 +1,348 @@
+"""The worker-side runtime: registers the engine's KV caches, runs each ``StepPlan``, reports.
+
+Per step the engine (through the connector) calls ``bind(plan)``, ``start_load_kv()`` before its
+forward pass, ``wait_for_save()`` after it (stores are fenced on the compute issued so far), and
+later ``get_finished()`` / ``build_report()``. Each transfer is a ``core.transfer.Transfer``
+driven through the one transition table: PENDING at bind, IN_FLIGHT at launch, COMMITTED or
+FAILED when its copy's fence finishes, RELEASED once reported; a transfer the plan abandons while
+in flight is ABANDONED and released (still reported, so the scheduler can drop its block
+references) when the device is done with it.
+
+Methods other than the ``async`` ones are synchronous and must run on the event loop's thread;
+engines with a synchronous step loop use ``kvflow.runtime.portal.SyncWorkerRuntime``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+
+import anyio
+import structlog
+from attrs import define, field
+
+from kvflow.backends.base import Backend, Fence, FenceStatus
+from kvflow.core.layout import KVLayout
+from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
+from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
+from kvflow.errors import ClosedError, ConfigError
+from kvflow.runtime.clock import Clock, SystemClock
+from kvflow.runtime.executor import CopyOrder, DmaExecutor
+from kvflow.runtime.reactor import Reactor
+
+log = structlog.get_logger("kvflow.worker")
+
+
+@define(eq=False, slots=True)
+class _Entry:
+    spec: TransferSpec
+    transfer: Transfer
+
+
+@define(eq=False)
+class WorkerRuntime:
+    """One worker's (rank's) transfer runtime. Open it with ``async with WorkerRuntime.open(...)``."""
+
+    backend: Backend
+    rank: int = 0
+    clock: Clock = field(factory=SystemClock)
+    coalesce: bool = True
+    min_backoff: float = 20e-6
+    max_backoff: float = 1e-3
+    layout: KVLayout | None = None
+    progress_hooks: list[Callable[[], None]] = field(factory=list)
+    """Called on the loop each time copies settle (the sync facade wakes an idle engine)."""
+    reactor: Reactor = field(init=False)
+    executor: DmaExecutor = field(init=False)
+    _entries: dict[int, _Entry] = field(factory=dict)
+    _plan: StepPlan | None = None
+    _loads_launched: bool = False
+    _stores_launched: bool = False
+    _live: dict[tuple[str, Direction], int] = field(factory=dict)
+    _finished: dict[Direction, set[str]] = field(
+        factory=lambda: {Direction.STORE: set(), Direction.LOAD: set()}
+    )
+    _completed: list[int] = field(factory=list)
+    _failed: list[int] = field(factory=list)
+    _invalid: set[int] = field(factory=set)
+    _stopping: bool = False
+    _closed: bool = False
+    _stopped: anyio.Event = field(factory=anyio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"negative rank {self.rank}")
+        self.reactor = Reactor(self.backend, self.clock, self.min_backoff, self.max_backoff)
+        self.executor = DmaExecutor(self.backend, self.reactor, self._on_done, self.coalesce)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        backend: Backend,
+        *,
+        rank: int = 0,
+        clock: Clock | None = None,
+        coalesce: bool = True,
+        min_backoff: float = 20e-6,
+        max_backoff: float = 1e-3,
+    ) -> AsyncIterator[WorkerRuntime]:
+        """Start the reactor and executor tasks; on exit drain (or, on error, cancel) and close."""
+        rt = cls(
+            backend,
+            rank=rank,
+            clock=clock if clock is not None else SystemClock(),
+            coalesce=coalesce,
+            min_backoff=min_backoff,
+            max_backoff=max_backoff,
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rt.reactor.run)
+            tg.start_soon(rt.executor.run)
+            log.info("worker_runtime_started", rank=rank, backend=backend.name)
+            try:
+                yield rt
+            except BaseException:
+                rt._abort()
+                tg.cancel_scope.cancel()
+                raise
+            else:
+                await rt.shutdown()
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def shutdown(self, *, drain: bool = True) -> None:
+        """Stop: ``drain`` submits and waits for everything queued; else queued copies fail
+        (cause ``shutdown``) and only those already on the device are waited for. Then the
+        reactor stops and the backend closes. Idempotent."""
+        if self._closed:
+            return
+        if self._stopping:
+            await self._stopped.wait()  # another task is shutting down: wait for it
+            return
+        self._stopping = True
+        log.info(
+            "worker_runtime_stopping",
+            rank=self.rank,
+            drain=drain,
+            queued=self.executor.queued,
+            outstanding=self.executor.outstanding,
+        )
+        self.executor.close(drain=drain)
+        await self.executor.wait_closed()
+        self._close_rest()
+
+    def _abort(self) -> None:
+        """Error path: no waiting on the loop; ``backend.close`` still waits for device copies."""
+        if self._closed:
+            return
+        self.executor.close(drain=False)
+        for e in self._entries.values():
+            if e.transfer.state is TransferState.IN_FLIGHT:
+                apply(e.transfer, TransferInput.ABANDON, cause="runtime_aborted")
+        self._close_rest()
+
+    def _close_rest(self) -> None:
+        self._closed = True
+        self._stopped.set()
+        self.reactor.close()
+        self.backend.close()
+        log.info("worker_runtime_stopped", rank=self.rank)
+
+    def _check_open(self) -> None:
+        if self._closed or self._stopping:
+            raise ClosedError(f"worker runtime of rank {self.rank} is shut down")
+
+    # -- registration -------------------------------------------------------------------------
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, object],
+        num_blocks: int | Mapping[int, int],
+        groups: Mapping[str, int] | None = None,
+    ) -> KVLayout:
+        """Register the engine's named KV tensors with the backend; returns their layout."""
+        self._check_open()
+        self.layout = self.backend.register_kv_caches(kv_caches, num_blocks, groups)
+        return self.layout
+
+    def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
+        """Allocate the CPU tier: ``num_blocks`` per group (an int: the same for every group)."""
+        self._check_open()
+        if self.layout is None:
+            raise ConfigError("allocate_cpu_tier before register_kv_caches")
+        counts = (
+            [num_blocks] * len(self.layout.groups)
+            if isinstance(num_blocks, int)
+            else list(num_blocks)
+        )
+        self.backend.allocate_cpu_tier(counts)
+
+    # -- one step -----------------------------------------------------------------------------
+    def bind(self, plan: StepPlan) -> None:
+        """Take this step's plan: abandon what it abandons, create its transfers (PENDING)."""
+        self._check_open()
+        if self._plan is not None and not (self._loads_launched and self._stores_launched):
+            raise ConfigError(
+                f"step {plan.step} bound while step {self._plan.step} has unlaunched transfers"
+            )
+        new = [*plan.stores, *plan.loads]
+        ids = [t.transfer_id for t in new]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"step {plan.step} lists a transfer id twice")
+        known = [i for i in ids if i in self._entries]
+        if known:
+            raise ConfigError(f"step {plan.step}: transfers {known} are already known")
+        self._abandon(plan.abandoned)
+        for spec in new:
+            self._entries[spec.transfer_id] = _Entry(
+                spec, Transfer(spec.transfer_id, spec.direction, spec.request_id)
+            )
+        self._plan = plan
+        self._loads_launched = not plan.loads
+        self._stores_launched = not plan.stores
+        log.debug(
+            "step_bound",
+            rank=self.rank,
+            step=plan.step,
+            stores=len(plan.stores),
+            loads=len(plan.loads),
+            flush=plan.flush,
+            abandoned=len(plan.abandoned),
+        )
+
+    def _abandon(self, transfer_ids: Sequence[int]) -> None:
+        for tid in transfer_ids:
+            e = self._entries.get(tid)
+            if e is None:
+                continue  # already reported and released: nothing left to abandon
+            if e.transfer.state is TransferState.IN_FLIGHT:
+                apply(e.transfer, TransferInput.ABANDON, cause="plan_abandoned")
+            elif e.transfer.state is TransferState.PENDING:
+                apply(e.transfer, TransferInput.CANCEL, cause="plan_abandoned")
+                del self._entries[tid]
+
+    def start_load_kv(self) -> None:
+        """Launch the bound plan's loads (before the forward pass that needs their blocks)."""
+        self._check_open()
+        plan = self._plan
+        if plan is None or self._loads_launched:
+            return
+        self._loads_launched = True
+        self._launch(plan.step, plan.loads, ())
+
+    def wait_for_save(self, compute_fence: Fence | None = None) -> None:
+        """Launch the bound plan's stores, fenced after the compute the engine issued so far:
+        ``compute_fence`` if given (recorded on the engine's thread), else one recorded now."""
+        self._check_open()
+        plan = self._plan
+        if plan is None or self._stores_launched:
+            return
+        fence = compute_fence if compute_fence is not None else self.backend.compute_fence()
+        self._stores_launched = True
+        self._launch(plan.step, plan.stores, (fence,))
+
+    def launch(self) -> None:
+        """``start_load_kv`` and ``wait_for_save`` together (after this step's compute is issued)."""
+        self.start_load_kv()
+        self.wait_for_save()
+
+    def _launch(
+        self, step: int, specs: Sequence[TransferSpec], wait_for: tuple[Fence, ...]
+    ) -> None:
+        live = [s for s in specs if s.transfer_id in self._entries]
+        if not live:
+            return
+        # Enqueue first: if the executor refuses (closing), no transfer has changed state. The
+        # actor cannot run before the transitions below, which are all on this thread.
+        self.executor.enqueue(CopyOrder(step, live[0].direction, tuple(live), wait_for))
+        for s in live:
+            apply(self._entries[s.transfer_id].transfer, TransferInput.LAUNCH, cause="launched")
+            key = (s.request_id, s.direction)
+            self._live[key] = self._live.get(key, 0) + 1
+
+    def _on_done(self, specs: Sequence[TransferSpec], status: FenceStatus, cause: str) -> None:
+        self._settled(specs, status, cause)
+        for hook in self.progress_hooks:
+            hook()
+
+    def _settled(self, specs: Sequence[TransferSpec], status: FenceStatus, cause: str) -> None:
+        ok = status is FenceStatus.DONE
+        for s in specs:
+            e = self._entries.get(s.transfer_id)
+            if e is None:
+                continue
+            was_abandoned = e.transfer.state is TransferState.ABANDONED
+            apply(e.transfer, TransferInput.COMPLETE if ok else TransferInput.FAIL, cause=cause)
+            (self._completed if ok else self._failed).append(s.transfer_id)
+            if not ok and s.direction is Direction.LOAD and not was_abandoned:
+                self._invalid.update(b for group in s.gpu_block_ids for b in group)
+            if was_abandoned:
+                del self._entries[s.transfer_id]
+            key = (s.request_id, s.direction)
+            left = self._live[key] - 1
+            if left:
+                self._live[key] = left
+            else:
+                del self._live[key]
+                self._finished[s.direction].add(s.request_id)
+
+    def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
+        """Per direction: (bytes copied, seconds copies of that direction were in flight)."""
+        sizes = [g.block_bytes for g in self.layout.groups] if self.layout is not None else []
+        out: dict[Direction, tuple[int, float]] = {}
+        for direction, t in self.executor.throughput.items():
+            moved = sum(n * size for n, size in zip(t.blocks, sizes, strict=False))
+            out[direction] = (moved, t.busy_s)
+        return out
+
+    # -- results ------------------------------------------------------------------------------
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """``(finished_sending, finished_recving)``: requests whose last in-flight store / load
+        finished (done or failed) since the previous call."""
+        sending, recving = self._finished[Direction.STORE], self._finished[Direction.LOAD]
+        self._finished = {Direction.STORE: set(), Direction.LOAD: set()}
+        return sending, recving
+
+    def build_report(self) -> StepReport:
+        """Transfers finished since the last report (then RELEASED), and GPU block ids of failed
+        loads (the engine recomputes them)."""
+        report = StepReport(
+            rank=self.rank,
+            completed=tuple(self._completed),
+            failed=tuple(self._failed),
+            invalid_block_ids=frozenset(self._invalid),
+        )
+        for tid in (*self._completed, *self._failed):
+            e = self._entries.pop(tid, None)
+            if e is not None:
+                apply(e.transfer, TransferInput.RELEASE, cause="reported")
+        self._completed, self._failed, self._invalid = [], [], set()
+        return report
+
+    def transfer_state(self, transfer_id: int) -> TransferState | None:
+        """The worker-side state of a transfer still tracked (None once released)."""
+        e = self._entries.get(transfer_id)
+        return None if e is None else e.transfer.state
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers launched and not yet finished on the device."""
+        return sum(self._live.values())
+
+    async def flush(self) -> None:
+        """Wait for every copy handed over so far, including those not yet submitted."""
+        self._check_open()
+        await self.executor.flush()
+
+    async def handle_preemptions(self, plan: StepPlan) -> None:
+        """Before the engine reuses preempted requests' GPU blocks: abandon what ``plan``
+        abandons and, if it asks to flush, wait for every copy handed over."""
+        self._check_open()
+        self._abandon(plan.abandoned)
+        if plan.flush:
+            log.info("preemption_flush", rank=self.rank, step=plan.step, in_flight=self.in_flight)
+            await self.flush()
+
+
+__all__ = ["WorkerRuntime"]

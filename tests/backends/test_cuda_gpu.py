@@ -1,0 +1,335 @@
+"""GPU tests of the CUDA backend (run on the device; skipped cleanly without CUDA)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+from kvflow.backends.base import CopyBatch, FenceStatus
+from kvflow.core.transfer import Direction
+from kvflow.errors import BackendError, ConfigError
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+KiB = 1024
+TOKENS = 16
+SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: long enough that a race is certain to show
+
+
+def make_kv(style: str, dtype: Any, chunk: int, num_blocks: int, layers: int = 3) -> dict[str, Any]:
+    """KV tensors of one layout style whose pages are ``chunk`` bytes, filled with random bytes."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    elems = chunk // item
+    dev = "cuda"
+    if style == "flash":  # (2, N, tokens, heads, head_dim) per layer
+        heads = elems // (TOKENS * 64)
+        kv = {
+            f"layer{i}": torch.empty((2, num_blocks, TOKENS, heads, 64), dtype=dtype, device=dev)
+            for i in range(layers)
+        }
+    elif style == "mla":  # (N, tokens, latent) per layer
+        kv = {
+            f"layer{i}": torch.empty((num_blocks, TOKENS, elems // TOKENS), dtype=dtype, device=dev)
+            for i in range(layers)
+        }
+    else:  # cross-layer: one (N, layers, 2, tokens, heads, head_dim) tensor
+        heads = elems // (TOKENS * 64)
+        kv = {
+            "kv": torch.empty((num_blocks, layers, 2, TOKENS, heads, 64), dtype=dtype, device=dev)
+        }
+    for t in kv.values():
+        t.view(torch.uint8).random_(0, 256)
+    return kv
+
+
+def block_bytes(kv: dict[str, Any], style: str, b: int) -> Any:
+    """The bytes of GPU block ``b`` in block-major CPU order (regions in registration order)."""
+    parts = []
+    for t in kv.values():
+        u8 = t.view(torch.uint8)
+        if style == "flash":
+            parts += [u8[0, b].reshape(-1), u8[1, b].reshape(-1)]
+        else:
+            parts.append(u8[b].reshape(-1))
+    return torch.cat(parts).cpu()
+
+
+@pytest.fixture
+def make_backend() -> Iterator[Any]:
+    """Builds CUDA backends and closes every one after the test."""
+    from kvflow.backends.cuda import CudaBackend, CudaConfig
+
+    made: list[Any] = []
+
+    def build(**cfg: Any) -> Any:
+        cfg.setdefault("slot_bytes", 2 << 20)
+        cfg.setdefault("num_slots", 2)
+        backend = CudaBackend(0, CudaConfig(**cfg))
+        made.append(backend)
+        return backend
+
+    yield build
+    for b in made:
+        b.close()
+
+
+def ready(
+    make_backend: Any, style: str, dtype: Any, chunk: int, n: int, cpu_blocks: int, **cfg: Any
+) -> tuple[dict[str, Any], Any]:
+    """Random KV tensors and a backend with them registered and a CPU tier allocated."""
+    kv = make_kv(style, dtype, chunk, n)
+    backend = make_backend(**cfg)
+    backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([cpu_blocks])
+    return kv, backend
+
+
+def store(gpu: list[int], cpu: list[int]) -> CopyBatch:
+    return CopyBatch(Direction.STORE, (tuple(gpu),), (tuple(cpu),))
+
+
+def load(cpu: list[int], gpu: list[int]) -> CopyBatch:
+    return CopyBatch(Direction.LOAD, (tuple(gpu),), (tuple(cpu),))
+
+
+def gpu_sleep() -> None:
+    """Occupy the current (compute) stream for a while."""
+    torch.cuda._sleep(SLEEP_CYCLES)
+
+
+@pytest.mark.parametrize("method", ["staged", "direct"])
+@pytest.mark.parametrize("chunk", [4 * KiB, 16 * KiB, 32 * KiB, 128 * KiB])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("style", ["flash", "mla", "cross"])
+def test_round_trip_is_byte_exact(
+    make_backend: Any, style: str, dtype: str, chunk: int, method: str
+) -> None:
+    """Store scattered blocks, check the block-major CPU bytes, load them into other blocks: identical."""
+    n = 48
+    kv = make_kv(style, getattr(torch, dtype), chunk, n)
+    backend = make_backend(method=method)
+    backend.register_kv_caches(kv, n)
+    assert backend.path(0) == method
+    backend.allocate_cpu_tier([40])
+    rng = np.random.default_rng(chunk)
+    src = rng.permutation(n)[:20].tolist()
+    cpu = rng.permutation(40)[:20].tolist()
+    want = [block_bytes(kv, style, b) for b in src]
+    fence = backend.submit(store(src, cpu), [backend.compute_fence()])
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    for c, w in zip(cpu, want, strict=True):
+        assert np.array_equal(backend.cpu_block(0, c), w.numpy())
+    for t in kv.values():  # poison the GPU tier, never zeros
+        t.view(torch.uint8).random_(0, 256)
+    dst = rng.permutation(n)[:20].tolist()
+    fence = backend.submit(load(cpu, dst))
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    for d, w in zip(dst, want, strict=True):
+        assert torch.equal(block_bytes(kv, style, d), w)
+
+
+@pytest.mark.parametrize("method", ["staged", "direct"])
+def test_fallback_without_batch_memcpy_round_trips(make_backend: Any, method: str) -> None:
+    """With cuMemcpyBatchAsync unavailable, the per-copy fallback still moves exact bytes."""
+    n = 24
+    kv = make_kv("flash", torch.bfloat16, 16 * KiB, n)
+    backend = make_backend(method=method, use_batch_memcpy=False)
+    assert backend.batch_memcpy_abi is None
+    assert backend.batch_error is not None
+    backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([16])
+    want = [block_bytes(kv, "flash", b) for b in (3, 7, 8)]
+    backend.submit(store([3, 7, 8], [5, 6, 0]))
+    backend.flush()
+    backend.submit(load([5, 6, 0], [10, 11, 12]))
+    backend.flush()
+    for d, w in zip([10, 11, 12], want, strict=True):
+        assert torch.equal(block_bytes(kv, "flash", d), w)
+
+
+def test_batch_memcpy_resolves_on_this_driver(make_backend: Any) -> None:
+    """On a 12.8+ driver the backend resolves cuMemcpyBatchAsync with the driver's own ABI."""
+    from kvflow.backends.cuda import driver as drv
+
+    backend = make_backend()
+    version = int(drv.check(drv.cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+    assert backend.batch_memcpy_abi == drv.choose_abi(version)[0]
+
+
+def test_many_blocks_use_several_launches(make_backend: Any) -> None:
+    """More blocks than one kernel launch carries (and than one slot holds) still copy exactly."""
+    n = 1500
+    kv = make_kv("mla", torch.bfloat16, 4 * KiB, n, layers=1)
+    backend = make_backend(method="staged", slot_bytes=8 << 20, num_slots=3)
+    backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([n])
+    ids = np.random.default_rng(1).permutation(n)[:1200].tolist()
+    before = kv["layer0"].view(torch.uint8)[ids].cpu().numpy()
+    backend.submit(store(ids, list(range(1200))))
+    backend.flush()
+    got = backend.cpu_tier.array(0)[:1200]
+    assert np.array_equal(got, before.reshape(1200, -1))
+
+
+@pytest.mark.parametrize("launch_thread", [True, False])
+@pytest.mark.parametrize("method", ["staged", "direct"])
+def test_store_waits_for_compute_fence(make_backend: Any, method: str, launch_thread: bool) -> None:
+    """A store fenced after the kernel that writes its block copies the new bytes; unfenced, the old."""
+    kv, backend = ready(
+        make_backend,
+        "flash",
+        torch.bfloat16,
+        16 * KiB,
+        16,
+        8,
+        method=method,
+        launch_thread=launch_thread,
+    )
+    old = block_bytes(kv, "flash", 4).numpy()
+    # Load torch's strided-fill kernel now: under lazy loading its first use waits for the whole
+    # GPU to go idle, which would end the sleep below before the race starts.
+    for t in kv.values():
+        t.view(torch.uint8)[:, 5].fill_(0x11)
+    torch.cuda.synchronize()
+
+    gpu_sleep()
+    for t in kv.values():
+        t.view(torch.uint8)[:, 4].fill_(0x5A)
+    unfenced = backend.submit(store([4], [0]))
+    fence = backend.compute_fence()
+    fenced = backend.submit(store([4], [1]), [fence])
+    assert backend.query(fenced) is FenceStatus.PENDING  # non-blocking while compute still runs
+    backend.flush()
+    assert backend.query(unfenced) is FenceStatus.DONE
+    assert backend.query(fenced) is FenceStatus.DONE
+    assert np.array_equal(backend.cpu_block(0, 0), old)  # raced ahead of the compute: garbled
+    assert np.all(backend.cpu_block(0, 1) == 0x5A)
+
+
+@pytest.mark.parametrize("method", ["staged", "direct"])
+def test_load_waits_for_in_flight_store_of_same_block(make_backend: Any, method: str) -> None:
+    """A load into a block an in-flight store still reads, fenced on that store, lands after it."""
+    kv, backend = ready(make_backend, "mla", torch.bfloat16, 32 * KiB, 16, 8, method=method)
+    backend.submit(store([9], [0]))  # CPU block 0 := block 9's bytes
+    backend.flush()
+    incoming = backend.cpu_block(0, 0).copy()
+    resident = block_bytes(kv, "mla", 2).numpy()
+
+    gpu_sleep()
+    slow_store = backend.submit(store([2], [1]), [backend.compute_fence()])
+    loaded = backend.submit(load([0], [2]), [slow_store])
+    # The same pattern without the fence: the load lands before the (later) store reads block 3.
+    resident3 = block_bytes(kv, "mla", 3).numpy()
+    gpu_sleep()
+    racing_store = backend.submit(store([3], [2]), [backend.compute_fence()])
+    backend.submit(load([0], [3]))
+    backend.flush()
+    assert backend.query(loaded) is FenceStatus.DONE
+    assert np.array_equal(backend.cpu_block(0, 1), resident)
+    assert np.array_equal(block_bytes(kv, "mla", 2).numpy(), incoming)
+    assert backend.query(racing_store) is FenceStatus.DONE
+    assert not np.array_equal(backend.cpu_block(0, 2), resident3)  # garbled without the fence
+    assert np.array_equal(backend.cpu_block(0, 2), incoming)
+
+
+def test_failed_launch_fails_its_fence_only(
+    make_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch whose driver calls fail on the launch thread gets a FAILED fence; later ones run."""
+    kv, backend = ready(make_backend, "mla", torch.bfloat16, 4 * KiB, 8, 8, method="direct")
+    real_copy = backend._copy
+
+    def broken(*args: Any, **kw: Any) -> None:
+        raise BackendError("injected copy failure")
+
+    monkeypatch.setattr(backend, "_copy", broken)
+    with capture_logs() as logs:
+        failed = backend.submit(store([1], [1]))
+        backend.wait_launched()
+    assert backend.query(failed) is FenceStatus.FAILED
+    assert [(e["event"], e["error"]) for e in logs if e["event"] == "cuda_submit_failed"] == [
+        ("cuda_submit_failed", "injected copy failure")
+    ]
+    monkeypatch.setattr(backend, "_copy", real_copy)
+    want = block_bytes(kv, "mla", 2)
+    ok = backend.submit(store([2], [2]))
+    backend.flush()
+    assert backend.query(ok) is FenceStatus.DONE
+    assert np.array_equal(backend.cpu_block(0, 2), want.numpy())
+
+
+def test_flush_waits_for_everything_submitted(make_backend: Any) -> None:
+    """Preemption flush: after flush() every fence handed out is done and every copy landed."""
+    kv, backend = ready(make_backend, "flash", torch.float8_e4m3fn, 4 * KiB, 64, 64, method="auto")
+    want = {b: block_bytes(kv, "flash", b) for b in range(32)}
+    gpu_sleep()
+    gate = backend.compute_fence()
+    fences = [backend.submit(store([b], [b]), [gate]) for b in range(32)]
+    fences.append(backend.submit(load(list(range(8)), list(range(40, 48))), [fences[-1]]))
+    assert backend.query(fences[0]) is FenceStatus.PENDING
+    backend.flush()
+    assert all(backend.query(f) is FenceStatus.DONE for f in fences)
+    for b, w in want.items():
+        assert np.array_equal(backend.cpu_block(0, b), w.numpy())
+    for i in range(8):
+        assert torch.equal(block_bytes(kv, "flash", 40 + i), want[i])
+
+
+def test_cpu_tier_pins_exact_bytes_in_chunks_and_unpins_on_close(make_backend: Any) -> None:
+    """The CPU tier pins exactly the bytes asked, in chunks, usable at once, and unpins on close."""
+    from kvflow.backends.cuda.pinned import is_registered
+
+    n = 40
+    kv = make_kv("flash", torch.bfloat16, 4 * KiB, n)
+    backend = make_backend(register_chunk_bytes=3 * 24 * KiB + 5)
+    layout = backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([37])
+    tier = backend.cpu_tier
+    asked = 37 * layout.groups[0].block_bytes
+    assert tier.nbytes == asked
+    assert tier.chunk_blocks(0) == 3
+    want = block_bytes(kv, "flash", 1)
+    backend.submit(store([1], [36]))  # the last chunk, registered on demand if not yet
+    backend.flush()
+    assert np.array_equal(backend.cpu_block(0, 36), want.numpy())
+    tier.wait_registered()
+    assert tier.registered_bytes == asked
+    ptr = tier.ptr(0)
+    assert is_registered(ptr)
+    backend.close()
+    assert not is_registered(ptr)
+    assert tier.registered_bytes == 0
+    backend.close()  # idempotent
+
+
+def test_bad_input_is_rejected_before_touching_the_device(make_backend: Any) -> None:
+    """Out-of-range ids, foreign fences, misuse order and use after close raise typed errors."""
+    from kvflow.errors import ClosedError
+
+    n = 8
+    kv = make_kv("mla", torch.bfloat16, 4 * KiB, n)
+    backend = make_backend()
+    with pytest.raises(BackendError, match="before allocate_cpu_tier"):
+        backend.submit(store([0], [0]))
+    backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([4])
+    with pytest.raises(ConfigError, match="GPU block id 8"):
+        backend.submit(store([8], [0]))
+    with pytest.raises(ConfigError, match="CPU block id 4"):
+        backend.submit(store([0], [4]))
+    with pytest.raises(BackendError, match="not made by this CUDA backend"):
+        backend.submit(store([0], [0]), [object()])
+    backend.close()
+    with pytest.raises(ClosedError):
+        backend.submit(store([0], [0]))

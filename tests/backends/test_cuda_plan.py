@@ -1,0 +1,305 @@
+"""CPU-side tests of the CUDA backend: descriptor building, ABI choice, import without a GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
+
+from kvflow.backends.cuda import driver as drv
+from kvflow.backends.cuda.plan import (
+    Descriptors,
+    RegionTable,
+    block_ids,
+    direct_descriptors,
+    runs,
+    staged_plan,
+)
+from kvflow.core.layout import TensorDesc, derive_layout
+from kvflow.errors import BackendError, ConfigError
+
+GPU_BASE = 1 << 20  # simulated address space: [GPU regions | CPU tier | staging]
+
+
+def tdesc(
+    name: str, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, ptr: int
+) -> TensorDesc:
+    return TensorDesc(
+        name=name, shape=shape, strides=strides, itemsize=itemsize, data_ptr=ptr, device="cuda:0"
+    )
+
+
+def flash_table(num_layers: int, num_blocks: int, page: int) -> RegionTable:
+    """A FlashAttention-style layout: per layer (2, N, page) placed back to back at GPU_BASE."""
+    tensors = {}
+    ptr = GPU_BASE
+    for i in range(num_layers):
+        name = f"layer{i}"
+        tensors[name] = tdesc(name, (2, num_blocks, page), (num_blocks * page, page, 1), 1, ptr)
+        ptr += 2 * num_blocks * page
+    return RegionTable.from_group(derive_layout(tensors, num_blocks).groups[0])
+
+
+def apply(memory: np.ndarray, desc: Descriptors, offset_dst: int = 0, offset_src: int = 0) -> None:
+    """Run a batch of copies on a simulated flat address space."""
+    for d, s, n in zip(desc.dst.tolist(), desc.src.tolist(), desc.size.tolist(), strict=True):
+        memory[d + offset_dst : d + offset_dst + n] = memory[s + offset_src : s + offset_src + n]
+
+
+def reference_block(memory: np.ndarray, table: RegionTable, gpu_id: int) -> np.ndarray:
+    """The bytes a block-major CPU block must hold for GPU block ``gpu_id``."""
+    pages = [
+        memory[int(b) + gpu_id * int(st_) : int(b) + gpu_id * int(st_) + int(p)]
+        for b, st_, p in zip(table.base, table.stride, table.page, strict=True)
+    ]
+    return np.concatenate(pages)
+
+
+def test_block_ids_rejects_out_of_range() -> None:
+    """An id outside the tier raises ConfigError naming the bad id instead of copying wild memory."""
+    assert block_ids((0, 3, 2), 4, "GPU").tolist() == [0, 3, 2]
+    with pytest.raises(ConfigError, match=r"GPU block id 4 is outside 0\.\.3"):
+        block_ids((0, 4), 4, "GPU")
+    with pytest.raises(ConfigError, match="-1"):
+        block_ids((-1,), 4, "CPU")
+
+
+def test_runs_break_on_gaps_and_chunk_boundaries() -> None:
+    """Runs end where either id sequence skips, and where the CPU id enters a new pinned chunk."""
+    a = np.array([0, 1, 2, 3, 4, 5], dtype=np.int64)
+    b = np.array([6, 7, 8, 10, 11, 12], dtype=np.int64)
+    starts, lengths = runs(a, b)
+    assert starts.tolist() == [0, 3]
+    assert lengths.tolist() == [3, 3]
+    starts, lengths = runs(a, b, chunk_blocks=8)
+    assert starts.tolist() == [0, 2, 3]
+    assert lengths.tolist() == [2, 1, 3]
+    empty = np.zeros(0, dtype=np.int64)
+    assert [x.tolist() for x in runs(empty, empty)] == [[], []]
+
+
+def test_direct_descriptors_match_layout() -> None:
+    """Each (block, region) page maps to its GPU page and its slot inside the block-major CPU block."""
+    table = flash_table(num_layers=2, num_blocks=8, page=64)
+    gpu = np.array([5, 2], dtype=np.int64)
+    cpu = np.array([0, 3], dtype=np.int64)
+    store = direct_descriptors(table, gpu, cpu, cpu_base=0, store=True)
+    assert len(store) == 2 * 4
+    # Region order is layer0/k, layer0/v, layer1/k, layer1/v; CPU block bytes = 4 pages.
+    assert store.src[:4].tolist() == [
+        GPU_BASE + 5 * 64,
+        GPU_BASE + 8 * 64 + 5 * 64,
+        GPU_BASE + 16 * 64 + 5 * 64,
+        GPU_BASE + 24 * 64 + 5 * 64,
+    ]
+    assert store.dst.tolist() == [0, 64, 128, 192, 768, 832, 896, 960]
+    assert set(store.size.tolist()) == {64}
+    load = direct_descriptors(table, gpu, cpu, cpu_base=0, store=False)
+    assert load.dst.tolist() == store.src.tolist()
+    assert load.src.tolist() == store.dst.tolist()
+
+
+def test_direct_descriptors_merge_cross_layer_runs() -> None:
+    """A single-region contiguous layout copies runs of consecutive blocks as one descriptor."""
+    desc = tdesc("kv", (16, 4, 2, 8), (64, 16, 8, 1), 2, GPU_BASE)
+    table = RegionTable.from_group(derive_layout({"kv": desc}, 16).groups[0])
+    gpu = np.array([3, 4, 5, 9, 10], dtype=np.int64)
+    cpu = np.array([0, 1, 2, 3, 7], dtype=np.int64)
+    d = direct_descriptors(table, gpu, cpu, cpu_base=0, store=True)
+    assert d.size.tolist() == [3 * 128, 128, 128]
+    assert d.src.tolist() == [GPU_BASE + 3 * 128, GPU_BASE + 9 * 128, GPU_BASE + 10 * 128]
+    assert d.dst.tolist() == [0, 3 * 128, 7 * 128]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_layers=st.integers(1, 3),
+    page=st.sampled_from([16, 48, 64]),
+    picks=st.lists(st.integers(0, 15), min_size=1, max_size=16, unique=True),
+    cpu_shift=st.integers(0, 8),
+    blocks_per_slot=st.integers(1, 6),
+    chunk_blocks=st.integers(0, 5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_staged_plan_round_trip_equals_direct(
+    num_layers: int,
+    page: int,
+    picks: list[int],
+    cpu_shift: int,
+    blocks_per_slot: int,
+    chunk_blocks: int,
+    seed: int,
+) -> None:
+    """Gather into slots + whole-block DMA fills the CPU tier exactly as per-page copies do, and back."""
+    num_blocks = 16
+    table = flash_table(num_layers, num_blocks, page)
+    gpu_bytes = num_layers * 2 * num_blocks * page
+    cpu_base = GPU_BASE + gpu_bytes
+    cpu_blocks = num_blocks + 8
+    staging = cpu_base + cpu_blocks * table.block_bytes
+    size = staging + 2 * blocks_per_slot * table.block_bytes
+    rng = np.random.default_rng(seed)
+    memory = np.zeros(size, dtype=np.uint8)
+    memory[GPU_BASE:cpu_base] = rng.integers(0, 256, gpu_bytes, dtype=np.uint8)
+    gpu = np.array(picks, dtype=np.int64)
+    # Half the cases use consecutive CPU ids (long DMA runs), half a random scatter.
+    n = len(picks)
+    cpu = np.arange(n, dtype=np.int64) + cpu_shift if seed % 2 else rng.permutation(cpu_blocks)[:n]
+    expected = [reference_block(memory, table, int(g)) for g in gpu]
+
+    plan = staged_plan(
+        table, cpu, cpu_base, blocks_per_slot=blocks_per_slot, chunk_blocks=chunk_blocks, store=True
+    )
+    assert plan.bounds[0] == 0
+    assert plan.bounds[-1] == len(gpu)
+    assert np.all(np.diff(plan.bounds) <= blocks_per_slot)
+    for k in range(plan.num_subbatches):
+        lo, hi = int(plan.bounds[k]), int(plan.bounds[k + 1])
+        slot = staging + (k % 2) * blocks_per_slot * table.block_bytes
+        for i, g in enumerate(gpu[lo:hi]):  # the gather kernel's job, in numpy
+            memory[slot + i * table.block_bytes : slot + (i + 1) * table.block_bytes] = (
+                reference_block(memory, table, int(g))
+            )
+        part = plan.dma.slice(int(plan.desc_bounds[k]), int(plan.desc_bounds[k + 1]))
+        assert part.total_bytes == (hi - lo) * table.block_bytes
+        apply(memory, part, offset_src=slot)
+    for c, exp in zip(cpu, expected, strict=True):
+        start = cpu_base + int(c) * table.block_bytes
+        assert np.array_equal(memory[start : start + table.block_bytes], exp)
+
+    # Direct per-page copies back into fresh GPU blocks reproduce the original pages.
+    target = rng.permutation(num_blocks)[:n].astype(np.int64)
+    memory[GPU_BASE:cpu_base] = 0
+    apply(memory, direct_descriptors(table, target, cpu, cpu_base, store=False))
+    for t, exp in zip(target, expected, strict=True):
+        assert np.array_equal(reference_block(memory, table, int(t)), exp)
+
+
+def test_staged_plan_rejects_empty_slot() -> None:
+    """A slot that holds no block is a configuration error, not an endless loop."""
+    table = flash_table(1, 4, 16)
+    with pytest.raises(ConfigError, match="blocks_per_slot"):
+        staged_plan(table, np.arange(2), 0, blocks_per_slot=0, chunk_blocks=0, store=True)
+
+
+def test_abi_choice_follows_driver_version() -> None:
+    """A 13.x driver gets the 13.0 ABI first, a 12.8/12.9 driver the 12.8 ABI, older none."""
+    assert drv.choose_abi(13000) == (13000, 12080)
+    assert drv.choose_abi(12090) == (12080,)
+    assert drv.choose_abi(12080) == (12080,)
+    assert drv.choose_abi(12060) == ()
+
+
+def test_old_driver_raises_clear_backend_error() -> None:
+    """Resolving cuMemcpyBatchAsync on a pre-12.8 driver names the driver version and the need."""
+    with pytest.raises(BackendError, match=r"needs a CUDA 12\.8\+ driver; this one is 12\.4"):
+        drv.BatchMemcpy.resolve(12040)
+
+
+def test_backend_without_cuda_raises_backend_error() -> None:
+    """Constructing the CUDA backend where no GPU is usable raises BackendError, not a crash."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from kvflow.backends.cuda import CudaBackend
+
+    with pytest.raises(BackendError):
+        CudaBackend()
+
+
+def test_kernel_source_is_self_contained() -> None:
+    """The NVRTC source defines the entry point with its id-array limit substituted in."""
+    from kvflow.backends.cuda.kernels import MAX_IDS, SOURCE
+
+    assert 'extern "C" __global__' in SOURCE
+    assert f"#define KVF_MAX_IDS {MAX_IDS}" in SOURCE
+    assert "@" not in SOURCE
+
+
+class FakeDriver:
+    """Records host (un)registrations the way the driver would see them."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls: list[tuple[int, int]] = []
+
+    def cuMemHostRegister(self, ptr: int, size: int, flags: int) -> tuple[int]:
+        self.calls.append((ptr, size))
+        self.registered[ptr] = size
+        return (0,)
+
+    def cuMemHostUnregister(self, ptr: int) -> tuple[int]:
+        del self.registered[ptr]
+        return (0,)
+
+
+class FakeContext:
+    def enter(self) -> None:
+        """Nothing to make current without a GPU."""
+
+
+def test_pinned_tier_registers_exact_bytes_in_whole_block_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunks hold whole blocks, cover exactly the bytes asked, and are all unregistered on close."""
+    from kvflow.backends.cuda import pinned
+
+    fake = FakeDriver()
+    monkeypatch.setattr(pinned, "cu", fake)
+    ctx: Any = FakeContext()
+    with capture_logs() as logs:
+        tier = pinned.PinnedTier(ctx, [10, 3], [3000, 5000], chunk_bytes=7000, register="now")
+    tier.wait_registered()
+    assert tier.nbytes == 10 * 3000 + 3 * 5000
+    assert tier.registered_bytes == tier.nbytes
+    assert sum(fake.registered.values()) == tier.nbytes
+    assert tier.chunk_blocks(0) == 2  # 7000 // 3000: a chunk never splits a block
+    assert tier.chunk_blocks(1) == 1  # a block larger than the chunk size gets a chunk of its own
+    sizes0 = sorted(n for p, n in fake.calls if tier.ptr(0) <= p < tier.ptr(0) + 30000)
+    assert sizes0 == [6000] * 5
+    assert tier.ptr(0) % 4096 == 0
+    assert tier.array(0).shape == (10, 3000)
+    tier.ensure(0, 9)  # already pinned: no new registration
+    assert len(fake.calls) == 5 + 3
+    with capture_logs() as closing:
+        tier.close()
+        tier.close()
+    assert fake.registered == {}
+    assert tier.registered_bytes == 0
+    assert [e for e in logs if e["event"] == "cpu_tier_pinned"] == [
+        {"event": "cpu_tier_pinned", "log_level": "info", "bytes": 45000, "groups": 2}
+    ]
+    assert [(e["event"], e["bytes"]) for e in closing] == [("cpu_tier_unpinned", 45000)]
+
+
+def test_pinned_tier_registers_needed_chunk_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer that needs a chunk the background thread has not reached registers it at once."""
+    from kvflow.backends.cuda import pinned
+
+    fake = FakeDriver()
+    monkeypatch.setattr(pinned, "cu", fake)
+    ctx: Any = FakeContext()
+    tier = pinned.PinnedTier(ctx, [8], [1000], chunk_bytes=2000, register="lazy")
+    assert fake.calls == []
+    tier.ensure(0, 5)
+    assert [n for _, n in fake.calls] == [2000, 2000, 2000]
+    assert tier.registered_bytes == 6000
+    tier.close()
+    assert fake.registered == {}
+
+
+def test_pinned_tier_rejects_bad_sizes() -> None:
+    """Mismatched group counts, negative block counts or a zero chunk size are config errors."""
+    from kvflow.backends.cuda import pinned
+
+    ctx: Any = FakeContext()
+    with pytest.raises(ConfigError, match="block counts"):
+        pinned.PinnedTier(ctx, [1, 2], [10], chunk_bytes=10, register="now")
+    with pytest.raises(ConfigError, match="negative"):
+        pinned.PinnedTier(ctx, [-1], [10], chunk_bytes=10, register="now")
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        pinned.PinnedTier(ctx, [1], [10], chunk_bytes=0, register="now")

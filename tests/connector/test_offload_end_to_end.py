@@ -1,0 +1,241 @@
+"""End to end: the reference engine with kvflow's offload connector on the host backend."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from attrs import define, field
+
+from kvflow.backends.base import CopyBatch, Fence, FenceStatus
+from kvflow.backends.host import HostBackend, HostFence
+from kvflow.cli.main import main
+from kvflow.connector.api import KVCacheConfig
+from kvflow.connector.config import OffloadConfig
+from kvflow.connector.offload import OffloadConnector
+from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.transfer import Direction
+from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest
+from kvflow.engine.frontend import AsyncEngine
+from kvflow.engine.model import model_config
+from kvflow.engine.workload import MultiRoundQA, run_multi_round
+from tests.engine.helpers import shared_model
+
+
+@define(eq=False)
+class FailingLoads(HostBackend):
+    """The host backend, but the first ``fail`` load batches fail on the device."""
+
+    fail: int = 1
+    failed: int = 0
+    _fences: list[HostFence] = field(factory=list)
+
+    def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
+        if batch.direction is Direction.LOAD and self.failed < self.fail:
+            self.failed += 1
+            fence = HostFence(-self.failed, FenceStatus.FAILED, error="injected load failure")
+            fence.finished.set()
+            return fence
+        return super().submit(batch, wait_for)
+
+    def query(self, fence: Fence) -> FenceStatus:
+        if isinstance(fence, HostFence) and fence.fence_id < 0:
+            return fence.status
+        return super().query(fence)
+
+
+_LIVE: list[Engine] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_engines_down() -> Iterator[None]:
+    """Shut down every engine a test built, even one that failed: the runtime's loop thread
+    would otherwise keep the interpreter alive."""
+    yield
+    while _LIVE:
+        _LIVE.pop().shutdown()
+
+
+def _engine(
+    name: str,
+    *,
+    offload: OffloadConfig | None,
+    num_gpu_blocks: int,
+    budget: int = 64,
+    backend: HostBackend | None = None,
+) -> tuple[Engine, list[OffloadConnector]]:
+    cfg = model_config(name)
+    built: list[OffloadConnector] = []
+
+    def factory(kv: KVCacheConfig, view: GpuCacheView) -> tuple[Any, Any]:
+        assert offload is not None
+        per_layer = 2 * kv.block_size * cfg.num_kv_heads * cfg.head_dim * 4
+        block_bytes = [per_layer * len(g.layer_names) for g in kv.groups]
+        conn = OffloadConnector.build(offload, kv, block_bytes, gpu_view=view, backend=backend)
+        built.append(conn)
+        return conn.scheduler, conn.worker
+
+    engine = Engine(
+        cfg,
+        EngineConfig(block_size=4, num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=budget),
+        model=shared_model(name),
+        connector_factory=factory if offload is not None else None,
+    )
+    _LIVE.append(engine)
+    return engine, built
+
+
+def _assert_nothing_leaked(engine: Engine, conn: OffloadConnector) -> None:
+    manager = conn.scheduler.manager
+    assert manager.num_live_transfers() == 0
+    assert all(not refs for refs in manager.cpu_refs())
+    for pool in manager.cpu_pools:
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert engine.blocks.num_free_blocks() == engine.blocks.num_usable_blocks
+    assert conn.worker.runtime.runtime.in_flight == 0
+
+
+WORKLOAD = MultiRoundQA(
+    num_users=4,
+    num_rounds=3,
+    system_prompt_len=24,
+    first_question_len=16,
+    question_len=8,
+    answer_len=4,
+    vocab_size=1024,
+)
+
+
+@pytest.mark.parametrize("policy", ["eager", "lazy"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
+def test_outputs_identical_with_offload_across_evictions_and_reloads(
+    name: str, policy: str
+) -> None:
+    """Greedy outputs with offload equal those without; blocks were stored, evicted and reloaded."""
+    # Far below the working set, so histories are evicted between rounds; the hybrid model's
+    # sliding group holds only a few blocks per request on top of the full group's.
+    blocks = 46 if "-swa" in name else 41
+    off, _ = _engine(name, offload=None, num_gpu_blocks=blocks)
+    want = run_multi_round(off, WORKLOAD).outputs()
+    on, (conn,) = _engine(
+        name,
+        offload=OffloadConfig(cpu_bytes="64MiB", store_policy=policy, lazy_watermark=16),
+        num_gpu_blocks=blocks,
+    )
+    got = run_multi_round(on, WORKLOAD)
+    assert got.outputs() == want
+    stats = conn.scheduler.stats().manager
+    assert stats.blocks_stored > 0
+    assert stats.blocks_loaded > 0
+    assert got.total("external_loaded_tokens") > 0
+    on.shutdown()
+    _assert_nothing_leaked(on, conn)
+
+
+def test_outputs_identical_with_offload_under_preemption() -> None:
+    """A cache so small that requests are preempted mid-run still gives identical outputs."""
+    prompts = [[(7 * i + j) % 1000 for j in range(40)] for i in range(4)]
+    reqs = [GenerationRequest(p, 12, request_id=f"p{i}") for i, p in enumerate(prompts)]
+    off, _ = _engine("tiny", offload=None, num_gpu_blocks=200)
+    want = [r.output_token_ids for r in off.run_to_completion(reqs)]
+    on, (conn,) = _engine(
+        "tiny", offload=OffloadConfig(cpu_bytes="16MiB"), num_gpu_blocks=30, budget=16
+    )
+    got = on.run_to_completion(reqs)
+    assert [r.output_token_ids for r in got] == want
+    assert on.stats.preemptions > 0
+    again = on.run_to_completion(
+        [GenerationRequest(p, 12, request_id=f"again{i}") for i, p in enumerate(prompts)]
+    )
+    assert [r.output_token_ids for r in again] == want
+    assert sum(r.external_loaded_tokens for r in again) > 0
+    on.shutdown()
+    _assert_nothing_leaked(on, conn)
+
+
+def test_failed_load_recovers_by_recompute_with_identical_output() -> None:
+    """A load that fails on the device is recomputed and the output does not change."""
+    prompt = list(range(100, 160))
+    off, _ = _engine("tiny", offload=None, num_gpu_blocks=64)
+    (want,) = off.run_to_completion([GenerationRequest(prompt, 6, request_id="a")])
+    backend = FailingLoads(fail=1)
+    on, (conn,) = _engine(
+        "tiny", offload=OffloadConfig(cpu_bytes="16MiB"), num_gpu_blocks=64, backend=backend
+    )
+    on.run_to_completion([GenerationRequest(prompt, 6, request_id="a")])
+    assert on.scheduler.reset_prefix_cache()  # the GPU cache only: the CPU copy stays
+    (got,) = on.run_to_completion([GenerationRequest(prompt, 6, request_id="b")])
+    assert got.output_token_ids == want.output_token_ids
+    assert backend.failed == 1
+    assert conn.scheduler.stats().manager.failed_transfers >= 1
+    assert got.prefill_tokens_computed > 0
+    on.shutdown()
+    _assert_nothing_leaked(on, conn)
+
+
+@pytest.mark.asyncio
+async def test_async_frontend_serves_concurrent_requests_with_offload() -> None:
+    """Concurrent generate() streams over an offloading engine match a plain engine's tokens."""
+    prompts = [[(11 * i + j) % 1000 for j in range(30)] for i in range(5)]
+    off, _ = _engine("tiny", offload=None, num_gpu_blocks=200)
+    want = [
+        r.output_token_ids
+        for r in off.run_to_completion([GenerationRequest(p, 5) for p in prompts])
+    ]
+    on, (conn,) = _engine("tiny", offload=OffloadConfig(cpu_bytes="16MiB"), num_gpu_blocks=40)
+    got: dict[int, list[int]] = {}
+
+    async def client(i: int, frontend: AsyncEngine) -> None:
+        got[i] = [t async for t in frontend.generate(prompts[i], 5, request_id=f"c{i}")]
+
+    async with AsyncEngine(on) as frontend, anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(client, i, frontend)
+    assert [tuple(got[i]) for i in range(len(prompts))] == want
+    on.shutdown()
+    _assert_nothing_leaked(on, conn)
+
+
+def test_bench_command_writes_the_json_fields(tmp_path: Path) -> None:
+    """`kvflow bench` runs at a tiny size and its JSON has every documented field."""
+    out = tmp_path / "bench.json"
+    trace = tmp_path / "trace.jsonl"
+    rc = main(
+        [
+            "bench",
+            "--users", "2",
+            "--rounds", "2",
+            "--system", "32",
+            "--first-question", "16",
+            "--question", "8",
+            "--answer", "4",
+            "--json", str(out),
+            "--trace", str(trace),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["outputs_identical"] is True
+    assert data["backend"] == "host"
+    assert data["device"] == "cpu"
+    assert data["model"] == "tiny"
+    off, on = data["runs"]
+    assert (off["offload"], on["offload"]) == (False, True)
+    for run in (off, on):
+        for key in (
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "prefill_tokens_computed",
+            "prefill_tokens_loaded",
+            "cpu_hit_rate",
+            "wall_s",
+        ):
+            assert key in run
+    assert off["prefill_tokens_loaded"] == 0
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert any(e["event"] == "transfer_transition" for e in events)
+    assert main(["trace", str(trace)]) == 0

@@ -1,0 +1,74 @@
+"""The reference engine with offload on a CUDA device: the CUDA backend end to end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow.connector.api import KVCacheConfig
+from kvflow.connector.config import OffloadConfig
+from kvflow.connector.offload import OffloadConnector
+from kvflow.core.gpu_view import GpuCacheView
+from kvflow.engine.engine import Engine, EngineConfig
+from kvflow.engine.model import build_model, model_config
+from kvflow.engine.workload import MultiRoundQA, run_multi_round
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("policy", ["eager", "lazy"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
+def test_cuda_offload_outputs_identical_across_reloads(name: str, policy: str) -> None:
+    """On the GPU with the CUDA backend, offload changes no token and really reloads blocks."""
+    cfg = model_config(name)
+    model = build_model(cfg, device="cuda", dtype=torch.float32)
+    econf = EngineConfig(
+        block_size=16,
+        num_gpu_blocks=30 if "-swa" not in name else 36,
+        max_num_batched_tokens=256,
+        device="cuda",
+        dtype="float32",
+    )
+    work = MultiRoundQA(
+        num_users=4,
+        num_rounds=3,
+        system_prompt_len=64,
+        first_question_len=48,
+        question_len=16,
+        answer_len=8,
+        vocab_size=1024,
+    )
+    off = Engine(cfg, econf, model=model)
+    want = run_multi_round(off, work).outputs()
+    off.shutdown()
+    built: list[OffloadConnector] = []
+
+    def factory(kv: KVCacheConfig, view: GpuCacheView) -> tuple[Any, Any]:
+        per_layer = 2 * kv.block_size * cfg.num_kv_heads * cfg.head_dim * 4
+        conn = OffloadConnector.build(
+            OffloadConfig(cpu_bytes="256MiB", store_policy=policy, lazy_watermark=16),
+            kv,
+            [per_layer * len(g.layer_names) for g in kv.groups],
+            gpu_view=view,
+        )
+        built.append(conn)
+        return conn.scheduler, conn.worker
+
+    on = Engine(cfg, econf, model=model, connector_factory=factory)
+    try:
+        got = run_multi_round(on, work)
+        (conn,) = built
+        assert conn.worker.backend.name == "cuda"
+        assert got.outputs() == want
+        stats = conn.scheduler.stats().manager
+        assert stats.blocks_stored > 0
+        assert stats.blocks_loaded > 0
+        assert stats.failed_transfers == 0
+    finally:
+        on.shutdown()
+    assert conn.scheduler.manager.num_live_transfers() == 0

@@ -1,0 +1,756 @@
+"""Deterministic scenarios of the offload manager, each against fake workers that report on command.
+
+Every test builds its simulation with ``make_sim``; after the test the fixture finishes every
+request, settles every copy and checks that no block reference leaked on the CPU or GPU pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import pytest
+from structlog.testing import capture_logs
+
+from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.requests import CachedRequest, SchedulerOutput
+from kvflow.core.scheduler import (
+    GroupSpec,
+    OffloadManager,
+    ResetStatus,
+    SchedulerConfig,
+    StorePolicy,
+)
+from kvflow.core.transfer import Direction
+from kvflow.errors import ConfigError, ReportError
+from tests.core.conftest import MakeSim
+
+BS = 4
+ONE_GROUP = [GroupSpec(block_size=BS, num_cpu_blocks=16, block_bytes=1024)]
+
+
+# ---- round trips -------------------------------------------------------------------------------
+
+
+def test_eager_round_trip(make_sim: MakeSim) -> None:
+    """Eager: blocks are stored when computed, matched by a later request and loaded back intact."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(10))
+    assert sim.match(a) == (0, False)
+    plan = sim.step(new=[(a, 10)])
+    (store,) = plan.stores
+    assert store.direction is Direction.STORE
+    assert store.gpu_block_ids == (tuple(sim.tables["a"][0][:2]),)
+    assert sim.on_cpu(a) == [False, False], "not cached before every rank reported"
+    out = sim.complete()
+    assert out.committed == (store.transfer_id,)
+    assert sim.on_cpu(a) == [True, True]
+    assert sim.finish(a) is False
+
+    b = sim.add("b", [*range(10), 99])
+    assert sim.match(b) == (8, True)
+    sim.alloc(b, 8, 8)
+    (load,) = sim.step().loads
+    assert load.gpu_block_ids == (tuple(sim.tables["b"][0][:2]),)
+    out = sim.complete()
+    assert out.finished_recving == {"b"}
+    assert out.committed == (load.transfer_id,)
+    assert [sim.gpu_data[blk] for blk in sim.tables["b"][0][:2]] == sim.hashes(b, 0)
+    stats = sim.mgr.stats()
+    assert (stats.blocks_stored, stats.blocks_loaded) == (2, 2)
+    assert (stats.bytes_stored, stats.bytes_loaded) == (2048, 2048)
+    assert (stats.hits, stats.misses, stats.hit_tokens) == (1, 1, 8)
+
+
+def test_lazy_round_trip(make_sim: MakeSim) -> None:
+    """Lazy: only blocks reaching the eviction end of the GPU free queue are stored, then reloaded."""
+    sim = make_sim(ONE_GROUP, store_policy="lazy", lazy_watermark=4, gpu_blocks=12)
+    a = sim.add("a", range(16))
+    sim.match(a)
+    assert sim.step(new=[(a, 16)]).stores == (), "lazy stores nothing a running request holds"
+    a_blocks = list(sim.tables["a"][0])
+    sim.finish(a)
+    assert sim.step().stores == (), "fresh free blocks are ahead of a's blocks in the queue"
+
+    b = sim.add("b", range(100, 124))
+    sim.match(b)
+    (store,) = sim.step(new=[(b, 24)]).stores  # b takes 6 blocks: 2 of a's reach the watermark
+    assert set(store.gpu_block_ids[0]) == {a_blocks[3], a_blocks[2]}
+    assert all(sim.gpu.block(blk).ref_cnt == 1 for blk in store.gpu_block_ids[0]), "held mid-copy"
+    sim.complete()
+    (store2,) = sim.step().stores
+    assert set(store2.gpu_block_ids[0]) == {a_blocks[1], a_blocks[0]}
+    sim.complete()
+    assert sim.on_cpu(a) == [True] * 4
+    assert sim.step().stores == (), "everything near eviction is covered"
+
+    sim.finish(b)
+    c = sim.add("c", range(200, 248))
+    sim.match(c)
+    sim.step(new=[(c, 44)])  # evicts a's blocks from the GPU
+    sim.complete()
+    a2 = sim.add("a2", [*range(16), 7])
+    assert sim.match(a2) == (16, True)
+    sim.finish(c)
+    sim.alloc(a2, 16, 16)
+    sim.step()
+    assert sim.complete().finished_recving == {"a2"}
+    assert [sim.gpu_data[blk] for blk in sim.tables["a2"][0][:4]] == sim.hashes(a, 0)
+
+
+def test_full_prompt_hit_recomputes_last_token(make_sim: MakeSim) -> None:
+    """A hit covering the whole prompt is capped one token short; the last block still loads."""
+    sim = make_sim(ONE_GROUP)
+    sim.stored("a", range(8))
+    b = sim.add("b", range(8))
+    assert sim.match(b) == (7, True)
+    sim.alloc(b, 7, 7)
+    (load,) = sim.step().loads
+    assert len(load.gpu_block_ids[0]) == 2
+
+
+# ---- duplicates --------------------------------------------------------------------------------
+
+
+def test_duplicate_stores_skipped_eager(make_sim: MakeSim) -> None:
+    """Eager: two requests computing the same blocks in one step store them once; cached ones never."""
+    sim = make_sim(ONE_GROUP)
+    a, b = sim.add("a", range(9)), sim.add("b", range(9))
+    sim.match(a)
+    sim.match(b)
+    plan = sim.step(new=[(a, 9), (b, 9)])
+    assert sum(len(s.gpu_block_ids[0]) for s in plan.stores) == 2
+    sim.complete()
+    c = sim.add("c", [*range(8), 50, 51, 52, 53])
+    sim.match(c, gpu_computed=8)
+    sim.alloc(c, 8, 0)
+    (store,) = sim.step(new=[(c, 4)]).stores
+    assert store.gpu_block_ids == ((sim.tables["c"][0][2],),), "only the block not yet on CPU"
+    sim.complete()
+    assert sim.mgr.stats().blocks_stored == 3
+
+
+def test_duplicate_stores_skipped_across_steps_while_in_flight(make_sim: MakeSim) -> None:
+    """A block whose store is still in flight is not stored again by a later step."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (first,) = sim.step(new=[(a, 8)]).stores
+    b = sim.add("b", range(8))
+    assert sim.match(b) == (0, False), "in flight is not a hit yet"
+    plan = sim.step(new=[(b, 8)])
+    assert plan.stores == ()
+    out = sim.complete()
+    assert out.committed == (first.transfer_id,)
+    assert sim.mgr.stats().blocks_stored == 2
+
+
+def test_duplicate_stores_skipped_lazy(make_sim: MakeSim) -> None:
+    """Lazy: two GPU blocks with the same content near eviction are stored once."""
+    sim = make_sim(ONE_GROUP, store_policy="lazy", lazy_watermark=8, gpu_blocks=8)
+    a, b = sim.add("a", range(8)), sim.add("b", range(8))
+    sim.match(a)
+    sim.match(b)
+    sim.step(new=[(a, 8), (b, 8)])
+    sim.finish(a)
+    sim.finish(b)
+    (store,) = sim.step().stores
+    assert len(store.gpu_block_ids[0]) == 2
+    sim.complete()
+    assert sim.step().stores == ()
+    assert sim.mgr.stats().blocks_stored == 2
+
+
+# ---- CPU pool pressure -------------------------------------------------------------------------
+
+
+def test_cpu_eviction_is_lru(make_sim: MakeSim) -> None:
+    """A full CPU pool evicts its least recently used blocks; a loaded hit counts as a use."""
+    sim = make_sim([GroupSpec(block_size=BS, num_cpu_blocks=4)])
+    a, b = sim.add("a", range(8)), sim.add("b", range(100, 108))
+    for req in (a, b):
+        sim.match(req)
+        sim.step(new=[(req, 8)])
+        sim.complete()
+    a2 = sim.add("a2", [*range(8), 1])
+    assert sim.match(a2) == (8, True)
+    sim.alloc(a2, 8, 8)
+    sim.step()
+    sim.complete()
+    c = sim.stored("c", range(200, 208))
+    assert sim.on_cpu(a) == [True, True]
+    assert sim.on_cpu(b) == [False, False]
+    assert sim.on_cpu(c) == [True, True]
+
+
+def test_pinned_hit_survives_eviction_between_match_and_load(make_sim: MakeSim) -> None:
+    """Blocks matched but not yet loaded are pinned: a store needing space evicts others or skips."""
+    sim = make_sim([GroupSpec(block_size=BS, num_cpu_blocks=4)])
+    a, b = sim.add("a", range(8)), sim.add("b", range(100, 108))
+    for req in (a, b):
+        sim.match(req)
+        sim.step(new=[(req, 8)])
+        sim.complete()
+    a2 = sim.add("a2", [*range(8), 1])
+    assert sim.match(a2) == (8, True)  # a's blocks are pinned from here on
+    c = sim.add("c", range(200, 216))
+    sim.match(c)
+    (store,) = sim.step(new=[(c, 16)]).stores
+    assert len(store.cpu_block_ids[0]) == 2, "only b's two blocks could be evicted"
+    assert sim.mgr.stats().skipped_stores == 2
+    sim.complete()
+    assert sim.on_cpu(a) == [True, True]
+    sim.alloc(a2, 8, 8)
+    sim.step()
+    assert sim.complete().finished_recving == {"a2"}
+    assert [sim.gpu_data[blk] for blk in sim.tables["a2"][0][:2]] == sim.hashes(a, 0)
+
+
+def test_cpu_pool_full_skips_store_and_counts_it(make_sim: MakeSim) -> None:
+    """With every CPU block held by transfers, a store is skipped and counted instead of blocking."""
+    sim = make_sim([GroupSpec(block_size=BS, num_cpu_blocks=2)])
+    a, b = sim.add("a", range(8)), sim.add("b", range(100, 108))
+    sim.match(a)
+    sim.match(b)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    with capture_logs() as logs:
+        plan = sim.step(new=[(b, 8)])
+    assert plan.stores == ()
+    assert sim.mgr.stats().skipped_stores == 2
+    assert any(e["event"] == "offload_store_skipped" for e in logs)
+    assert sim.complete().committed == (store.transfer_id,)
+
+
+def test_store_whose_cpu_copy_was_evicted_is_not_believed_stored(make_sim: MakeSim) -> None:
+    """Once a stored block's CPU copy is evicted, it is neither matched nor skipped as stored."""
+    sim = make_sim([GroupSpec(block_size=BS, num_cpu_blocks=2)])
+    a, b = sim.add("a", range(8)), sim.add("b", range(100, 108))
+    for req in (a, b):
+        sim.match(req)
+        sim.step(new=[(req, 8)])
+        sim.complete()
+    assert sim.on_cpu(a) == [False, False]
+    a2 = sim.add("a2", [*range(8), 3])
+    assert sim.match(a2) == (0, False)
+    (store,) = sim.step(new=[(a2, 9)]).stores
+    assert len(store.gpu_block_ids[0]) == 2, "a's blocks are stored again"
+
+
+def test_lazy_restores_block_whose_cpu_copy_was_evicted(make_sim: MakeSim) -> None:
+    """Lazy: a block near eviction whose CPU copy was evicted is stored again (no stale cursor)."""
+    sim = make_sim(
+        [GroupSpec(block_size=BS, num_cpu_blocks=2)],
+        store_policy="lazy",
+        lazy_watermark=4,
+        gpu_blocks=6,
+    )
+    a = sim.add("a", range(8))
+    sim.match(a)
+    sim.step(new=[(a, 8)])
+    a_blocks = set(sim.tables["a"][0])
+    sim.finish(a)  # free queue: 4 fresh blocks, then a's 2
+    b = sim.add("b", range(100, 116))
+    sim.match(b)
+    (store,) = sim.step(new=[(b, 16)]).stores  # b takes the fresh ones: a's lead the queue
+    assert set(store.gpu_block_ids[0]) == a_blocks
+    sim.complete()
+    assert sim.on_cpu(a) == [True, True]
+    b_blocks = set(sim.tables["b"][0])
+    sim.finish(b)
+    (store,) = sim.step().stores  # two of b's reach the watermark: a's CPU copies are evicted
+    assert set(store.gpu_block_ids[0]) < b_blocks
+    sim.complete()
+    assert sim.on_cpu(a) == [False, False]
+    (store,) = sim.step().stores
+    assert set(store.gpu_block_ids[0]) == a_blocks, "a's blocks are not believed stored"
+    sim.complete()
+    assert sim.on_cpu(a) == [True, True]
+
+
+class CountingView:
+    """A ``GpuCacheView`` that counts the free-queue steps the manager takes."""
+
+    def __init__(self, inner: GpuCacheView) -> None:
+        self.inner = inner
+        self.steps = 0
+
+    def first_free(self) -> int | None:
+        self.steps += 1
+        return self.inner.first_free()
+
+    def next_free(self, block_id: int) -> int | None:
+        self.steps += 1
+        return self.inner.next_free(block_id)
+
+    def is_free(self, block_id: int) -> bool:
+        return self.inner.is_free(block_id)
+
+    def block_hash(self, block_id: int) -> Hashable | None:
+        return self.inner.block_hash(block_id)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        self.inner.touch(block_ids)
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        self.inner.free(block_ids)
+
+
+def test_lazy_cursor_survives_steps_and_resets_when_its_block_is_reused(make_sim: MakeSim) -> None:
+    """The lazy walk resumes at its cursor (work ∝ blocks that entered the window) and restarts
+    from the queue head when the engine takes the cursor's block."""
+    views: list[CountingView] = []
+
+    def wrap(inner: GpuCacheView) -> GpuCacheView:
+        views.append(CountingView(inner))
+        return views[0]
+
+    sim = make_sim(ONE_GROUP, store_policy="lazy", lazy_watermark=4, gpu_blocks=12, wrap_view=wrap)
+    (view,) = views
+    a = sim.add("a", range(16))
+    sim.match(a)
+    sim.step(new=[(a, 16)])
+    a_blocks = sim.tables["a"][0]
+    sim.finish(a)  # queue: 8 fresh blocks, then a's 4
+    assert sim.step().stores == ()
+    view.steps = 0
+    sim.step()
+    assert view.steps == 0, "a covered window costs nothing"
+    b = sim.add("b", range(100, 108))
+    sim.match(b)
+    sim.step(new=[(b, 8)])  # takes the first 2 covered blocks
+    assert view.steps == 2, "the walk resumed at the cursor for the 2 blocks that entered"
+    c = sim.add("c", range(200, 216))
+    sim.match(c)
+    with capture_logs() as logs:
+        (store,) = sim.step(new=[(c, 16)]).stores  # takes the cursor's block
+    assert {"event": "offload_lazy_cursor_reset", "cause": "cursor_block_taken"}.items() <= next(
+        e for e in logs if e["event"] == "offload_lazy_cursor_reset"
+    ).items()
+    assert set(store.gpu_block_ids[0]) == {a_blocks[3], a_blocks[2]}
+    sim.complete()
+    assert sim.on_cpu(a) == [False, False, True, True]
+
+
+# ---- finishing, preemption, reset --------------------------------------------------------------
+
+
+def test_last_full_block_of_finishing_request_is_stored(make_sim: MakeSim) -> None:
+    """The block completed by a request's final decode step is stored before its GPU blocks go."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.stored("a", range(6))
+    assert sim.decode(a, 6).stores == ()
+    (store,) = sim.decode(a, 7).stores  # computes token 7: block 1 is full
+    assert store.gpu_block_ids == ((sim.tables["a"][0][1],),)
+    a.all_token_ids.append(8)  # sampled, never computed
+    assert sim.finish(a) is True, "GPU blocks must wait for the store"
+    last = sim.gpu.block(store.gpu_block_ids[0][0])
+    assert last.ref_cnt == 2, "held by the request and by the store"
+    out = sim.complete()
+    assert out.finished_sending == {"a"}
+    assert sim.on_cpu(a) == [True, True]
+    assert last.ref_cnt == 0
+
+
+def test_finishing_with_load_in_flight_cleans_up_after_transfer(make_sim: MakeSim) -> None:
+    """A request finishing mid-load keeps its blocks until the device finishes; nothing is loaded."""
+    sim = make_sim(ONE_GROUP)
+    sim.stored("a", range(8))
+    b, load = sim.loading("b", [*range(8), 1])
+    assert sim.finish(b) is True
+    plan = sim.step()
+    assert plan.abandoned == (load.transfer_id,)
+    assert sim.mgr.cpu_pools[0].num_free_blocks == 14, "CPU blocks stay pinned under the copy"
+    out = sim.complete()
+    assert out.finished_sending == {"b"}
+    assert out.finished_recving == frozenset()
+    assert out.committed == ()
+    assert not sim.mgr.has_request("b")
+
+
+def test_finishing_with_store_in_flight_cleans_up_after_transfer(make_sim: MakeSim) -> None:
+    """A request finishing mid-store keeps its GPU blocks until the store commits."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    assert sim.finish(a) is True
+    assert sim.mgr.has_request("a")
+    assert sim.complete(ranks=[]).finished_sending == frozenset()
+    out = sim.complete()
+    assert out.committed == (store.transfer_id,)
+    assert out.finished_sending == {"a"}
+    assert not sim.mgr.has_request("a")
+    assert sim.on_cpu(a) == [True, True]
+
+
+def test_preemption_with_transfers_in_flight(make_sim: MakeSim) -> None:
+    """Preemption flushes: in-flight stores still commit, in-flight loads are abandoned."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    base = sim.add("base", range(100, 108))
+    sim.match(base)
+    sim.step(new=[(base, 8)])
+    sim.complete([t for t in sim.workers.in_flight() if t != store.transfer_id])
+    _b, load = sim.loading("b", [*range(100, 108), 5])
+    plan = sim.step(preempted=["a", "b"])  # the engine frees a's and b's GPU blocks at once
+    assert plan.flush is True
+    assert plan.abandoned == (load.transfer_id,)
+    held = [sim.gpu.block(blk) for blk in (*store.gpu_block_ids[0], *load.gpu_block_ids[0])]
+    assert all(blk.ref_cnt == 1 for blk in held), "copies in flight keep their GPU blocks"
+    out = sim.complete()
+    assert all(blk.ref_cnt == 0 for blk in held)
+    assert out.committed == (store.transfer_id,)
+    assert out.finished_recving == frozenset()
+    assert sim.on_cpu(a) == [True, True]
+    assert sim.match(a) == (7, True)
+
+
+def test_get_num_new_matched_tokens_waits_while_own_load_in_flight(make_sim: MakeSim) -> None:
+    """A request whose abandoned load is still on the device is told to ask again (None)."""
+    sim = make_sim(ONE_GROUP)
+    sim.stored("a", range(8))
+    b, _ = sim.loading("b", [*range(8), 1])
+    sim.step(preempted=["b"])
+    assert sim.match(b) == (None, False)
+    sim.complete()
+    assert sim.match(b) == (8, True)
+
+
+def test_reset_with_pending_stores_and_loads(make_sim: MakeSim) -> None:
+    """Reset abandons in-flight copies, is pending until they settle, then empties the CPU tier."""
+    sim = make_sim(ONE_GROUP)
+    sim.stored("a", range(8))
+    b = sim.add("b", [*range(8), 1])
+    sim.match(b)
+    sim.alloc(b, 8, 8)
+    c = sim.add("c", range(100, 108))
+    sim.match(c)
+    plan = sim.step(new=[(c, 8)])
+    (load,), (store,) = plan.loads, plan.stores
+    d = sim.add("d", [*range(8), 2])
+    assert sim.match(d) == (8, True)  # pinned, never allocated
+    with capture_logs() as logs:
+        assert sim.mgr.reset_cache() is ResetStatus.PENDING
+    assert any(e["event"] == "offload_reset" and e["status"] == "pending" for e in logs)
+    assert sim.match(sim.add("e", [*range(8), 3])) == (0, False), "no hits while resetting"
+    assert set(sim.step().abandoned) == {load.transfer_id, store.transfer_id}
+    out = sim.complete()
+    assert out.reset_complete is True
+    assert out.committed == ()
+    assert out.finished_recving == {"b"}
+    assert out.invalid_block_ids == set(load.gpu_block_ids[0])
+    assert sim.mgr.cpu_pools[0].num_cached_blocks == 0
+    assert sim.mgr.reset_cache() is ResetStatus.COMPLETE
+    assert sim.match(sim.add("f", [*range(8), 4])) == (0, False)
+
+
+# ---- ranks -------------------------------------------------------------------------------------
+
+
+def test_rank_reporting_late(make_sim: MakeSim) -> None:
+    """A store reported by one of two ranks stays in flight and uncached until the other reports."""
+    sim = make_sim(ONE_GROUP, world_size=2)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    out = sim.complete(ranks=[1])
+    assert out.committed == ()
+    assert sim.mgr.num_live_transfers() == 1
+    assert sim.on_cpu(a) == [False, False]
+    sim.step()
+    out = sim.complete(ranks=[0])
+    assert out.committed == (store.transfer_id,)
+    assert sim.on_cpu(a) == [True, True]
+
+
+def test_rank_reporting_twice_is_rejected(make_sim: MakeSim) -> None:
+    """A rank naming a transfer again raises ReportError and changes nothing; no double count."""
+    sim = make_sim(ONE_GROUP, world_size=2)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    tid = store.transfer_id
+    sim.report([sim.workers.report(0, completed=[tid])])
+    with pytest.raises(ReportError, match="twice"):
+        sim.report([sim.workers.report(0, completed=[tid])])
+    with pytest.raises(ReportError, match="twice"):
+        sim.report([sim.workers.report(1, completed=[tid]), sim.workers.report(1, failed=[tid])])
+    assert sim.mgr.num_live_transfers() == 1
+    out = sim.report([sim.workers.report(1, completed=[tid])])
+    assert out.committed == (tid,)
+    assert sim.mgr.stats().blocks_stored == 2
+    with pytest.raises(ReportError, match="unknown or settled"):
+        sim.mgr.update_from_reports([sim.workers.report(1, completed=[tid])])
+
+
+def test_rank_never_reporting_keeps_transfer_in_flight(make_sim: MakeSim) -> None:
+    """Without every rank's report a transfer never commits, and its refs stay held."""
+    sim = make_sim(ONE_GROUP, world_size=3)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    for _ in range(5):
+        sim.step()
+        assert sim.complete(ranks=[0, 1]).committed == ()
+    assert sim.finish(a) is True
+    assert sim.mgr.cpu_pools[0].num_free_blocks == 14
+    assert sim.mgr.stats().transfers_in_flight == 1
+    out = sim.complete(ranks=[2])
+    assert out.committed == (store.transfer_id,)
+    assert out.finished_sending == {"a"}
+
+
+# ---- failures ----------------------------------------------------------------------------------
+
+
+def test_failed_load_reports_invalid_blocks_and_keeps_valid_prefix(make_sim: MakeSim) -> None:
+    """A load failing on one rank settles as failed; only its blocks are invalid, the rest stay."""
+    sim = make_sim(ONE_GROUP, world_size=2)
+    a = sim.stored("a", range(16))
+    b = sim.add("b", [*range(16), 9])
+    assert sim.match(b, gpu_computed=4) == (12, True)  # block 0 is a GPU prefix hit
+    sim.alloc(b, 16, 12)
+    (load,) = sim.step().loads
+    loaded = load.gpu_block_ids[0]
+    assert loaded == tuple(sim.tables["b"][0][1:4])
+    with capture_logs() as logs:
+        out = sim.report(
+            [
+                sim.workers.report(0, completed=[load.transfer_id]),
+                sim.workers.report(1, failed=[load.transfer_id], invalid=[loaded[1]]),
+            ]
+        )
+    assert out.failed == (load.transfer_id,)
+    assert out.finished_recving == {"b"}
+    assert out.invalid_block_ids == {loaded[1]}
+    assert sim.tables["b"][0][0] not in out.invalid_block_ids
+    assert any(e["event"] == "offload_transfer_failed" for e in logs)
+    assert sim.mgr.stats().failed_transfers == 1
+    assert sim.on_cpu(a) == [True] * 4, "a failed load leaves the CPU copies valid"
+
+
+def test_failed_load_without_block_detail_invalidates_all_its_blocks(make_sim: MakeSim) -> None:
+    """A failure report naming no blocks makes every block of the load invalid."""
+    sim = make_sim(ONE_GROUP)
+    sim.stored("a", range(8))
+    _b, load = sim.loading("b", [*range(8), 1])
+    out = sim.report([sim.workers.report(0, failed=[load.transfer_id])])
+    assert out.invalid_block_ids == set(load.gpu_block_ids[0])
+
+
+def test_failed_store_is_discarded(make_sim: MakeSim) -> None:
+    """A store failing on any rank never enters the CPU prefix cache."""
+    sim = make_sim(ONE_GROUP, world_size=2)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    out = sim.report(
+        [
+            sim.workers.report(0, failed=[store.transfer_id]),
+            sim.workers.report(1, completed=[store.transfer_id]),
+        ]
+    )
+    assert out.failed == (store.transfer_id,)
+    assert sim.on_cpu(a) == [False, False]
+    assert sim.mgr.cpu_pools[0].num_cached_blocks == 0
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+HYBRID = [
+    GroupSpec(block_size=4, num_cpu_blocks=32),
+    GroupSpec(block_size=8, num_cpu_blocks=32, sliding_window=8),
+]
+
+
+def test_multi_group_hits_with_sliding_window(make_sim: MakeSim) -> None:
+    """Hits agree across groups; the sliding-window group loads only the blocks in its window."""
+    sim = make_sim(HYBRID)
+    a = sim.add("a", range(33))
+    sim.match(a)
+    plan = sim.step(new=[(a, 33)])
+    (store,) = plan.stores
+    assert [len(g) for g in store.gpu_block_ids] == [8, 4]
+    sim.complete()
+    b = sim.add("b", range(33))
+    assert sim.match(b) == (32, True)
+    sim.alloc(b, 32, 32)
+    (load,) = sim.step().loads
+    assert [len(g) for g in load.gpu_block_ids] == [8, 1]
+    assert load.gpu_block_ids[1] == (sim.tables["b"][1][3],)
+    sim.complete()
+    assert sim.gpu_data[sim.tables["b"][1][3]] == sim.hashes(a, 1)[3]
+    # Without the window's block 3 on CPU, the hit shrinks to one the window group can serve.
+    sim.mgr.cpu_pools[1].uncache([sim.mgr.cpu_pools[1].get_cached_block(sim.hashes(a, 1)[3]) or 0])
+    c = sim.add("c", range(33))
+    assert sim.match(c) == (24, True)
+    sim.alloc(c, 24, 24)
+    (load,) = sim.step().loads
+    assert [len(g) for g in load.gpu_block_ids] == [6, 1]
+    assert load.gpu_block_ids[1] == (sim.tables["c"][1][2],)
+
+
+def test_null_blocks_never_transferred(make_sim: MakeSim) -> None:
+    """The null/padding block of sliding-window groups is never stored or loaded."""
+    sim = make_sim(HYBRID, null_block=True)
+    a = sim.add("a", range(33))
+    sim.null_prefix[("a", 1)] = 2  # SW blocks 0 and 1 fell out of the window
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 33)]).stores
+    assert store.gpu_block_ids[1] == tuple(sim.tables["a"][1][2:4])
+    sim.complete()
+    b = sim.add("b", range(33))
+    sim.null_prefix[("b", 1)] = 3
+    assert sim.match(b) == (32, True)
+    sim.alloc(b, 32, 32)
+    (load,) = sim.step().loads
+    assert load.gpu_block_ids[1] == (sim.tables["b"][1][3],)
+    sim.complete()
+    for plan in sim.workers.plans:
+        for spec in (*plan.stores, *plan.loads):
+            assert all(sim.null not in ids for ids in spec.gpu_block_ids)
+
+
+def test_chunked_prefill_stores_only_newly_computed_blocks(make_sim: MakeSim) -> None:
+    """Each prefill chunk stores exactly the blocks it completed."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(20))
+    sim.match(a)
+    got = []
+    for plan in (sim.step(new=[(a, 6)]), sim.step(cached=[(a, 6)]), sim.step(cached=[(a, 8)])):
+        got.append([ids for s in plan.stores for ids in s.gpu_block_ids[0]])
+    table = sim.tables["a"][0]
+    assert got == [[table[0]], [table[1], table[2]], [table[3], table[4]]]
+
+
+def test_speculative_tokens_are_not_stored(make_sim: MakeSim) -> None:
+    """Blocks completed only by speculative tokens are not stored until the tokens are confirmed."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(7))
+    sim.match(a)
+    sim.step(new=[(a, 6)])
+    a.all_token_ids.append(7)
+    assert sim.step(cached=[(a, 3, 2)]).stores == (), "token 7 is a draft"
+    sim.computed["a"] = 7
+    (store,) = sim.step(cached=[(a, 1)]).stores
+    assert store.gpu_block_ids == ((sim.tables["a"][0][1],),)
+
+
+def test_extra_keys_separate_cache_entries(make_sim: MakeSim) -> None:
+    """The same tokens under different extra keys (e.g. LoRA) never hit each other."""
+    sim = make_sim(ONE_GROUP)
+    sim.stored("a", range(8), extra_keys=("lora-1",))
+    assert sim.match(sim.add("b", [*range(8), 1], extra_keys=("lora-2",))) == (0, False)
+    assert sim.match(sim.add("c", [*range(8), 1], extra_keys=("lora-1",))) == (8, True)
+
+
+# ---- API contract ------------------------------------------------------------------------------
+
+
+def test_update_state_after_alloc_called_again_replaces_the_load(make_sim: MakeSim) -> None:
+    """A second allocation before planning replaces the first; zero drops the pin."""
+    sim = make_sim(ONE_GROUP)
+    sim.stored("a", range(12))
+    b = sim.add("b", [*range(12), 1])
+    assert sim.match(b) == (12, True)
+    sim.alloc(b, 12, 12)
+    sim.mgr.update_state_after_alloc(b, sim.tables["b"], 4)
+    (load,) = sim.step().loads
+    assert load.gpu_block_ids == ((sim.tables["b"][0][0],),)
+    sim.complete()
+    c = sim.add("c", [*range(12), 2])
+    sim.match(c)
+    assert sim.mgr.cpu_pools[0].num_free_blocks == 16 - 3, "pinned blocks are out of the queue"
+    sim.mgr.update_state_after_alloc(c, [], 0)
+    assert sim.mgr.cpu_pools[0].num_free_blocks == 16
+    assert sim.step().loads == ()
+
+
+def test_bad_calls_raise_typed_errors_and_change_nothing(make_sim: MakeSim) -> None:
+    """Misuse raises ConfigError or ReportError naming the problem, leaving the manager usable."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(8))
+    with pytest.raises(ConfigError, match="no pinned CPU hit"):
+        sim.mgr.update_state_after_alloc(a, [[1, 2]], 4)
+    with pytest.raises(ConfigError, match="num_computed_tokens"):
+        sim.mgr.get_num_new_matched_tokens(a, -1)
+    with pytest.raises(ReportError, match="unknown"):
+        sim.mgr.update_from_reports([sim.workers.report(0, completed=[12345])])
+    with pytest.raises(ReportError, match="rank 3"):
+        sim.mgr.update_from_reports([sim.workers.report(3)])
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    assert sim.complete().committed == (store.transfer_id,)
+
+
+def test_config_validation() -> None:
+    """Invalid configurations are rejected with ConfigError."""
+    with pytest.raises(ConfigError, match="block_size"):
+        GroupSpec(block_size=0, num_cpu_blocks=1)
+    with pytest.raises(ConfigError, match="at least one"):
+        SchedulerConfig(groups=())
+    with pytest.raises(ConfigError, match="world_size"):
+        SchedulerConfig(groups=ONE_GROUP, world_size=0)
+    with pytest.raises(ConfigError, match="sometimes"):
+        SchedulerConfig(groups=ONE_GROUP, store_policy="sometimes")
+    with pytest.raises(ConfigError, match="gpu_view"):
+        OffloadManager(SchedulerConfig(groups=ONE_GROUP, store_policy=StorePolicy.LAZY))
+
+
+def test_transfer_transitions_are_logged(make_sim: MakeSim) -> None:
+    """Every store goes pending → in_flight → committed → released through the transfer table."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(4))
+    sim.match(a)
+    with capture_logs() as logs:
+        (store,) = sim.step(new=[(a, 4)]).stores
+        sim.complete()
+    path = [
+        (e["from"], e["to"])
+        for e in logs
+        if e["event"] == "transfer_transition" and e["transfer_id"] == store.transfer_id
+    ]
+    assert path == [("pending", "in_flight"), ("in_flight", "committed"), ("committed", "released")]
+
+
+def test_request_dropped_by_engine_mid_store_keeps_other_requests_blocks(make_sim: MakeSim) -> None:
+    """A request the engine drops without request_finished loses its share of a step's store only."""
+    sim = make_sim(ONE_GROUP)
+    a, b = sim.add("a", range(8)), sim.add("b", range(100, 108))
+    sim.match(a)
+    sim.match(b)
+    (store,) = sim.step(new=[(a, 8), (b, 8)]).stores
+    assert len(store.gpu_block_ids[0]) == 4, "one store carries the whole step"
+    sim.step(finished=["b"])
+    out = sim.complete()
+    assert out.committed == (store.transfer_id,)
+    assert out.finished_sending == frozenset(), "b never asked for a delayed free"
+    assert sim.on_cpu(a) == [True, True]
+    assert sim.mgr.cpu_pools[0].num_cached_blocks == 2
+
+
+def test_invalid_step_or_report_is_rejected_whole(make_sim: MakeSim) -> None:
+    """A bad scheduler output or report raises before any of it is applied."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    tid = store.transfer_id
+    with pytest.raises(ReportError, match="unknown"):
+        sim.mgr.update_from_reports([sim.workers.report(0, completed=[tid, tid + 100])])
+    assert sim.on_cpu(a) == [False, False], "the valid half of the report was not applied"
+    bad = SchedulerOutput(
+        99,
+        cached_requests=(CachedRequest("a", [[]], 8, 1), CachedRequest("ghost", [[]], 0, 1)),
+        preempted_request_ids=frozenset({"a"}),
+    )
+    with pytest.raises(ConfigError, match="ghost"):
+        sim.mgr.build_step_plan(bad)
+    a.all_token_ids.extend(range(8, 16))
+    short = SchedulerOutput(99, cached_requests=(CachedRequest("a", [[]], 8, 8),))
+    with pytest.raises(ConfigError, match="cannot hold"):
+        sim.mgr.build_step_plan(short)
+    assert sim.mgr.num_live_transfers("a") == 1, "the preemption in the bad output was not applied"
+    assert sim.complete().committed == (tid,)
+    assert sim.on_cpu(a)[:2] == [True, True]

@@ -1,0 +1,198 @@
+"""Invariants of the offload manager over random sequences of engine and worker events (hypothesis).
+
+A small engine admits requests (matching and loading CPU hits), prefills in chunks, decodes,
+preempts, finishes, resets, and its two fake ranks report transfers done or failed in any order.
+After every event: each CPU block's ref count equals the references live transfers and pinned hits
+hold; every block in the CPU prefix cache holds exactly the data its hash names; every block a
+request loaded holds the right data. At the end, nothing leaks on either pool.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvflow.core.requests import KVRequest
+from kvflow.core.scheduler import GroupSpec, ResetStatus
+from tests.core.scheduler_harness import Sim
+
+BS = 4
+BASES = [list(range(100)), [*range(8), *range(500, 592)], [*range(900, 1000)]]
+
+# Kinds repeated to weight them: most events make progress, a few disrupt it.
+KINDS = ["admit"] * 3 + ["step"] * 4 + ["report"] * 5 + ["finish"] * 2 + ["preempt", "reset"]
+events = st.lists(
+    st.tuples(
+        st.sampled_from(KINDS),
+        st.integers(0, 30),
+        st.integers(1, 30),
+        st.sampled_from(["ok", "ok", "ok", "one_rank", "fail"]),
+    ),
+    min_size=10,
+    max_size=80,
+)
+Event = tuple[str, int, int, str]
+
+
+class Engine:
+    """The engine's side of the protocol, driving one ``Sim``."""
+
+    def __init__(self, policy: str) -> None:
+        self.sim = Sim(
+            [GroupSpec(block_size=BS, num_cpu_blocks=12)],
+            world_size=2,
+            store_policy=policy,
+            lazy_watermark=10,
+            gpu_blocks=28 if policy == "eager" else 16,
+        )
+        self.n = 0
+        self.waiting: set[str] = set()  # load in flight
+        self.ready: list[KVRequest] = []  # to be scheduled as new requests
+        self.running: list[KVRequest] = []
+        self.preempted: list[KVRequest] = []
+
+    def admit(self, base: int, length: int) -> None:
+        sim = self.sim
+        if self.preempted:
+            req = self.preempted.pop()
+        else:
+            self.n += 1
+            req = sim.add(f"r{self.n}", BASES[base][:length])
+        need = -(-len(req.all_token_ids) // BS)
+        if need + 2 > sim.gpu.num_free_blocks:
+            sim.mgr.get_num_new_matched_tokens(req, 0)
+            sim.mgr.update_state_after_alloc(req, [[]], 0)
+            self.preempted.append(req)
+            return
+        got, is_async = sim.match(req)
+        if got is None:
+            self.preempted.append(req)
+            return
+        if got:
+            assert is_async
+            sim.alloc(req, got, got)
+            self.waiting.add(req.request_id)
+        else:
+            sim.alloc(req, 0, 0)
+            self.ready.append(req)
+
+    def step(self, chunk: int) -> None:
+        sim = self.sim
+        room = sim.gpu.num_free_blocks - 2
+        new, cached = [], []
+        for req in self.ready:
+            rid = req.request_id
+            n = min(chunk, len(req.all_token_ids) - sim.computed.get(rid, 0))
+            if n > 0 and room > n // BS + 1:
+                room -= n // BS + 1
+                new.append((req, n))
+        for req, _ in new:
+            self.ready.remove(req)
+        for req in self.running:
+            done = sim.computed[req.request_id]
+            if done >= len(req.all_token_ids):
+                req.all_token_ids.append(7 + done)
+            n = min(chunk, len(req.all_token_ids) - done)
+            if room > n // BS + 1:
+                room -= n // BS + 1
+                cached.append((req, n))
+        sim.step(new=new, cached=cached)
+        self.running.extend(req for req, _ in new)
+
+    def report(self, which: int, mode: str) -> None:
+        """Ranks report one in-flight transfer: all done, one rank only, or one rank failed."""
+        sim = self.sim
+        tids = sim.workers.in_flight()
+        if not tids:
+            return
+        tid = tids[which % len(tids)]
+        ranks = sorted(sim.workers.unreported[tid])
+        if mode == "one_rank":
+            ranks = ranks[:1]
+        reports = [
+            sim.workers.report(r, failed=[tid])
+            if mode == "fail" and i == 0
+            else sim.workers.report(r, completed=[tid])
+            for i, r in enumerate(ranks)
+        ]
+        out = sim.report(reports)
+        for rid in out.finished_recving:
+            self.waiting.discard(rid)
+            req = sim.requests[rid]
+            table = sim.tables[rid][0]
+            bad = [i for i, b in enumerate(table) if b in out.invalid_block_ids]
+            if bad:
+                sim.computed[rid] = bad[0] * BS  # recompute from the first invalid block
+            good = sim.computed[rid] // BS
+            assert [sim.gpu_data[b] for b in table[:good]] == sim.hashes(req, 0)[:good]
+            self.ready.append(req)
+
+    def pick(self, i: int) -> KVRequest | None:
+        live = [*self.running, *self.ready, *(self.sim.requests[r] for r in sorted(self.waiting))]
+        return live[i % len(live)] if live else None
+
+    def finish(self, i: int) -> None:
+        req = self.pick(i)
+        if req is None:
+            return
+        for group in (self.running, self.ready):
+            if req in group:
+                group.remove(req)
+        self.waiting.discard(req.request_id)
+        self.sim.finish(req)
+
+    def preempt(self, i: int) -> None:
+        if not self.running:
+            return
+        req = self.running.pop(i % len(self.running))
+        self.sim.step(preempted=[req.request_id])
+        self.preempted.append(req)
+
+    def check(self) -> None:
+        """Ref counts match what transfers and pins hold; cached CPU data matches its hash; no
+        GPU block is free while a copy that reads or writes it is in flight."""
+        sim = self.sim
+        pool = sim.mgr.cpu_pools[0]
+        held = sim.mgr.cpu_refs()[0]
+        for block in pool.blocks:
+            assert block.ref_cnt == held[block.block_id], f"CPU block {block.block_id}"
+            if block.block_hash is not None:
+                assert sim.cpu_data[0].get(block.block_id) == block.block_hash
+        for tid in sim.workers.in_flight():
+            for blk in sim.workers.launched[tid].gpu_block_ids[0]:
+                assert sim.gpu.block(blk).ref_cnt > 0, f"GPU block {blk} free under copy {tid}"
+
+
+def run(policy: str, script: list[Event]) -> Engine:
+    eng = Engine(policy)
+    for kind, i, n, mode in script:
+        if kind == "admit":
+            eng.admit(i % len(BASES), max(8, n))
+        elif kind == "step":
+            eng.step(1 + n % 12)
+        elif kind == "report":
+            eng.report(i, mode)
+        elif kind == "finish":
+            eng.finish(i)
+        elif kind == "preempt":
+            eng.preempt(i)
+        else:
+            status = eng.sim.mgr.reset_cache()
+            assert (status is ResetStatus.COMPLETE) == (eng.sim.mgr.num_live_transfers() == 0)
+        eng.check()
+    eng.sim.drain()
+    return eng
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events)
+def test_eager_invariants_hold_over_random_events(script: list[Event]) -> None:
+    """Eager policy: refs, cached data and loaded data stay consistent under any event order."""
+    run("eager", script)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events)
+def test_lazy_invariants_hold_over_random_events(script: list[Event]) -> None:
+    """Lazy policy: the same invariants hold while stores come from the GPU free queue."""
+    run("lazy", script)

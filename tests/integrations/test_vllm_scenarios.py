@@ -1,0 +1,208 @@
+"""Multi-step scenarios through vLLM's real scheduler with kvflow's real ``OffloadManager``.
+
+The worker side is the scripted runtime (every transfer completes in the step's output unless a
+test holds or fails it), so each scenario checks the manager and the adapter together against
+vLLM's own request lifecycle.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("kvflow.core.scheduler")
+
+from typing import Any
+
+from kvflow.core.transfer import Direction
+from kvflow.integrations.vllm import KVFlowConnector
+from tests.integrations.vllm_fakes import (
+    FAKES_MODULE,
+    ScriptedRuntime,
+    worker_connector,
+    worker_pass,
+)
+from tests.integrations.vllm_harness import VLLMHarness
+
+BS = 16
+PROMPT = [(i * 37) % 30000 + 10 for i in range(70)]  # 4 full blocks + 6 tokens
+
+
+class Rig:
+    """vLLM's scheduler with kvflow's manager and a scripted worker twin."""
+
+    def __init__(self, num_blocks: int = 64, policy: str = "eager", **config: Any) -> None:
+        self.h = VLLMHarness.build(
+            num_blocks=num_blocks,
+            connector="RealManagerConnector",
+            module_path=FAKES_MODULE,
+            extra_config={"cpu_bytes_to_use": 1 << 20, "store_policy": policy},
+            **config,
+        )
+        assert isinstance(self.h.connector, KVFlowConnector)
+        self.manager: Any = self.h.connector.manager
+        self.worker = worker_connector(self.h.connector)
+        runtime = self.worker.worker
+        assert isinstance(runtime, ScriptedRuntime)
+        self.runtime = runtime
+
+    def step(self) -> tuple[Any, set[str]]:
+        so = self.h.schedule()
+        return so, self.h.finish(so, worker_pass(self.worker, so))
+
+    def run(self, max_steps: int = 50) -> None:
+        """Step until vLLM holds no request and every transfer settled."""
+        for _ in range(max_steps):
+            self.step()
+            if not self.h.scheduler.requests and self.manager.num_live_transfers() == 0:
+                return
+        raise AssertionError("scheduler or transfers did not settle")
+
+    def store_prompt_and_evict_gpu(self) -> None:
+        """Serve PROMPT once, let its blocks reach the CPU tier, then empty vLLM's GPU cache."""
+        self.h.add(PROMPT, max_tokens=1)
+        self.run()
+        # The lazy policy stores free blocks on the steps after they were freed (as the engine
+        # keeps stepping for other requests); then let those stores settle.
+        self.step()
+        self.run()
+        assert self.h.scheduler.kv_cache_manager.reset_prefix_cache()
+
+
+@pytest.mark.parametrize("policy", ["eager", "lazy"])
+def test_repeated_prompt_hits_the_cpu_tier_and_vllm_computes_only_the_tail(policy: str) -> None:
+    """After a GPU eviction, the repeated prompt loads 4 blocks and vLLM schedules the 6-token tail
+    (lazy: the blocks were stored because they sat at the eviction end of vLLM's free queue)."""
+    rig = Rig(policy=policy)
+    rig.store_prompt_and_evict_gpu()
+    request = rig.h.add(PROMPT, max_tokens=2)
+    scheduled: dict[str, int] = {}
+    for _ in range(5):
+        so, _ = rig.step()
+        if request.request_id in so.num_scheduled_tokens:
+            scheduled = dict(so.num_scheduled_tokens)
+            break
+    assert scheduled == {request.request_id: 6}
+    assert any(p.loads for p in rig.runtime.plans)
+
+
+def test_hybrid_model_repeated_prompt_hits_the_cpu_tier() -> None:
+    """Full-attention plus sliding-window groups: the repeated prompt is loaded for both groups
+    (the window group only inside its window) and vLLM schedules the 6-token tail."""
+    rig = Rig(sliding_window=32)
+    rig.store_prompt_and_evict_gpu()
+    request = rig.h.add(PROMPT, max_tokens=2)
+    for _ in range(5):
+        so, _ = rig.step()
+        if request.request_id in so.num_scheduled_tokens:
+            break
+    assert so.num_scheduled_tokens == {request.request_id: 6}
+    (load,) = [t for p in rig.runtime.plans for t in p.loads]
+    assert len(load.gpu_block_ids) == 2
+    assert len(load.gpu_block_ids[1]) < len(load.gpu_block_ids[0])
+    rig.run()
+
+
+def test_request_waits_for_its_load_and_runs_after_finished_recving() -> None:
+    """While the load is held the request stays WAITING_FOR_REMOTE_KVS; it runs once it lands."""
+    rig = Rig()
+    rig.store_prompt_and_evict_gpu()
+    rig.runtime.hold_directions = {Direction.LOAD}
+    request = rig.h.add(PROMPT, max_tokens=2)
+    for _ in range(3):
+        so, _ = rig.step()
+        assert request.request_id not in so.num_scheduled_tokens
+        assert rig.h.is_waiting_for_kv(request)
+    rig.runtime.hold_directions = set()
+    rig.step()
+    so, _ = rig.step()
+    assert so.num_scheduled_tokens == {request.request_id: 6}
+
+
+def test_failed_load_is_not_trusted_and_the_blocks_are_loaded_again() -> None:
+    """A load failing on the worker invalidates its blocks in vLLM; the request waits, the CPU tier
+    (whose data is intact) loads them again, and vLLM then computes only the tail."""
+    rig = Rig()
+    rig.store_prompt_and_evict_gpu()
+    rig.runtime.fail_directions = {Direction.LOAD}
+    request = rig.h.add(PROMPT, max_tokens=2)
+    so, _ = rig.step()  # the load is planned, and fails, in this step
+    assert request.request_id not in so.num_scheduled_tokens
+    rig.runtime.fail_directions = set()
+    for _ in range(5):
+        so, _ = rig.step()
+        if request.request_id in so.num_scheduled_tokens:
+            break
+    assert so.num_scheduled_tokens == {request.request_id: 6}
+    loads = [t for p in rig.runtime.plans for t in p.loads]
+    assert len(loads) == 2
+    assert loads[0].transfer_id != loads[1].transfer_id
+    rig.run()
+
+
+def test_finishing_with_a_store_in_flight_frees_blocks_only_after_the_store() -> None:
+    """A request that finishes while its store is in flight keeps its GPU blocks until it lands."""
+    rig = Rig(num_blocks=32)
+    free_before = rig.h.free_blocks()
+    rig.runtime.hold_directions = {Direction.STORE}
+    request = rig.h.add(PROMPT, max_tokens=1)
+    for _ in range(3):
+        rig.step()
+    assert request.is_finished()
+    assert rig.manager.num_live_transfers() > 0
+    assert rig.h.free_blocks() < free_before  # blocks under the copy are not free
+    rig.runtime.hold_directions = set()
+    rig.run()
+    assert rig.h.free_blocks() == free_before
+
+
+def test_preemption_with_transfers_in_flight_settles() -> None:
+    """Requests preempted while their stores are in flight keep those GPU blocks out of vLLM's
+    free queue until the stores land; then all finish and every transfer settles."""
+    rig = Rig(num_blocks=10, max_num_batched_tokens=256)
+    rig.runtime.hold_directions = {Direction.STORE}
+    requests = [
+        rig.h.add([(i * 13 + s) % 30000 + 10 for i in range(60)], max_tokens=30) for s in (1, 2)
+    ]
+    preempted = False
+    for _ in range(30):
+        so, _ = rig.step()
+        preempted = preempted or bool(so.preempted_req_ids)
+        if preempted:
+            break
+    assert preempted
+    view = rig.h.connector._gpu_view
+    held = {b for t in rig.runtime.in_flight() for g in t.gpu_block_ids for b in g}
+    assert held
+    assert all(not view.is_free(b) for b in held)
+    rig.runtime.hold_directions = set()
+    rig.run(max_steps=200)
+    assert all(r.is_finished() for r in requests)
+
+
+def test_reset_cache_forgets_the_cpu_tier() -> None:
+    """After vLLM resets its prefix caches with the connector, a repeated prompt gets no CPU hit."""
+    rig = Rig()
+    rig.store_prompt_and_evict_gpu()
+    assert rig.h.scheduler.reset_prefix_cache(reset_connector=True)
+    request = rig.h.add(PROMPT, max_tokens=1)
+    so, _ = rig.step()
+    assert so.num_scheduled_tokens == {request.request_id: len(PROMPT)}
+
+
+def test_vllm_keeps_stepping_while_transfers_are_live() -> None:
+    """With a store still in flight and no request left, vLLM's has_requests() stays true, so an
+    idle engine keeps stepping until the store is committed and the next request can hit it."""
+    rig = Rig()
+    rig.runtime.hold_directions = {Direction.STORE}
+    request = rig.h.add(PROMPT, max_tokens=1)
+    for _ in range(3):
+        rig.step()
+    assert request.is_finished()
+    assert rig.manager.num_live_transfers() > 0
+    assert rig.h.connector.has_pending_push_work()
+    assert rig.h.scheduler.has_requests()
+    rig.runtime.hold_directions = set()
+    rig.run()
+    assert not rig.h.connector.has_pending_push_work()
+    assert not rig.h.scheduler.has_requests()

@@ -1,0 +1,279 @@
+"""The adapter's pure translation layer, checked against real vLLM objects from its real scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvflow.core.protocol import StepReport
+from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm import (
+    KVFlowOptions,
+    KVFlowWorkerMetadata,
+    OutcomeRelay,
+    RequestViews,
+    VLLMGpuCacheView,
+    VLLMRequestView,
+    kv_cache_geometry,
+    num_cpu_blocks,
+    request_extra_keys,
+    translate_scheduler_output,
+)
+from tests.integrations.vllm_harness import (
+    LAYERS,
+    VLLMHarness,
+    make_kv_cache_config,
+    make_request,
+    page_bytes,
+)
+
+BS = 16
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i) % 30000 + 10 for i in range(n)]
+
+
+def test_request_view_reads_the_live_token_list_without_copying() -> None:
+    """The view hands out vLLM's own token list object, so appended output tokens show at once."""
+    request = make_request(prompt(40), block_size=BS)
+    view = VLLMRequestView(request)
+    assert isinstance(view, RequestLike)
+    assert view.request_id == request.request_id
+    assert view.all_token_ids is request.all_token_ids
+    assert view.num_prompt_tokens == 40
+    request.append_output_token_ids(5)
+    assert len(view.all_token_ids) == 41
+    assert view.all_token_ids[-1] == 5
+    assert view.extra_keys == ()
+
+
+def test_request_views_are_cached_per_request_object() -> None:
+    """One view per live request; a new Request object under the same id gets a fresh view."""
+    views = RequestViews()
+    request = make_request(prompt(20), block_size=BS, request_id="a")
+    first = views.get(request)
+    assert views.get(request) is first
+    again = make_request(prompt(20), block_size=BS, request_id="a")
+    assert views.get(again) is not first
+    assert views.pop(again).request is again
+    assert len(views) == 0
+
+
+def test_extra_keys_separate_cache_salts_and_lora_adapters() -> None:
+    """Requests with different cache salts or LoRA adapters never share kvflow block hashes."""
+    from vllm.lora.request import LoRARequest
+
+    salted = make_request(prompt(20), block_size=BS)
+    salted.cache_salt = "tenant-a"
+    lora = make_request(prompt(20), block_size=BS)
+    lora.lora_request = LoRARequest("adapter", 3, "/nonexistent")
+    assert request_extra_keys(salted) == ("salt", "tenant-a")
+    assert request_extra_keys(lora) == ("lora", 3)
+
+
+def test_new_request_translates_with_block_ids_per_group() -> None:
+    """A first-scheduled request keeps vLLM's per-group block ids and scheduled token count."""
+    h = VLLMHarness.build(num_blocks=64)
+    request = h.add(prompt(40))
+    so = h.schedule()
+    out = translate_scheduler_output(so, step=3, num_groups=1)
+    assert isinstance(out, SchedulerOutput)
+    assert out.step == 3
+    (new,) = out.new_requests
+    assert new.request_id == request.request_id
+    assert new.block_ids == tuple(tuple(g) for g in so.scheduled_new_reqs[0].block_ids)
+    assert len(new.block_ids[0]) == 3  # 40 tokens in 16-token blocks
+    assert 0 not in new.block_ids[0]  # vLLM's null block is never handed to a request
+    assert (new.num_computed_tokens, new.num_scheduled_tokens) == (0, 40)
+    assert out.cached_requests == ()
+
+
+def test_running_request_translates_with_tokens_computed_before_the_step() -> None:
+    """Decode steps become CachedRequests; a new block appears only when a block boundary is crossed."""
+    h = VLLMHarness.build(num_blocks=64)
+    request = h.add(prompt(47), max_tokens=4)
+    h.step()  # prefill
+    so = h.schedule()  # decodes token 48: still in block 3
+    out = translate_scheduler_output(so, step=1, num_groups=1)
+    (cached,) = out.cached_requests
+    assert cached.request_id == request.request_id
+    assert (cached.num_computed_tokens, cached.num_scheduled_tokens) == (47, 1)
+    assert cached.new_block_ids == ((),)
+    assert not cached.resumed_from_preemption
+    h.finish(so)
+    so = h.schedule()  # token 49 opens block 4
+    (cached,) = translate_scheduler_output(so, step=2, num_groups=1).cached_requests
+    assert cached.num_computed_tokens == 48
+    assert len(cached.new_block_ids[0]) == 1
+    assert cached.new_block_ids[0][0] == h.block_ids(request)[0][-1]
+
+
+def test_gpu_prefix_hit_shows_as_computed_tokens_of_the_new_request() -> None:
+    """A repeated prompt's GPU prefix-cache hit arrives as num_computed_tokens, block aligned."""
+    h = VLLMHarness.build(num_blocks=64)
+    first = h.add(prompt(50), max_tokens=1)
+    h.run_until_done([first])
+    h.add(prompt(50), max_tokens=1)
+    (new,) = translate_scheduler_output(h.schedule(), step=0, num_groups=1).new_requests
+    assert new.num_computed_tokens == 48
+    assert new.num_scheduled_tokens == 2
+
+
+def test_finished_requests_are_listed_in_the_next_output() -> None:
+    """vLLM reports a finished request in the following step's finished_req_ids."""
+    h = VLLMHarness.build(num_blocks=64)
+    request = h.add(prompt(20), max_tokens=1)
+    assert request.request_id in h.step().finished
+    out = translate_scheduler_output(h.schedule(), step=1, num_groups=1)
+    assert out.finished_request_ids == frozenset({request.request_id})
+
+
+def test_preemption_and_resumption_translate() -> None:
+    """A preempted request is listed as preempted, then resumes with its whole new block table."""
+    h = VLLMHarness.build(num_blocks=9, max_num_batched_tokens=256)  # 8 usable blocks
+    a = h.add(prompt(64, 1), max_tokens=40)
+    b = h.add(prompt(63, 2), max_tokens=40)
+    preempted: frozenset[str] = frozenset()
+    resumed = None
+    for step in range(60):
+        so = h.schedule()
+        out = translate_scheduler_output(so, step=step, num_groups=1)
+        preempted = preempted | out.preempted_request_ids
+        for c in out.cached_requests:
+            if c.resumed_from_preemption:
+                resumed = c
+        h.finish(so)
+        if resumed is not None:
+            break
+    assert preempted & {a.request_id, b.request_id}
+    assert resumed is not None
+    assert resumed.request_id in preempted
+    assert len(resumed.new_block_ids[0]) == len(
+        h.block_ids(h.scheduler.requests[resumed.request_id])[0]
+    )
+
+
+def test_geometry_and_cpu_block_count_follow_the_kv_cache_config() -> None:
+    """Bytes per block cover every layer of the group; the CPU budget is split into whole blocks."""
+    (group,) = kv_cache_geometry(make_kv_cache_config(num_blocks=32, block_size=BS))
+    assert group.block_size == BS
+    assert group.block_bytes == page_bytes(BS) * len(LAYERS)
+    assert group.layer_names == LAYERS
+    assert num_cpu_blocks([group], 10 * group.block_bytes + 5) == 10
+    with pytest.raises(ConfigError, match="holds no block"):
+        num_cpu_blocks([group], group.block_bytes - 1)
+
+
+def test_options_are_validated_by_name() -> None:
+    """Unknown keys and bad values raise ConfigError naming the key; numbers from JSON are accepted."""
+    opts = KVFlowOptions.from_extra_config(
+        {"cpu_bytes_to_use": 1e9, "store_policy": "lazy", "lazy_watermark": 8}
+    )
+    assert (opts.cpu_bytes_to_use, opts.store_policy, opts.lazy_watermark) == (10**9, "lazy", 8)
+    assert opts.cpu_bytes_per_rank(4) == 250_000_000
+    assert KVFlowOptions.from_extra_config(None) == KVFlowOptions()
+    with pytest.raises(ConfigError, match="cpu_byte_to_use"):
+        KVFlowOptions.from_extra_config({"cpu_byte_to_use": 1})
+    with pytest.raises(ConfigError, match="store_policy"):
+        KVFlowOptions.from_extra_config({"store_policy": "sometimes"})
+    with pytest.raises(ConfigError, match="lazy_watermark"):
+        KVFlowOptions.from_extra_config({"lazy_watermark": 0})
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
+        KVFlowOptions.from_extra_config({"cpu_bytes_to_use": True})
+
+
+def test_gpu_cache_view_walks_vllms_free_queue_in_eviction_order() -> None:
+    """The lazy policy's view lists vLLM's free blocks in vLLM's order and pins them with touch."""
+    from kvflow.core.gpu_view import GpuCacheView
+
+    h = VLLMHarness.build(num_blocks=16)
+    request = h.add(prompt(40), max_tokens=1)
+    h.run_until_done([request])
+    pool = h.scheduler.kv_cache_manager.block_pool
+    view = VLLMGpuCacheView(pool)
+    assert isinstance(view, GpuCacheView)
+    expected = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    assert list(view.iter_free()) == expected
+    assert 0 not in expected
+    cached = [b for b in expected if view.block_hash(b) is not None]
+    assert len(cached) == 2  # the request's two full blocks stay cached after it finished
+    view.touch(cached)
+    assert pool.get_num_free_blocks() == len(expected) - 2
+    assert view.next_free(cached[0]) is None  # held blocks are not free
+    assert not view.is_free(cached[0])
+    assert not view.is_free(0)  # the null block is never free
+    assert not set(view.iter_free()) & set(cached)
+    view.free(cached)
+    assert pool.get_num_free_blocks() == len(expected)
+    assert view.is_free(cached[0])
+
+
+def test_relay_writes_the_outcome_into_the_connector_output() -> None:
+    """finished_sending / finished_recving from the manager become vLLM's fields verbatim."""
+    from kvflow.core.protocol import StepPlan  # noqa: F401  (the relay is plan-agnostic)
+
+    class Outcome:
+        finished_sending = frozenset({"a"})
+        finished_recving = frozenset({"b"})
+        invalid_block_ids = frozenset({4})
+
+    relay = OutcomeRelay()
+    out = KVConnectorOutput(invalid_block_ids={4})
+    relay.apply(out, Outcome())
+    assert out.finished_sending == {"a"}
+    assert out.finished_recving == {"b"}
+    assert relay.take_echo() == (frozenset(), frozenset())
+    assert not relay.pending
+
+
+def test_relay_holds_loads_whose_failures_vllm_has_not_seen_yet() -> None:
+    """Invalid ids unknown to the workers are echoed first; the loads finish one pass later."""
+
+    class Outcome:
+        finished_sending: frozenset[str] = frozenset()
+        finished_recving = frozenset({"b"})
+        invalid_block_ids = frozenset({4, 5})
+
+    relay = OutcomeRelay()
+    out = KVConnectorOutput(invalid_block_ids={4})
+    relay.apply(out, Outcome())
+    assert out.finished_recving is None
+    assert relay.pending
+    assert relay.take_echo() == (frozenset({5}), frozenset())
+    later = KVConnectorOutput(invalid_block_ids={5})
+    relay.apply(later, None)
+    assert later.finished_recving == {"b"}
+    assert not relay.pending
+
+
+def test_relay_with_several_groups_echoes_unflagged_loads_as_failed_requests() -> None:
+    """With several KV cache groups, loads settled alongside unexplained invalid ids are echoed as
+    failed requests (vLLM recomputes them); loads a worker flagged itself finish at once."""
+
+    class Outcome:
+        finished_sending: frozenset[str] = frozenset()
+        finished_recving = frozenset({"flagged", "other"})
+        invalid_block_ids = frozenset({4})
+
+    relay = OutcomeRelay(per_request=True)
+    out = KVConnectorOutput(failed_recving={"flagged"})
+    relay.apply(out, Outcome())
+    assert out.finished_recving == {"flagged"}
+    assert relay.take_echo() == (frozenset(), frozenset({"other"}))
+    later = KVConnectorOutput(failed_recving={"other"})
+    relay.apply(later, None)
+    assert later.finished_recving == {"other"}
+    assert not relay.pending
+
+
+def test_worker_metadata_aggregates_the_reports_of_all_ranks() -> None:
+    """vLLM merges per-rank worker metadata with aggregate(); every rank's report survives."""
+    merged = KVFlowWorkerMetadata((StepReport(rank=0, completed=(1,)),)).aggregate(
+        KVFlowWorkerMetadata((StepReport(rank=1, completed=(1,)),))
+    )
+    assert [r.rank for r in merged.reports] == [0, 1]

@@ -1,0 +1,273 @@
+"""Scripted stand-ins for kvflow's manager and worker runtime, to test the vLLM adapter's wiring.
+
+``ScriptedManager`` plays ``OffloadManager`` with hits and failures a test sets; ``ScriptedRuntime``
+plays the worker runtime, reporting each planned transfer as done unless a test holds or fails
+it. ``worker_pass`` runs a worker-role connector through one step exactly in the order vLLM's
+model runner does (``kv_connector_model_runner_mixin``). The connector classes here are loaded by
+vLLM's own factory through ``kv_connector_module_path``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from attrs import define, field, frozen
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
+from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.transfer import Direction
+from kvflow.integrations.vllm import (
+    KVFlowConnector,
+    SchedulerDelegate,
+    VLLMGpuCacheView,
+    WorkerDelegate,
+)
+
+FAKES_MODULE = "tests.integrations.vllm_fakes"
+
+
+@frozen
+class Outcome:
+    """The fields of the manager's ``StepOutcome`` the adapter reads."""
+
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    invalid_block_ids: frozenset[int] = frozenset()
+
+
+@define
+class ScriptedManager:
+    """An ``OffloadManager`` stand-in: offers the CPU hits in ``hits`` (tokens per request id),
+    loads them into the blocks vLLM allocated, stores a finishing request's blocks when listed in
+    ``store_on_finish``, and records every call."""
+
+    block_size: int
+    hits: dict[str, int] = field(factory=dict)
+    store_on_finish: set[str] = field(factory=set)
+    extra_invalid: set[int] = field(factory=set)  # ids only the manager knows are bad
+    outputs: list[SchedulerOutput] = field(factory=list)
+    finished: list[tuple[str, tuple[tuple[int, ...], ...] | None]] = field(factory=list)
+    resets: int = 0
+    _computed: dict[str, int] = field(factory=dict)
+    _pending: list[TransferSpec] = field(factory=list)
+    _live: dict[int, TransferSpec] = field(factory=dict)
+    _ids: Any = field(factory=lambda: itertools.count(1))
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._computed[request.request_id] = num_computed_tokens
+        extra = self.hits.get(request.request_id, 0) - num_computed_tokens
+        return (extra, True) if extra > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: RequestLike, gpu_block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0:
+            return
+        self.hits.pop(request.request_id, None)
+        first = self._computed[request.request_id] // self.block_size
+        count = num_external_tokens // self.block_size
+        # Every group loads the same token range (a sliding-window group's skipped blocks are
+        # vLLM's null block 0 and are not loaded).
+        gpu = tuple(
+            tuple(b for b in group[first : first + count] if b != 0) for group in gpu_block_ids
+        )
+        cpu = tuple(tuple(range(len(g))) for g in gpu)
+        self._pending.append(
+            TransferSpec(next(self._ids), request.request_id, Direction.LOAD, gpu, cpu)
+        )
+
+    def build_step_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        self.outputs.append(scheduler_output)
+        stores = tuple(t for t in self._pending if t.direction is Direction.STORE)
+        loads = tuple(t for t in self._pending if t.direction is Direction.LOAD)
+        self._live.update((t.transfer_id, t) for t in self._pending)
+        self._pending = []
+        return StepPlan(
+            scheduler_output.step,
+            stores=stores,
+            loads=loads,
+            flush=bool(scheduler_output.preempted_request_ids),
+        )
+
+    def update_from_reports(self, reports: Iterable[StepReport]) -> Outcome:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        invalid: set[int] = set(self.extra_invalid)
+        self.extra_invalid = set()
+        for report in reports:
+            for tid in (*report.completed, *report.failed):
+                spec = self._live.pop(tid)
+                if spec.direction is Direction.LOAD:
+                    recving.add(spec.request_id)
+                    if tid in report.failed:
+                        invalid.update(b for group in spec.gpu_block_ids for b in group)
+                else:
+                    sending.add(spec.request_id)
+        return Outcome(frozenset(sending), frozenset(recving), frozenset(invalid))
+
+    def request_finished(
+        self, request: RequestLike, block_ids: Sequence[Sequence[int]] | None = None
+    ) -> tuple[bool, dict[str, object] | None]:
+        ids = None if block_ids is None else tuple(tuple(g) for g in block_ids)
+        self.finished.append((request.request_id, ids))
+        if request.request_id not in self.store_on_finish or not ids:
+            return False, None
+        self._pending.append(
+            TransferSpec(
+                next(self._ids),
+                request.request_id,
+                Direction.STORE,
+                ids,
+                tuple(tuple(range(len(g))) for g in ids),
+            )
+        )
+        return True, None
+
+    def reset_cache(self) -> str:
+        self.resets += 1
+        return "complete"
+
+    def num_live_transfers(self, request_id: str | None = None) -> int:
+        return len(self._pending) + len(self._live)
+
+
+@define
+class ScriptedRuntime:
+    """A worker runtime stand-in: every bound transfer completes at the next report, except held
+    ones (still in flight) and failed ones (reported failed; a failed load's GPU blocks invalid)."""
+
+    rank: int = 0
+    hold: set[int] = field(factory=set)
+    fail: set[int] = field(factory=set)
+    hold_directions: set[Direction] = field(factory=set)
+    fail_directions: set[Direction] = field(factory=set)
+    plans: list[StepPlan] = field(factory=list)
+    calls: list[str] = field(factory=list)
+    registered: dict[str, Any] = field(factory=dict)
+    cpu_blocks: list[int] = field(factory=list)
+    _in_flight: dict[int, TransferSpec] = field(factory=dict)
+    _errors: set[int] = field(factory=set)
+
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, object],
+        num_blocks: int | Mapping[int, int],
+        groups: Mapping[str, int] | None = None,
+    ) -> object:
+        self.registered = {"caches": dict(kv_caches), "num_blocks": num_blocks, "groups": groups}
+        return None
+
+    def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
+        self.cpu_blocks = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+
+    def bind_connector_metadata(self, plan: StepPlan) -> None:
+        self.plans.append(plan)
+        self._in_flight.update((t.transfer_id, t) for t in (*plan.stores, *plan.loads))
+
+    def start_load_kv(self) -> None:
+        self.calls.append("start_load_kv")
+
+    def wait_for_save(self) -> None:
+        self.calls.append("wait_for_save")
+
+    def build_report(self) -> StepReport:
+        flight = self._in_flight
+        done = [
+            t
+            for t in flight
+            if t not in self.hold and flight[t].direction not in self.hold_directions
+        ]
+        failed = tuple(
+            t for t in done if t in self.fail or flight[t].direction in self.fail_directions
+        )
+        completed = tuple(t for t in done if t not in failed)
+        invalid = {
+            b
+            for t in failed
+            if self._in_flight[t].direction is Direction.LOAD
+            for group in self._in_flight[t].gpu_block_ids
+            for b in group
+        }
+        for t in done:
+            del self._in_flight[t]
+        self._errors |= invalid
+        return StepReport(self.rank, completed, failed, frozenset(invalid))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    def in_flight(self) -> list[TransferSpec]:
+        """Transfers handed over and not reported yet."""
+        return list(self._in_flight.values())
+
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        self.calls.append("handle_preemptions")
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+class ScriptedConnector(KVFlowConnector):
+    """``KVFlowConnector`` over the scripted manager and runtime."""
+
+    def make_scheduler_delegate(self, gpu_view: VLLMGpuCacheView) -> SchedulerDelegate:
+        return ScriptedManager(self.geometry[0].block_size)
+
+    def make_worker_delegate(self) -> WorkerDelegate:
+        return ScriptedRuntime()
+
+
+class RealManagerConnector(KVFlowConnector):
+    """``KVFlowConnector`` with kvflow's real manager and the scripted worker runtime."""
+
+    def make_worker_delegate(self) -> WorkerDelegate:
+        return ScriptedRuntime()
+
+
+def worker_connector(scheduler_connector: KVFlowConnector) -> KVFlowConnector:
+    """The worker-role twin of a scheduler-role connector, as vLLM builds one in each worker."""
+    cls = type(scheduler_connector)
+    return cls(
+        scheduler_connector._vllm_config,
+        KVConnectorRole.WORKER,
+        scheduler_connector._kv_cache_config,
+    )
+
+
+def worker_pass(worker: KVFlowConnector, scheduler_output: Any) -> KVConnectorOutput | None:
+    """One step of a worker-role connector in the order vLLM's model runner calls it."""
+    meta = scheduler_output.kv_connector_metadata
+    if scheduler_output.preempted_req_ids:
+        worker.handle_preemptions(meta)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    results = worker.get_transfer_results(scheduler_output.finished_req_ids)
+    output = KVConnectorOutput(
+        finished_sending=results.finished_sending,
+        finished_recving=results.finished_recving,
+        failed_recving=results.failed_recving,
+        invalid_block_ids=worker.get_block_ids_with_load_errors(),
+        kv_connector_worker_meta=worker.build_connector_worker_meta(),
+    )
+    worker.clear_connector_metadata()
+    return None if output.is_empty() else output
+
+
+__all__ = [
+    "FAKES_MODULE",
+    "Outcome",
+    "RealManagerConnector",
+    "ScriptedConnector",
+    "ScriptedManager",
+    "ScriptedRuntime",
+    "worker_connector",
+    "worker_pass",
+]
