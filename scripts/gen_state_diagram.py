@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from kvflow.core.transfer import render_mermaid, render_table
+from kvflow.engine.scheduler import REQUEST_MACHINE, RequestInput, RequestStatus
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "state-machines.md"
 
@@ -26,7 +27,15 @@ def render() -> str:
         "one `transfer_transition` event per transition and raises `TransitionError` for any pair\n"
         "not listed (the state is left unchanged).\n\n"
         "```mermaid\n" + render_mermaid() + "```\n\n"
-        "Every (state, input) pair; a dash is illegal:\n\n" + render_table()
+        "Every (state, input) pair; a dash is illegal:\n\n" + render_table() + "\n"
+        "## Request (the reference engine)\n\n"
+        "`kvflow.engine.scheduler.REQUEST_MACHINE`: a request's life in kvflow's reference engine,\n"
+        "including the wait for an asynchronous load from the CPU tier (`waiting_for_remote_kvs`,\n"
+        "as in vLLM). Applied only by `kvflow.engine.scheduler.transition`, which logs\n"
+        "`request_transition`.\n\n"
+        "```mermaid\n" + REQUEST_MACHINE.render_mermaid() + "```\n\n"
+        "Every (state, input) pair; a dash is illegal:\n\n"
+        + REQUEST_MACHINE.render_table(RequestStatus, RequestInput)
     )
 
 

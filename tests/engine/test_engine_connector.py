@@ -184,3 +184,42 @@ def test_loaded_requests_holding_every_block_give_them_back() -> None:
         results = engine.run_to_completion(requests(ps, 1))
     assert [r.output_token_ids for r in results] == _reference(ps, 1)
     assert any(e.get("input") == "release_blocks" for e in logs)
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+@pytest.mark.parametrize("fail_index", [1, 4])
+def test_hybrid_failed_load_restarts_with_identical_output(
+    load_async: bool, fail_index: int
+) -> None:
+    """Sliding-window blocks before a failed block were never loaded; the request starts over
+    (reported preempted when it was running) and still yields the reference tokens."""
+    cfg = model_config("tiny-swa6")
+    (p,) = shared_prefix_prompts(30, [0])
+    econf = EngineConfig(
+        block_size=4, num_gpu_blocks=64, max_num_batched_tokens=5, enable_prefix_caching=False
+    )
+    from kvflow.engine.engine import make_kv_cache_config
+
+    fake = FakeConnector(
+        make_kv_cache_config(cfg, econf),
+        load_async=load_async,
+        fail_loads=1,
+        fail_index=fail_index,
+        store_eagerly=True,
+    )
+    engine = Engine(
+        cfg, econf, scheduler_connector=fake, worker_connector=fake, model=shared_model("tiny-swa6")
+    )
+    engine.run_to_completion(requests([p], 4))
+    load = fake.calls.count("start_load_kv")
+    with capture_logs() as logs:
+        (again,) = engine.run_to_completion(requests([p], 4))
+    want = make_engine("tiny-swa6", enable_prefix_caching=False).run_to_completion(requests([p], 4))
+    assert again.output_token_ids == want[0].output_token_ids
+    assert again.recomputed_tokens == 28  # all of the hit was rolled back...
+    assert again.external_loaded_tokens == 28  # ...and loaded again once the fault was gone
+    restarts = [e for e in logs if e["event"] == "kv_load_failed_restart"]
+    assert [e["request_id"] for e in restarts] == ["r0"]
+    if not load_async:
+        assert any("r0" in s for s in fake.preemptions_seen)
+    assert fake.calls.count("start_load_kv") > load

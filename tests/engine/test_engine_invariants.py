@@ -65,11 +65,12 @@ def test_outputs_and_blocks_survive_any_cache_and_budget(
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    workloads().filter(lambda c: c[0] == "tiny"),
+    workloads(),
     st.booleans(),
     st.integers(0, 2),
     st.integers(0, 3),
     st.integers(1, 3),
+    st.booleans(),
 )
 def test_connector_paths_keep_outputs_and_blocks(
     case: tuple[str, list[tuple[tuple[int, ...], int]], int, int, bool],
@@ -77,6 +78,7 @@ def test_connector_paths_keep_outputs_and_blocks(
     fail_loads: int,
     fail_index: int,
     load_delay: int,
+    store_eagerly: bool,
 ) -> None:
     """With external hits (sync or async, some failing) tokens still equal a roomy run's and
     every block comes back once the connector reported its sends."""
@@ -92,6 +94,7 @@ def test_connector_paths_keep_outputs_and_blocks(
         num_gpu_blocks=blocks,
         max_num_batched_tokens=budget,
         enable_prefix_caching=caching,
+        max_idle_steps=200,  # a stuck engine fails fast instead of spinning
     )
     fake = FakeConnector(
         make_kv_cache_config(cfg, econf),
@@ -99,6 +102,7 @@ def test_connector_paths_keep_outputs_and_blocks(
         load_delay_steps=load_delay,
         fail_loads=fail_loads,
         fail_index=fail_index,
+        store_eagerly=store_eagerly,
     )
     engine = Engine(
         cfg, econf, scheduler_connector=fake, worker_connector=fake, model=shared_model(name)

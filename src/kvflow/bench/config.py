@@ -27,8 +27,13 @@ class BenchConfig:
     max_batched_tokens: int = 2048
     seed: int = 0
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # "full": both runs once untimed, so neither pays first-use costs of new shapes (fair);
+    # "round": only one round, faster but it favours the second (offload-on) run.
+    warmup: str = "full"
 
     def __attrs_post_init__(self) -> None:
+        if self.warmup not in ("round", "full"):
+            raise ConfigError(f"warmup {self.warmup!r}: one of round, full")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r}: one of float32, bfloat16, float16")
         if not 0 < self.cache_fraction <= 4:

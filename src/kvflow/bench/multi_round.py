@@ -192,46 +192,52 @@ def run_bench(
         cpu_bytes=cpu_bytes, store_policy=cfg.store_policy, backend=cfg.backend
     )
 
-    # Warm up (first-call allocations, kernel selection, lazy CUDA init) so neither timed run
-    # pays for it; the warm-up engine is thrown away with its cache.
-    warm = Engine(model_cfg, engine_cfg, model=model, clock=clock.now)
-    run_multi_round(warm, evolve(workload, num_rounds=1, seed=workload.seed + 1))
-    warm.shutdown()
+    built: list[OffloadConnector] = []
 
-    baseline = Engine(model_cfg, engine_cfg, model=model, clock=clock.now)
+    def factory(kv_cfg: KVCacheConfig, gpu_view: GpuCacheView) -> tuple[Any, Any]:
+        conn = OffloadConnector.build(
+            offload_cfg, kv_cfg, block_bytes, gpu_view=gpu_view, now=clock.now
+        )
+        built.append(conn)
+        return conn.scheduler, conn.worker
+
+    def engine(offload: bool) -> Engine:
+        if not offload:
+            return Engine(model_cfg, engine_cfg, model=model, clock=clock.now)
+        made = Engine(
+            model_cfg, engine_cfg, model=model, clock=clock.now, connector_factory=factory
+        )
+        backend = built[-1].worker.backend
+        if isinstance(backend, CudaBackend):
+            # The CUDA backend pins its CPU tier in the background; time the steady state.
+            backend.cpu_tier.wait_registered()
+        return made
+
+    # Warm up (first-call allocations, kernel and primitive selection per shape, lazy CUDA
+    # module loading) so neither timed run pays for it: each new (query, context) shape costs
+    # once, hundreds of ms on the H200 and tens on the CPU, and the two runs meet different
+    # shapes, so "full" runs both once untimed. Warm-up engines are thrown away with their caches.
+    full = cfg.warmup == "full"
+    for offload in (False, True) if full else (False,):
+        warm = engine(offload)
+        run_multi_round(
+            warm, workload if full else evolve(workload, num_rounds=1, seed=workload.seed + 1)
+        )
+        warm.shutdown()
+
+    baseline = engine(False)
     off = _run("offload off", baseline, workload, on_round)
     off_result = _result(False, baseline, off, cfg.rounds, None)
     baseline.shutdown()
 
-    connector: OffloadConnector | None = None
-
-    def factory(kv_cfg: KVCacheConfig, gpu_view: GpuCacheView) -> tuple[Any, Any]:
-        nonlocal connector
-        connector = OffloadConnector.build(
-            offload_cfg, kv_cfg, block_bytes, gpu_view=gpu_view, now=clock.now
-        )
-        return connector.scheduler, connector.worker
-
-    def ready(engine: Engine) -> Engine:
-        # The CUDA backend pins its CPU tier in the background; time only the steady state.
-        if connector is not None and isinstance(connector.worker.backend, CudaBackend):
-            connector.worker.backend.cpu_tier.wait_registered()
-        return engine
-
     if trace is not None:
         with trace_to(trace, clock.now):
-            offloaded = ready(
-                Engine(
-                    model_cfg, engine_cfg, model=model, clock=clock.now, connector_factory=factory
-                )
-            )
+            offloaded = engine(True)
             on = _run("offload on", offloaded, workload, on_round)
     else:
-        offloaded = ready(
-            Engine(model_cfg, engine_cfg, model=model, clock=clock.now, connector_factory=factory)
-        )
+        offloaded = engine(True)
         on = _run("offload on", offloaded, workload, on_round)
-    assert connector is not None
+    connector = built[-1]
     on_result = _result(
         True,
         offloaded,

@@ -46,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
+        "--warmup",
+        choices=("round", "full"),
+        default=d.warmup,
+        help="untimed warm-up: both runs once (default, fair), or one round (faster)",
+    )
+    p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
         default=None,
@@ -80,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_batched_tokens=args.max_batched_tokens,
         seed=args.seed,
         dtype=args.dtype,
+        warmup=args.warmup,
     )
 
 

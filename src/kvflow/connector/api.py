@@ -116,7 +116,12 @@ class SchedulerConnector(Protocol):
         self, request: RequestLike, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens loadable beyond ``num_computed_tokens`` (None: ask again later), and whether
-        that load is asynchronous (the request then waits until ``finished_recving`` names it)."""
+        that load is asynchronous (the request then waits until ``finished_recving`` names it).
+
+        Leave at least the last token to compute; the engine cuts a larger answer back to the
+        block boundary before the last token. In a sliding-window group only the blocks inside
+        the window at the end of the hit are given real blocks (others are ``NULL_BLOCK_ID``):
+        answer only with hits whose window blocks can be loaded."""
         ...
 
     def update_state_after_alloc(
@@ -178,7 +183,10 @@ class WorkerConnector(Protocol):
         ...
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """GPU block ids whose loads failed since the last call; the engine recomputes them."""
+        """GPU block ids whose loads failed since the last call; the engine recomputes them.
+
+        A request that ran this step on top of a failed load has its step discarded: whatever
+        this step stored from its blocks is garbage and must not be kept."""
         ...
 
     def wait_for_progress(self, timeout: float) -> None:

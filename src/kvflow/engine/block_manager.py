@@ -220,6 +220,18 @@ class BlockManager:
             for g in range(len(done)):
                 done[g] = min(done[g], num_computed // self.block_size)
 
+    def can_resume_at(self, request_id: str, num_computed: int) -> bool:
+        """Can the request recompute in place from ``num_computed``: every sliding-window block
+        it will read or write from there on is a real block, not the null block?"""
+        tables = self.tables[request_id]
+        for group, table in zip(self.config.groups, tables, strict=True):
+            if group.sliding_window is None:
+                continue
+            first = _first_needed_block(group, num_computed, self.block_size)
+            if NULL_BLOCK_ID in table[first:]:
+                return False
+        return True
+
     def first_invalid_position(self, request_id: str, invalid: set[int]) -> int | None:
         """Start of the first block of the request listed in ``invalid`` (any group), or None."""
         tables = self.tables.get(request_id)

@@ -21,11 +21,12 @@ import structlog
 from attrs import define, field, frozen
 
 from kvflow.connector.api import KVConnectorOutput, SchedulerConnector
+from kvflow.core.fsm import Machine
 from kvflow.core.hashing import BlockHash, BlockHasher, ExtraKey
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.core.requests import CachedRequest, NewRequest, SchedulerOutput
 from kvflow.engine.block_manager import BlockManager
-from kvflow.errors import ConfigError, TransitionError
+from kvflow.errors import ConfigError
 
 log = structlog.get_logger("kvflow.engine.scheduler")
 
@@ -64,6 +65,15 @@ TRANSITIONS: Mapping[tuple[RequestStatus, RequestInput], RequestStatus] = {
 }
 """A request's whole life. Anything not listed is illegal."""
 
+REQUEST_MACHINE: Machine[RequestStatus, RequestInput] = Machine(
+    "request",
+    TRANSITIONS,
+    id_field="request_id",
+    initial=RS.WAITING,
+    terminal=(RS.FREED,),
+    logger="kvflow.engine.scheduler",
+)
+
 
 @define(eq=False)
 class RequestStats:
@@ -97,6 +107,7 @@ class Request:
     # Async external load in flight: tokens computed once it finishes (shrunk by load errors).
     load_target_tokens: int = 0
     pending_external_tokens: int = 0  # of those, loaded by the connector
+    reset_after_load: bool = False  # a failed load left it unable to resume in place
     kv_transfer_params: dict[str, object] | None = None
     _hasher: BlockHasher | None = None
 
@@ -130,26 +141,8 @@ class Request:
 def transition(request: Request, event: RequestInput, *, cause: str) -> RequestStatus:
     """Apply one input to ``request`` by the table and log it; illegal pairs raise and change
     nothing."""
-    old = request.status
-    new = TRANSITIONS.get((old, event))
-    if new is None:
-        log.warning(
-            "request_transition_rejected",
-            request_id=request.request_id,
-            state=old.value,
-            input=event.value,
-            cause=cause,
-        )
-        raise TransitionError("request", request.request_id, old.value, event.value)
-    request.status = new
-    log.debug(
-        "request_transition",
-        request_id=request.request_id,
-        input=event.value,
-        cause=cause,
-        **{"from": old.value, "to": new.value},
-    )
-    return new
+    request.status = REQUEST_MACHINE.apply(request.request_id, request.status, event, cause=cause)
+    return request.status
 
 
 @frozen
@@ -213,6 +206,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_recving: set[str] = set()
         self._finished_since_last_step: set[str] = set()
+        self._preempted_since_last_step: set[str] = set()  # by failed loads, after a step
         self._delayed_free: set[str] = set()  # finished, blocks held until finished_sending
         self._step = 0
         self.num_preemptions = 0
@@ -263,7 +257,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new_reqs: list[NewRequest] = []
         cached_reqs: list[CachedRequest] = []
-        preempted: set[str] = set()
+        preempted, self._preempted_since_last_step = self._preempted_since_last_step, set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -271,6 +265,13 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             added = self.blocks.allocate(req.request_id, req.num_computed_tokens, n)
             while added is None:
+                # Blocks held by loaded requests that are not running go first: otherwise a
+                # running request could preempt itself forever while they wait behind it.
+                released = self._release_one_loaded(exclude=None, cause="running_needs_blocks")
+                if released is not None:
+                    preempted.add(released)
+                    added = self.blocks.allocate(req.request_id, req.num_computed_tokens, n)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -429,6 +430,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _restart(self, req: Request) -> None:
+        """Give back all of a request's blocks after a failed load; it is matched again later.
+        A running one counts as preempted (its id reaches ``handle_preemptions`` next step)."""
+        log.info("kv_load_failed_restart", request_id=req.request_id, status=req.status.value)
+        if req.status is RS.RUNNING:
+            transition(req, RI.PREEMPT, cause="kv_load_failed")
+            self.running.remove(req)
+            self.waiting.appendleft(req)
+            self._preempted_since_last_step.add(req.request_id)
+        else:
+            transition(req, RI.RELEASE_BLOCKS, cause="kv_load_failed")
+        self.blocks.free(req.request_id)
+
     def _break_deadlock(self, head: Request) -> set[str]:
         """Nothing runs and ``head`` cannot get blocks. If nothing else will free any (no load in
         flight, no delayed free), the blocks are held by requests whose async loads finished but
@@ -439,22 +453,38 @@ class Scheduler:
         if any(r.status is RS.WAITING_FOR_REMOTE_KVS for r in self.waiting):
             return set()
         released: set[str] = set()
-        for req in self.waiting:
-            if req is head or req.request_id not in self.blocks.tables:
+        while (rid := self._release_one_loaded(exclude=head, cause="nothing_running")) is not None:
+            released.add(rid)
+        return released
+
+    def _release_one_loaded(self, *, exclude: Request | None, cause: str) -> str | None:
+        """The last waiting request whose async load finished but which was not admitted gives
+        its blocks back (it is matched again later); its id, or None if there is none."""
+        for req in reversed(self.waiting):
+            if req is exclude or req.status is not RS.WAITING:
                 continue
-            transition(req, RI.RELEASE_BLOCKS, cause="no_blocks_nothing_running")
+            if req.request_id not in self.blocks.tables:
+                continue
+            transition(req, RI.RELEASE_BLOCKS, cause=cause)
             self.blocks.free(req.request_id)
             req.num_computed_tokens = 0
-            released.add(req.request_id)
-        return released
+            return req.request_id
+        return None
 
     def _finish_remote_load(self, req: Request) -> None:
         """vLLM's ``_update_waiting_for_remote_kv``: the loaded blocks count as computed."""
         self._finished_recving.discard(req.request_id)
-        req.num_computed_tokens = req.load_target_tokens
-        req.stats.external_loaded_tokens += req.pending_external_tokens
-        req.pending_external_tokens = 0
-        self.blocks.cache_computed(req.request_id, req.block_hashes, req.num_computed_tokens)
+        if req.reset_after_load:
+            # The load is over, so its blocks can go; the request starts again from scratch.
+            req.reset_after_load = False
+            log.info("kv_load_failed_restart", request_id=req.request_id, status=req.status.value)
+            self.blocks.free(req.request_id)
+            req.load_target_tokens = req.pending_external_tokens = req.num_computed_tokens = 0
+        else:
+            req.num_computed_tokens = req.load_target_tokens
+            req.stats.external_loaded_tokens += req.pending_external_tokens
+            req.pending_external_tokens = 0
+            self.blocks.cache_computed(req.request_id, req.block_hashes, req.num_computed_tokens)
         transition(req, RI.REMOTE_DONE, cause="finished_recving")
 
     # ---- results ----------------------------------------------------------------------------
@@ -520,6 +550,9 @@ class Scheduler:
                 continue
             if req.status is RS.WAITING_FOR_REMOTE_KVS:
                 if pos < req.load_target_tokens:
+                    if not self.blocks.can_resume_at(req.request_id, pos):
+                        pos = 0
+                        req.reset_after_load = True
                     lost = req.load_target_tokens - pos
                     req.pending_external_tokens = max(0, req.pending_external_tokens - lost)
                     req.load_target_tokens = pos
@@ -534,15 +567,24 @@ class Scheduler:
                 continue
             if pos >= req.num_computed_tokens:
                 continue  # the block is being computed, not loaded: nothing to undo
+            running = req.status is RS.RUNNING
+            if running:
+                rolled.add(req.request_id)  # this step ran on invalid KV: drop its result
+            restart = not self.blocks.can_resume_at(req.request_id, pos)
+            if restart:
+                # Sliding-window blocks before the failed one were never loaded (they were
+                # outside the window): nothing valid to resume from, so start over.
+                pos = 0
             lost = req.num_computed_tokens - pos
             loaded_from = req.num_computed_tokens - req.pending_external_tokens
             req.stats.external_loaded_tokens += max(0, pos - loaded_from)
             req.stats.recomputed_tokens += lost
             req.pending_external_tokens = 0
             req.num_computed_tokens = pos
-            self.blocks.rollback(req.request_id, pos)
-            if req.status is RS.RUNNING:
-                rolled.add(req.request_id)  # this step ran on invalid KV: drop its result
+            if restart:
+                self._restart(req)
+            else:
+                self.blocks.rollback(req.request_id, pos)
             log.info(
                 "kv_load_failed_recompute",
                 request_id=req.request_id,

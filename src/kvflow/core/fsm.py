@@ -1,0 +1,99 @@
+"""Table-driven state machines: one table of legal (state, input) → state pairs, one function that
+applies it, logs the transition and raises ``TransitionError`` for any other pair.
+
+kvflow's transfer state machine and the reference engine's request state machine are both
+``Machine``\\ s; their diagrams in docs/state-machines.md are rendered from the tables.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+from kvflow.errors import TransitionError
+
+S = TypeVar("S", bound=enum.Enum)
+I = TypeVar("I", bound=enum.Enum)  # noqa: E741 - the conventional name for an input type
+
+
+class Machine(Generic[S, I]):
+    """A named transition table and the one function that applies it.
+
+    ``apply`` logs ``<name>_transition`` at debug level with the entity's id field, the fields
+    given, ``input``, ``cause``, ``from`` and ``to``; an illegal pair logs
+    ``<name>_transition_rejected`` at warning level and raises ``TransitionError``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        transitions: Mapping[tuple[S, I], S],
+        *,
+        id_field: str,
+        initial: S,
+        terminal: Iterable[S],
+        logger: str,
+    ) -> None:
+        self.name = name
+        self.transitions = transitions
+        self.id_field = id_field
+        self.initial = initial
+        self.terminal = frozenset(terminal)
+        self._log = structlog.get_logger(logger)
+
+    def next_state(self, state: S, event: I) -> S | None:
+        """The state ``event`` leads to from ``state``, or None if the pair is illegal."""
+        return self.transitions.get((state, event))
+
+    def apply(self, entity_id: object, state: S, event: I, *, cause: str, **fields: Any) -> S:
+        """The new state for ``event`` in ``state``; the caller stores it. Illegal: raises."""
+        new = self.transitions.get((state, event))
+        if new is None:
+            self._log.warning(
+                f"{self.name}_transition_rejected",
+                **{self.id_field: entity_id},
+                **fields,
+                state=state.value,
+                input=event.value,
+                cause=cause,
+            )
+            raise TransitionError(self.name, entity_id, str(state.value), str(event.value))
+        self._log.debug(
+            f"{self.name}_transition",
+            **{self.id_field: entity_id},
+            **fields,
+            input=event.value,
+            cause=cause,
+            **{"from": state.value, "to": new.value},
+        )
+        return new
+
+    def render_mermaid(self) -> str:
+        """A Mermaid state diagram of the table."""
+        lines = ["stateDiagram-v2", f"    [*] --> {self.initial.name}"]
+        for (src, event), dst in self.transitions.items():
+            lines.append(f"    {src.name} --> {dst.name}: {event.value}")
+        for state in sorted(self.terminal, key=lambda s: s.name):
+            lines.append(f"    {state.name} --> [*]")
+        return "\n".join(lines) + "\n"
+
+    def render_table(self, states: Iterable[S], inputs: Iterable[I]) -> str:
+        """A Markdown table of every (state, input) pair: the new state, or a dash if illegal."""
+        inputs = list(inputs)
+        rows = [
+            "| state \\ input | " + " | ".join(str(i.value) for i in inputs) + " |",
+            "|" + "---|" * (len(inputs) + 1),
+        ]
+        for state in states:
+            cells = [
+                str(dst.value) if (dst := self.transitions.get((state, i))) is not None else "—"
+                for i in inputs
+            ]
+            rows.append(f"| **{state.value}** | " + " | ".join(cells) + " |")
+        return "\n".join(rows) + "\n"
+
+
+__all__ = ["Machine"]
