@@ -20,7 +20,7 @@ from kvflow.core.scheduler import (
     SchedulerConfig,
     StorePolicy,
 )
-from kvflow.core.transfer import Direction
+from kvflow.core.transfer import Direction, TransferState
 from kvflow.errors import ConfigError, ReportError
 from tests.core.conftest import MakeSim
 
@@ -482,6 +482,21 @@ def test_rank_reporting_twice_is_rejected(make_sim: MakeSim) -> None:
     assert sim.mgr.stats().blocks_stored == 2
     with pytest.raises(ReportError, match="unknown or settled"):
         sim.mgr.update_from_reports([sim.workers.report(1, completed=[tid])])
+
+
+def test_transfer_state_shows_the_ranks_reported_until_release(make_sim: MakeSim) -> None:
+    """transfer_state names a live transfer's state and reporting ranks, and None once released."""
+    sim = make_sim(ONE_GROUP, world_size=2)
+    a = sim.add("a", range(8))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 8)]).stores
+    tid = store.transfer_id
+    assert sim.mgr.transfer_state(tid) == (TransferState.IN_FLIGHT, frozenset())
+    sim.report([sim.workers.report(1, completed=[tid])])
+    assert sim.mgr.transfer_state(tid) == (TransferState.IN_FLIGHT, frozenset({1}))
+    sim.report([sim.workers.report(0, completed=[tid])])
+    assert sim.mgr.transfer_state(tid) is None
+    assert sim.mgr.transfer_state(10_000) is None
 
 
 def test_rank_never_reporting_keeps_transfer_in_flight(make_sim: MakeSim) -> None:
