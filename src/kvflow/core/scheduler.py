@@ -487,9 +487,8 @@ class OffloadManager:
         requests = self._requests
         check = self._check_table
         num_groups = self._num_groups
-        # (request, confirmed tokens, new block ids, whether they replace the block table,
-        #  whether some group completes a block: the others only append new GPU blocks)
-        dirty: list[tuple[_Request, int, GroupBlockIds, bool, bool]] = []
+        # (request, confirmed tokens, new block ids, whether they replace the block table)
+        dirty: list[tuple[_Request, int, GroupBlockIds, bool]] = []
         for new in so.new_requests:
             st = requests.get(new.request_id)
             if st is None:
@@ -498,7 +497,7 @@ class OffloadManager:
                 )
             end = new.num_computed_tokens + new.num_scheduled_tokens - new.num_spec_tokens
             confirmed = check(st, end, self._confirmed(st, end), new.block_ids, True)
-            dirty.append((st, confirmed, new.block_ids, True, True))
+            dirty.append((st, confirmed, new.block_ids, True))
         no_new = self._no_new
         for c in so.cached_requests:
             st = requests.get(c.request_id)
@@ -512,15 +511,17 @@ class OffloadManager:
             replace = c.resumed_from_preemption
             num_tokens = len(st.request.all_token_ids)
             confirmed = end if end < num_tokens else num_tokens
-            if replace or confirmed >= boundary or confirmed < st.confirmed:
-                dirty.append((st, check(st, end, confirmed, ids, replace), ids, replace, True))
-            elif len(ids) != num_groups:
-                check(st, end, confirmed, ids, replace)  # raises
-            else:
-                # Only new blocks: every group's table already holds its confirmed blocks (the
-                # check passed when they completed; tables only grow until a preemption resets
-                # the boundary), so it holds them with more blocks too.
-                dirty.append((st, confirmed, ids, False, False))
+            if (
+                replace
+                or confirmed >= boundary
+                or confirmed < st.confirmed
+                or len(ids) != num_groups
+            ):
+                check(st, end, confirmed, ids, replace)
+            # Else only new blocks: every group's table already holds its confirmed blocks (the
+            # check passed when they completed; tables only grow until a preemption resets the
+            # boundary), so it holds them with more blocks too.
+            dirty.append((st, confirmed, ids, replace))
         # Every table is checked: from here on nothing raises on bad input.
 
         flush = False
@@ -542,7 +543,7 @@ class OffloadManager:
             self._allocated.clear()
         batch: _StoreBatch | None = None
         advance = self._advance
-        for st, confirmed, ids, replace, completes in dirty:
+        for st, confirmed, ids, replace in dirty:
             if self._ahead:
                 for group_ids in ids:
                     self._lazy_taken(group_ids)
@@ -553,11 +554,13 @@ class OffloadManager:
                 for table, new_ids in zip(st.table, ids, strict=True):
                     if new_ids:
                         table.extend(new_ids)
-            st.confirmed = confirmed
-            if completes:
+            if replace or confirmed >= st.next_boundary or confirmed < st.confirmed:
+                st.confirmed = confirmed
                 batch = advance(st, batch)
-            # Else no group completes a block and confirmed tokens did not go back: ``_advance``
-            # would change nothing, its boundary included.
+            else:
+                # No group completes a block and confirmed tokens did not go back: ``_advance``
+                # would change nothing, its boundary included.
+                st.confirmed = confirmed
         if batch is not None and batch.reqs:
             self._plan_store(batch, STEP_STORE_ID)
         if not self._eager and not self._reset_pending:
