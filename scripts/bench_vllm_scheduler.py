@@ -192,6 +192,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--batch-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--no-collect",
+        action="store_true",
+        help="no gc.collect() before each round and no automatic collection while timing "
+        "(a full collection walks the whole heap, so every step then starts with cold caches)",
+    )
     args = parser.parse_args()
     # Debug events of every transfer would be printed and timed; a benchmark wants warnings only.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -232,8 +238,12 @@ def main() -> None:
             progress.advance(task)
         # Round robin, one step of each configuration in turn: machine noise hits all alike.
         task = progress.add_task("decode", total=args.warmup + args.decode)
-        for n in range(args.warmup + args.decode):
+        if args.no_collect:
             gc.collect()
+            gc.disable()
+        for n in range(args.warmup + args.decode):
+            if not args.no_collect:
+                gc.collect()
             for rig in rigs.values():
                 before, before_manager = rig.hook_ns[0], rig.manager_ns[0]
                 t = rig.step()
@@ -242,6 +252,7 @@ def main() -> None:
                     rig.hooks.append(rig.hook_ns[0] - before)
                     rig.manager.append(rig.manager_ns[0] - before_manager)
             progress.advance(task)
+        gc.enable()
     for name, rig in rigs.items():
         assert len(rig.scheduler.running) == args.requests, f"{name}: a request stopped running"
     results = {name: rig.times for name, rig in rigs.items()}
@@ -256,6 +267,7 @@ def main() -> None:
         title=(
             f"vLLM scheduler step on CPU: {args.requests} running requests, "
             f"{args.prompt}-token prompts, {args.decode} decode steps"
+            + (", no gc.collect() between rounds" if args.no_collect else "")
         )
     )
     for col in (

@@ -12,6 +12,7 @@ Every mutating call validates all its arguments before changing anything, so a m
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import NoReturn
 
 from attrs import define, frozen
 
@@ -55,6 +56,25 @@ class FreeBlockQueue:
             raise BlockPoolError("no free blocks")
         self.remove(block)
         return block
+
+    def popleft_n(self, n: int) -> list[Block]:
+        """Take the first ``n`` blocks in eviction order (one relink, not ``n``)."""
+        if n > self.num_free:
+            raise BlockPoolError(f"asked for {n} free blocks, only {self.num_free}")
+        out: list[Block] = []
+        head = self._head
+        block = head.next_free
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        head.next_free = block
+        block.prev_free = head
+        self.num_free -= n
+        return out
 
     def remove(self, block: Block) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -166,6 +186,16 @@ class BlockPool:
             raise BlockPoolError(f"{self.name}: unknown block id {block_id!r}")
         return self.blocks[block_id]
 
+    def _lookup(self, block_ids: Iterable[int]) -> list[Block]:
+        """``block`` for each id, validated before any is returned (one call for many ids)."""
+        ids = list(block_ids)
+        n = len(self.blocks)
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < n:
+                raise BlockPoolError(f"{self.name}: unknown block id {block_id!r}")
+        blocks = self.blocks
+        return [blocks[i] for i in ids]
+
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         """Id of the block caching ``block_hash``, or None."""
         block = self._cached.get(block_hash)
@@ -197,11 +227,11 @@ class BlockPool:
             )
         out: list[int] = []
         evicted: list[BlockHash] = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
+        cached = self._cached
+        for block in self.free_queue.popleft_n(n):
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
-                del self._cached[block.block_hash]
+                del cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block.block_id)
@@ -211,7 +241,7 @@ class BlockPool:
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add a reference to each block, taking free ones out of the free queue (a cache hit)."""
-        blocks = [self.block(i) for i in block_ids]
+        blocks = self._lookup(block_ids)
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
@@ -222,23 +252,33 @@ class BlockPool:
 
         Callers free a request's blocks in reverse so its tail blocks are evicted first.
         """
-        blocks = [self.block(i) for i in block_ids]
-        want: dict[int, int] = {}
-        for block in blocks:
-            want[block.block_id] = want.get(block.block_id, 0) + 1
-        for bid, count in want.items():
-            if self.blocks[bid].ref_cnt < count:
-                raise BlockPoolError(
-                    f"{self.name}: double free of block {bid} "
-                    f"(ref count {self.blocks[bid].ref_cnt}, freeing {count})"
-                )
+        blocks = self._lookup(block_ids)
+        if len({id(b) for b in blocks}) == len(blocks):
+            # Each block once (the usual case): a ref count of 1 is enough.
+            for block in blocks:
+                if block.ref_cnt < 1:
+                    self._double_free(block.block_id, 1)
+        else:
+            want: dict[int, int] = {}
+            for block in blocks:
+                want[block.block_id] = want.get(block.block_id, 0) + 1
+            for bid, count in want.items():
+                if self.blocks[bid].ref_cnt < count:
+                    self._double_free(bid, count)
+        queue = self.free_queue
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    self.free_queue.appendleft(block)
+                    queue.appendleft(block)
                 else:
-                    self.free_queue.append(block)
+                    queue.append(block)
+
+    def _double_free(self, block_id: int, count: int) -> NoReturn:
+        raise BlockPoolError(
+            f"{self.name}: double free of block {block_id} "
+            f"(ref count {self.blocks[block_id].ref_cnt}, freeing {count})"
+        )
 
     def cache(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Enter in-use blocks into the prefix cache under the given hashes.
@@ -250,7 +290,7 @@ class BlockPool:
             raise BlockPoolError(
                 f"{self.name}: {len(block_ids)} blocks but {len(block_hashes)} hashes"
             )
-        blocks = [self.block(i) for i in block_ids]
+        blocks = self._lookup(block_ids)
         seen: set[int] = set()
         for block, h in zip(blocks, block_hashes, strict=True):
             if block.ref_cnt == 0:
@@ -265,12 +305,13 @@ class BlockPool:
         done: list[bool] = []
         stored_ids: list[int] = []
         stored_hashes: list[BlockHash] = []
+        cached = self._cached
         for block, h in zip(blocks, block_hashes, strict=True):
-            if h in self._cached:
+            if h in cached:
                 done.append(False)
                 continue
             block.block_hash = h
-            self._cached[h] = block
+            cached[h] = block
             done.append(True)
             stored_ids.append(block.block_id)
             stored_hashes.append(h)
@@ -280,7 +321,7 @@ class BlockPool:
 
     def uncache(self, block_ids: Iterable[int]) -> None:
         """Drop the cached hash of each listed block (e.g. its data turned out invalid)."""
-        blocks = [self.block(i) for i in block_ids]
+        blocks = self._lookup(block_ids)
         removed: list[BlockHash] = []
         for block in blocks:
             h = block.block_hash

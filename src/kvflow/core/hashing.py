@@ -119,17 +119,31 @@ class BlockHasher:
 
     def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Feed more tokens; return the hashes of the blocks they completed, in order."""
-        self._pending += _token_bytes(token_ids)
         step = self.block_size * 4
-        n = len(self._pending) // step
+        pending = self._pending
+        data: bytes | bytearray = _token_bytes(token_ids)
+        if pending:
+            pending += data
+            data = pending
+        n = len(data) // step
         if n == 0:
+            if data is not pending:
+                pending += data
             return []
-        new: list[BlockHash] = []
-        parent, extra, data = self._parent, self._extra, self._pending
-        for i in range(n):
-            parent = _hash(parent + data[i * step : (i + 1) * step] + extra)
-            new.append(parent)
-        del self._pending[: n * step]
+        parent, extra = self._parent, self._extra
+        if n == 1 and len(data) == step:
+            # Whole blocks one at a time, as the scheduler feeds them: no copy into the buffer.
+            parent = _hash(parent + data + extra)
+            new = [parent]
+        else:
+            new = []
+            for i in range(n):
+                parent = _hash(parent + data[i * step : (i + 1) * step] + extra)
+                new.append(parent)
+        if data is pending:
+            del pending[: n * step]
+        elif len(data) > n * step:
+            pending += data[n * step :]
         self._parent = parent
         self.hashes.extend(new)
         return new

@@ -9,6 +9,7 @@ pickle and travel between processes unchanged.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from attrs import field, frozen
 
@@ -20,7 +21,23 @@ GroupBlockIds = tuple[BlockIds, ...]
 """Block ids per KV cache group: ``ids[g]`` are the blocks of group ``g``."""
 
 
+def _is_group_ids(value: object) -> bool:
+    """Whether ``value`` is already a tuple of tuples of ints (plain loops: no generators)."""
+    if type(value) is not tuple:
+        return False
+    for group in value:
+        if type(group) is not tuple:
+            return False
+        for b in group:
+            if type(b) is not int:
+                return False
+    return True
+
+
 def _as_group_ids(value: Iterable[Iterable[int]]) -> GroupBlockIds:
+    if _is_group_ids(value):
+        # What kvflow itself passes, several times a step: immutable already, kept as is.
+        return cast(GroupBlockIds, value)
     return tuple(tuple(int(b) for b in group) for group in value)
 
 

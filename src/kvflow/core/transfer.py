@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import structlog
 from attrs import define
 
+from kvflow.core.logs import debug_enabled
 from kvflow.errors import TransitionError
 
 log = structlog.get_logger("kvflow.transfer")
@@ -102,15 +103,17 @@ def apply(transfer: Transfer, event: TransferInput, *, cause: str) -> TransferSt
         )
         raise TransitionError("transfer", transfer.transfer_id, old.value, event.value)
     transfer.state = new
-    log.debug(
-        "transfer_transition",
-        transfer_id=transfer.transfer_id,
-        request_id=transfer.request_id,
-        direction=transfer.direction.value,
-        input=event.value,
-        cause=cause,
-        **{"from": old.value, "to": new.value},
-    )
+    # Every transfer passes here several times a step: skip building an event that is filtered.
+    if debug_enabled():
+        log.debug(
+            "transfer_transition",
+            transfer_id=transfer.transfer_id,
+            request_id=transfer.request_id,
+            direction=transfer.direction.value,
+            input=event.value,
+            cause=cause,
+            **{"from": old.value, "to": new.value},
+        )
     return new
 
 

@@ -148,6 +148,10 @@ def group_block_ids(block_ids: Sequence[Sequence[int]]) -> GroupBlockIds:
     return tuple(tuple(group) for group in block_ids)
 
 
+def _has_blocks(new_ids: Sequence[Sequence[int]] | None) -> bool:
+    return new_ids is not None and any(new_ids)
+
+
 def translate_scheduler_output(
     scheduler_output: VLLMSchedulerOutput, step: int, num_groups: int, boundary: int = 1
 ) -> SchedulerOutput:
@@ -174,34 +178,51 @@ def translate_scheduler_output(
     )
     cached_data = scheduler_output.scheduled_cached_reqs
     resumed = cached_data.resumed_req_ids
+    req_ids = cached_data.req_ids
+    new_block_ids = cached_data.new_block_ids
+    num_computed = cached_data.num_computed_tokens
     no_blocks: GroupBlockIds = ((),) * num_groups
-    cached = []
-    for rid, new_ids, computed in zip(
-        cached_data.req_ids,
-        cached_data.new_block_ids,
-        cached_data.num_computed_tokens,
-        strict=True,
-    ):
-        scheduled = num_scheduled[rid]
-        # The common case first and cheapest: a decode token inside a block.
-        if (
-            new_ids is None
-            and (computed + scheduled) // boundary == computed // boundary
-            and rid not in resumed
-            and rid not in spec
-        ):
-            continue
-        has_blocks = new_ids is not None and any(new_ids)
-        cached.append(
+    counts = num_scheduled.values()
+    if not resumed and not spec and counts and sum(counts) == len(counts) and min(counts) == 1:
+        # Steady decode: one token per request, nothing resumed or speculative. A request has
+        # news only if it got blocks or its one token completes a multiple of ``boundary``; one
+        # pass over vLLM's lists, in their order, finds them.
+        last = boundary - 1
+        cached = [
             CachedRequest(
-                rid,
-                new_ids if has_blocks else no_blocks,
-                computed,
-                scheduled,
-                len(spec.get(rid, ())),
-                rid in resumed,
+                req_ids[i],
+                new_block_ids[i] if _has_blocks(new_block_ids[i]) else no_blocks,
+                num_computed[i],
+                1,
             )
-        )
+            for i in [
+                i
+                for i, (ids, computed) in enumerate(zip(new_block_ids, num_computed, strict=True))
+                if ids is not None or computed % boundary == last
+            ]
+        ]
+    else:
+        cached = []
+        for rid, new_ids, computed in zip(req_ids, new_block_ids, num_computed, strict=True):
+            scheduled = num_scheduled[rid]
+            # The common case first and cheapest: a decode token inside a block.
+            if (
+                new_ids is None
+                and (computed + scheduled) // boundary == computed // boundary
+                and rid not in resumed
+                and rid not in spec
+            ):
+                continue
+            cached.append(
+                CachedRequest(
+                    rid,
+                    new_ids if _has_blocks(new_ids) else no_blocks,
+                    computed,
+                    scheduled,
+                    len(spec.get(rid, ())),
+                    rid in resumed,
+                )
+            )
     return SchedulerOutput(
         step=step,
         new_requests=new,
