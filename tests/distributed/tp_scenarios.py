@@ -196,6 +196,9 @@ class CommitAudit:
     def reset_cache(self) -> bool:
         return self.inner.reset_cache()
 
+    def has_pending_push_work(self) -> bool:
+        return self.inner.has_pending_push_work()
+
 
 def _wrap(kinds: dict[int, tuple[str, int]], rank: int, worker: WorkerConnector) -> WorkerConnector:
     if rank not in kinds:

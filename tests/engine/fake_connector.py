@@ -183,6 +183,9 @@ class FakeConnector:
         self.store.clear()
         return True
 
+    def has_pending_push_work(self) -> bool:
+        return False
+
     # ---- worker role ------------------------------------------------------------------------
 
     def _layers(self, group: int) -> list[str]:

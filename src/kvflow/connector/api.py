@@ -153,6 +153,11 @@ class SchedulerConnector(Protocol):
         """Forget the connector's cached KV; False if it refused (e.g. transfers in flight)."""
         ...
 
+    def has_pending_push_work(self) -> bool:
+        """Transfers are still on their way (vLLM's name): the engine keeps stepping, so an idle
+        engine does not leave finished copies unreported and their blocks uncommitted."""
+        ...
+
 
 @runtime_checkable
 class WorkerConnector(Protocol):
@@ -233,6 +238,9 @@ class NullConnector:
 
     def reset_cache(self) -> bool:
         return True
+
+    def has_pending_push_work(self) -> bool:
+        return False
 
     # ---- worker role ------------------------------------------------------------------
 

@@ -182,6 +182,9 @@ class OffloadScheduler:
     def reset_cache(self) -> bool:
         return self.manager.reset_cache() is ResetStatus.COMPLETE
 
+    def has_pending_push_work(self) -> bool:
+        return self.manager.num_live_transfers() > 0
+
     def stats(self) -> ConnectorStats:
         st, ld = self._latency[Direction.STORE], self._latency[Direction.LOAD]
         return ConnectorStats(

@@ -252,7 +252,9 @@ class Engine:
         return rid
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests left, or transfers the connector still waits on (stores after the last
+        request): stepping on lets them report, so their blocks are committed, not lost."""
+        return self.scheduler.has_unfinished() or self.scheduler_connector.has_pending_push_work()
 
     # ---- stepping ---------------------------------------------------------------------------
 
