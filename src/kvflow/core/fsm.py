@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
+from kvflow.core.logs import debug_enabled
 from kvflow.errors import TransitionError
 
 S = TypeVar("S", bound=enum.Enum)
@@ -61,14 +62,16 @@ class Machine(Generic[S, I]):
                 cause=cause,
             )
             raise TransitionError(self.name, entity_id, str(state.value), str(event.value))
-        self._log.debug(
-            f"{self.name}_transition",
-            **{self.id_field: entity_id},
-            **fields,
-            input=event.value,
-            cause=cause,
-            **{"from": state.value, "to": new.value},
-        )
+        # Transfers pass here several times a step: skip building an event that is filtered.
+        if debug_enabled():
+            self._log.debug(
+                f"{self.name}_transition",
+                **{self.id_field: entity_id},
+                **fields,
+                input=event.value,
+                cause=cause,
+                **{"from": state.value, "to": new.value},
+            )
         return new
 
     def render_mermaid(self) -> str:

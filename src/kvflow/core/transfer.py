@@ -10,13 +10,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-import structlog
 from attrs import define
 
-from kvflow.core.logs import debug_enabled
-from kvflow.errors import TransitionError
-
-log = structlog.get_logger("kvflow.transfer")
+from kvflow.core.fsm import Machine
 
 
 class Direction(enum.StrEnum):
@@ -84,70 +80,46 @@ class Transfer:
         return self.state in TERMINAL_STATES
 
 
+TRANSFER_MACHINE: Machine[TransferState, TransferInput] = Machine(
+    "transfer",
+    TRANSITIONS,
+    id_field="transfer_id",
+    initial=TransferState.PENDING,
+    terminal=TERMINAL_STATES,
+    logger="kvflow.transfer",
+)
+
+
 def apply(transfer: Transfer, event: TransferInput, *, cause: str) -> TransferState:
     """Apply one input to ``transfer`` by the table; log it; return the new state.
 
     An illegal pair raises ``TransitionError`` and leaves the transfer unchanged.
     """
-    old = transfer.state
-    new = TRANSITIONS.get((old, event))
-    if new is None:
-        log.warning(
-            "transfer_transition_rejected",
-            transfer_id=transfer.transfer_id,
-            request_id=transfer.request_id,
-            direction=transfer.direction.value,
-            state=old.value,
-            input=event.value,
-            cause=cause,
-        )
-        raise TransitionError("transfer", transfer.transfer_id, old.value, event.value)
-    transfer.state = new
-    # Every transfer passes here several times a step: skip building an event that is filtered.
-    if debug_enabled():
-        log.debug(
-            "transfer_transition",
-            transfer_id=transfer.transfer_id,
-            request_id=transfer.request_id,
-            direction=transfer.direction.value,
-            input=event.value,
-            cause=cause,
-            **{"from": old.value, "to": new.value},
-        )
-    return new
+    transfer.state = TRANSFER_MACHINE.apply(
+        transfer.transfer_id,
+        transfer.state,
+        event,
+        cause=cause,
+        request_id=transfer.request_id,
+        direction=transfer.direction.value,
+    )
+    return transfer.state
 
 
-def render_mermaid(
-    transitions: Mapping[tuple[TransferState, TransferInput], TransferState] = TRANSITIONS,
-) -> str:
+def render_mermaid() -> str:
     """A Mermaid state diagram of the table, for docs/state-machines.md."""
-    lines = ["stateDiagram-v2", f"    [*] --> {TransferState.PENDING.name}"]
-    for (src, event), dst in transitions.items():
-        lines.append(f"    {src.name} --> {dst.name}: {event.value}")
-    for state in TERMINAL_STATES:
-        lines.append(f"    {state.name} --> [*]")
-    return "\n".join(lines) + "\n"
+    return TRANSFER_MACHINE.render_mermaid()
 
 
-def render_table(
-    transitions: Mapping[tuple[TransferState, TransferInput], TransferState] = TRANSITIONS,
-) -> str:
+def render_table() -> str:
     """A Markdown table of every (state, input) pair: the new state, or a dash where illegal."""
-    head = "| state \\ input | " + " | ".join(i.value for i in TransferInput) + " |"
-    sep = "|" + "---|" * (len(TransferInput) + 1)
-    rows = [head, sep]
-    for state in TransferState:
-        cells = []
-        for event in TransferInput:
-            dst = transitions.get((state, event))
-            cells.append(dst.value if dst is not None else "—")
-        rows.append(f"| **{state.value}** | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+    return TRANSFER_MACHINE.render_table(TransferState, TransferInput)
 
 
 __all__ = [
     "LIVE_ON_DEVICE",
     "TERMINAL_STATES",
+    "TRANSFER_MACHINE",
     "TRANSITIONS",
     "Direction",
     "Transfer",
