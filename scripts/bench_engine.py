@@ -23,9 +23,11 @@ from rich.console import Console
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
-from kvflow.engine.engine import Engine, EngineConfig
+from kvflow.bench.config import BenchConfig
+from kvflow.bench.multi_round import gpu_blocks_for, workload_of
+from kvflow.engine.engine import Engine, EngineConfig, make_kv_cache_config
 from kvflow.engine.model import build_model, model_config
-from kvflow.engine.workload import MultiRoundQA, RoundRecord, WorkloadResult, run_multi_round
+from kvflow.engine.workload import RoundRecord, WorkloadResult, run_multi_round
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -86,19 +88,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     console = Console()
     cfg = model_config(args.model)
-    workload = MultiRoundQA(
-        num_users=args.users,
-        num_rounds=args.rounds,
-        system_prompt_len=args.system,
-        first_question_len=args.first_question,
-        question_len=args.question,
-        answer_len=args.answer,
-        vocab_size=min(cfg.vocab_size, 32000),
+    bench = BenchConfig(
+        model=args.model,
+        device=args.device,
+        users=args.users,
+        rounds=args.rounds,
+        system_prompt=args.system,
+        first_question=args.first_question,
+        question=args.question,
+        answer=args.answer,
+        block_size=args.block_size,
+        cache_fraction=args.cache_fraction,
         seed=args.seed,
     )
+    workload = workload_of(bench, cfg)
     working_blocks = -(-workload.working_set_tokens // args.block_size)
-    longest = -(-(workload.prompt_len(args.rounds - 1) + args.answer) // args.block_size)
-    num_blocks = max(int(working_blocks * args.cache_fraction), 2 * longest) + 1
+    groups = len(make_kv_cache_config(cfg, EngineConfig(block_size=args.block_size)).groups)
+    num_blocks = gpu_blocks_for(bench, workload, groups)
     model = build_model(cfg, device=args.device, seed=args.seed)
     rows: list[dict[str, float | int | str]] = []
     per_round: dict[str, list[float]] = {}

@@ -29,12 +29,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvflow.backends.cuda import CudaBackend
-from kvflow.bench.multi_round import block_bytes_per_group
-from kvflow.connector.api import KVCacheConfig
+from kvflow.bench.multi_round import block_bytes_per_group, offload_engine
 from kvflow.connector.config import OffloadConfig
 from kvflow.connector.offload import OffloadConnector
-from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.transfer import Direction
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest, make_kv_cache_config
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
@@ -85,26 +82,15 @@ class Bench:
         if not offload:
             return Engine(self.cfg, econf, model=self.model, clock=self.clock.now)
         kv = make_kv_cache_config(self.cfg, econf)
-        block_bytes = block_bytes_per_group(self.cfg, kv, self.dtype)
-
-        def factory(kv_cfg: KVCacheConfig, view: GpuCacheView) -> tuple[Any, Any]:
-            conn = OffloadConnector.build(
-                OffloadConfig(cpu_bytes=args.cpu_bytes),
-                kv_cfg,
-                block_bytes,
-                gpu_view=view,
-                now=self.clock.now,
-            )
-            self.connectors.append(conn)
-            return conn.scheduler, conn.worker
-
-        engine = Engine(
-            self.cfg, econf, model=self.model, clock=self.clock.now, connector_factory=factory
+        engine, conn = offload_engine(
+            self.cfg,
+            econf,
+            self.model,
+            OffloadConfig(cpu_bytes=args.cpu_bytes),
+            block_bytes_per_group(self.cfg, kv, self.dtype),
+            now=self.clock.now,
         )
-        # The CUDA backend pins its CPU tier in the background; time only the steady state.
-        backend = self.connectors[-1].worker.backend
-        if isinstance(backend, CudaBackend):
-            backend.cpu_tier.wait_registered()
+        self.connectors.append(conn)
         return engine
 
     def prompt(self, n: int, seed: int) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,34 @@ def gpu_blocks_for(cfg: BenchConfig, workload: MultiRoundQA, groups: int) -> int
     return groups * max(int(working * cfg.cache_fraction), 2 * longest) + 1
 
 
+def offload_engine(
+    model_cfg: ModelConfig,
+    engine_cfg: EngineConfig,
+    model: LlamaForCausalLM,
+    offload_cfg: OffloadConfig,
+    block_bytes: Sequence[int],
+    *,
+    now: Callable[[], float],
+) -> tuple[Engine, OffloadConnector]:
+    """An engine with kvflow's offload connector, ready to be timed.
+
+    The CUDA backend pins its CPU tier in the background; this waits for it, so benchmarks time
+    the steady state, not the start-up.
+    """
+    built: list[OffloadConnector] = []
+
+    def factory(kv_cfg: KVCacheConfig, gpu_view: GpuCacheView) -> tuple[Any, Any]:
+        conn = OffloadConnector.build(offload_cfg, kv_cfg, block_bytes, gpu_view=gpu_view, now=now)
+        built.append(conn)
+        return conn.scheduler, conn.worker
+
+    engine = Engine(model_cfg, engine_cfg, model=model, clock=now, connector_factory=factory)
+    (conn,) = built
+    if isinstance(conn.worker.backend, CudaBackend):
+        conn.worker.backend.cpu_tier.wait_registered()
+    return engine, conn
+
+
 def _run(
     name: str,
     engine: Engine,
@@ -194,23 +222,13 @@ def run_bench(
 
     built: list[OffloadConnector] = []
 
-    def factory(kv_cfg: KVCacheConfig, gpu_view: GpuCacheView) -> tuple[Any, Any]:
-        conn = OffloadConnector.build(
-            offload_cfg, kv_cfg, block_bytes, gpu_view=gpu_view, now=clock.now
-        )
-        built.append(conn)
-        return conn.scheduler, conn.worker
-
     def engine(offload: bool) -> Engine:
         if not offload:
             return Engine(model_cfg, engine_cfg, model=model, clock=clock.now)
-        made = Engine(
-            model_cfg, engine_cfg, model=model, clock=clock.now, connector_factory=factory
+        made, conn = offload_engine(
+            model_cfg, engine_cfg, model, offload_cfg, block_bytes, now=clock.now
         )
-        backend = built[-1].worker.backend
-        if isinstance(backend, CudaBackend):
-            # The CUDA backend pins its CPU tier in the background; time the steady state.
-            backend.cpu_tier.wait_registered()
+        built.append(conn)
         return made
 
     # Warm up (first-call allocations, kernel and primitive selection per shape, lazy CUDA
@@ -266,5 +284,8 @@ __all__ = [
     "BenchResult",
     "RunResult",
     "block_bytes_per_group",
+    "gpu_blocks_for",
+    "offload_engine",
     "run_bench",
+    "workload_of",
 ]
