@@ -35,6 +35,7 @@ from rich.table import Table
 from kvflow.bench.multi_round import gpu_blocks_for, workload_of
 from kvflow.cli.bench import add_arguments, config_from_args
 from kvflow.connector.config import OffloadConfig
+from kvflow.connector.offload import copy_gbps
 from kvflow.core.transfer import Direction
 from kvflow.engine.distributed import launch
 from kvflow.engine.engine import EngineConfig, make_kv_cache_config
@@ -86,11 +87,6 @@ def bench_rank(
     _quiet()
     run_rank(rank, world_size, spec, _warm_job)
     return run_rank(rank, world_size, spec, lambda tp: _measure_job(workload, tp))
-
-
-def _gbps(status: RankStatus, direction: Direction) -> float:
-    moved, busy = status.copies.get(direction, (0, 0.0))
-    return moved / busy / 1e9 if busy > 0 else 0.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,8 +168,8 @@ def _per_rank(statuses: Sequence[RankStatus]) -> list[dict[str, Any]]:
         out.append(
             {
                 "rank": st.rank,
-                "store_gbps": _gbps(st, Direction.STORE),
-                "load_gbps": _gbps(st, Direction.LOAD),
+                "store_gbps": copy_gbps(st.copies, Direction.STORE),
+                "load_gbps": copy_gbps(st.copies, Direction.LOAD),
                 "bytes_stored": moved[Direction.STORE],
                 "bytes_loaded": moved[Direction.LOAD],
             }

@@ -21,7 +21,7 @@ from kvflow.backends.cuda import CudaBackend
 from kvflow.bench.config import BenchConfig
 from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.config import OffloadConfig
-from kvflow.connector.offload import ConnectorStats, OffloadConnector
+from kvflow.connector.offload import ConnectorStats, OffloadConnector, copy_gbps
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.transfer import Direction
 from kvflow.engine.engine import (
@@ -145,13 +145,6 @@ def _run(
     return run_multi_round(engine, workload, on_round_done=done)
 
 
-def _gbps(copies: dict[Direction, tuple[int, float]] | None, direction: Direction) -> float:
-    if not copies:
-        return 0.0
-    moved, busy = copies[direction]
-    return moved / busy / 1e9 if busy > 0 else 0.0
-
-
 def _result(
     offload: bool,
     engine: Engine,
@@ -172,8 +165,8 @@ def _result(
         prefill_tokens_loaded=loaded,
         gpu_cached_tokens=result.total("gpu_cached_tokens"),
         cpu_hit_rate=loaded / (loaded + computed) if loaded + computed else 0.0,
-        store_gbps=_gbps(copies, Direction.STORE),
-        load_gbps=_gbps(copies, Direction.LOAD),
+        store_gbps=copy_gbps(copies or {}, Direction.STORE),
+        load_gbps=copy_gbps(copies or {}, Direction.LOAD),
         blocks_stored=m.blocks_stored if m else 0,
         blocks_loaded=m.blocks_loaded if m else 0,
         bytes_stored=m.bytes_stored if m else 0,

@@ -71,21 +71,18 @@ class LatencyHistogram:
 
 @frozen
 class ConnectorStats:
-    """The connector's counters: the manager's, plus per-direction latency and throughput."""
+    """The connector's counters: the manager's, plus per-direction launch → commit latency.
+    Copy throughput is the worker's: ``OffloadWorker.copy_throughput`` and ``copy_gbps``."""
 
     manager: OffloadStats
     store_latency: tuple[tuple[int, ...], float]  # (bucket counts, sum of seconds)
     load_latency: tuple[tuple[int, ...], float]
-    store_busy_s: float  # summed launch → commit time of stores (throughput denominator)
-    load_busy_s: float
 
-    @property
-    def store_gbps(self) -> float:
-        return self.manager.bytes_stored / self.store_busy_s / 1e9 if self.store_busy_s else 0.0
 
-    @property
-    def load_gbps(self) -> float:
-        return self.manager.bytes_loaded / self.load_busy_s / 1e9 if self.load_busy_s else 0.0
+def copy_gbps(copies: Mapping[Direction, tuple[int, float]], direction: Direction) -> float:
+    """GB/s of one direction from ``copy_throughput()``'s (bytes, seconds in flight); 0 if idle."""
+    moved, busy = copies.get(direction, (0, 0.0))
+    return moved / busy / 1e9 if busy > 0 else 0.0
 
 
 def group_specs(
@@ -191,8 +188,6 @@ class OffloadScheduler:
             manager=self.manager.stats(),
             store_latency=(tuple(st.counts), st.total_s),
             load_latency=(tuple(ld.counts), ld.total_s),
-            store_busy_s=st.total_s,
-            load_busy_s=ld.total_s,
         )
 
 
@@ -305,4 +300,5 @@ __all__ = [
     "OffloadConnector",
     "OffloadScheduler",
     "OffloadWorker",
+    "copy_gbps",
 ]
