@@ -209,7 +209,6 @@ class OffloadWorker:
         self.rank = rank
         self.backend = backend or make_backend(config.backend.value, kv_cache_config.device)
         self.runtime = SyncWorkerRuntime(self.backend, rank=rank)
-        self._plan: StepPlan | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         kv = self.kv_cache_config
@@ -222,8 +221,7 @@ class OffloadWorker:
         return meta
 
     def bind_connector_metadata(self, meta: object) -> None:
-        self._plan = self._as_plan(meta)
-        self.runtime.bind_connector_metadata(self._plan)
+        self.runtime.bind_connector_metadata(self._as_plan(meta))
 
     def handle_preemptions(self, meta: object) -> None:
         plan = self._as_plan(meta)
@@ -256,7 +254,8 @@ class OffloadWorker:
         return self.runtime.get_block_ids_with_load_errors()
 
     def clear_connector_metadata(self) -> None:
-        self._plan = None
+        # The runtime keeps the bound plan until the next bind; nothing to drop here.
+        return None
 
     def shutdown(self) -> None:
         self.runtime.shutdown()
