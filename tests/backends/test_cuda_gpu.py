@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -333,3 +334,18 @@ def test_bad_input_is_rejected_before_touching_the_device(make_backend: Any) -> 
     backend.close()
     with pytest.raises(ClosedError):
         backend.submit(store([0], [0]))
+
+
+def test_waiter_threads_wake_the_reactor_when_a_batch_finishes(make_backend: Any) -> None:
+    """The wakeup fires once a batch's copies finish (after the compute it waits for), not
+    before, so the reactor need not poll the device on a timer."""
+    _kv, backend = ready(make_backend, "flash", torch.bfloat16, 16 * KiB, 16, 16)
+    assert backend.pushes_completions
+    woke = threading.Event()
+    backend.set_wakeup(woke.set)
+    gpu_sleep()
+    fence = backend.submit(store([1, 2, 3], [0, 1, 2]), [backend.compute_fence()])
+    assert not woke.wait(0.02)  # the compute the store waits for is still sleeping
+    assert woke.wait(10.0)
+    assert backend.query(fence) is FenceStatus.DONE
+    backend.set_wakeup(None)

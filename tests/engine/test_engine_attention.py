@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvflow.engine.kv_cache import build_attention_metadata, paged_attention, write_kv
 from kvflow.engine.model import model_config
+from kvflow.errors import ConfigError
 from tests.engine.helpers import dense_greedy, make_engine, prompts, requests, shared_model
 
 HEADS, KV_HEADS, DIM, BS = 4, 2, 8, 4
@@ -68,6 +71,61 @@ def test_paged_attention_matches_dense(window: int | None, first_ends: list[int]
             [_dense(*qkv, window)[s:e] for qkv, s, e in zip(seqs, starts, ends, strict=True)]
         )
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 14), min_size=1, max_size=4),
+    chunk=st.integers(1, 6),
+    window=st.sampled_from([None, 3, 6]),
+    seed=st.integers(0, 2**16),
+)
+def test_mixed_decode_and_prefill_batches_match_dense(
+    lengths: list[int], chunk: int, window: int | None, seed: int
+) -> None:
+    """Requests advancing by different chunk sizes in one batch (decodes and prefill chunks mixed,
+    some idle) each attend exactly like dense causal attention over their own keys."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.full((2, 32, BS, KV_HEADS, DIM), float("nan"))
+    cache[:, 0] = 0.0  # the null block is zeros; unwritten real slots stay NaN to catch leaks
+    free = torch.randperm(31, generator=gen).add(1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // BS))] for n in lengths]
+    seqs = [
+        (
+            torch.randn(n, HEADS, DIM, generator=gen),
+            torch.randn(n, KV_HEADS, DIM, generator=gen),
+            torch.randn(n, KV_HEADS, DIM, generator=gen),
+        )
+        for n in lengths
+    ]
+    done = [0] * len(lengths)
+    step = 0
+    while done != lengths:
+        # Request i takes 1 token, a chunk, or nothing this step, varying by step.
+        want = [[1, chunk, 0][(i + step) % 3] for i in range(len(lengths))]
+        ns = [min(w, n - d) for w, n, d in zip(want, lengths, done, strict=True)]
+        if not any(ns):
+            ns = [min(1, n - d) for n, d in zip(lengths, done, strict=True)]
+        step += 1
+        meta = build_attention_metadata(tables, done, ns, BS, window, torch.device("cpu"))
+        parts = [
+            [seq[j][d : d + n] for seq, d, n in zip(seqs, done, ns, strict=True)] for j in range(3)
+        ]
+        q, k, v = (torch.cat(x) for x in parts)
+        assert meta.num_tokens == q.shape[0]
+        write_kv(cache, meta.slot_mapping, k, v)
+        got = paged_attention(q, cache, meta)
+        want_out = torch.cat(
+            [_dense(*seq, window)[d : d + n] for seq, d, n in zip(seqs, done, ns, strict=True)]
+        )
+        torch.testing.assert_close(got, want_out, rtol=1e-5, atol=1e-5)
+        done = [d + n for d, n in zip(done, ns, strict=True)]
+
+
+def test_block_table_too_short_is_a_config_error() -> None:
+    """A block table that cannot hold a request's tokens is rejected with the request named."""
+    with pytest.raises(ConfigError, match="request 1"):
+        build_attention_metadata([[1], [2]], [0, 3], [2, 2], BS, None, torch.device("cpu"))
 
 
 def test_sliding_window_ignores_blocks_outside_the_window() -> None:

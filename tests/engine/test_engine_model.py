@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,8 +12,10 @@ from kvflow.engine.model import (
     ModelConfig,
     apply_rope,
     build_model,
+    load_weights,
     model_config,
     rope_cos_sin,
+    save_weights,
 )
 from kvflow.errors import ConfigError
 
@@ -64,3 +68,47 @@ def test_random_weights_are_seeded() -> None:
     a, b, c = build_model(cfg, seed=1), build_model(cfg, seed=1), build_model(cfg, seed=2)
     torch.testing.assert_close(a.lm_head.weight, b.lm_head.weight)
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+def _unfused_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The same weights in a model whose projections run one by one."""
+    plain = LlamaForCausalLM(model.config)
+    plain.load_state_dict(model.state_dict())
+    return plain.eval()
+
+
+def test_fused_projections_compute_what_separate_ones_do() -> None:
+    """One GEMM for q/k/v and one for gate/up give the logits of the separate projections."""
+    cfg = model_config("tiny-swa6")
+    fused = build_model(cfg, seed=3)
+    assert fused._layer(0).self_attn.qkv_weight is not None
+    ids = list(range(40, 61))
+    torch.testing.assert_close(
+        fused.forward_dense(ids), _unfused_copy(fused).forward_dense(ids), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_loading_weights_into_a_fused_model_updates_its_fused_matrices(tmp_path: Path) -> None:
+    """Weights loaded after fusion reach the fused GEMMs (parameters are views into them)."""
+    cfg = model_config("tiny")
+    source, target = build_model(cfg, seed=1), build_model(cfg, seed=2)
+    save_weights(source, tmp_path / "w.safetensors")
+    load_weights(target, tmp_path / "w.safetensors")
+    ids = list(range(5, 30))
+    torch.testing.assert_close(target.forward_dense(ids), source.forward_dense(ids))
+
+
+def test_a_fused_model_moved_afterwards_falls_back_to_separate_projections() -> None:
+    """After ``.to()`` gives parameters storage of their own, the stale fused matrix is unused."""
+    cfg = model_config("tiny")
+    model = build_model(cfg, seed=4)
+    ids = list(range(3, 20))
+    want = model.forward_dense(ids)
+    moved = model.to(torch.float64)
+    attn = moved._layer(0).self_attn
+    assert attn.qkv_weight is not None
+    assert attn.qkv_weight.dtype == torch.float32
+    torch.testing.assert_close(moved.forward_dense(ids).float(), want, rtol=1e-4, atol=1e-4)
+    moved.fuse()
+    assert attn.qkv_weight is not None
+    assert attn.qkv_weight.dtype == torch.float64

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvflow.backends.host import HostBackend
-from kvflow.core.protocol import StepPlan, TransferSpec
+from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError, ConfigError
 from kvflow.runtime.portal import SyncWorkerRuntime
@@ -60,6 +60,31 @@ def test_sync_facade_round_trip_and_load_errors() -> None:
     with pytest.raises(ClosedError):
         rt.get_finished()
     rt.shutdown()
+
+
+def test_finish_step_returns_finished_requests_and_report_in_one_call() -> None:
+    """``finish_step`` gives the finished requests and the report together, and a failed load's
+    blocks reach ``get_block_ids_with_load_errors`` in the same step."""
+    caches = {"l0": torch.randn(2, 8, 4, 2, 8)}
+    with SyncWorkerRuntime(HostBackend()) as rt:
+        rt.register_kv_caches(caches, 8)
+        rt.allocate_cpu_tier(4)
+        rt.bind_connector_metadata(
+            StepPlan(
+                1,
+                stores=(TransferSpec(1, "a", Direction.STORE, [[1]], [[0]]),),
+                loads=(TransferSpec(2, "b", Direction.LOAD, [[2]], [[9]]),),
+            )
+        )
+        rt.start_load_kv()
+        rt.wait_for_save()
+        rt.flush()
+        sending, recving, report = rt.finish_step()
+        assert (sending, recving) == ({"a"}, {"b"})
+        assert report.completed == (1,)
+        assert report.failed == (2,)
+        assert rt.get_block_ids_with_load_errors() == {2}
+        assert rt.finish_step() == (set(), set(), StepReport(rank=0))
 
 
 def test_posted_call_error_is_raised_by_the_next_call() -> None:

@@ -82,6 +82,34 @@ async def test_polling_backs_off_to_the_cap(fake: FakeBackend, clock: FakeClock)
     assert reactor.polls == 4 + 12  # at 0, 1, 3, 7 ms, then every 8 ms from 15 to 103 ms
 
 
+async def test_a_backend_that_pushes_completions_is_polled_only_as_a_safety_net(
+    fake: FakeBackend, clock: FakeClock
+) -> None:
+    """With ``pushes_completions`` the timed polls start at the max back-off and grow to the push
+    back-off, and a wakeup still makes the reactor see the completion at once."""
+    fake.pushes_completions = True
+    reactor = Reactor(fake, clock, min_backoff=1e-3, max_backoff=8e-3, push_backoff=32e-3)
+    fence = fake.submit(STORE_0_TO_0)
+    seen: list[float] = []
+
+    async def waiter() -> None:
+        assert await reactor.wait(fence) is FenceStatus.DONE
+        seen.append(clock.now())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reactor.run)
+        tg.start_soon(waiter)
+        await wait_all_tasks_blocked()
+        for _ in range(30):  # 100 ms of simulated time, in 3.33 ms steps
+            clock.jump(0.1 / 30)
+            await wait_all_tasks_blocked()
+        assert reactor.polls == 5  # at 0, 8, 24, 56 and 88 ms: 8, 16, then 32 ms apart
+        fake.release(fence)  # the fake backend calls the wakeup, as a waiter thread would
+        await wait_all_tasks_blocked()
+        assert seen == [pytest.approx(0.1)]
+        reactor.close()
+
+
 async def test_many_waiters_on_one_fence_query_it_once(fake: FakeBackend, clock: FakeClock) -> None:
     """However many tasks wait on a fence, each poll queries it once and wakes them all."""
     reactor = Reactor(fake, clock)

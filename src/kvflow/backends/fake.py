@@ -80,6 +80,7 @@ class FakeBackend:
     violations: list[str] = field(factory=list)
     queries: int = 0
     closed: bool = False
+    pushes_completions: bool = False  # True: behave like a backend that wakes on every finish
     _ids: itertools.count[int] = field(factory=lambda: itertools.count(1))
     _versions: itertools.count[int] = field(factory=lambda: itertools.count(1))
     _pending_writes: list[tuple[BlockKey, int]] = field(factory=list)

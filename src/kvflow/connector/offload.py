@@ -209,6 +209,7 @@ class OffloadWorker:
         self.rank = rank
         self.backend = backend or make_backend(config.backend.value, kv_cache_config.device)
         self.runtime = SyncWorkerRuntime(self.backend, rank=rank)
+        self._report: StepReport | None = None  # fetched with get_finished, for this step
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         kv = self.kv_cache_config
@@ -237,7 +238,7 @@ class OffloadWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Which requests may go on is decided by the scheduler once every rank reported; the
         # per-rank sets are only informative.
-        sending, recving = self.runtime.get_finished()
+        sending, recving, self._report = self.runtime.finish_step()
         return sending or None, recving or None
 
     def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
@@ -248,7 +249,8 @@ class OffloadWorker:
         self.runtime.wait_for_progress(timeout)
 
     def build_worker_report(self) -> StepReport:
-        return self.runtime.build_report()
+        report, self._report = self._report, None
+        return report if report is not None else self.runtime.build_report()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.runtime.get_block_ids_with_load_errors()

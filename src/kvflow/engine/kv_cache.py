@@ -3,10 +3,10 @@
 Each layer owns one FlashAttention-style tensor ``(2, num_blocks, block_size, num_kv_heads,
 head_dim)`` named ``model.layers.{i}.self_attn`` (``kvflow.core.layout`` classifies it KV_FIRST).
 Block 0 of every group is the null block: padding in block tables, never written with real data
-that a query can see. A step's tokens are one flat batch; attention gathers each request's keys
-and values by block table into a padded batch and runs one masked SDPA per layer, with the causal
-mask offset by the tokens already computed (chunked prefill) and, for sliding-window groups,
-limited to the window.
+that a query can see. A step's tokens are one flat batch; attention gathers keys and values by
+block table and runs one SDPA for all single-token (decode) queries together and one per
+multi-token (prefill) chunk, causal with the offset of the tokens already computed and, for
+sliding-window groups, limited to the window.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from attrs import frozen
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec
 from kvflow.errors import ConfigError
@@ -65,20 +67,58 @@ def allocate_kv_caches(
 
 
 @frozen
+class DecodeSegment:
+    """The step's single-token queries, batched: row ``b`` is flat token ``query_index[b]``.
+
+    Keys are padded to the longest row; ``mask[b, 0, 0, k]`` says whether key ``k`` is real.
+    """
+
+    query_index: torch.Tensor
+    key_slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@frozen
+class PrefillSegment:
+    """One request's multi-token chunk: flat tokens ``[start, stop)`` over keys ``key_slots``.
+
+    ``mask`` is ``None`` when the chunk sees every key up to itself (causal, aligned to the last
+    key), which SDPA takes as a lower-right causal bias without materialising scores' masks.
+    """
+
+    start: int
+    stop: int
+    key_slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@frozen
 class AttentionMetadata:
     """One step's attention inputs for one KV cache group (shared by all its layers).
 
     ``slot_mapping[t]``: flat cache slot (block * block_size + offset) where token ``t`` writes.
-    ``key_slots[b, k]``: slot of request ``b``'s ``k``-th visible key (0 past its end).
-    ``query_index[b, q]``: flat token index of request ``b``'s ``q``-th query (valid where
-    ``query_valid``); ``mask[b, 0, q, k]``: may query ``q`` see key ``k``.
+    Attention runs per segment: one batched call for all single-token (decode) queries, one call
+    per multi-token (prefill) chunk. Padding every request to the longest query and key length
+    instead would make a 4k-token chunk batched with decodes cost as if every decode were a 4k
+    chunk too.
     """
 
     slot_mapping: torch.Tensor
-    key_slots: torch.Tensor
-    query_index: torch.Tensor
-    query_valid: torch.Tensor
-    mask: torch.Tensor
+    num_tokens: int
+    decode: DecodeSegment | None
+    prefills: tuple[PrefillSegment, ...]
+
+
+def _key_start(computed: int, window: int | None) -> int:
+    return 0 if window is None else max(0, computed - window + 1)
+
+
+def _slots(
+    table: torch.Tensor, first: int, count: int, block_size: int, device: torch.device
+) -> torch.Tensor:
+    pos = torch.arange(first, first + count, device=device)
+    result: torch.Tensor = table[pos // block_size] * block_size + pos % block_size
+    return result
 
 
 def build_attention_metadata(
@@ -97,52 +137,75 @@ def build_attention_metadata(
     b = len(block_tables)
     if not b == len(num_computed) == len(num_scheduled):
         raise ConfigError("block_tables, num_computed and num_scheduled differ in length")
-    width = max(1, max(len(t) for t in block_tables))
-    tables = torch.zeros((b, width), dtype=torch.long)
     for i, t in enumerate(block_tables):
-        if t:
-            tables[i, : len(t)] = torch.tensor(list(t), dtype=torch.long)
-    tables = tables.to(device)
-    c = torch.tensor(list(num_computed), dtype=torch.long, device=device)
-    n = torch.tensor(list(num_scheduled), dtype=torch.long, device=device)
-    end = c + n
-    offsets = torch.cumsum(n, 0) - n
+        if len(t) * block_size < num_computed[i] + num_scheduled[i]:
+            raise ConfigError(
+                f"request {i}: block table of {len(t)} blocks cannot hold "
+                f"{num_computed[i] + num_scheduled[i]} tokens"
+            )
+    width = max(1, max(len(t) for t in block_tables))
+    flat = [0] * (b * width)
+    for i, t in enumerate(block_tables):
+        flat[i * width : i * width + len(t)] = t
+    tables = torch.tensor(flat, dtype=torch.long).view(b, width).to(device)
     # Sizes come from the Python lists: reading them off the device would sync every step.
+    c_all = torch.tensor(list(num_computed), dtype=torch.long, device=device)
+    n_all = torch.tensor(list(num_scheduled), dtype=torch.long, device=device)
     total = sum(num_scheduled)
-    req = torch.repeat_interleave(torch.arange(b, device=device), n)
-    positions = c[req] + torch.arange(total, device=device) - offsets[req]
+    req = torch.repeat_interleave(torch.arange(b, device=device), n_all, output_size=total)
+    starts = torch.cumsum(n_all, 0) - n_all
+    positions = c_all[req] + torch.arange(total, device=device) - starts[req]
     slot_mapping = tables[req, positions // block_size] * block_size + positions % block_size
-
-    q_max = max(1, *num_scheduled)
-    q_ar = torch.arange(q_max, device=device)
-    query_valid = q_ar[None, :] < n[:, None]
-    query_index = torch.where(query_valid, offsets[:, None] + q_ar[None, :], 0)
-    q_pos = c[:, None] + q_ar[None, :]
-
-    start = torch.zeros_like(c) if window is None else (c - window + 1).clamp(min=0)
-    k_max = max(
-        1,
-        *(
-            cc + nn - (0 if window is None else max(0, cc - window + 1))
-            for cc, nn in zip(num_computed, num_scheduled, strict=True)
-        ),
-    )
-    k_ar = torch.arange(k_max, device=device)
-    k_pos = start[:, None] + k_ar[None, :]
-    k_valid = k_pos < end[:, None]
-    k_blk = (k_pos // block_size).clamp(max=width - 1)
-    key_slots = torch.where(k_valid, tables.gather(1, k_blk) * block_size + k_pos % block_size, 0)
-    mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
-    if window is not None:
-        mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    # A padded query row must see something or SDPA returns NaN; its output is discarded.
-    mask |= (~query_valid)[:, :, None] & (k_ar == 0)[None, None, :]
+    decode_rows: list[int] = []
+    decode_index: list[int] = []
+    prefills: list[PrefillSegment] = []
+    offset = 0
+    for i in range(b):
+        c, n = num_computed[i], num_scheduled[i]
+        if n == 0:
+            continue
+        if n == 1:
+            decode_rows.append(i)
+            decode_index.append(offset)
+        else:
+            first = _key_start(c, window)
+            keys = c + n - first
+            mask: torch.Tensor | None = None
+            if window is not None and c + n > window:
+                q_pos = torch.arange(c, c + n, device=device)[:, None]
+                k_pos = torch.arange(first, c + n, device=device)[None, :]
+                mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
+            prefills.append(
+                PrefillSegment(
+                    start=offset,
+                    stop=offset + n,
+                    key_slots=_slots(tables[i], first, keys, block_size, device)[None],
+                    mask=mask,
+                )
+            )
+        offset += n
+    decode: DecodeSegment | None = None
+    if decode_rows:
+        rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        ctx = torch.tensor([num_computed[i] for i in decode_rows], dtype=torch.long, device=device)
+        first_t = torch.zeros_like(ctx) if window is None else (ctx - window + 1).clamp(min=0)
+        k_max = max(num_computed[i] + 1 - _key_start(num_computed[i], window) for i in decode_rows)
+        k_pos = first_t[:, None] + torch.arange(k_max, device=device)[None, :]
+        k_valid = k_pos <= ctx[:, None]
+        k_blk = (k_pos // block_size).clamp(max=width - 1)
+        key_slots = torch.where(
+            k_valid, tables[rows].gather(1, k_blk) * block_size + k_pos % block_size, 0
+        )
+        decode = DecodeSegment(
+            query_index=torch.tensor(decode_index, dtype=torch.long, device=device),
+            key_slots=key_slots,
+            mask=k_valid[:, None, None, :],
+        )
     return AttentionMetadata(
         slot_mapping=slot_mapping,
-        key_slots=key_slots,
-        query_index=query_index,
-        query_valid=query_valid,
-        mask=mask[:, None, :, :],
+        num_tokens=offset,
+        decode=decode,
+        prefills=tuple(prefills),
     )
 
 
@@ -155,31 +218,81 @@ def write_kv(
     cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(cache.dtype))
 
 
-def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Attention of the flat queries ``(T, heads, head_dim)`` over the paged cache."""
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at ``slots`` ``(B, K)`` as ``(B, kv_heads, K, head_dim)``, in one gather."""
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
-    rep = q.shape[1] // kv_heads
-    keys = cache[0].view(-1, kv_heads, head_dim)[meta.key_slots]  # (B, K, kv_heads, D)
-    values = cache[1].view(-1, kv_heads, head_dim)[meta.key_slots]
-    keys = keys.permute(0, 2, 1, 3)
-    values = values.permute(0, 2, 1, 3)
-    queries = q[meta.query_index].permute(0, 2, 1, 3)  # (B, heads, Q, D)
-    # On CUDA, expanded heads keep SDPA on its memory-efficient masked kernel; enable_gqa with
-    # a mask may fall back to the math kernel, which materialises every score.
-    if _SDPA_GQA and q.device.type == "cpu":
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.mask, enable_gqa=rep > 1
-        )
-    else:
+    both = cache.view(2, -1, kv_heads, head_dim)[:, slots].permute(0, 1, 3, 2, 4)
+    return both[0], both[1]
+
+
+def _prefill_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """One chunk ``(1, heads, Q, D)`` over its keys ``(1, kv_heads, K, D)``."""
+    rep = q.shape[1] // keys.shape[1]
+    if q.device.type != "cpu" or not _SDPA_GQA:
+        # On CUDA, expanded heads keep SDPA on its memory-efficient kernel; enable_gqa there
+        # may fall back to the math kernel, which materialises every score.
         keys = keys.repeat_interleave(rep, dim=1)
         values = values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask)
-    result: torch.Tensor = out.permute(0, 2, 1, 3)[meta.query_valid]
+        rep = 1
+    gqa = {"enable_gqa": True} if rep > 1 else {}
+    if mask is None:
+        bias = causal_lower_right(q.shape[2], keys.shape[2])
+        out: torch.Tensor = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, **gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **gqa)
+    return out
+
+
+def _decode_attention(rows: torch.Tensor, cache: torch.Tensor, d: DecodeSegment) -> torch.Tensor:
+    """The decode rows' queries ``(B, heads, D)`` over their keys, as ``(B, heads, D)``."""
+    kv_heads = cache.shape[3]
+    b, heads, head_dim = rows.shape
+    keys, values = _gather(cache, d.key_slots)
+    # Each KV head's query heads become that head's queries: grouped-query decode as one SDPA
+    # over (rows, kv_heads, rep, D) without repeating keys or values.
+    queries = rows.view(b, kv_heads, heads // kv_heads, head_dim)
+    if rows.device.type == "cuda":
+        # The fused kernels give each (row, KV head) one thread block that walks every key: with
+        # a few rows of long context that is a handful of busy SMs on a 132-SM GPU (~1 ms per
+        # layer at 16k keys on the H200). The plain matmul-softmax-matmul path spreads the keys
+        # over the whole GPU; decode queries are few, so its score matrix is small.
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=d.mask)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=d.mask)
+    return out.reshape(b, heads, head_dim)
+
+
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Attention of the flat queries ``(T, heads, head_dim)`` over the paged cache."""
+    d = meta.decode
+    if not meta.prefills and d is not None:
+        # Every token is a decode row, in order: no gather of queries, no scatter of outputs.
+        return _decode_attention(q, cache, d)
+    if d is None and len(meta.prefills) == 1:
+        seg = meta.prefills[0]
+        keys, values = _gather(cache, seg.key_slots)
+        out = _prefill_attention(q[None].transpose(1, 2), keys, values, seg.mask)
+        only: torch.Tensor = out[0].transpose(0, 1)
+        return only
+    result = torch.empty_like(q)
+    for seg in meta.prefills:
+        keys, values = _gather(cache, seg.key_slots)
+        out = _prefill_attention(
+            q[seg.start : seg.stop][None].transpose(1, 2), keys, values, seg.mask
+        )
+        result[seg.start : seg.stop] = out[0].transpose(0, 1)
+    if d is not None:
+        result[d.query_index] = _decode_attention(q[d.query_index], cache, d)
     return result
 
 
 __all__ = [
     "AttentionMetadata",
+    "DecodeSegment",
+    "PrefillSegment",
     "allocate_kv_caches",
     "build_attention_metadata",
     "kv_cache_groups",

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from attrs import field, frozen
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvflow.engine.kv_cache import AttentionMetadata, paged_attention, write_kv
 from kvflow.errors import ConfigError
@@ -146,6 +147,14 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+_FUSED_RMS_NORM = hasattr(F, "rms_norm")
+"""``F.rms_norm`` (torch 2.4 on): one call instead of seven elementwise kernels per norm."""
+
+# cuDNN's SDPA is left out: it builds an execution plan for every new (query, key) shape, which
+# took hundreds of milliseconds per shape on the H200, and decode key lengths change every step.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -153,10 +162,34 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _FUSED_RMS_NORM:
+            out: torch.Tensor = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return out
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+def fuse_linears(linears: Sequence[nn.Linear]) -> torch.Tensor:
+    """Stack the weights of linears that read the same input into one matrix, and make each
+    linear's weight a view of its rows, so one GEMM computes them all and loading weights into
+    the linears still updates the stack. Returns the stack."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[row : row + n], requires_grad=lin.weight.requires_grad)
+        row += n
+    return fused
+
+
+def _still_fused(fused: torch.Tensor | None, first: nn.Linear) -> torch.Tensor | None:
+    """``fused`` while ``first``'s weight is still its first rows (a ``.to()`` since the fusion
+    gives every parameter storage of its own: then the linears are used one by one)."""
+    if fused is None or first.weight.data_ptr() != fused.data_ptr():
+        return None
+    return fused
 
 
 def rope_cos_sin(
@@ -191,15 +224,25 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_weight: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.qkv_weight = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
+        fused = _still_fused(self.qkv_weight, self.q_proj)
+        if fused is None:
+            q = self.q_proj(x).view(t, h, self.head_dim)
+            k = self.k_proj(x).view(t, kvh, self.head_dim)
+            v = self.v_proj(x).view(t, kvh, self.head_dim)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        qkv = F.linear(x, fused).view(t, h + 2 * kvh, self.head_dim)
+        # Queries and keys rotate together: one set of RoPE kernels instead of two.
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin)
+        return qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
 
 
 class LlamaMLP(nn.Module):
@@ -208,10 +251,19 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_weight = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return out
+        fused = _still_fused(self.gate_up_weight, self.gate_proj)
+        if fused is None:
+            out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return out
+        gate, up = F.linear(x, fused).chunk(2, dim=-1)
+        fused_out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return fused_out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -245,6 +297,14 @@ class LlamaForCausalLM(nn.Module):
         # the identity on one rank. ``kvflow.engine.tp`` sets it on a shard.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
 
+    def fuse(self) -> None:
+        """Fuse each layer's q/k/v and gate/up projections into one GEMM each (same weights,
+        same parameter names). Call it again after moving the model to another device."""
+        for i in range(self.config.num_layers):
+            layer = self._layer(i)
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def _layer(self, i: int) -> LlamaDecoderLayer:
         layer = self.model.layers[i]
         assert isinstance(layer, LlamaDecoderLayer)
@@ -267,14 +327,15 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        for i in range(cfg.num_layers):
-            layer = self._layer(i)
-            h = layer.input_layernorm(x)
-            q, k, v = layer.self_attn.qkv(h, cos, sin)
-            write_kv(kv_caches[i], layer_metadata[i].slot_mapping, k, v)
-            attn = paged_attention(q, kv_caches[i], layer_metadata[i])
-            x = x + self.reduce(layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
-            x = x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
+        with sdpa_kernel(_SDPA_BACKENDS):
+            for i in range(cfg.num_layers):
+                layer = self._layer(i)
+                h = layer.input_layernorm(x)
+                q, k, v = layer.self_attn.qkv(h, cos, sin)
+                write_kv(kv_caches[i], layer_metadata[i].slot_mapping, k, v)
+                attn = paged_attention(q, kv_caches[i], layer_metadata[i])
+                x = x + self.reduce(layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
+                x = x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
         x = self.model.norm(x[logits_indices])
         logits: torch.Tensor = self.lm_head(x)
         return logits.float()
@@ -342,7 +403,9 @@ def build_model(
         init_random_weights(model, seed)
     else:
         load_weights(model, weights)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.fuse()
+    return model
 
 
 # ---- safetensors ------------------------------------------------------------------------------

@@ -111,6 +111,7 @@ def shard_model(
             param.copy_(_shard_of(name, source[name], rank, tp_size))
     if tp_size > 1:
         shard.reduce = reduce if reduce is not None else all_reduce_sum
+    shard.fuse()
     return shard.eval()
 
 

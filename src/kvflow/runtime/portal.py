@@ -172,6 +172,18 @@ class SyncWorkerRuntime:
     def get_finished(self) -> tuple[set[str], set[str]]:
         return self._call(self._rt.get_finished)
 
+    def finish_step(self) -> tuple[set[str], set[str], StepReport]:
+        """``get_finished()`` and ``build_report()`` in one round trip to the loop: the pair an
+        engine asks for at the end of every step. Each round trip costs a thread hand-off."""
+
+        def both() -> tuple[set[str], set[str], StepReport]:
+            sending, recving = self._rt.get_finished()
+            return sending, recving, self._rt.build_report()
+
+        sending, recving, report = self._call(both)
+        self._load_errors |= report.invalid_block_ids
+        return sending, recving, report
+
     def build_report(self) -> StepReport:
         """This rank's ``StepReport``; its invalid block ids also feed
         ``get_block_ids_with_load_errors``."""

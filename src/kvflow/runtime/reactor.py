@@ -5,7 +5,10 @@ kvflow that asks the device (``backend.query``); ``process()`` only dispatches w
 found. The reactor's task polls only while some fence is watched, backing off exponentially from
 ``min_backoff`` to ``max_backoff``; with nothing watched it waits on an event and costs nothing.
 A backend that learns of completions by callback (``set_wakeup``) makes it poll at once, from any
-thread, through ``loop.call_soon_threadsafe``.
+thread, through ``loop.call_soon_threadsafe``. A backend whose ``pushes_completions`` is true
+calls it for every finished fence, so the timed polls are only a safety net: they start at
+``max_backoff`` and grow to ``push_backoff``. Every timed poll takes the GIL from whatever thread
+drives the engine, which is what a serving process can least afford.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Reactor:
     clock: Clock
     min_backoff: float = 20e-6
     max_backoff: float = 1e-3
+    push_backoff: float = 20e-3
     _watches: dict[int, _Watch] = field(factory=dict)
     _has_work: anyio.Event = field(factory=anyio.Event)
     _sleep_scope: anyio.CancelScope | None = None
@@ -145,27 +149,31 @@ class Reactor:
         self._loop_thread = threading.get_ident()
         self.backend.set_wakeup(self.wakeup_threadsafe)
         log.debug("reactor_started", backend=self.backend.name)
+        pushed = bool(getattr(self.backend, "pushes_completions", False))
+        first, longest = (
+            (self.max_backoff, max(self.push_backoff, self.max_backoff))
+            if pushed
+            else (self.min_backoff, self.max_backoff)
+        )
         try:
-            backoff = self.min_backoff
+            backoff = first
             while not self._closed:
                 if not self._watches:
                     self._has_work = anyio.Event()
                     await self._has_work.wait()
-                    backoff = self.min_backoff
+                    backoff = first
                     continue
                 done = self.poll()
                 if done:
                     self.process(done)
-                    backoff = self.min_backoff
+                    backoff = first
                     await anyio.lowlevel.checkpoint()
                     continue
                 with anyio.CancelScope() as scope:
                     self._sleep_scope = scope
                     await self.clock.sleep(backoff)
                 self._sleep_scope = None
-                backoff = (
-                    self.min_backoff if scope.cancel_called else min(backoff * 2, self.max_backoff)
-                )
+                backoff = first if scope.cancel_called else min(backoff * 2, longest)
         finally:
             self.backend.set_wakeup(None)
             self._loop = None

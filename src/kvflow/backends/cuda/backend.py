@@ -133,6 +133,41 @@ class _Launcher:
             job()
 
 
+class _Waiter:
+    """Waits on one direction's fences in launch order and calls ``notify`` as each finishes.
+
+    The reactor then polls once per finished batch instead of on a timer while copies run: every
+    timed poll takes the GIL from the engine's thread. The wait releases the GIL and, on
+    blocking-sync events, sleeps. Fences of one direction finish in about launch order, so a
+    FIFO wait costs at most a late notice, never a missed one (each notice polls every fence).
+    """
+
+    def __init__(self, ctx: drv.Context, name: str, notify: Callable[[], None]) -> None:
+        self._fences: queue.SimpleQueue[CudaFence | None] = queue.SimpleQueue()
+        self._notify = notify
+        self._thread = threading.Thread(
+            target=self._run, args=(ctx,), name=f"kvflow-cuda-wait-{name}", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, fence: CudaFence) -> None:
+        self._fences.put(fence)
+
+    def close(self) -> None:
+        self._fences.put(None)
+        self._thread.join()
+
+    def _run(self, ctx: drv.Context) -> None:
+        ctx.enter()
+        while (fence := self._fences.get()) is not None:
+            if fence.launched:
+                err = drv.event_synchronize(fence.event)
+                if err:
+                    log.error("cuda_event_wait_failed", error=err)
+            self._notify()
+            del fence  # drop the event's last reference here, not at the next get()
+
+
 @define(eq=False)
 class _Ring:
     """One direction's staging slots and the events that order their reuse."""
@@ -198,6 +233,8 @@ class CudaBackend:
         }
         self._join = drv.new_event()
         self._launcher = _Launcher(self._ctx) if self.config.launch_thread else None
+        self._wakeup: Callable[[], None] | None = None
+        self._waiters = {d: _Waiter(self._ctx, d.value, self._notify) for d in Direction}
         self._kernel: StageKernel | None = None
         self.layout: KVLayout | None = None
         self._tables: list[RegionTable] = []
@@ -343,8 +380,16 @@ class CudaBackend:
         log.error("cuda_fence_failed", error=getattr(err, "name", str(err)))
         return FenceStatus.FAILED
 
+    pushes_completions = True
+    """Waiter threads call the wakeup as batches finish: the reactor need not poll on a timer."""
+
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
-        """CUDA events can only be polled; the reactor polls ``query``."""
+        self._wakeup = wakeup
+
+    def _notify(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None:
+            wakeup()
 
     def _event_of(self, fence: Fence) -> Any:
         if not isinstance(fence, CudaFence) or fence.owner is not self:
@@ -379,7 +424,7 @@ class CudaBackend:
             if len(gpu):
                 work.append((g, table, gpu, cpu))
         self._ctx.enter()
-        fence = CudaFence(drv.new_event(), self, launched=False)
+        fence = CudaFence(drv.new_event(blocking=True), self, launched=False)
         job = functools.partial(self._issue, batch.direction, work, waits, fence)
         if self._launcher is not None:
             self._launcher.put(job)
@@ -419,10 +464,12 @@ class CudaBackend:
         except Exception as exc:
             fence.error = str(exc)
             log.error("cuda_submit_failed", direction=str(direction), error=str(exc))
+            self._waiters[direction].put(fence)  # wakes the reactor to see the failure
             if self._launcher is None:
                 raise
             return
         fence.launched = True
+        self._waiters[direction].put(fence)
 
     def _copy(self, desc: Descriptors, lane: _Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
         """Copy descriptors ``lo:hi`` of ``desc`` on ``stream`` (one driver call when batched)."""
@@ -540,6 +587,8 @@ class CudaBackend:
         self._closed = True
         if self._launcher is not None:
             self._launcher.close()
+        for waiter in self._waiters.values():
+            waiter.close()
         if self._tier is not None:
             self._tier.close()
         if self._kernel is not None:

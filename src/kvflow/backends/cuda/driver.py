@@ -4,7 +4,8 @@ the raw ``cuMemcpyBatchAsync`` call.
 cuda-python's own ``cuMemcpyBatchAsync`` wrapper takes Python lists of pointer objects, far too
 slow for tens of thousands of descriptors per step. So the function pointer is resolved through
 ``cuGetProcAddress`` for a chosen ABI and called with raw numpy arrays through a ctypes
-``CFUNCTYPE`` (the only ctypes use here; every other driver call goes through cuda-python).
+``CFUNCTYPE``. ``cuEventSynchronize`` goes through ctypes too, because a ctypes call always
+releases the GIL for its whole wait. Every other driver call goes through cuda-python.
 """
 
 from __future__ import annotations
@@ -89,8 +90,30 @@ def lowest_priority_stream() -> Any:
     )
 
 
-def new_event() -> Any:
-    return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+def new_event(*, blocking: bool = False) -> Any:
+    """An event without timing; ``blocking`` makes a host wait on it sleep instead of spin."""
+    flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    if blocking:
+        flags |= int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
+    return check(cu.cuEventCreate(flags), "cuEventCreate")
+
+
+_event_sync: Any = None
+_event_sync_lock = threading.Lock()
+
+
+def event_synchronize(event: Any) -> int:
+    """Block until ``event`` completes, with the GIL released; returns the CUresult as an int."""
+    global _event_sync
+    if _event_sync is None:
+        with _event_sync_lock:
+            if _event_sync is None:
+                fn = ctypes.CDLL("libcuda.so.1").cuEventSynchronize
+                fn.argtypes = [ctypes.c_void_p]
+                fn.restype = ctypes.c_int
+                _event_sync = fn
+    result: int = _event_sync(int(event))
+    return result
 
 
 def record(event: Any, stream: Any) -> None:
@@ -227,6 +250,7 @@ __all__ = [
     "check",
     "choose_abi",
     "cu",
+    "event_synchronize",
     "lowest_priority_stream",
     "memcpy_each",
     "new_event",
