@@ -181,3 +181,16 @@ def test_paged_logits_match_dense_logits() -> None:
     dense = shared_model("tiny-swa6").forward_dense(p)[-1]
     torch.testing.assert_close(captured[-1][0], dense, rtol=1e-4, atol=1e-4)
     assert model_config("tiny-swa6").sliding_window == 6
+
+
+def test_decode_rows_of_equal_length_need_no_mask() -> None:
+    """Decode rows with as many keys as each other carry no mask (so unmasked kernels apply);
+    rows of different lengths carry one that hides the padding."""
+    cpu = torch.device("cpu")
+    same = build_attention_metadata([[1, 2], [3, 4]], [5, 5], [1, 1], BS, None, cpu).decode
+    assert same is not None
+    assert same.mask is None
+    ragged = build_attention_metadata([[1, 2], [3, 4]], [5, 2], [1, 1], BS, None, cpu).decode
+    assert ragged is not None
+    assert ragged.mask is not None
+    assert ragged.mask[1, 0, 0].tolist() == [True, True, True, False, False, False]

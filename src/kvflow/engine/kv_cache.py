@@ -70,12 +70,13 @@ def allocate_kv_caches(
 class DecodeSegment:
     """The step's single-token queries, batched: row ``b`` is flat token ``query_index[b]``.
 
-    Keys are padded to the longest row; ``mask[b, 0, 0, k]`` says whether key ``k`` is real.
+    Keys are padded to the longest row; ``mask[b, 0, 0, k]`` says whether key ``k`` is real,
+    and is ``None`` when every row has as many keys as the longest (nothing padded).
     """
 
     query_index: torch.Tensor
     key_slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 @frozen
@@ -189,7 +190,10 @@ def build_attention_metadata(
         rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         ctx = torch.tensor([num_computed[i] for i in decode_rows], dtype=torch.long, device=device)
         first_t = torch.zeros_like(ctx) if window is None else (ctx - window + 1).clamp(min=0)
-        k_max = max(num_computed[i] + 1 - _key_start(num_computed[i], window) for i in decode_rows)
+        key_counts = [
+            num_computed[i] + 1 - _key_start(num_computed[i], window) for i in decode_rows
+        ]
+        k_max = max(key_counts)
         k_pos = first_t[:, None] + torch.arange(k_max, device=device)[None, :]
         k_valid = k_pos <= ctx[:, None]
         k_blk = (k_pos // block_size).clamp(max=width - 1)
@@ -199,7 +203,7 @@ def build_attention_metadata(
         decode = DecodeSegment(
             query_index=torch.tensor(decode_index, dtype=torch.long, device=device),
             key_slots=key_slots,
-            mask=k_valid[:, None, None, :],
+            mask=None if min(key_counts) == k_max else k_valid[:, None, None, :],
         )
     return AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -253,11 +257,15 @@ def _decode_attention(rows: torch.Tensor, cache: torch.Tensor, d: DecodeSegment)
     # Each KV head's query heads become that head's queries: grouped-query decode as one SDPA
     # over (rows, kv_heads, rep, D) without repeating keys or values.
     queries = rows.view(b, kv_heads, heads // kv_heads, head_dim)
-    if rows.device.type == "cuda":
-        # The fused kernels give each (row, KV head) one thread block that walks every key: with
-        # a few rows of long context that is a handful of busy SMs on a 132-SM GPU (~1 ms per
-        # layer at 16k keys on the H200). The plain matmul-softmax-matmul path spreads the keys
-        # over the whole GPU; decode queries are few, so its score matrix is small.
+    # Kernel choice, from decode timings on the H200 (docs/benchmarks.md): the fused masked
+    # kernel gives each (row, KV head) one thread block that walks every key, a handful of busy
+    # SMs for a few long rows (0.86 ms bf16, 1.98 ms fp32 at one row of 16k keys). Unpadded
+    # half-precision rows need no mask and get flash attention's split-key kernel (0.17 ms);
+    # a few float32 rows are fastest as matmul-softmax-matmul (0.66 ms), which spreads the keys
+    # over the GPU; many rows keep the fused kernel, which is then busy enough.
+    if d.mask is None and rows.dtype in (torch.float16, torch.bfloat16):
+        out = F.scaled_dot_product_attention(queries, keys, values)
+    elif rows.device.type == "cuda" and rows.dtype == torch.float32 and b <= 4:
         with sdpa_kernel(SDPBackend.MATH):
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=d.mask)
     else:
