@@ -2,7 +2,7 @@
 
 1. Overhead, plan → submitted → reported, on the fake backend with every copy finishing at once:
    what the runtime itself costs per transfer (goal ≤ 30 µs, ≥ 20,000 transfers/s on one core).
-2. The same through the synchronous facade (one engine step = bind, load, save, flush, report).
+2. The same through the synchronous facade (one engine step = bind, load, save, [flush,] finish_step).
 3. Reactor CPU use: idle (nothing in flight; goal < 1% of a core) and while one fence stays
    pending (polling at the back-off cap).
 4. Completion latency on an idle loop: from the host backend's copy thread marking a fence done
@@ -110,8 +110,7 @@ def sync_overhead(per_step: int, transfers: int, pipelined: bool) -> tuple[float
             rt.wait_for_save()
             if not pipelined:
                 rt.flush()
-            rt.get_finished()
-            done += len(rt.build_report().completed)
+            done += len(rt.finish_step()[2].completed)
         rt.flush()
         done += len(rt.build_report().completed)
         wall = time.perf_counter() - t0
@@ -219,9 +218,7 @@ def main() -> None:
         )
     console.print(t)
 
-    t = Table(
-        title="Synchronous facade: one engine step = bind, load, save, [flush,] finished, report"
-    )
+    t = Table(title="Synchronous facade: one engine step = bind, load, save, flush or not, finish_step")
     for col in ("transfers/step", "steps", "µs/step", "µs/transfer"):
         t.add_column(col, justify="right")
     for per_step, pipelined in [(1, False), (64, False), (1, True), (64, True)]:

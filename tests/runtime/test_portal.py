@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 import torch
 
@@ -85,6 +88,53 @@ def test_finish_step_returns_finished_requests_and_report_in_one_call() -> None:
         assert report.failed == (2,)
         assert rt.get_block_ids_with_load_errors() == {2}
         assert rt.finish_step() == (set(), set(), StepReport(rank=0))
+
+
+def test_a_step_wakes_the_loop_only_for_work_and_keeps_posted_calls_in_order() -> None:
+    """Posting a plan without copies wakes the runtime's loop not at all (the calls run, in
+    order, with the step's blocking call); loads wake it at ``start_load_kv`` and stores at
+    ``wait_for_save``."""
+    caches = {"l0": torch.randn(2, 8, 4, 2, 8)}
+    with SyncWorkerRuntime(HostBackend()) as rt:
+        rt.register_kv_caches(caches, 8)
+        rt.allocate_cpu_tier(4)
+        loop = rt._loop
+        real = loop.call_soon_threadsafe
+        main = threading.get_ident()
+        wakes: list[str] = []
+
+        def counting(callback: Any, *args: Any) -> Any:
+            if threading.get_ident() == main:
+                wakes.append(getattr(callback, "__name__", "?"))
+            return real(callback, *args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign, assignment]
+        try:
+            rt.bind_connector_metadata(StepPlan(1))
+            rt.start_load_kv()
+            rt.wait_for_save()
+            assert wakes == []
+            assert rt.finish_step() == (set(), set(), StepReport(rank=0))
+            assert wakes == ["run"]  # the blocking call carried the three posted ones
+            store = TransferSpec(1, "a", Direction.STORE, [[1]], [[0]])
+            rt.bind_connector_metadata(StepPlan(2, stores=(store,)))
+            rt.start_load_kv()
+            assert wakes == ["run"]
+            rt.wait_for_save()
+            assert wakes == ["run", "_run_posted"]
+            rt.flush()
+            load = TransferSpec(2, "a", Direction.LOAD, [[2]], [[0]])
+            rt.bind_connector_metadata(StepPlan(3, loads=(load,)))
+            rt.start_load_kv()
+            assert wakes[-1] == "_run_posted"
+            rt.wait_for_save()
+            rt.flush()
+            sending, recving, report = rt.finish_step()
+            assert (sending, recving) == ({"a"}, {"a"})
+            assert sorted(report.completed) == [1, 2]
+        finally:
+            loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+        assert torch.equal(caches["l0"][:, 2], caches["l0"][:, 1])
 
 
 def test_posted_call_error_is_raised_by_the_next_call() -> None:
