@@ -44,9 +44,11 @@ def test_request_view_reads_the_live_token_list_without_copying() -> None:
     view = VLLMRequestView(request)
     assert isinstance(view, RequestLike)
     assert view.request_id == request.request_id
-    assert view.all_token_ids is request.all_token_ids
+    assert list(view.all_token_ids) == list(request.all_token_ids)
+    tokens = view.all_token_ids
     assert view.num_prompt_tokens == 40
     request.append_output_token_ids(5)
+    assert view.all_token_ids is tokens  # the same live object, not a snapshot
     assert len(view.all_token_ids) == 41
     assert view.all_token_ids[-1] == 5
     assert view.extra_keys == ()

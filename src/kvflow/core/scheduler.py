@@ -23,6 +23,7 @@ import enum
 import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
+from itertools import chain, repeat
 
 import structlog
 from attrs import asdict, define, field, frozen
@@ -505,16 +506,34 @@ class OffloadManager:
             confirmed = check(st, end, self._confirmed(st, end), new.block_ids, True)
             dirty.append((st, confirmed, new.block_ids, True))
         no_new = self._no_new
-        for c in so.cached_requests:
-            st = requests.get(c.request_id)
+        running: Iterable[tuple[str, GroupBlockIds, int, bool]] = (
+            (
+                c.request_id,
+                c.new_block_ids,
+                c.num_computed_tokens + c.num_scheduled_tokens - c.num_spec_tokens,
+                c.resumed_from_preemption,
+            )
+            for c in so.cached_requests
+        )
+        decode = so.decode_requests
+        if decode.request_ids:
+            # One decoded token each: the same as a CachedRequest scheduling 1 token.
+            running = chain(
+                running,
+                zip(
+                    decode.request_ids,
+                    decode.new_block_ids,
+                    map((1).__add__, decode.num_computed_tokens),
+                    repeat(False),
+                ),
+            )
+        for rid, ids, end, replace in running:
+            st = requests.get(rid)
             if st is None:
-                raise ConfigError(f"unknown running request {c.request_id!r}")
-            end = c.num_computed_tokens + c.num_scheduled_tokens - c.num_spec_tokens
-            ids = c.new_block_ids
+                raise ConfigError(f"unknown running request {rid!r}")
             boundary = st.next_boundary
             if end < boundary and ids == no_new:
                 continue  # the steady state: no block completed, none allocated
-            replace = c.resumed_from_preemption
             num_tokens = len(st.request.all_token_ids)
             confirmed = end if end < num_tokens else num_tokens
             if (
@@ -626,25 +645,29 @@ class OffloadManager:
         )
 
     def _hash_upto(self, st: _Request, num_tokens: int) -> None:
-        tokens: Sequence[int] | None = None
+        tokens = st.request.all_token_ids
         for hasher in st.hashers:
-            bs = hasher.block_size
-            target = num_tokens // bs * bs
-            have = hasher.num_tokens
-            if target > have:
-                if tokens is None:
-                    tokens = st.request.all_token_ids
-                hasher.extend(tokens[have:target])
+            hasher.extend_to(tokens, num_tokens)
 
     def _advance(self, st: _Request, batch: _StoreBatch | None) -> _StoreBatch | None:
         """Hand the blocks completed since the last call to the store policy; eager candidates go
-        into ``batch`` (made on the first one). Returns the batch."""
+        into ``batch`` (made on the first one). Returns the batch.
+
+        An eager candidate is a completed block worth storing: not the null block, not cached on
+        CPU, not being stored, not picked already by this batch.
+        """
         confirmed = st.confirmed
-        self._hash_upto(st, confirmed)
+        tokens = st.request.all_token_ids
+        hashers = st.hashers
+        for hasher in hashers:
+            hasher.extend_to(tokens, confirmed)
         boundary = 1 << 62
         eager = self._eager and not self._reset_pending
         added = False
         cursor = st.cursor
+        table = st.table
+        slot = self._slot
+        null = self._null
         for g, bs in self._group_sizes:
             done = confirmed // bs
             if (done + 1) * bs < boundary:
@@ -653,48 +676,35 @@ class OffloadManager:
             if done <= cur:
                 continue
             cursor[g] = done
-            ids = st.table[g][cur:done]
-            hs = st.hashers[self._slot[g]].hashes[cur:done]
+            ids = table[g]
+            hs = hashers[slot[g]].hashes
             if eager:
                 if batch is None:
                     batch = _StoreBatch.empty(self._num_groups)
-                if self._add_candidates(batch, g, st, ids, hs):
+                cached = self._cpu[g].is_cached
+                storing = self._storing[g]
+                picked = batch.blocks[g]
+                owners = batch.owners[g]
+                for i in range(cur, done):
+                    b, h = ids[i], hs[i]
+                    if b == null or h in storing or h in picked or cached(h):
+                        continue
+                    picked[h] = b
+                    owners.append(st)
                     added = True
             elif not self._eager:
                 record = self._gpu_hash
-                null = self._null
                 view = self._gpu
                 assert view is not None
-                for b, h in zip(ids, hs, strict=True):
+                for i in range(cur, done):
+                    b = ids[i]
                     if b != null:
-                        record[b] = (g, h, view.block_hash(b))
+                        record[b] = (g, hs[i], view.block_hash(b))
         st.next_boundary = boundary
         if added:
             assert batch is not None
             batch.reqs.append(st)
         return batch
-
-    def _add_candidates(
-        self,
-        batch: _StoreBatch,
-        g: int,
-        owner: _Request | None,
-        ids: Sequence[int],
-        hashes: Sequence[BlockHash],
-    ) -> bool:
-        """Add the blocks worth storing: not the null block, not on CPU, not being stored."""
-        cached = self._cpu[g].is_cached
-        storing = self._storing[g]
-        null = self._null
-        picked = batch.blocks[g]
-        owners = batch.owners[g]
-        n = len(picked)
-        for b, h in zip(ids, hashes, strict=True):
-            if b == null or h in storing or h in picked or cached(h):
-                continue
-            picked[h] = b
-            owners.append(owner)
-        return len(picked) > n
 
     def _plan_store(self, batch: _StoreBatch, request_id: str) -> _Xfer | None:
         """Allocate CPU blocks (evicting LRU cached ones) and queue one store; skip what won't fit."""
