@@ -75,6 +75,14 @@ class CachedRequest:
     resumed_from_preemption: bool = False  # if so, new_block_ids is the whole new table
 
 
+def _as_str_column(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _as_int_column(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
 def _as_ids_column(value: Iterable[Iterable[Iterable[int]]]) -> tuple[GroupBlockIds, ...]:
     return tuple(_as_group_ids(ids) for ids in value)
 
@@ -88,8 +96,8 @@ class DecodeRequests:
     ``CachedRequest(request_ids[i], new_block_ids[i], num_computed_tokens[i], 1)``.
     """
 
-    request_ids: tuple[str, ...] = field(converter=tuple)
-    num_computed_tokens: tuple[int, ...] = field(converter=tuple)  # before this step
+    request_ids: tuple[str, ...] = field(converter=_as_str_column)
+    num_computed_tokens: tuple[int, ...] = field(converter=_as_int_column)  # before this step
     new_block_ids: tuple[GroupBlockIds, ...] = field(converter=_as_ids_column)
 
     def __attrs_post_init__(self) -> None:

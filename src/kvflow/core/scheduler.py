@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import chain, repeat
+from typing import Any
 
 import structlog
 from attrs import asdict, define, field, frozen
@@ -128,6 +129,18 @@ class SchedulerConfig:
                 raise ConfigError(f"group {g} must be a GroupSpec, not {type(spec).__name__}")
         _positive("world_size", self.world_size)
         _positive("lazy_watermark", self.lazy_watermark)
+
+
+_NOTHING: frozenset[Any] = frozenset()
+
+
+def _take(items: set[Any]) -> frozenset[Any]:
+    """The set's items, frozen, and the set emptied (no new frozenset when there are none)."""
+    if not items:
+        return _NOTHING
+    out = frozenset(items)
+    items.clear()
+    return out
 
 
 @frozen
@@ -712,27 +725,37 @@ class OffloadManager:
         cpu: list[tuple[int, ...]] = []
         hashes: list[tuple[BlockHash, ...]] = []
         owners: list[tuple[_Request | None, ...]] = []
+        evicted = False
         for g, pool in enumerate(self._cpu):
             picked = batch.blocks[g]
             want = len(picked)
+            if not want:
+                gpu.append(())
+                cpu.append(())
+                hashes.append(())
+                owners.append(())
+                continue
             hs = tuple(picked)
             ids = tuple(picked.values())
             who = tuple(batch.owners[g])
-            n = min(want, pool.num_free_blocks)
-            cached_before = pool.num_cached_blocks
+            n = pool.num_free_blocks
             if n < want:
                 self._n.skipped_stores += want - n
                 log.info(
                     "offload_store_skipped", group=g, num_blocks=want - n, reason="cpu_pool_full"
                 )
                 hs, ids, who = hs[:n], ids[:n], who[:n]
+            else:
+                n = want
+            cached_before = pool.num_cached_blocks
             cpu.append(tuple(pool.get_new_blocks(n)) if n else ())
+            evicted = evicted or pool.num_cached_blocks < cached_before
             gpu.append(ids)
             hashes.append(hs)
             owners.append(who)
-            if pool.num_cached_blocks < cached_before and not self._eager:
-                # Evicted copies may back blocks ahead of the cursor: they are no longer covered.
-                self._lazy_reset("cpu_eviction")
+        if evicted and not self._eager:
+            # Evicted copies may back blocks ahead of the cursor: they are no longer covered.
+            self._lazy_reset("cpu_eviction")
         if not any(cpu):
             return None
         if len(batch.reqs) == 1:
@@ -761,7 +784,7 @@ class OffloadManager:
         if self._gpu is not None:
             # Hold the GPU ends too: the engine may free them (preemption, a block leaving a
             # sliding window, a lazy store's free block) while the copy still runs.
-            self._gpu.touch(b for ids in gpu for b in ids)
+            self._gpu.touch(gpu[0] if len(gpu) == 1 else [b for ids in gpu for b in ids])
             xfer.holds_gpu = True
         self._xfers[tid] = xfer
         self._pending.append(xfer)
@@ -1006,16 +1029,13 @@ class OffloadManager:
                 failed.append(tid)
         self._try_complete_reset()
         out = StepOutcome(
-            finished_sending=frozenset(self._finished_sending),
-            finished_recving=frozenset(self._finished_recving),
-            committed=tuple(committed),
-            failed=tuple(failed),
-            invalid_block_ids=frozenset(self._invalid),
-            reset_complete=self._reset_done,
+            _take(self._finished_sending),
+            _take(self._finished_recving),
+            tuple(committed),
+            tuple(failed),
+            _take(self._invalid),
+            self._reset_done,
         )
-        self._finished_sending.clear()
-        self._finished_recving.clear()
-        self._invalid.clear()
         self._reset_done = False
         return out
 
@@ -1061,39 +1081,46 @@ class OffloadManager:
         """Drop every ref the transfer holds; a committed store's blocks enter the prefix cache."""
         spec = x.spec
         tid = spec.transfer_id
+        store = spec.direction is _STORE
         nbytes = 0
         nblocks = 0
+        groups = self.config.groups
         for g, cpu_ids in enumerate(spec.cpu_block_ids):
+            if not cpu_ids:
+                continue
             pool = self._cpu[g]
-            if spec.direction is _STORE:
+            if store:
                 storing = self._storing[g]
-                for h in x.hashes[g]:
+                hs = x.hashes[g]
+                for h in hs:
                     if storing.get(h) == tid:
                         del storing[h]
                 if commit:
-                    ids, hs = cpu_ids, x.hashes[g]
+                    ids = cpu_ids
                     if x.dropped:
                         keep = [o not in x.dropped for o in x.owners[g]]
                         ids = tuple(b for b, k in zip(ids, keep, strict=True) if k)
                         hs = tuple(h for h, k in zip(hs, keep, strict=True) if k)
-                    n = sum(pool.cache(ids, hs))
+                    n = pool.cache(ids, hs).count(True)
                     nblocks += n
-                    nbytes += n * self.config.groups[g].block_bytes
+                    nbytes += n * groups[g].block_bytes
             elif commit:
                 nblocks += len(cpu_ids)
-                nbytes += len(cpu_ids) * self.config.groups[g].block_bytes
+                nbytes += len(cpu_ids) * groups[g].block_bytes
             # Reverse: a request's tail blocks become the first to be evicted.
-            pool.free(reversed(cpu_ids))
+            pool.free(cpu_ids[::-1])
         if x.holds_gpu:
             assert self._gpu is not None
-            self._gpu.free(b for ids in spec.gpu_block_ids for b in ids)
+            gpu = spec.gpu_block_ids
+            self._gpu.free(gpu[0] if len(gpu) == 1 else [b for ids in gpu for b in ids])
         if commit:
-            if spec.direction is _STORE:
-                self._n.blocks_stored += nblocks
-                self._n.bytes_stored += nbytes
+            counters = self._n
+            if store:
+                counters.blocks_stored += nblocks
+                counters.bytes_stored += nbytes
             else:
-                self._n.blocks_loaded += nblocks
-                self._n.bytes_loaded += nbytes
+                counters.blocks_loaded += nblocks
+                counters.bytes_loaded += nbytes
         del self._xfers[tid]
         for st in x.reqs:
             del st.transfers[tid]

@@ -586,6 +586,9 @@ def _report_has_news(report: StepReport) -> bool:
     return bool(report.completed or report.failed or report.invalid_block_ids)
 
 
+_NO_ECHO: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
+
+
 class OutcomeRelay:
     """Turns the manager's outcomes into ``KVConnectorOutput`` fields, honouring vLLM's ordering.
 
@@ -607,6 +610,20 @@ class OutcomeRelay:
         self._held_recving: set[str] = set()
 
     def apply(self, connector_output: KVConnectorOutput, outcome: OutcomeLike | None) -> None:
+        if (
+            connector_output.finished_sending is None
+            and connector_output.finished_recving is None
+            and not self._held_recving
+            and (
+                outcome is None
+                or not (
+                    outcome.finished_sending
+                    or outcome.finished_recving
+                    or outcome.invalid_block_ids
+                )
+            )
+        ):
+            return  # most steps: nothing finished, nothing failed, nothing held
         sending = set(connector_output.finished_sending or ())
         recving: set[str] = set()
         if outcome is not None:
@@ -637,6 +654,8 @@ class OutcomeRelay:
     def take_echo(self) -> tuple[frozenset[int], frozenset[str]]:
         """Block ids and request ids to send to the workers now; held completions are released on
         the next ``apply``."""
+        if not (self._echo or self._echo_requests):
+            return _NO_ECHO
         echo = frozenset(self._echo), frozenset(self._echo_requests)
         self._echo, self._echo_requests = set(), set()
         return echo
