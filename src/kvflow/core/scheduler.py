@@ -23,7 +23,6 @@ import enum
 import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
-from itertools import chain, repeat
 from typing import Any
 
 import structlog
@@ -519,47 +518,27 @@ class OffloadManager:
             confirmed = check(st, end, self._confirmed(st, end), new.block_ids, True)
             dirty.append((st, confirmed, new.block_ids, True))
         no_new = self._no_new
-        running: Iterable[tuple[str, GroupBlockIds, int, bool]] = (
-            (
-                c.request_id,
-                c.new_block_ids,
-                c.num_computed_tokens + c.num_scheduled_tokens - c.num_spec_tokens,
-                c.resumed_from_preemption,
-            )
-            for c in so.cached_requests
-        )
+        news = self._running_news
+        for c in so.cached_requests:
+            st = requests.get(c.request_id)
+            if st is None:
+                raise ConfigError(f"unknown running request {c.request_id!r}")
+            end = c.num_computed_tokens + c.num_scheduled_tokens - c.num_spec_tokens
+            ids = c.new_block_ids
+            if end < st.next_boundary and ids == no_new:
+                continue  # the steady state: no block completed, none allocated
+            dirty.append(news(st, end, ids, c.resumed_from_preemption))
         decode = so.decode_requests
-        if decode.request_ids:
-            # One decoded token each: the same as a CachedRequest scheduling 1 token.
-            running = chain(
-                running,
-                zip(
-                    decode.request_ids,
-                    decode.new_block_ids,
-                    map((1).__add__, decode.num_computed_tokens),
-                    repeat(False),
-                ),
-            )
-        for rid, ids, end, replace in running:
+        # Columns of one-token steps: each entry is a CachedRequest scheduling 1 token.
+        for rid, computed, ids in zip(
+            decode.request_ids, decode.num_computed_tokens, decode.new_block_ids, strict=True
+        ):
             st = requests.get(rid)
             if st is None:
                 raise ConfigError(f"unknown running request {rid!r}")
-            boundary = st.next_boundary
-            if end < boundary and ids == no_new:
-                continue  # the steady state: no block completed, none allocated
-            num_tokens = len(st.request.all_token_ids)
-            confirmed = end if end < num_tokens else num_tokens
-            if (
-                replace
-                or confirmed >= boundary
-                or confirmed < st.confirmed
-                or len(ids) != num_groups
-            ):
-                check(st, end, confirmed, ids, replace)
-            # Else only new blocks: every group's table already holds its confirmed blocks (the
-            # check passed when they completed; tables only grow until a preemption resets the
-            # boundary), so it holds them with more blocks too.
-            dirty.append((st, confirmed, ids, replace))
+            if computed + 1 < st.next_boundary and ids == no_new:
+                continue
+            dirty.append(news(st, computed + 1, ids, False))
         # Every table is checked: from here on nothing raises on bad input.
 
         flush = False
@@ -626,6 +605,25 @@ class OffloadManager:
         """Tokens whose KV is computed and not speculative: ``end`` capped by the request's."""
         num_tokens = len(st.request.all_token_ids)
         return end if end < num_tokens else num_tokens
+
+    def _running_news(
+        self, st: _Request, end: int, ids: GroupBlockIds, replace: bool
+    ) -> tuple[_Request, int, GroupBlockIds, bool]:
+        """A running request with news (``end`` tokens computed after the step), its table
+        checked; the ``dirty`` entry ``build_step_plan`` applies once every request passed."""
+        num_tokens = len(st.request.all_token_ids)
+        confirmed = end if end < num_tokens else num_tokens
+        if (
+            replace
+            or confirmed >= st.next_boundary
+            or confirmed < st.confirmed
+            or len(ids) != self._num_groups
+        ):
+            self._check_table(st, end, confirmed, ids, replace)
+        # Else only new blocks: every group's table already holds its confirmed blocks (the
+        # check passed when they completed; tables only grow until a preemption resets the
+        # boundary), so it holds them with more blocks too.
+        return st, confirmed, ids, replace
 
     def _check_table(
         self, st: _Request, end: int, confirmed: int, ids: GroupBlockIds, replace: bool
