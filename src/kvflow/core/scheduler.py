@@ -558,8 +558,7 @@ class OffloadManager:
             for st in self._allocated.values():
                 self._plan_load(st)
             self._allocated.clear()
-        batch: _StoreBatch | None = None
-        advance = self._advance
+        advancing: list[_Request] = []
         for st, confirmed, ids, replace in dirty:
             if self._ahead:
                 for group_ids in ids:
@@ -572,14 +571,16 @@ class OffloadManager:
                     if new_ids:
                         table.extend(new_ids)
             if replace or confirmed >= st.next_boundary or confirmed < st.confirmed:
-                st.confirmed = confirmed
-                batch = advance(st, batch)
-            else:
-                # No group completes a block and confirmed tokens did not go back: ``_advance``
-                # would change nothing, its boundary included.
-                st.confirmed = confirmed
-        if batch is not None and batch.reqs:
-            self._plan_store(batch, STEP_STORE_ID)
+                advancing.append(st)
+            # Else no group completes a block and confirmed tokens did not go back: advancing
+            # would change nothing, its boundary included.
+            st.confirmed = confirmed
+        if advancing:
+            # One pass over the step's completed blocks (requests are independent of each other
+            # here, so advancing after every table grew is the same as advancing each in turn).
+            batch = self._advance(advancing)
+            if batch.reqs:
+                self._plan_store(batch, STEP_STORE_ID)
         if not self._eager and not self._reset_pending:
             self._lazy_walk()
         return self._launch(so.step, flush)
@@ -660,61 +661,67 @@ class OffloadManager:
         for hasher in st.hashers:
             hasher.extend_to(tokens, num_tokens)
 
-    def _advance(self, st: _Request, batch: _StoreBatch | None) -> _StoreBatch | None:
-        """Hand the blocks completed since the last call to the store policy; eager candidates go
-        into ``batch`` (made on the first one). Returns the batch.
+    def _advance(self, sts: Sequence[_Request]) -> _StoreBatch:
+        """Hand the blocks the requests completed since their last call to the store policy;
+        returns the eager candidates, in request order, as one batch.
 
         An eager candidate is a completed block worth storing: not the null block, not cached on
-        CPU, not being stored, not picked already by this batch.
+        CPU, not being stored, not picked already by this batch. Everything that is the same for
+        every request is looked up once per call, not once per request or block.
         """
-        confirmed = st.confirmed
-        tokens = st.request.all_token_ids
-        hashers = st.hashers
-        for hasher in hashers:
-            hasher.extend_to(tokens, confirmed)
-        boundary = 1 << 62
+        batch = _StoreBatch.empty(self._num_groups)
         eager = self._eager and not self._reset_pending
-        added = False
-        cursor = st.cursor
-        table = st.table
+        lazy = not self._eager
+        group_sizes = self._group_sizes
         slot = self._slot
         null = self._null
-        for g, bs in self._group_sizes:
-            done = confirmed // bs
-            if (done + 1) * bs < boundary:
-                boundary = (done + 1) * bs
-            cur = cursor[g]
-            if done <= cur:
-                continue
-            cursor[g] = done
-            ids = table[g]
-            hs = hashers[slot[g]].hashes
-            if eager:
-                if batch is None:
-                    batch = _StoreBatch.empty(self._num_groups)
-                cached = self._cpu[g].is_cached
-                storing = self._storing[g]
-                picked = batch.blocks[g]
-                owners = batch.owners[g]
-                for i in range(cur, done):
-                    b, h = ids[i], hs[i]
-                    if b == null or h in storing or h in picked or cached(h):
-                        continue
-                    picked[h] = b
-                    owners.append(st)
-                    added = True
-            elif not self._eager:
-                record = self._gpu_hash
-                view = self._gpu
-                assert view is not None
-                for i in range(cur, done):
-                    b = ids[i]
-                    if b != null:
-                        record[b] = (g, hs[i], view.block_hash(b))
-        st.next_boundary = boundary
-        if added:
-            assert batch is not None
-            batch.reqs.append(st)
+        cached = [pool.is_cached for pool in self._cpu]
+        storing = self._storing
+        picked_per_group = batch.blocks
+        owners_per_group = batch.owners
+        record = self._gpu_hash
+        view = self._gpu
+        for st in sts:
+            confirmed = st.confirmed
+            tokens = st.request.all_token_ids
+            hashers = st.hashers
+            for hasher in hashers:
+                hasher.extend_to(tokens, confirmed)
+            boundary = 1 << 62
+            added = False
+            cursor = st.cursor
+            table = st.table
+            for g, bs in group_sizes:
+                done = confirmed // bs
+                if (done + 1) * bs < boundary:
+                    boundary = (done + 1) * bs
+                cur = cursor[g]
+                if done <= cur:
+                    continue
+                cursor[g] = done
+                ids = table[g]
+                hs = hashers[slot[g]].hashes
+                if eager:
+                    is_cached = cached[g]
+                    in_flight = storing[g]
+                    picked = picked_per_group[g]
+                    owners = owners_per_group[g]
+                    for i in range(cur, done):
+                        b, h = ids[i], hs[i]
+                        if b == null or h in in_flight or h in picked or is_cached(h):
+                            continue
+                        picked[h] = b
+                        owners.append(st)
+                        added = True
+                elif lazy:
+                    assert view is not None
+                    for i in range(cur, done):
+                        b = ids[i]
+                        if b != null:
+                            record[b] = (g, hs[i], view.block_hash(b))
+            st.next_boundary = boundary
+            if added:
+                batch.reqs.append(st)
         return batch
 
     def _plan_store(self, batch: _StoreBatch, request_id: str) -> _Xfer | None:
@@ -940,8 +947,8 @@ class OffloadManager:
             for g, bs in enumerate(self._block_sizes):
                 if len(table[g]) >= st.confirmed // bs:
                     st.table[g] = table[g]
-            batch = self._advance(st, None)
-            if batch is not None and batch.reqs:
+            batch = self._advance((st,))
+            if batch.reqs:
                 self._plan_store(batch, rid)
         st.finishing = True
         st.delay_free = bool(st.transfers) and not engine_freed

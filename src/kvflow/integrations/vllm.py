@@ -206,6 +206,39 @@ class HeldBlockIds:
             return new_ids
         return [[*a, *b] for a, b in zip(held, new_ids, strict=True)]
 
+    def decode_step(
+        self,
+        req_ids: Sequence[str],
+        new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+        num_computed: Sequence[int],
+        boundary: int,
+    ) -> DecodeRequests:
+        """One steady-decode step of vLLM's running requests (one token each): hold the step's
+        new ids, and return the requests whose token completes a multiple of ``boundary``, each
+        with every id held for it, as ``DecodeRequests`` columns."""
+        held = self._ids
+        get = held.get
+        # ``compress`` keeps the entries that are not None, in C: most are None.
+        for i in compress(range(len(req_ids)), new_block_ids):
+            ids = new_block_ids[i]
+            assert ids is not None
+            if any(ids):
+                rid = req_ids[i]
+                prev = get(rid)
+                held[rid] = (
+                    ids if prev is None else [[*a, *b] for a, b in zip(prev, ids, strict=True)]
+                )
+        last = boundary - 1
+        due = [i for i, computed in enumerate(num_computed) if computed % boundary == last]
+        if not due:
+            return NO_DECODE_REQUESTS
+        rids = [req_ids[i] for i in due]
+        pop = held.pop
+        none = self._no_blocks
+        return DecodeRequests(
+            rids, [num_computed[i] for i in due], [pop(rid, none) for rid in rids]
+        )
+
     def drop(self, request_id: str) -> None:
         """Forget the request's held ids: it finished, or its whole table is about to be replaced."""
         self._ids.pop(request_id, None)
@@ -282,19 +315,7 @@ def translate_scheduler_output(
                 if ids is not None or computed % boundary == last
             ]
         else:
-            # Two scans, the first in C (``compress`` keeps the entries that are not None): hold
-            # this step's new ids first, so a request that also completes a block takes them.
-            # The rest go to the manager in columns, with no object per request.
-            hold = held.hold
-            for i in compress(range(len(req_ids)), new_block_ids):
-                hold(req_ids[i], new_block_ids[i])
-            due = [i for i, computed in enumerate(num_computed) if computed % boundary == last]
-            if due:
-                take = held.take
-                rids = [req_ids[i] for i in due]
-                decode = DecodeRequests(
-                    rids, [num_computed[i] for i in due], [take(rid) for rid in rids]
-                )
+            decode = held.decode_step(req_ids, new_block_ids, num_computed, boundary)
     else:
         for rid, new_ids, computed in zip(req_ids, new_block_ids, num_computed, strict=True):
             scheduled = num_scheduled[rid]
