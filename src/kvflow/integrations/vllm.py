@@ -225,8 +225,11 @@ class HeldBlockIds:
             if any(ids):
                 rid = req_ids[i]
                 prev = get(rid)
+                # Tuples now (in C): the columns then take them as they are.
                 held[rid] = (
-                    ids if prev is None else [[*a, *b] for a, b in zip(prev, ids, strict=True)]
+                    tuple(map(tuple, ids))
+                    if prev is None
+                    else tuple((*a, *b) for a, b in zip(prev, ids, strict=True))
                 )
         last = boundary - 1
         due = [i for i, computed in enumerate(num_computed) if computed % boundary == last]
