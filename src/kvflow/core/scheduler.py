@@ -525,8 +525,18 @@ class OffloadManager:
                 raise ConfigError(f"unknown running request {c.request_id!r}")
             end = c.num_computed_tokens + c.num_scheduled_tokens - c.num_spec_tokens
             ids = c.new_block_ids
-            if end < st.next_boundary and ids == no_new:
-                continue  # the steady state: no block completed, none allocated
+            boundary = st.next_boundary
+            if end < boundary:
+                if ids == no_new:
+                    continue  # the steady state: no block completed, none allocated
+                if not c.resumed_from_preemption:
+                    # Only new blocks (vLLM-like engines pass every allocation at once): inline,
+                    # as the common case of a step where many requests cross into a new block.
+                    num_tokens = len(st.request.all_token_ids)
+                    confirmed = end if end < num_tokens else num_tokens
+                    if confirmed >= st.confirmed and len(ids) == num_groups:
+                        dirty.append((st, confirmed, ids, False))
+                        continue
             dirty.append(news(st, end, ids, c.resumed_from_preemption))
         decode = so.decode_requests
         # Columns of one-token steps: each entry is a CachedRequest scheduling 1 token.
