@@ -14,7 +14,14 @@ from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import BlockPoolGpuView, GpuCacheView
 from kvflow.core.hashing import BlockHash, hash_block, hash_blocks
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
-from kvflow.core.requests import CachedRequest, KVRequest, NewRequest, SchedulerOutput
+from kvflow.core.requests import (
+    NO_DECODE_REQUESTS,
+    CachedRequest,
+    DecodeRequests,
+    KVRequest,
+    NewRequest,
+    SchedulerOutput,
+)
 from kvflow.core.scheduler import GroupSpec, OffloadManager, SchedulerConfig, StepOutcome
 from kvflow.core.transfer import Direction
 
@@ -66,8 +73,11 @@ class Sim:
         gpu_blocks: int = 256,
         null_block: bool = False,
         wrap_view: Callable[[GpuCacheView], GpuCacheView] | None = None,
+        decode_columns: bool = False,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks, name="gpu")
+        # Pass one-token, non-speculative running requests as DecodeRequests columns.
+        self.decode_columns = decode_columns
         self.null: int | None = None
         if null_block:
             self.null = self.gpu.get_new_blocks(1)[0]  # held forever, like vLLM's null block
@@ -189,19 +199,24 @@ class Sim:
             rid = req.request_id
             self._grow(rid, n)
             caches.append(CachedRequest(rid, self.tables[rid], 0, n, 0, True))
+        decode: list[tuple[str, int, tuple[tuple[int, ...], ...]]] = []
         for item in cached:
             req, n = item[0], item[1]
             spec = item[2] if len(item) == 3 else 0
             rid = req.request_id
             done = self.computed[rid]
             ids = self._grow(rid, done + n)
-            caches.append(CachedRequest(rid, ids, done, n, spec))
+            if self.decode_columns and n == 1 and not spec:
+                decode.append((rid, done, ids))
+            else:
+                caches.append(CachedRequest(rid, ids, done, n, spec))
         so = SchedulerOutput(
             self.step_no,
             tuple(news),
             tuple(caches),
             frozenset(finished),
             frozenset(preempted),
+            DecodeRequests(*zip(*decode, strict=True)) if decode else NO_DECODE_REQUESTS,
         )
         plan = self.mgr.build_step_plan(so)
         self.workers.run(plan)

@@ -136,3 +136,25 @@ def test_failed_extend_leaves_hasher_unchanged() -> None:
         hasher.extend([4, -5])
     assert hasher.num_tokens == 3
     assert hasher.extend([4]) == hash_blocks([1, 2, 3, 4], 4)
+
+
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=80),
+    st.lists(st.integers(0, 80), max_size=6),
+    st.integers(1, 9),
+)
+def test_extend_to_matches_hash_blocks_however_called(
+    tokens: list[int], cuts: list[int], block_size: int
+) -> None:
+    """``extend_to`` over growing prefixes (mixed with ``extend``) hashes exactly the full blocks
+    ``hash_blocks`` hashes for the same tokens."""
+    hasher = BlockHasher(block_size, ("k",))
+    fed = 0
+    for i, cut in enumerate(sorted(min(c, len(tokens)) for c in cuts)):
+        if i % 2 and cut > fed:
+            hasher.extend(tokens[fed:cut])  # may leave a partial block pending
+        else:
+            hasher.extend_to(tokens, cut)
+        fed = hasher.num_tokens
+    hasher.extend_to(tokens, len(tokens))
+    assert hasher.hashes == hash_blocks(tokens, block_size, extra_keys=("k",))

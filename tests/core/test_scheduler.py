@@ -12,6 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.protocol import StepPlan
 from kvflow.core.requests import CachedRequest, SchedulerOutput
 from kvflow.core.scheduler import (
     GroupSpec,
@@ -769,3 +770,35 @@ def test_invalid_step_or_report_is_rejected_whole(make_sim: MakeSim) -> None:
     assert sim.mgr.num_live_transfers("a") == 1, "the preemption in the bad output was not applied"
     assert sim.complete().committed == (tid,)
     assert sim.on_cpu(a)[:2] == [True, True]
+
+
+def test_decode_columns_plan_exactly_what_cached_requests_plan(make_sim: MakeSim) -> None:
+    """One-token decode steps passed as DecodeRequests give the same plans, step by step, as the
+    same steps passed as CachedRequests, through block completions and a finishing request."""
+    sims = [make_sim(ONE_GROUP, decode_columns=columns) for columns in (False, True)]
+    plans: list[list[StepPlan]] = [[], []]
+    for sim, out in zip(sims, plans, strict=True):
+        reqs = [sim.add(f"r{i}", range(10 * i, 10 * i + 5 + i)) for i in range(3)]
+        for req in reqs:
+            sim.match(req)
+        out.append(sim.step(new=[(req, len(req.all_token_ids)) for req in reqs]))
+        sim.complete()
+        for t in range(9):
+            for req in reqs:
+                req.all_token_ids.append(500 + t)
+            out.append(sim.step(cached=[(req, 1) for req in reqs]))
+            sim.complete()
+        sim.finish(reqs[0])
+    assert plans[0] == plans[1]
+    assert sum(len(p.stores) for p in plans[1]) >= 3
+
+
+def test_decode_columns_must_have_equal_lengths() -> None:
+    """DecodeRequests with columns of different lengths raise ConfigError naming the counts."""
+    from kvflow.core.requests import DecodeRequests
+
+    with pytest.raises(ConfigError, match="2 request ids, 1 computed counts"):
+        DecodeRequests(["a", "b"], [3], [((),), ((),)])
+    columns = DecodeRequests(["a"], [3], [[[4, 5]]])
+    assert columns.new_block_ids == (((4, 5),),)
+    assert len(columns) == 1

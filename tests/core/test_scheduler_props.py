@@ -37,13 +37,14 @@ Event = tuple[str, int, int, str]
 class Engine:
     """The engine's side of the protocol, driving one ``Sim``."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, decode_columns: bool = False) -> None:
         self.sim = Sim(
             [GroupSpec(block_size=BS, num_cpu_blocks=12)],
             world_size=2,
             store_policy=policy,
             lazy_watermark=10,
             gpu_blocks=28 if policy == "eager" else 16,
+            decode_columns=decode_columns,
         )
         self.n = 0
         self.waiting: set[str] = set()  # load in flight
@@ -163,8 +164,8 @@ class Engine:
                 assert sim.gpu.block(blk).ref_cnt > 0, f"GPU block {blk} free under copy {tid}"
 
 
-def run(policy: str, script: list[Event]) -> Engine:
-    eng = Engine(policy)
+def run(policy: str, script: list[Event], decode_columns: bool = False) -> Engine:
+    eng = Engine(policy, decode_columns)
     for kind, i, n, mode in script:
         if kind == "admit":
             eng.admit(i % len(BASES), max(8, n))
@@ -196,3 +197,11 @@ def test_eager_invariants_hold_over_random_events(script: list[Event]) -> None:
 def test_lazy_invariants_hold_over_random_events(script: list[Event]) -> None:
     """Lazy policy: the same invariants hold while stores come from the GPU free queue."""
     run("lazy", script)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events)
+def test_invariants_hold_with_decode_steps_in_columns(script: list[Event]) -> None:
+    """Eager policy with one-token decode steps passed as DecodeRequests columns: the same
+    invariants hold (the columns share the manager's code path with CachedRequests)."""
+    run("eager", script, decode_columns=True)

@@ -206,3 +206,30 @@ def test_vllm_keeps_stepping_while_transfers_are_live() -> None:
     rig.run()
     assert not rig.h.connector.has_pending_push_work()
     assert not rig.h.scheduler.has_requests()
+
+
+def test_holding_new_block_ids_back_changes_no_plan() -> None:
+    """Eager: every step's plan and outcome are the same whether the adapter holds new block ids
+    back until a block completes or passes them at once, through decode, preemption (blocks run
+    short), resumption and finishing."""
+    rigs = [Rig(num_blocks=16), Rig(num_blocks=16)]
+    rigs[1].h.connector._held = None  # the reference: every allocation reaches the manager
+    for rig in rigs:
+        for i in range(4):
+            rig.h.add(PROMPT[: 40 + 9 * i], max_tokens=40 + 5 * i, request_id=f"r{i}")
+    traces: list[list[Any]] = [[], []]
+    held_seen = 0
+    for _ in range(150):
+        for rig, trace in zip(rigs, traces, strict=True):
+            so, finished = rig.step()
+            plan = so.kv_connector_metadata.plan
+            trace.append((plan, sorted(so.preempted_req_ids or ()), sorted(finished)))
+        held_seen = max(held_seen, len(rigs[0].h.connector._held))
+        if not rigs[0].h.scheduler.requests and rigs[0].manager.num_live_transfers() == 0:
+            break
+    assert traces[0] == traces[1]
+    assert not rigs[1].h.scheduler.requests, "the workload ran to completion"
+    assert any(preempted for _, preempted, _ in traces[0]), "blocks ran short: a preemption"
+    assert sum(len(plan.stores) for plan, _, _ in traces[0]) > 4
+    assert held_seen > 0, "ids were held back at some step"
+    assert len(rigs[0].h.connector._held) == 0

@@ -44,9 +44,11 @@ def test_request_view_reads_the_live_token_list_without_copying() -> None:
     view = VLLMRequestView(request)
     assert isinstance(view, RequestLike)
     assert view.request_id == request.request_id
-    assert view.all_token_ids is request.all_token_ids
+    assert list(view.all_token_ids) == list(request.all_token_ids)
+    tokens = view.all_token_ids
     assert view.num_prompt_tokens == 40
     request.append_output_token_ids(5)
+    assert view.all_token_ids is tokens  # the same live object, not a snapshot
     assert len(view.all_token_ids) == 41
     assert view.all_token_ids[-1] == 5
     assert view.extra_keys == ()
@@ -277,3 +279,62 @@ def test_worker_metadata_aggregates_the_reports_of_all_ranks() -> None:
         KVFlowWorkerMetadata((StepReport(rank=1, completed=(1,)),))
     )
     assert [r.rank for r in merged.reports] == [0, 1]
+
+
+def test_held_block_ids_merge_in_order_and_are_taken_once() -> None:
+    """Held ids come back in allocation order, followed by the step's own, and only once."""
+    from kvflow.integrations.vllm import HeldBlockIds
+
+    held = HeldBlockIds(num_groups=2)
+    held.hold("a", ([4], [9]))
+    held.hold("a", ([5], []))
+    held.hold("b", None)  # nothing new: nothing held
+    held.hold("b", ([], []))
+    assert "a" in held
+    assert "b" not in held
+    assert len(held) == 1
+    assert [list(g) for g in held.take("a", ([6], [10]))] == [[4, 5, 6], [9, 10]]
+    assert held.take("a") == ((), ())
+    assert [list(g) for g in held.take("b", ([7], [8]))] == [[7], [8]]
+    held.hold("c", ([1], [2]))
+    held.drop("c")
+    assert held.take("c") == ((), ())
+
+
+def test_held_ids_reach_the_manager_with_the_block_they_complete() -> None:
+    """With held ids, steady decode passes only requests completing a block, in columns, with the
+    ids allocated since their last completion; a finished request's held ids are forgotten."""
+    from kvflow.integrations.vllm import HeldBlockIds
+
+    h = VLLMHarness.build(num_blocks=64)
+    request = h.add(prompt(47), max_tokens=33)
+    rid = request.request_id
+    held = HeldBlockIds(num_groups=1)
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    finished: set[str] = set()
+    table: list[int] = []
+    for step in range(40):
+        so = h.schedule()
+        out = translate_scheduler_output(so, step, 1, BS, held)
+        if step == 0:
+            assert [r.req_id for r in so.scheduled_new_reqs] == [rid]  # whole table, nothing held
+            assert rid not in held
+        else:
+            assert out.cached_requests == ()  # steady decode: columns only
+        decode = out.decode_requests
+        seen += [
+            (computed, ids[0])
+            for computed, ids in zip(decode.num_computed_tokens, decode.new_block_ids, strict=True)
+        ]
+        if rid in finished:
+            assert out.finished_request_ids == {rid}
+            assert rid not in held
+            break
+        finished |= h.finish(so)
+        if rid in finished:
+            held.hold(rid, ([99],))  # as if a block had been allocated on the last step
+        else:
+            table = h.block_ids(request)[0]
+    # Tokens 47 and 63 complete blocks 2 and 3; block 3 was allocated when token 48 was decoded
+    # and held until then. Block 4, allocated for token 64, never completes (33 output tokens).
+    assert seen == [(47, ()), (63, (table[3],))]

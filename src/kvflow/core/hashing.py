@@ -148,6 +148,37 @@ class BlockHasher:
         self.hashes.extend(new)
         return new
 
+    def extend_to(self, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Hash every full block of ``token_ids[:num_tokens]`` not hashed yet.
+
+        ``token_ids`` is the whole sequence (the tokens fed so far must be its prefix); only the
+        unhashed tail is read. The scheduler's per-step call: with no partial block pending it
+        hashes straight from one encoding of the tail, with no buffer and no per-call list.
+        """
+        bs = self.block_size
+        target = num_tokens - num_tokens % bs
+        if self._pending:
+            have = self.num_tokens
+            if target > have:
+                self.extend(token_ids[have:target])
+            return
+        hashes = self.hashes
+        have = len(hashes) * bs
+        if target <= have:
+            return
+        data = _token_bytes(token_ids[have:target])
+        parent, extra = self._parent, self._extra
+        step = bs * 4
+        if len(data) == step:
+            parent = _hash(parent + data + extra)
+            hashes.append(parent)
+        else:
+            append = hashes.append
+            for i in range(0, len(data), step):
+                parent = _hash(parent + data[i : i + step] + extra)
+                append(parent)
+        self._parent = parent
+
 
 __all__ = [
     "HASH_BYTES",

@@ -38,7 +38,7 @@ def _as_group_ids(value: Iterable[Iterable[int]]) -> GroupBlockIds:
     if _is_group_ids(value):
         # What kvflow itself passes, several times a step: immutable already, kept as is.
         return cast(GroupBlockIds, value)
-    return tuple(tuple(int(b) for b in group) for group in value)
+    return tuple([tuple(map(int, group)) for group in value])
 
 
 @frozen

@@ -5,13 +5,14 @@ but kvflow's own and engine-neutral.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from attrs import define, field, frozen
 
 from kvflow.core.hashing import ExtraKey
 from kvflow.core.protocol import GroupBlockIds, _as_group_ids
+from kvflow.errors import ConfigError
 
 
 @runtime_checkable
@@ -74,6 +75,47 @@ class CachedRequest:
     resumed_from_preemption: bool = False  # if so, new_block_ids is the whole new table
 
 
+def _as_str_column(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _as_int_column(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+def _as_ids_column(value: Iterable[Iterable[Iterable[int]]]) -> tuple[GroupBlockIds, ...]:
+    return tuple(_as_group_ids(ids) for ids in value)
+
+
+@frozen
+class DecodeRequests:
+    """Running requests that each decode one token this step, none speculative or resumed.
+
+    The steady state of a decode batch, in columns so that an engine passes a whole step
+    without building an object per request. Entry ``i`` means exactly
+    ``CachedRequest(request_ids[i], new_block_ids[i], num_computed_tokens[i], 1)``.
+    """
+
+    request_ids: tuple[str, ...] = field(converter=_as_str_column)
+    num_computed_tokens: tuple[int, ...] = field(converter=_as_int_column)  # before this step
+    new_block_ids: tuple[GroupBlockIds, ...] = field(converter=_as_ids_column)
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.request_ids)
+        if len(self.num_computed_tokens) != n or len(self.new_block_ids) != n:
+            raise ConfigError(
+                f"DecodeRequests columns differ in length: {n} request ids, "
+                f"{len(self.num_computed_tokens)} computed counts, "
+                f"{len(self.new_block_ids)} block id entries"
+            )
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+NO_DECODE_REQUESTS = DecodeRequests((), (), ())
+
+
 @frozen
 class SchedulerOutput:
     """One engine step, as the engine's scheduler decided it. kvflow never mutates it."""
@@ -83,10 +125,13 @@ class SchedulerOutput:
     cached_requests: tuple[CachedRequest, ...] = ()
     finished_request_ids: frozenset[str] = frozenset()
     preempted_request_ids: frozenset[str] = frozenset()
+    decode_requests: DecodeRequests = NO_DECODE_REQUESTS  # more running ones, after cached_requests
 
 
 __all__ = [
+    "NO_DECODE_REQUESTS",
     "CachedRequest",
+    "DecodeRequests",
     "KVRequest",
     "NewRequest",
     "RequestLike",

@@ -23,6 +23,7 @@ import enum
 import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 import structlog
 from attrs import asdict, define, field, frozen
@@ -127,6 +128,18 @@ class SchedulerConfig:
                 raise ConfigError(f"group {g} must be a GroupSpec, not {type(spec).__name__}")
         _positive("world_size", self.world_size)
         _positive("lazy_watermark", self.lazy_watermark)
+
+
+_NOTHING: frozenset[Any] = frozenset()
+
+
+def _take(items: set[Any]) -> frozenset[Any]:
+    """The set's items, frozen, and the set emptied (no new frozenset when there are none)."""
+    if not items:
+        return _NOTHING
+    out = frozenset(items)
+    items.clear()
+    return out
 
 
 @frozen
@@ -505,6 +518,7 @@ class OffloadManager:
             confirmed = check(st, end, self._confirmed(st, end), new.block_ids, True)
             dirty.append((st, confirmed, new.block_ids, True))
         no_new = self._no_new
+        news = self._running_news
         for c in so.cached_requests:
             st = requests.get(c.request_id)
             if st is None:
@@ -512,22 +526,29 @@ class OffloadManager:
             end = c.num_computed_tokens + c.num_scheduled_tokens - c.num_spec_tokens
             ids = c.new_block_ids
             boundary = st.next_boundary
-            if end < boundary and ids == no_new:
-                continue  # the steady state: no block completed, none allocated
-            replace = c.resumed_from_preemption
-            num_tokens = len(st.request.all_token_ids)
-            confirmed = end if end < num_tokens else num_tokens
-            if (
-                replace
-                or confirmed >= boundary
-                or confirmed < st.confirmed
-                or len(ids) != num_groups
-            ):
-                check(st, end, confirmed, ids, replace)
-            # Else only new blocks: every group's table already holds its confirmed blocks (the
-            # check passed when they completed; tables only grow until a preemption resets the
-            # boundary), so it holds them with more blocks too.
-            dirty.append((st, confirmed, ids, replace))
+            if end < boundary:
+                if ids == no_new:
+                    continue  # the steady state: no block completed, none allocated
+                if not c.resumed_from_preemption:
+                    # Only new blocks (vLLM-like engines pass every allocation at once): inline,
+                    # as the common case of a step where many requests cross into a new block.
+                    num_tokens = len(st.request.all_token_ids)
+                    confirmed = end if end < num_tokens else num_tokens
+                    if confirmed >= st.confirmed and len(ids) == num_groups:
+                        dirty.append((st, confirmed, ids, False))
+                        continue
+            dirty.append(news(st, end, ids, c.resumed_from_preemption))
+        decode = so.decode_requests
+        # Columns of one-token steps: each entry is a CachedRequest scheduling 1 token.
+        for rid, computed, ids in zip(
+            decode.request_ids, decode.num_computed_tokens, decode.new_block_ids, strict=True
+        ):
+            st = requests.get(rid)
+            if st is None:
+                raise ConfigError(f"unknown running request {rid!r}")
+            if computed + 1 < st.next_boundary and ids == no_new:
+                continue
+            dirty.append(news(st, computed + 1, ids, False))
         # Every table is checked: from here on nothing raises on bad input.
 
         flush = False
@@ -547,8 +568,7 @@ class OffloadManager:
             for st in self._allocated.values():
                 self._plan_load(st)
             self._allocated.clear()
-        batch: _StoreBatch | None = None
-        advance = self._advance
+        advancing: list[_Request] = []
         for st, confirmed, ids, replace in dirty:
             if self._ahead:
                 for group_ids in ids:
@@ -561,14 +581,16 @@ class OffloadManager:
                     if new_ids:
                         table.extend(new_ids)
             if replace or confirmed >= st.next_boundary or confirmed < st.confirmed:
-                st.confirmed = confirmed
-                batch = advance(st, batch)
-            else:
-                # No group completes a block and confirmed tokens did not go back: ``_advance``
-                # would change nothing, its boundary included.
-                st.confirmed = confirmed
-        if batch is not None and batch.reqs:
-            self._plan_store(batch, STEP_STORE_ID)
+                advancing.append(st)
+            # Else no group completes a block and confirmed tokens did not go back: advancing
+            # would change nothing, its boundary included.
+            st.confirmed = confirmed
+        if advancing:
+            # One pass over the step's completed blocks (requests are independent of each other
+            # here, so advancing after every table grew is the same as advancing each in turn).
+            batch = self._advance(advancing)
+            if batch.reqs:
+                self._plan_store(batch, STEP_STORE_ID)
         if not self._eager and not self._reset_pending:
             self._lazy_walk()
         return self._launch(so.step, flush)
@@ -594,6 +616,25 @@ class OffloadManager:
         """Tokens whose KV is computed and not speculative: ``end`` capped by the request's."""
         num_tokens = len(st.request.all_token_ids)
         return end if end < num_tokens else num_tokens
+
+    def _running_news(
+        self, st: _Request, end: int, ids: GroupBlockIds, replace: bool
+    ) -> tuple[_Request, int, GroupBlockIds, bool]:
+        """A running request with news (``end`` tokens computed after the step), its table
+        checked; the ``dirty`` entry ``build_step_plan`` applies once every request passed."""
+        num_tokens = len(st.request.all_token_ids)
+        confirmed = end if end < num_tokens else num_tokens
+        if (
+            replace
+            or confirmed >= st.next_boundary
+            or confirmed < st.confirmed
+            or len(ids) != self._num_groups
+        ):
+            self._check_table(st, end, confirmed, ids, replace)
+        # Else only new blocks: every group's table already holds its confirmed blocks (the
+        # check passed when they completed; tables only grow until a preemption resets the
+        # boundary), so it holds them with more blocks too.
+        return st, confirmed, ids, replace
 
     def _check_table(
         self, st: _Request, end: int, confirmed: int, ids: GroupBlockIds, replace: bool
@@ -626,75 +667,72 @@ class OffloadManager:
         )
 
     def _hash_upto(self, st: _Request, num_tokens: int) -> None:
-        tokens: Sequence[int] | None = None
+        tokens = st.request.all_token_ids
         for hasher in st.hashers:
-            bs = hasher.block_size
-            target = num_tokens // bs * bs
-            have = hasher.num_tokens
-            if target > have:
-                if tokens is None:
-                    tokens = st.request.all_token_ids
-                hasher.extend(tokens[have:target])
+            hasher.extend_to(tokens, num_tokens)
 
-    def _advance(self, st: _Request, batch: _StoreBatch | None) -> _StoreBatch | None:
-        """Hand the blocks completed since the last call to the store policy; eager candidates go
-        into ``batch`` (made on the first one). Returns the batch."""
-        confirmed = st.confirmed
-        self._hash_upto(st, confirmed)
-        boundary = 1 << 62
+    def _advance(self, sts: Sequence[_Request]) -> _StoreBatch:
+        """Hand the blocks the requests completed since their last call to the store policy;
+        returns the eager candidates, in request order, as one batch.
+
+        An eager candidate is a completed block worth storing: not the null block, not cached on
+        CPU, not being stored, not picked already by this batch. Everything that is the same for
+        every request is looked up once per call, not once per request or block.
+        """
+        batch = _StoreBatch.empty(self._num_groups)
         eager = self._eager and not self._reset_pending
-        added = False
-        cursor = st.cursor
-        for g, bs in self._group_sizes:
-            done = confirmed // bs
-            if (done + 1) * bs < boundary:
-                boundary = (done + 1) * bs
-            cur = cursor[g]
-            if done <= cur:
-                continue
-            cursor[g] = done
-            ids = st.table[g][cur:done]
-            hs = st.hashers[self._slot[g]].hashes[cur:done]
-            if eager:
-                if batch is None:
-                    batch = _StoreBatch.empty(self._num_groups)
-                if self._add_candidates(batch, g, st, ids, hs):
-                    added = True
-            elif not self._eager:
-                record = self._gpu_hash
-                null = self._null
-                view = self._gpu
-                assert view is not None
-                for b, h in zip(ids, hs, strict=True):
-                    if b != null:
-                        record[b] = (g, h, view.block_hash(b))
-        st.next_boundary = boundary
-        if added:
-            assert batch is not None
-            batch.reqs.append(st)
-        return batch
-
-    def _add_candidates(
-        self,
-        batch: _StoreBatch,
-        g: int,
-        owner: _Request | None,
-        ids: Sequence[int],
-        hashes: Sequence[BlockHash],
-    ) -> bool:
-        """Add the blocks worth storing: not the null block, not on CPU, not being stored."""
-        cached = self._cpu[g].is_cached
-        storing = self._storing[g]
+        lazy = not self._eager
+        group_sizes = self._group_sizes
+        slot = self._slot
         null = self._null
-        picked = batch.blocks[g]
-        owners = batch.owners[g]
-        n = len(picked)
-        for b, h in zip(ids, hashes, strict=True):
-            if b == null or h in storing or h in picked or cached(h):
-                continue
-            picked[h] = b
-            owners.append(owner)
-        return len(picked) > n
+        cached = [pool.is_cached for pool in self._cpu]
+        storing = self._storing
+        picked_per_group = batch.blocks
+        owners_per_group = batch.owners
+        record = self._gpu_hash
+        view = self._gpu
+        for st in sts:
+            confirmed = st.confirmed
+            tokens = st.request.all_token_ids
+            hashers = st.hashers
+            for hasher in hashers:
+                hasher.extend_to(tokens, confirmed)
+            boundary = 1 << 62
+            added = False
+            cursor = st.cursor
+            table = st.table
+            for g, bs in group_sizes:
+                done = confirmed // bs
+                if (done + 1) * bs < boundary:
+                    boundary = (done + 1) * bs
+                cur = cursor[g]
+                if done <= cur:
+                    continue
+                cursor[g] = done
+                ids = table[g]
+                hs = hashers[slot[g]].hashes
+                if eager:
+                    is_cached = cached[g]
+                    in_flight = storing[g]
+                    picked = picked_per_group[g]
+                    owners = owners_per_group[g]
+                    for i in range(cur, done):
+                        b, h = ids[i], hs[i]
+                        if b == null or h in in_flight or h in picked or is_cached(h):
+                            continue
+                        picked[h] = b
+                        owners.append(st)
+                        added = True
+                elif lazy:
+                    assert view is not None
+                    for i in range(cur, done):
+                        b = ids[i]
+                        if b != null:
+                            record[b] = (g, hs[i], view.block_hash(b))
+            st.next_boundary = boundary
+            if added:
+                batch.reqs.append(st)
+        return batch
 
     def _plan_store(self, batch: _StoreBatch, request_id: str) -> _Xfer | None:
         """Allocate CPU blocks (evicting LRU cached ones) and queue one store; skip what won't fit."""
@@ -702,27 +740,37 @@ class OffloadManager:
         cpu: list[tuple[int, ...]] = []
         hashes: list[tuple[BlockHash, ...]] = []
         owners: list[tuple[_Request | None, ...]] = []
+        evicted = False
         for g, pool in enumerate(self._cpu):
             picked = batch.blocks[g]
             want = len(picked)
+            if not want:
+                gpu.append(())
+                cpu.append(())
+                hashes.append(())
+                owners.append(())
+                continue
             hs = tuple(picked)
             ids = tuple(picked.values())
             who = tuple(batch.owners[g])
-            n = min(want, pool.num_free_blocks)
-            cached_before = pool.num_cached_blocks
+            n = pool.num_free_blocks
             if n < want:
                 self._n.skipped_stores += want - n
                 log.info(
                     "offload_store_skipped", group=g, num_blocks=want - n, reason="cpu_pool_full"
                 )
                 hs, ids, who = hs[:n], ids[:n], who[:n]
+            else:
+                n = want
+            cached_before = pool.num_cached_blocks
             cpu.append(tuple(pool.get_new_blocks(n)) if n else ())
+            evicted = evicted or pool.num_cached_blocks < cached_before
             gpu.append(ids)
             hashes.append(hs)
             owners.append(who)
-            if pool.num_cached_blocks < cached_before and not self._eager:
-                # Evicted copies may back blocks ahead of the cursor: they are no longer covered.
-                self._lazy_reset("cpu_eviction")
+        if evicted and not self._eager:
+            # Evicted copies may back blocks ahead of the cursor: they are no longer covered.
+            self._lazy_reset("cpu_eviction")
         if not any(cpu):
             return None
         if len(batch.reqs) == 1:
@@ -751,7 +799,7 @@ class OffloadManager:
         if self._gpu is not None:
             # Hold the GPU ends too: the engine may free them (preemption, a block leaving a
             # sliding window, a lazy store's free block) while the copy still runs.
-            self._gpu.touch(b for ids in gpu for b in ids)
+            self._gpu.touch(gpu[0] if len(gpu) == 1 else [b for ids in gpu for b in ids])
             xfer.holds_gpu = True
         self._xfers[tid] = xfer
         self._pending.append(xfer)
@@ -909,8 +957,8 @@ class OffloadManager:
             for g, bs in enumerate(self._block_sizes):
                 if len(table[g]) >= st.confirmed // bs:
                     st.table[g] = table[g]
-            batch = self._advance(st, None)
-            if batch is not None and batch.reqs:
+            batch = self._advance((st,))
+            if batch.reqs:
                 self._plan_store(batch, rid)
         st.finishing = True
         st.delay_free = bool(st.transfers) and not engine_freed
@@ -996,16 +1044,13 @@ class OffloadManager:
                 failed.append(tid)
         self._try_complete_reset()
         out = StepOutcome(
-            finished_sending=frozenset(self._finished_sending),
-            finished_recving=frozenset(self._finished_recving),
-            committed=tuple(committed),
-            failed=tuple(failed),
-            invalid_block_ids=frozenset(self._invalid),
-            reset_complete=self._reset_done,
+            _take(self._finished_sending),
+            _take(self._finished_recving),
+            tuple(committed),
+            tuple(failed),
+            _take(self._invalid),
+            self._reset_done,
         )
-        self._finished_sending.clear()
-        self._finished_recving.clear()
-        self._invalid.clear()
         self._reset_done = False
         return out
 
@@ -1051,39 +1096,46 @@ class OffloadManager:
         """Drop every ref the transfer holds; a committed store's blocks enter the prefix cache."""
         spec = x.spec
         tid = spec.transfer_id
+        store = spec.direction is _STORE
         nbytes = 0
         nblocks = 0
+        groups = self.config.groups
         for g, cpu_ids in enumerate(spec.cpu_block_ids):
+            if not cpu_ids:
+                continue
             pool = self._cpu[g]
-            if spec.direction is _STORE:
+            if store:
                 storing = self._storing[g]
-                for h in x.hashes[g]:
+                hs = x.hashes[g]
+                for h in hs:
                     if storing.get(h) == tid:
                         del storing[h]
                 if commit:
-                    ids, hs = cpu_ids, x.hashes[g]
+                    ids = cpu_ids
                     if x.dropped:
                         keep = [o not in x.dropped for o in x.owners[g]]
                         ids = tuple(b for b, k in zip(ids, keep, strict=True) if k)
                         hs = tuple(h for h, k in zip(hs, keep, strict=True) if k)
-                    n = sum(pool.cache(ids, hs))
+                    n = pool.cache(ids, hs).count(True)
                     nblocks += n
-                    nbytes += n * self.config.groups[g].block_bytes
+                    nbytes += n * groups[g].block_bytes
             elif commit:
                 nblocks += len(cpu_ids)
-                nbytes += len(cpu_ids) * self.config.groups[g].block_bytes
+                nbytes += len(cpu_ids) * groups[g].block_bytes
             # Reverse: a request's tail blocks become the first to be evicted.
-            pool.free(reversed(cpu_ids))
+            pool.free(cpu_ids[::-1])
         if x.holds_gpu:
             assert self._gpu is not None
-            self._gpu.free(b for ids in spec.gpu_block_ids for b in ids)
+            gpu = spec.gpu_block_ids
+            self._gpu.free(gpu[0] if len(gpu) == 1 else [b for ids in gpu for b in ids])
         if commit:
-            if spec.direction is _STORE:
-                self._n.blocks_stored += nblocks
-                self._n.bytes_stored += nbytes
+            counters = self._n
+            if store:
+                counters.blocks_stored += nblocks
+                counters.bytes_stored += nbytes
             else:
-                self._n.blocks_loaded += nblocks
-                self._n.bytes_loaded += nbytes
+                counters.blocks_loaded += nblocks
+                counters.bytes_loaded += nbytes
         del self._xfers[tid]
         for st in x.reqs:
             del st.transfers[tid]

@@ -90,6 +90,10 @@ TRANSFER_MACHINE: Machine[TransferState, TransferInput] = Machine(
 )
 
 
+_DIRECTION_NAMES = {d: d.value for d in Direction}
+"""``Direction.value`` is a Python-level property: a dict lookup is cheaper on every transition."""
+
+
 def apply(transfer: Transfer, event: TransferInput, *, cause: str) -> TransferState:
     """Apply one input to ``transfer`` by the table; log it; return the new state.
 
@@ -101,7 +105,7 @@ def apply(transfer: Transfer, event: TransferInput, *, cause: str) -> TransferSt
         event,
         cause=cause,
         request_id=transfer.request_id,
-        direction=transfer.direction.value,
+        direction=_DIRECTION_NAMES[transfer.direction],
     )
     return transfer.state
 

@@ -27,13 +27,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, Set
+from itertools import compress
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
 from attrs import frozen
 
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
-from kvflow.core.requests import CachedRequest, NewRequest, RequestLike, SchedulerOutput
+from kvflow.core.requests import (
+    NO_DECODE_REQUESTS,
+    CachedRequest,
+    DecodeRequests,
+    NewRequest,
+    RequestLike,
+    SchedulerOutput,
+)
 from kvflow.errors import ConfigError
 
 try:
@@ -93,22 +101,25 @@ def request_extra_keys(request: Request) -> tuple[int | str | bytes, ...]:
 
 
 class VLLMRequestView:
-    """A ``RequestLike`` over a vLLM ``Request``: reads its live token list, never copies it."""
+    """A ``RequestLike`` over a vLLM ``Request``: reads its live token list, never copies it.
 
-    __slots__ = ("extra_keys", "request")
+    vLLM exposes the list through a read-only ``ConstantList`` wrapper whose ``len`` and slicing
+    are Python methods; the view reads the wrapped list itself (the same object for the request's
+    whole life, appended to in place), so the manager's per-step reads cost what a list's do.
+    """
+
+    __slots__ = ("all_token_ids", "extra_keys", "request")
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.extra_keys: tuple[int | str | bytes, ...] = request_extra_keys(request)
+        tokens: Sequence[int] = request.all_token_ids
+        inner = getattr(tokens, "_x", None)
+        self.all_token_ids: Sequence[int] = inner if type(inner) is list else tokens
 
     @property
     def request_id(self) -> str:
         return str(self.request.request_id)
-
-    @property
-    def all_token_ids(self) -> Sequence[int]:
-        tokens: Sequence[int] = self.request.all_token_ids
-        return tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -152,8 +163,102 @@ def _has_blocks(new_ids: Sequence[Sequence[int]] | None) -> bool:
     return new_ids is not None and any(new_ids)
 
 
+class HeldBlockIds:
+    """New GPU block ids of running requests that the manager does not need yet.
+
+    Under the eager store policy the manager reads a request's block table only when one of its
+    blocks completes (or the request finishes, resumes or is preempted, which bring or reset the
+    whole table). So the adapter keeps a decode step's newly allocated block ids here and hands
+    them over with the request's next block completion: in steady decode half the requests with
+    news each step (those that only got a block) never reach the manager. The lazy policy needs
+    every allocation at once (it tracks vLLM's free queue) and holds nothing back.
+
+    vLLM's per-step lists are kept as they are (they are built fresh for each step's output and
+    never written to afterwards); a second allocation before the first is handed over merges
+    them into new lists.
+    """
+
+    __slots__ = ("_ids", "_no_blocks")
+
+    def __init__(self, num_groups: int) -> None:
+        self._ids: dict[str, Sequence[Sequence[int]]] = {}
+        self._no_blocks: GroupBlockIds = ((),) * num_groups
+
+    def hold(self, request_id: str, new_ids: Sequence[Sequence[int]] | None) -> None:
+        """Keep this step's new block ids (in vLLM's per-group form) for later."""
+        if not _has_blocks(new_ids):
+            return
+        assert new_ids is not None
+        held = self._ids.get(request_id)
+        self._ids[request_id] = (
+            new_ids if held is None else [[*a, *b] for a, b in zip(held, new_ids, strict=True)]
+        )
+
+    def take(
+        self, request_id: str, new_ids: Sequence[Sequence[int]] | None = None
+    ) -> Sequence[Sequence[int]]:
+        """Everything held for the request followed by this step's new ids, and forget them."""
+        held = self._ids.pop(request_id, None)
+        if not _has_blocks(new_ids):
+            return self._no_blocks if held is None else held
+        assert new_ids is not None
+        if held is None:
+            return new_ids
+        return [[*a, *b] for a, b in zip(held, new_ids, strict=True)]
+
+    def decode_step(
+        self,
+        req_ids: Sequence[str],
+        new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+        num_computed: Sequence[int],
+        boundary: int,
+    ) -> DecodeRequests:
+        """One steady-decode step of vLLM's running requests (one token each): hold the step's
+        new ids, and return the requests whose token completes a multiple of ``boundary``, each
+        with every id held for it, as ``DecodeRequests`` columns."""
+        held = self._ids
+        get = held.get
+        # ``compress`` keeps the entries that are not None, in C: most are None.
+        for i in compress(range(len(req_ids)), new_block_ids):
+            ids = new_block_ids[i]
+            assert ids is not None
+            if any(ids):
+                rid = req_ids[i]
+                prev = get(rid)
+                # Tuples now (in C): the columns then take them as they are.
+                held[rid] = (
+                    tuple(map(tuple, ids))
+                    if prev is None
+                    else tuple((*a, *b) for a, b in zip(prev, ids, strict=True))
+                )
+        last = boundary - 1
+        due = [i for i, computed in enumerate(num_computed) if computed % boundary == last]
+        if not due:
+            return NO_DECODE_REQUESTS
+        rids = [req_ids[i] for i in due]
+        pop = held.pop
+        none = self._no_blocks
+        return DecodeRequests(
+            rids, [num_computed[i] for i in due], [pop(rid, none) for rid in rids]
+        )
+
+    def drop(self, request_id: str) -> None:
+        """Forget the request's held ids: it finished, or its whole table is about to be replaced."""
+        self._ids.pop(request_id, None)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 def translate_scheduler_output(
-    scheduler_output: VLLMSchedulerOutput, step: int, num_groups: int, boundary: int = 1
+    scheduler_output: VLLMSchedulerOutput,
+    step: int,
+    num_groups: int,
+    boundary: int = 1,
+    held: HeldBlockIds | None = None,
 ) -> SchedulerOutput:
     """vLLM's ``SchedulerOutput`` of one step as kvflow's (block ids per KV cache group).
 
@@ -163,9 +268,18 @@ def translate_scheduler_output(
     passes the gcd of the groups' block sizes, so no block completion is ever skipped; 1 passes
     every request). In steady decode that skips most of a batch, which keeps the adapter's cost
     per step proportional to the blocks that complete rather than to the requests that run.
+
+    With ``held`` (eager policy), new block ids alone are not news: they wait in ``held`` and
+    travel with the request's next passed-on step, so only block completions reach the manager.
     """
     num_scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
+    finished = frozenset(scheduler_output.finished_req_ids)
+    preempted = frozenset(scheduler_output.preempted_req_ids or ())
+    if held is not None and len(held):
+        # A finished request's blocks are gone, a preempted one resumes with a whole new table.
+        for rid in finished | preempted:
+            held.drop(rid)
     new = tuple(
         NewRequest(
             r.req_id,
@@ -176,6 +290,9 @@ def translate_scheduler_output(
         )
         for r in scheduler_output.scheduled_new_reqs
     )
+    if held is not None and len(held):
+        for r in scheduler_output.scheduled_new_reqs:
+            held.drop(r.req_id)
     cached_data = scheduler_output.scheduled_cached_reqs
     resumed = cached_data.resumed_req_ids
     req_ids = cached_data.req_ids
@@ -183,52 +300,52 @@ def translate_scheduler_output(
     num_computed = cached_data.num_computed_tokens
     no_blocks: GroupBlockIds = ((),) * num_groups
     counts = num_scheduled.values()
-    if not resumed and not spec and counts and sum(counts) == len(counts) and min(counts) == 1:
+    last = boundary - 1
+    cached: list[CachedRequest] = []
+    decode = NO_DECODE_REQUESTS
+    if not resumed and not spec and counts and list(counts).count(1) == len(counts):
         # Steady decode: one token per request, nothing resumed or speculative. A request has
-        # news only if it got blocks or its one token completes a multiple of ``boundary``; one
-        # pass over vLLM's lists, in their order, finds them.
-        last = boundary - 1
-        cached = [
-            CachedRequest(
-                req_ids[i],
-                new_block_ids[i] if _has_blocks(new_block_ids[i]) else no_blocks,
-                num_computed[i],
-                1,
-            )
-            for i in [
-                i
+        # news only if it got blocks or its one token completes a multiple of ``boundary``.
+        if held is None:
+            cached = [
+                CachedRequest(
+                    req_ids[i],
+                    new_block_ids[i] if _has_blocks(new_block_ids[i]) else no_blocks,
+                    num_computed[i],
+                    1,
+                )
                 for i, (ids, computed) in enumerate(zip(new_block_ids, num_computed, strict=True))
                 if ids is not None or computed % boundary == last
             ]
-        ]
+        else:
+            decode = held.decode_step(req_ids, new_block_ids, num_computed, boundary)
     else:
-        cached = []
         for rid, new_ids, computed in zip(req_ids, new_block_ids, num_computed, strict=True):
             scheduled = num_scheduled[rid]
+            crosses = (computed + scheduled) // boundary != computed // boundary
             # The common case first and cheapest: a decode token inside a block.
-            if (
-                new_ids is None
-                and (computed + scheduled) // boundary == computed // boundary
-                and rid not in resumed
-                and rid not in spec
-            ):
+            if new_ids is None and not crosses and rid not in resumed and rid not in spec:
+                continue
+            if held is None:
+                ids = new_ids if _has_blocks(new_ids) else no_blocks
+            elif rid in resumed:
+                held.drop(rid)  # new_ids is the whole new table
+                ids = new_ids if _has_blocks(new_ids) else no_blocks
+            elif crosses or rid in spec:
+                ids = group_block_ids(held.take(rid, new_ids))
+            else:
+                held.hold(rid, new_ids)
                 continue
             cached.append(
-                CachedRequest(
-                    rid,
-                    new_ids if _has_blocks(new_ids) else no_blocks,
-                    computed,
-                    scheduled,
-                    len(spec.get(rid, ())),
-                    rid in resumed,
-                )
+                CachedRequest(rid, ids, computed, scheduled, len(spec.get(rid, ())), rid in resumed)
             )
     return SchedulerOutput(
         step=step,
         new_requests=new,
         cached_requests=tuple(cached),
-        finished_request_ids=frozenset(scheduler_output.finished_req_ids),
-        preempted_request_ids=frozenset(scheduler_output.preempted_req_ids or ()),
+        finished_request_ids=finished,
+        preempted_request_ids=preempted,
+        decode_requests=decode,
     )
 
 
@@ -493,6 +610,9 @@ def _report_has_news(report: StepReport) -> bool:
     return bool(report.completed or report.failed or report.invalid_block_ids)
 
 
+_NO_ECHO: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
+
+
 class OutcomeRelay:
     """Turns the manager's outcomes into ``KVConnectorOutput`` fields, honouring vLLM's ordering.
 
@@ -514,6 +634,20 @@ class OutcomeRelay:
         self._held_recving: set[str] = set()
 
     def apply(self, connector_output: KVConnectorOutput, outcome: OutcomeLike | None) -> None:
+        if (
+            connector_output.finished_sending is None
+            and connector_output.finished_recving is None
+            and not self._held_recving
+            and (
+                outcome is None
+                or not (
+                    outcome.finished_sending
+                    or outcome.finished_recving
+                    or outcome.invalid_block_ids
+                )
+            )
+        ):
+            return  # most steps: nothing finished, nothing failed, nothing held
         sending = set(connector_output.finished_sending or ())
         recving: set[str] = set()
         if outcome is not None:
@@ -544,6 +678,8 @@ class OutcomeRelay:
     def take_echo(self) -> tuple[frozenset[int], frozenset[str]]:
         """Block ids and request ids to send to the workers now; held completions are released on
         the next ``apply``."""
+        if not (self._echo or self._echo_requests):
+            return _NO_ECHO
         echo = frozenset(self._echo), frozenset(self._echo_requests)
         self._echo, self._echo_requests = set(), set()
         return echo
@@ -599,6 +735,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_groups = len(self.geometry)
         self._boundary = math.gcd(*(g.block_size for g in self.geometry))
         self._views = RequestViews()
+        self._held = (
+            HeldBlockIds(self._num_groups) if self.options.store_policy == "eager" else None
+        )
         # vLLM maps failed block ids back to requests only with a single KV cache group.
         self._per_request_failures = self._num_groups > 1
         self._relay = OutcomeRelay(per_request=self._per_request_failures)
@@ -708,7 +847,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         step = self._step
         self._step += 1
         plan = self.manager.build_step_plan(
-            translate_scheduler_output(scheduler_output, step, self._num_groups, self._boundary)
+            translate_scheduler_output(
+                scheduler_output, step, self._num_groups, self._boundary, self._held
+            )
         )
         return KVFlowConnectorMetadata(plan, *self._relay.take_echo())
 
@@ -726,6 +867,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._held is not None:
+            self._held.drop(request.request_id)
         delay_free, params = self.manager.request_finished(
             self._views.pop(request), group_block_ids(block_ids)
         )
@@ -833,6 +976,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
 __all__ = [
     "VLLM_VERSION_TESTED",
+    "HeldBlockIds",
     "KVFlowConnector",
     "KVFlowConnectorMetadata",
     "KVFlowOptions",
