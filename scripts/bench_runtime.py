@@ -218,7 +218,9 @@ def main() -> None:
         )
     console.print(t)
 
-    t = Table(title="Synchronous facade: one engine step = bind, load, save, flush or not, finish_step")
+    t = Table(
+        title="Synchronous facade: one engine step = bind, load, save, flush or not, finish_step"
+    )
     for col in ("transfers/step", "steps", "µs/step", "µs/transfer"):
         t.add_column(col, justify="right")
     for per_step, pipelined in [(1, False), (64, False), (1, True), (64, True)]:
