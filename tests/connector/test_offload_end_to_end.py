@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+import torch
 from attrs import define, field
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
@@ -201,24 +203,30 @@ async def test_async_frontend_serves_concurrent_requests_with_offload() -> None:
 
 
 def test_bench_command_writes_the_json_fields(tmp_path: Path) -> None:
-    """`kvflow bench` runs at a tiny size and its JSON has every documented field."""
+    """`kvflow bench` runs at a tiny size and its JSON has every documented field; on CPU it
+    leaves one core to kvflow's threads."""
     out = tmp_path / "bench.json"
     trace = tmp_path / "trace.jsonl"
-    rc = main(
-        [
-            "bench",
-            "--users", "2",
-            "--rounds", "2",
-            "--system", "32",
-            "--first-question", "16",
-            "--question", "8",
-            "--answer", "4",
-            "--json", str(out),
-            "--trace", str(trace),
-        ]
-    )  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        rc = main(
+            [
+                "bench",
+                "--users", "2",
+                "--rounds", "2",
+                "--system", "32",
+                "--first-question", "16",
+                "--question", "8",
+                "--answer", "4",
+                "--json", str(out),
+                "--trace", str(trace),
+            ]
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)  # the command sets it for its whole process
     assert rc == 0
     data = json.loads(out.read_text())
+    assert data["torch_threads"] == max(1, (os.cpu_count() or 1) - 1)
     assert data["outputs_identical"] is True
     assert data["backend"] == "host"
     assert data["device"] == "cpu"

@@ -82,6 +82,7 @@ class BenchResult:
             "cpu_bytes": self.cpu_bytes,
             "config": asdict(self.config),
             "machine": platform.node() or platform.machine(),
+            "torch_threads": torch.get_num_threads(),
         }
 
 
