@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvflow.backends.fake import FakeBackend
 from kvflow.backends.host import HostBackend
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction
@@ -91,9 +92,9 @@ def test_finish_step_returns_finished_requests_and_report_in_one_call() -> None:
 
 
 def test_a_step_wakes_the_loop_only_for_work_and_keeps_posted_calls_in_order() -> None:
-    """Posting a plan without copies wakes the runtime's loop not at all (the calls run, in
-    order, with the step's blocking call); loads wake it at ``start_load_kv`` and stores at
-    ``wait_for_save``."""
+    """A step without copies never wakes the runtime's loop (``finish_step`` needs no round
+    trip); loads wake it at ``start_load_kv``, stores at ``wait_for_save``, and the calls queued
+    meanwhile run first, in order. Steps without copies run their queued binds now and then."""
     caches = {"l0": torch.randn(2, 8, 4, 2, 8)}
     with SyncWorkerRuntime(HostBackend()) as rt:
         rt.register_kv_caches(caches, 8)
@@ -113,15 +114,14 @@ def test_a_step_wakes_the_loop_only_for_work_and_keeps_posted_calls_in_order() -
             rt.bind_connector_metadata(StepPlan(1))
             rt.start_load_kv()
             rt.wait_for_save()
-            assert wakes == []
             assert rt.finish_step() == (set(), set(), StepReport(rank=0))
-            assert wakes == ["run"]  # the blocking call carried the three posted ones
+            assert wakes == []
             store = TransferSpec(1, "a", Direction.STORE, [[1]], [[0]])
             rt.bind_connector_metadata(StepPlan(2, stores=(store,)))
             rt.start_load_kv()
-            assert wakes == ["run"]
+            assert wakes == []
             rt.wait_for_save()
-            assert wakes == ["run", "_run_posted"]
+            assert wakes == ["_run_posted"]  # binds 1 and 2, then the store, in order
             rt.flush()
             load = TransferSpec(2, "a", Direction.LOAD, [[2]], [[0]])
             rt.bind_connector_metadata(StepPlan(3, loads=(load,)))
@@ -132,9 +132,37 @@ def test_a_step_wakes_the_loop_only_for_work_and_keeps_posted_calls_in_order() -
             sending, recving, report = rt.finish_step()
             assert (sending, recving) == ({"a"}, {"a"})
             assert sorted(report.completed) == [1, 2]
+            before = len(wakes)
+            for step in range(4, 4 + 40):
+                rt.bind_connector_metadata(StepPlan(step))
+                rt.start_load_kv()
+                rt.wait_for_save()
+                rt.finish_step()
+            assert 1 <= len(wakes) - before <= 3  # a wake-up per 16 queued binds
         finally:
             loop.call_soon_threadsafe = real  # type: ignore[method-assign]
         assert torch.equal(caches["l0"][:, 2], caches["l0"][:, 1])
+
+
+def test_finish_step_reports_a_copy_once_the_loop_has_seen_it_settle() -> None:
+    """Without a round trip, ``finish_step`` reports what has settled so far: a copy still in
+    flight is not in it, and once it settled it is reported by one later call, exactly once."""
+    fake = FakeBackend()
+    with SyncWorkerRuntime(fake) as rt:
+        rt.register_kv_caches({"l0": torch.randn(2, 8, 4, 2, 8)}, 8)
+        rt.allocate_cpu_tier(4)
+        rt.bind_connector_metadata(
+            StepPlan(1, stores=(TransferSpec(1, "a", Direction.STORE, [[1]], [[0]]),))
+        )
+        rt.start_load_kv()
+        rt.wait_for_save()
+        rt.portal.call(lambda: None)  # the posted store has been submitted
+        assert rt.finish_step() == (set(), set(), StepReport(rank=0))
+        rt.portal.call(fake.release_all)  # on the loop's thread, where the backend lives
+        rt.flush()
+        sending, recving, report = rt.finish_step()
+        assert (sending, recving, report.completed) == ({"a"}, set(), (1,))
+        assert rt.finish_step() == (set(), set(), StepReport(rank=0))
 
 
 def test_posted_call_error_is_raised_by_the_next_call() -> None:

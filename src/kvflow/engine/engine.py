@@ -275,9 +275,10 @@ class Engine:
             if o.finished:
                 self._finished[o.request_id] = alive[o.request_id]
         progressed = bool(batch.chunks) or not run.kv_connector_output.is_empty
-        if not batch.chunks and sched.has_unfinished():
-            # Nothing to compute: everyone waits on a transfer. Block briefly for it rather
-            # than spin empty steps that starve the copy threads of the GIL.
+        if not batch.chunks and self.has_unfinished():
+            # Nothing to compute: everyone waits on a transfer (a load, or the stores left after
+            # the last request). Block briefly for it rather than spin empty steps that starve
+            # the copy threads of the GIL.
             self.worker_connector.wait_for_progress(IDLE_WAIT_S)
         self._idle_steps = 0 if progressed else self._idle_steps + 1
         if self._idle_steps > self.config.max_idle_steps:

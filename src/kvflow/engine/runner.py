@@ -2,7 +2,8 @@
 
 Per step, in vLLM's order: ``bind_connector_metadata`` → ``handle_preemptions`` → ``start_load_kv``
 → forward (skipped when nothing is scheduled; the connector calls still run, so async transfers
-keep being reported) → ``wait_for_save`` → ``get_finished(finished_req_ids)`` →
+keep being reported) → ``wait_for_save`` (the forward enqueued, its tokens not yet read back) →
+``get_finished(finished_req_ids)`` →
 ``get_block_ids_with_load_errors`` → ``build_worker_report`` → ``clear_connector_metadata``. Sampling is greedy.
 """
 
@@ -21,6 +22,22 @@ from kvflow.engine.kv_cache import (
 )
 from kvflow.engine.model import LlamaForCausalLM
 from kvflow.engine.scheduler import StepBatch
+
+
+class _Sampled:
+    """A step's greedy tokens, still on the device until ``tokens()`` waits for them."""
+
+    __slots__ = ("_argmax", "_request_ids")
+
+    def __init__(self, request_ids: list[str], argmax: torch.Tensor | None) -> None:
+        self._request_ids = request_ids
+        self._argmax = argmax
+
+    def tokens(self) -> dict[str, int]:
+        if self._argmax is None:
+            return {}
+        toks = self._argmax.tolist()
+        return {rid: int(t) for rid, t in zip(self._request_ids, toks, strict=True)}
 
 
 @frozen
@@ -60,8 +77,11 @@ class ModelRunner:
         conn.bind_connector_metadata(connector_meta)
         conn.handle_preemptions(connector_meta)
         conn.start_load_kv()
-        sampled = self._forward(batch) if batch.chunks else {}
+        pending = self._forward(batch) if batch.chunks else None
+        # As vLLM does: stores are handed over once the forward is enqueued, before the host
+        # waits for its tokens, so their submission overlaps the device's compute.
         conn.wait_for_save()
+        sampled = {} if pending is None else pending.tokens()
         sending, recving = conn.get_finished(set(out.finished_request_ids))
         invalid = conn.get_block_ids_with_load_errors()
         report = conn.build_worker_report()
@@ -76,7 +96,7 @@ class ModelRunner:
             ),
         )
 
-    def _forward(self, batch: StepBatch) -> dict[str, int]:
+    def _forward(self, batch: StepBatch) -> _Sampled:
         chunks = batch.chunks
         device = self.device
         ids = [t for c in chunks for t in c.token_ids]
@@ -111,10 +131,8 @@ class ModelRunner:
             [group_meta[g] for g in self._layer_group],
             logits_at,
         )
-        if not sample_rows:
-            return {}
-        tokens = logits.argmax(dim=-1).tolist()
-        return {chunks[i].request_id: int(tok) for i, tok in zip(sample_rows, tokens, strict=True)}
+        ids_of_rows = [chunks[i].request_id for i in sample_rows]
+        return _Sampled(ids_of_rows, logits.argmax(dim=-1) if sample_rows else None)
 
 
 __all__ = ["ModelRunner", "ModelRunnerOutput"]

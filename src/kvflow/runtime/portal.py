@@ -9,14 +9,15 @@ onto it one to one.
 The three calls an engine makes on its hot path every step (``bind_connector_metadata``,
 ``start_load_kv``, ``wait_for_save``) are *posted*: queued for the loop in order without waiting
 for it, because a blocking round trip to another thread costs about a hundred microseconds. The
-loop is woken only when a posted call has work to start (the bound plan's loads, its stores);
-otherwise the calls ride along with the next wake-up or blocking call, still in order. Each wake-up
-hands the GIL to the loop's thread while the engine's thread waits to get it back (0.6 ms per
-wake-up in the engine's thread, by cProfile on the busy 2-core dev box), so a step wakes the
-loop at most twice besides its blocking ``finish_step``. An
-error one of the posted calls raises on the loop is raised again, unchanged, by the next facade
-call. Every other call blocks until the loop has run it. ``wait_for_save`` records the compute
-fence on the caller's thread, so a GPU backend fences after the engine's own stream.
+loop is woken only when a posted call has copies to start (the bound plan's loads, its stores);
+otherwise the calls ride along with the next wake-up or blocking call, still in order (and at
+the latest every ``_MAX_PENDING`` calls). Each wake-up hands the GIL to the loop's thread while
+the engine's thread waits to get it back, so a step wakes the loop at most twice. What settles
+is collected on the loop as it happens (a progress hook), so ``finish_step``, the engine's
+end-of-step question, needs no round trip at all. An error one of the posted calls raises on the
+loop is raised again, unchanged, by the next facade call. Every other call blocks until the loop
+has run it. ``wait_for_save`` records the compute fence on the caller's thread, so a GPU backend
+fences after the engine's own stream.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from kvflow.runtime.worker import WorkerRuntime
 log = structlog.get_logger("kvflow.portal")
 
 T = TypeVar("T")
+
+_MAX_PENDING = 16
+"""Posted calls that wait for a wake-up at most (steps without copies post only a bind)."""
 
 
 class SyncWorkerRuntime:
@@ -80,7 +84,13 @@ class SyncWorkerRuntime:
             raise
         self._closed = False
         self._progress = threading.Event()
-        self._rt.progress_hooks.append(self._progress.set)
+        # Finished work is collected on the loop as it settles, so the engine's thread reads it
+        # at the end of a step without a round trip (and without waiting for the loop to submit
+        # that step's stores).
+        self._mail_lock = threading.Lock()
+        self._mail_finished: dict[Direction, set[str]] = {d: set() for d in Direction}
+        self._mail_reports: list[StepReport] = []
+        self._rt.progress_hooks.append(self._collect)
         self._posted_error: BaseException | None = None
         self._load_errors: set[int] = set()
         self._pending: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
@@ -90,6 +100,38 @@ class SyncWorkerRuntime:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("sync worker runtime is shut down")
+
+    def _collect(self) -> None:
+        """On the loop, whenever copies settle: move what finished into the mailbox."""
+        sending, recving = self._rt.get_finished()
+        report = self._rt.build_report()
+        with self._mail_lock:
+            self._mail_finished[Direction.STORE] |= sending
+            self._mail_finished[Direction.LOAD] |= recving
+            if report.completed or report.failed or report.invalid_block_ids:
+                self._mail_reports.append(report)
+        self._progress.set()
+
+    def _take_finished(self) -> tuple[set[str], set[str]]:
+        with self._mail_lock:
+            mail, self._mail_finished = self._mail_finished, {d: set() for d in Direction}
+        return mail[Direction.STORE], mail[Direction.LOAD]
+
+    def _take_report(self) -> StepReport:
+        with self._mail_lock:
+            reports, self._mail_reports = self._mail_reports, []
+        report = StepReport(
+            rank=self._rt.rank,
+            completed=tuple(t for r in reports for t in r.completed),
+            failed=tuple(t for r in reports for t in r.failed),
+            invalid_block_ids=frozenset(b for r in reports for b in r.invalid_block_ids),
+        )
+        self._load_errors |= report.invalid_block_ids
+        return report
+
+    def _sync(self) -> None:
+        """A round trip: every posted call, and every copy the loop has seen settle, is done."""
+        self._call(lambda: None)
 
     def _raise_posted(self) -> None:
         """On the loop: raise (once) the error of an earlier posted call."""
@@ -192,43 +234,45 @@ class SyncWorkerRuntime:
         self._post(self._rt.bind, plan, wake=False)
 
     def start_load_kv(self) -> None:
-        """Posted: launch the bound plan's loads; wakes the loop when there are any, so they
-        start before the engine's forward rather than after it."""
+        """Posted when the bound plan has loads, waking the loop so they start before the
+        engine's forward rather than after it."""
         plan = self._bound
-        self._post(self._rt.start_load_kv, wake=plan is None or bool(plan.loads))
+        if plan is None or plan.loads:
+            self._post(self._rt.start_load_kv)
 
     def wait_for_save(self) -> None:
-        """Posted: launch the bound plan's stores, fenced on a compute fence recorded here; wakes
-        the loop when there are any."""
+        """Posted when the bound plan has stores: launch them, fenced on a compute fence recorded
+        here (so a GPU backend fences after the engine's own stream), waking the loop."""
         self._check_open()
         plan = self._bound
-        self._post(
-            self._rt.wait_for_save,
-            self._backend.compute_fence(),
-            wake=plan is None or bool(plan.stores),
-        )
+        if plan is None or plan.stores:
+            self._post(self._rt.wait_for_save, self._backend.compute_fence())
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        return self._call(self._rt.get_finished)
+        """``(finished_sending, finished_recving)`` since the previous call, after a round trip
+        (so every call posted before has run)."""
+        self._sync()
+        return self._take_finished()
 
     def finish_step(self) -> tuple[set[str], set[str], StepReport]:
-        """``get_finished()`` and ``build_report()`` in one round trip to the loop: the pair an
-        engine asks for at the end of every step. Each round trip costs a thread hand-off."""
-
-        def both() -> tuple[set[str], set[str], StepReport]:
-            sending, recving = self._rt.get_finished()
-            return sending, recving, self._rt.build_report()
-
-        sending, recving, report = self._call(both)
-        self._load_errors |= report.invalid_block_ids
-        return sending, recving, report
+        """``get_finished()`` and ``build_report()`` together, the pair an engine asks for at the
+        end of every step, without a round trip: what the loop has seen settle so far. A copy
+        that settles later is in the next step's answer. Raises the error of a posted call the
+        loop has run."""
+        self._check_open()
+        err, self._posted_error = self._posted_error, None
+        if err is not None:
+            raise err
+        if len(self._pending) >= _MAX_PENDING:
+            self._wake()  # steps without copies: run their queued calls now and then
+        sending, recving = self._take_finished()
+        return sending, recving, self._take_report()
 
     def build_report(self) -> StepReport:
-        """This rank's ``StepReport``; its invalid block ids also feed
-        ``get_block_ids_with_load_errors``."""
-        report = self._call(self._rt.build_report)
-        self._load_errors |= report.invalid_block_ids
-        return report
+        """This rank's ``StepReport`` since the previous one, after a round trip; its invalid
+        block ids also feed ``get_block_ids_with_load_errors``."""
+        self._sync()
+        return self._take_report()
 
     def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
         """Per direction: (bytes copied, seconds in flight), from the executor's accounting."""
@@ -242,7 +286,8 @@ class SyncWorkerRuntime:
         Returns whether a copy settled. (A real-time wait on the device, not a clock sleep.)
         """
         self._check_open()
-        self._wake()  # whatever is still queued may be what the engine waits for
+        if self._pending:
+            self._sync()  # the queued calls may launch the very copies the engine waits for
         if self._rt.in_flight == 0 and not self._progress.is_set():
             return False
         settled = self._progress.wait(timeout)
