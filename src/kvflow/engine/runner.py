@@ -24,20 +24,18 @@ from kvflow.engine.model import LlamaForCausalLM
 from kvflow.engine.scheduler import StepBatch
 
 
+@frozen
 class _Sampled:
     """A step's greedy tokens, still on the device until ``tokens()`` waits for them."""
 
-    __slots__ = ("_argmax", "_request_ids")
-
-    def __init__(self, request_ids: list[str], argmax: torch.Tensor | None) -> None:
-        self._request_ids = request_ids
-        self._argmax = argmax
+    request_ids: list[str]
+    argmax: torch.Tensor | None
 
     def tokens(self) -> dict[str, int]:
-        if self._argmax is None:
+        if self.argmax is None:
             return {}
-        toks = self._argmax.tolist()
-        return {rid: int(t) for rid, t in zip(self._request_ids, toks, strict=True)}
+        toks = self.argmax.tolist()
+        return {rid: int(t) for rid, t in zip(self.request_ids, toks, strict=True)}
 
 
 @frozen
