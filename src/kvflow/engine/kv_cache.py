@@ -188,11 +188,11 @@ def build_attention_metadata(
     decode: DecodeSegment | None = None
     if decode_rows:
         rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-        ctx = torch.tensor([num_computed[i] for i in decode_rows], dtype=torch.long, device=device)
-        first_t = torch.zeros_like(ctx) if window is None else (ctx - window + 1).clamp(min=0)
-        key_counts = [
-            num_computed[i] + 1 - _key_start(num_computed[i], window) for i in decode_rows
-        ]
+        ctx_list = [num_computed[i] for i in decode_rows]
+        firsts = [_key_start(c, window) for c in ctx_list]
+        key_counts = [c + 1 - f for c, f in zip(ctx_list, firsts, strict=True)]
+        ctx = torch.tensor(ctx_list, dtype=torch.long, device=device)
+        first_t = torch.tensor(firsts, dtype=torch.long, device=device)
         k_max = max(key_counts)
         k_pos = first_t[:, None] + torch.arange(k_max, device=device)[None, :]
         k_valid = k_pos <= ctx[:, None]
