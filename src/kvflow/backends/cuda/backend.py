@@ -99,26 +99,25 @@ class CudaFence:
             drv.cu.cuEventDestroy(self.event)
 
 
-class _Launcher:
-    """One thread that issues the driver calls of submitted batches, in submission order.
+class _JobThread:
+    """One thread that runs the jobs put to it, in order, with the device's context current.
 
-    The caller's ``submit`` only validates and enqueues, so the driver's per-descriptor cost of
-    ``cuMemcpyBatchAsync`` (hundreds of µs for a step's scattered blocks) and any wait for a CPU
-    chunk still being pinned happen off the event loop; the driver calls release the GIL.
+    The launch thread takes the driver calls of submitted batches, so the driver's
+    per-descriptor cost of ``cuMemcpyBatchAsync`` (hundreds of µs for a step's scattered
+    blocks) and any wait for a CPU chunk still being pinned happen off the event loop; the
+    driver calls release the GIL. A waiter thread per direction takes fence waits (``_await``).
     """
 
-    def __init__(self, ctx: drv.Context) -> None:
+    def __init__(self, ctx: drv.Context, name: str) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, args=(ctx,), name="kvflow-cuda-launch", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(ctx,), name=name, daemon=True)
         self._thread.start()
 
     def put(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
     def drain(self) -> None:
-        """Block until every job enqueued so far has been issued."""
+        """Block until every job put so far has run."""
         done = threading.Event()
         self._jobs.put(done.set)
         done.wait()
@@ -131,41 +130,7 @@ class _Launcher:
         ctx.enter()
         while (job := self._jobs.get()) is not None:
             job()
-
-
-class _Waiter:
-    """Waits on one direction's fences in launch order and calls ``notify`` as each finishes.
-
-    The reactor then polls once per finished batch instead of on a timer while copies run: every
-    timed poll takes the GIL from the engine's thread. The wait releases the GIL and, on
-    blocking-sync events, sleeps. Fences of one direction finish in about launch order, so a
-    FIFO wait costs at most a late notice, never a missed one (each notice polls every fence).
-    """
-
-    def __init__(self, ctx: drv.Context, name: str, notify: Callable[[], None]) -> None:
-        self._fences: queue.SimpleQueue[CudaFence | None] = queue.SimpleQueue()
-        self._notify = notify
-        self._thread = threading.Thread(
-            target=self._run, args=(ctx,), name=f"kvflow-cuda-wait-{name}", daemon=True
-        )
-        self._thread.start()
-
-    def put(self, fence: CudaFence) -> None:
-        self._fences.put(fence)
-
-    def close(self) -> None:
-        self._fences.put(None)
-        self._thread.join()
-
-    def _run(self, ctx: drv.Context) -> None:
-        ctx.enter()
-        while (fence := self._fences.get()) is not None:
-            if fence.launched:
-                err = drv.event_synchronize(fence.event)
-                if err:
-                    log.error("cuda_event_wait_failed", error=err)
-            self._notify()
-            del fence  # drop the event's last reference here, not at the next get()
+            del job  # drop what it holds (a fence's event) now, not at the next get()
 
 
 @define(eq=False)
@@ -232,9 +197,11 @@ class CudaBackend:
             for d in Direction
         }
         self._join = drv.new_event()
-        self._launcher = _Launcher(self._ctx) if self.config.launch_thread else None
+        self._launcher = (
+            _JobThread(self._ctx, "kvflow-cuda-launch") if self.config.launch_thread else None
+        )
         self._wakeup: Callable[[], None] | None = None
-        self._waiters = {d: _Waiter(self._ctx, d.value, self._notify) for d in Direction}
+        self._waiters = {d: _JobThread(self._ctx, f"kvflow-cuda-wait-{d.value}") for d in Direction}
         self._kernel: StageKernel | None = None
         self.layout: KVLayout | None = None
         self._tables: list[RegionTable] = []
@@ -386,7 +353,19 @@ class CudaBackend:
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
 
-    def _notify(self) -> None:
+    def _await(self, fence: CudaFence) -> None:
+        """On a waiter thread: sleep until ``fence``'s copies finish, then wake the reactor.
+
+        The reactor then polls once per finished batch instead of on a timer while copies run:
+        every timed poll takes the GIL from the engine's thread. The wait releases the GIL and,
+        on blocking-sync events, sleeps. Fences of one direction finish in about launch order,
+        so waiting for them in order costs at most a late notice, never a missed one (each
+        notice polls every fence).
+        """
+        if fence.launched:
+            err = drv.event_synchronize(fence.event)
+            if err:
+                log.error("cuda_event_wait_failed", error=err)
         wakeup = self._wakeup
         if wakeup is not None:
             wakeup()
@@ -464,12 +443,12 @@ class CudaBackend:
         except Exception as exc:
             fence.error = str(exc)
             log.error("cuda_submit_failed", direction=str(direction), error=str(exc))
-            self._waiters[direction].put(fence)  # wakes the reactor to see the failure
+            self._waiters[direction].put(functools.partial(self._await, fence))  # the failure
             if self._launcher is None:
                 raise
             return
         fence.launched = True
-        self._waiters[direction].put(fence)
+        self._waiters[direction].put(functools.partial(self._await, fence))
 
     def _copy(self, desc: Descriptors, lane: _Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
         """Copy descriptors ``lo:hi`` of ``desc`` on ``stream`` (one driver call when batched)."""
