@@ -115,10 +115,10 @@ def _key_start(computed: int, window: int | None) -> int:
 
 
 def _slots(
-    table: torch.Tensor, first: int, count: int, block_size: int, device: torch.device
+    tables: torch.Tensor, rows: torch.Tensor | int, pos: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    pos = torch.arange(first, first + count, device=device)
-    result: torch.Tensor = table[pos // block_size] * block_size + pos % block_size
+    """Flat cache slots of token positions ``pos`` of requests ``rows`` (their block tables)."""
+    result: torch.Tensor = tables[rows, pos // block_size] * block_size + pos % block_size
     return result
 
 
@@ -156,7 +156,7 @@ def build_attention_metadata(
     req = torch.repeat_interleave(torch.arange(b, device=device), n_all, output_size=total)
     starts = torch.cumsum(n_all, 0) - n_all
     positions = c_all[req] + torch.arange(total, device=device) - starts[req]
-    slot_mapping = tables[req, positions // block_size] * block_size + positions % block_size
+    slot_mapping = _slots(tables, req, positions, block_size)
     decode_rows: list[int] = []
     decode_index: list[int] = []
     prefills: list[PrefillSegment] = []
@@ -180,7 +180,9 @@ def build_attention_metadata(
                 PrefillSegment(
                     start=offset,
                     stop=offset + n,
-                    key_slots=_slots(tables[i], first, keys, block_size, device)[None],
+                    key_slots=_slots(
+                        tables, i, torch.arange(first, first + keys, device=device), block_size
+                    )[None],
                     mask=mask,
                 )
             )

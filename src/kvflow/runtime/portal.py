@@ -134,7 +134,8 @@ class SyncWorkerRuntime:
         self._call(lambda: None)
 
     def _raise_posted(self) -> None:
-        """On the loop: raise (once) the error of an earlier posted call."""
+        """Raise (once) the error of an earlier posted call: on the loop before a blocking call,
+        or on the engine's thread in ``finish_step``."""
         err, self._posted_error = self._posted_error, None
         if err is not None:
             raise err
@@ -260,9 +261,7 @@ class SyncWorkerRuntime:
         that settles later is in the next step's answer. Raises the error of a posted call the
         loop has run."""
         self._check_open()
-        err, self._posted_error = self._posted_error, None
-        if err is not None:
-            raise err
+        self._raise_posted()
         if len(self._pending) >= _MAX_PENDING:
             self._wake()  # steps without copies: run their queued calls now and then
         sending, recving = self._take_finished()
