@@ -1,19 +1,22 @@
-"""Tensor parallelism with offload on CPU: tp=1 vs tp=2, offload off vs on, the multi-round workload.
+"""Tensor parallelism with offload: tp=1 vs tp=2, offload off vs on, the multi-round workload.
 
-Each run starts its ranks as processes (torch.distributed, gloo, one intra-op thread per rank) with
-``kvflow.engine.distributed.launch``; rank 0 runs the engine and kvflow's manager, every rank its
-own worker runtime with the host backend and its own CPU tier (its shard's block bytes). A run
-first serves a one-round warm-up workload on a throw-away engine, then the measured one. Reports
-per run TTFT p50/p90 and whether the greedy outputs equal the tp=1 offload-off run's, and per rank
-the store/load GB/s of its copies (bytes / seconds in flight, from ``OffloadWorker.
-copy_throughput()``).
+Each run starts its ranks as processes with ``kvflow.engine.distributed.launch``: on CPU through
+gloo with the host backend, with ``--device cuda`` one GPU per rank, NCCL for the row-parallel
+sums and the CUDA backend. Rank 0 runs the engine and kvflow's manager, every rank its own worker
+runtime and its own CPU tier (its shard's block bytes). A run first serves a one-round warm-up
+workload on a throw-away engine, then the measured one. Reports per run TTFT p50/p90 and whether
+the greedy outputs equal the tp=1 offload-off run's, and per rank the store/load GB/s of its
+copies (bytes / seconds in flight, from ``OffloadWorker.copy_throughput()``).
 
     PYTHONPATH=src python scripts/bench_tp.py --model small --users 4 --rounds 4 --answer 8 \
         --cache-fraction 0.25 --max-batched-tokens 1024 --cpu-bytes 1GiB --json out.json
     PYTHONPATH=src python scripts/bench_tp.py --users 2 --rounds 2     # tiny model, a smoke run
+    PYTHONPATH=src python scripts/bench_tp.py --model llama-1b --device cuda --dtype float32 \
+        --users 8 --rounds 4 --system 2048 --first-question 4096 --question 256 --answer 16 \
+        --cache-fraction 0.3 --max-batched-tokens 8192 --cpu-bytes 8GiB --repeat 2   # 2 GPUs
 
-Options are ``kvflow bench``'s (CPU only; ``--cpu-bytes`` is each rank's tier, default 1 GiB;
-``--threads`` torch threads per rank, default 1).
+Options are ``kvflow bench``'s (``--cpu-bytes`` is each rank's tier, default 1 GiB; ``--threads``
+torch threads per rank, default 1).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import json
 import logging
 import platform
 import statistics
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import structlog
+import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -40,7 +45,14 @@ from kvflow.core.transfer import Direction
 from kvflow.engine.distributed import launch
 from kvflow.engine.engine import EngineConfig, make_kv_cache_config
 from kvflow.engine.model import model_config
-from kvflow.engine.tp import RankStatus, RankZeroResult, TPEngine, TPSpec, run_rank
+from kvflow.engine.tp import (
+    RankStatus,
+    RankZeroResult,
+    TPEngine,
+    TPSpec,
+    build_shard,
+    run_rank,
+)
 from kvflow.engine.workload import MultiRoundQA, run_multi_round
 from kvflow.errors import ConfigError
 
@@ -51,8 +63,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--repeat", type=int, default=3, help="runs of each configuration (medians)")
     args = p.parse_args(argv)
-    if args.device != "cpu" or args.plot is not None or args.trace is not None:
-        raise ConfigError("bench_tp runs on CPU (gloo, host backend) and has no --plot/--trace")
+    if args.device not in ("cpu", "cuda"):
+        raise ConfigError(f"bench_tp runs on 'cpu' or 'cuda' (one GPU per rank), not {args.device}")
+    if args.plot is not None or args.trace is not None:
+        raise ConfigError("bench_tp has no --plot/--trace; use kvflow bench for those")
     return args
 
 
@@ -61,8 +75,8 @@ def _quiet() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
-def _warm_job(tp: TPEngine) -> None:
-    run_multi_round(tp.engine, MultiRoundQA(num_users=2, num_rounds=1, seed=99))
+def _warm_job(workload: MultiRoundQA, tp: TPEngine) -> None:
+    run_multi_round(tp.engine, workload)
 
 
 def _measure_job(workload: MultiRoundQA, tp: TPEngine) -> dict[str, Any]:
@@ -81,12 +95,16 @@ def _measure_job(workload: MultiRoundQA, tp: TPEngine) -> dict[str, Any]:
 
 
 def bench_rank(
-    rank: int, world_size: int, spec: TPSpec, workload: MultiRoundQA
+    rank: int, world_size: int, spec: TPSpec, workload: MultiRoundQA, warm: MultiRoundQA
 ) -> RankZeroResult[dict[str, Any]] | None:
-    """One rank: a warm-up engine (thrown away), then the measured one."""
+    """One rank: the ``warm`` workload on a throw-away engine of the same spec, then the
+    measured one, both on one model shard."""
     _quiet()
-    run_rank(rank, world_size, spec, _warm_job)
-    return run_rank(rank, world_size, spec, lambda tp: _measure_job(workload, tp))
+    # As in kvflow bench: the engine thread shares the GIL with kvflow's copy and loop threads.
+    sys.setswitchinterval(5e-4)
+    shard = build_shard(spec, rank, world_size)
+    run_rank(rank, world_size, spec, lambda tp: _warm_job(warm, tp), shard=shard)
+    return run_rank(rank, world_size, spec, lambda tp: _measure_job(workload, tp), shard=shard)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,8 +120,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_num_batched_tokens=cfg.max_batched_tokens,
         dtype=cfg.dtype,
         seed=cfg.seed,
+        device=cfg.device,
     )
     cpu_bytes = cfg.cpu_bytes or 1 << 30
+    # As kvflow bench's --warmup: every shape the measured run meets costs once (allocator,
+    # GEMM and attention kernel choice), so "full" serves the same workload untimed first.
+    warm = (
+        workload
+        if cfg.warmup == "full"
+        else attrs.evolve(workload, num_rounds=1, seed=workload.seed + 1)
+    )
 
     def one_run(tp: int, offload: bool) -> dict[str, Any]:
         off_cfg = (
@@ -119,10 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = TPSpec(model=cfg.model, engine=engine, offload=off_cfg)
         first = launch(
             bench_rank,
-            (spec, workload),
+            (spec, workload, warm),
             world_size=tp,
             timeout_s=args.timeout,
             threads=args.threads or 1,
+            device=cfg.device,
         )[0]
         assert isinstance(first, RankZeroResult)
         return {"tp": tp, "offload": offload, **first.value, "ranks": _per_rank(first.statuses)}
@@ -135,13 +162,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = progress.add_task("tp runs", total=len(plan) * args.repeat)
         for _ in range(args.repeat):
             for tp, offload in plan:
-                records.append(one_run(tp, offload))
+                rec = one_run(tp, offload)
+                records.append(rec)
+                # A line per run, also where no terminal shows the bar (a log, a remote job).
+                progress.console.print(
+                    f"tp={tp} offload={'on' if offload else 'off'}: TTFT p50 "
+                    f"{rec['ttft_p50_s'] * 1e3:.1f} ms, wall {rec['wall_s']:.2f} s"
+                )
                 progress.advance(task)
     reference = records[0]["outputs"]
     for rec in records:
         rec["outputs_identical_to_tp1"] = rec.pop("outputs") == reference
     summary = [_summarize([r for r in records if (r["tp"], r["offload"]) == key]) for key in plan]
-    console.print(_table(summary, cfg.model, cfg.users, cfg.rounds, engine.num_gpu_blocks))
+    where = (
+        f"{torch.cuda.get_device_name(0)} × tp (NCCL, CUDA backend)"
+        if cfg.device == "cuda"
+        else "CPU (gloo, host backend)"
+    )
+    console.print(_table(summary, where, cfg.model, cfg.users, cfg.rounds, engine.num_gpu_blocks))
     if args.json is not None:
         args.json.write_text(
             json.dumps(
@@ -150,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "repeat": args.repeat,
                     "num_gpu_blocks": engine.num_gpu_blocks,
                     "cpu_bytes_per_rank": cpu_bytes,
-                    "backend": "host",
+                    "backend": "cuda" if cfg.device == "cuda" else "host",
+                    "device": where,
                     "machine": platform.node() or platform.machine(),
                     "summary": summary,
                     "runs": records,
@@ -218,10 +257,10 @@ def _summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _table(
-    summary: Sequence[dict[str, Any]], model: str, users: int, rounds: int, blocks: int
+    summary: Sequence[dict[str, Any]], where: str, model: str, users: int, rounds: int, blocks: int
 ) -> Table:
     table = Table(
-        title=f"tensor parallel on CPU (gloo, host backend): {model}, {users} users × {rounds} "
+        title=f"tensor parallel on {where}: {model}, {users} users × {rounds} "
         f"rounds, {blocks} GPU blocks; medians of {summary[0]['repeats']} runs"
     )
     for col in (

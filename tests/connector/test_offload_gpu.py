@@ -72,3 +72,31 @@ def test_cuda_offload_outputs_identical_across_reloads(name: str, policy: str) -
     finally:
         on.shutdown()
     assert conn.scheduler.manager.num_live_transfers() == 0
+
+
+def test_wait_cpu_tier_returns_with_the_whole_tier_pinned() -> None:
+    """``OffloadWorker.wait_cpu_tier`` returns only once every byte of the CUDA tier is pinned."""
+    from kvflow.backends.cuda import CudaBackend
+    from kvflow.engine.engine import block_bytes_per_group, make_kv_cache_config
+    from kvflow.engine.kv_cache import allocate_kv_caches
+
+    cfg = model_config("tiny")
+    econf = EngineConfig(block_size=16, num_gpu_blocks=16, device="cuda", dtype="float32")
+    kv = make_kv_cache_config(cfg, econf)
+    conn = OffloadConnector.build(
+        OffloadConfig(cpu_bytes="512MiB", backend="cuda"),
+        kv,
+        block_bytes_per_group(cfg, kv, torch.float32),
+    )
+    worker = conn.worker
+    try:
+        caches = allocate_kv_caches(
+            kv, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32, device=torch.device("cuda")
+        )
+        worker.register_kv_caches(caches)
+        backend = worker.backend
+        assert isinstance(backend, CudaBackend)
+        worker.wait_cpu_tier()
+        assert backend.cpu_tier.registered_bytes == backend.cpu_tier.nbytes > 0
+    finally:
+        worker.shutdown()

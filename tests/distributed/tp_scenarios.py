@@ -21,7 +21,7 @@ from kvflow.connector.api import KVConnectorOutput, WorkerConnector
 from kvflow.connector.offload import OffloadScheduler
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import RequestLike, SchedulerOutput
-from kvflow.core.transfer import TransferState
+from kvflow.core.transfer import Direction, TransferState
 from kvflow.engine.engine import EngineConfig
 from kvflow.engine.tp import RankZeroResult, TPEngine, TPSpec, run_rank
 from kvflow.engine.workload import run_multi_round
@@ -312,6 +312,45 @@ def duplicate_rank(
         wrap_worker=partial(_wrap, {0: ("delay", 50), 1: ("duplicate", 1)}),
         wrap_scheduler=partial(CommitAudit, world_size=world_size),
     )
+
+
+# ---- what the scenarios must show (CPU and GPU tests alike) -------------------------------------
+
+
+def check_tp2_matches_tp1(
+    res: RankZeroResult[dict[str, Any]], tp1_outputs: dict[tuple[int, int], tuple[int, ...]]
+) -> None:
+    """Outputs equal to one rank's; both ranks stored and loaded the same bytes; nothing held."""
+    got = res.value
+    assert got["outputs"] == tp1_outputs
+    assert got["blocks_stored"] > 0
+    assert got["blocks_loaded"] > 0
+    assert got["violations"] == []
+    assert got["leaks"] == []
+    assert [s.rank for s in res.statuses] == [0, 1]
+    for status in res.statuses:
+        assert status.in_flight == 0
+        assert status.copies[Direction.STORE][0] > 0
+        assert status.copies[Direction.LOAD][0] > 0
+    # Both ranks ran the same plans over their halves of each block: the same bytes moved.
+    (b0, b1) = ({d: s.copies[d][0] for d in Direction} for s in res.statuses)
+    assert b0 == b1
+
+
+def check_late_rank(
+    res: RankZeroResult[dict[str, Any]], tp1_outputs: dict[tuple[int, int], tuple[int, ...]]
+) -> None:
+    """Outputs equal to one rank's; the audit saw stores reported by rank 0 only and each was
+    still live and uncached then; loads were audited; nothing leaked or stayed in flight."""
+    got = res.value
+    assert got["outputs"] == tp1_outputs
+    assert got["partial_checks"] > 0
+    assert got["loads_checked"] > 0
+    assert got["violations"] == []
+    assert got["blocks_stored"] > 0
+    assert got["blocks_loaded"] > 0
+    assert got["leaks"] == []
+    assert [s.in_flight for s in res.statuses] == [0, 0]
 
 
 def raising_rank(rank: int, world_size: int) -> None:

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from attrs import asdict, evolve, frozen
 
-from kvflow.backends.cuda import CudaBackend
 from kvflow.bench.config import BenchConfig
 from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.config import OffloadConfig
@@ -129,8 +128,7 @@ def offload_engine(
 
     engine = Engine(model_cfg, engine_cfg, model=model, clock=now, connector_factory=factory)
     (conn,) = built
-    if isinstance(conn.worker.backend, CudaBackend):
-        conn.worker.backend.cpu_tier.wait_registered()
+    conn.worker.wait_cpu_tier()
     return engine, conn
 
 

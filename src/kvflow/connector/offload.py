@@ -245,6 +245,16 @@ class OffloadWorker:
         """Per direction: (bytes copied, seconds copies were in flight) on this rank."""
         return self.runtime.copy_throughput()
 
+    def wait_cpu_tier(self) -> None:
+        """Block until the whole CPU tier can take copies. The CUDA backend pins the tier in the
+        background and, until it is done, pins a chunk inside the first copy that needs it, on
+        the thread that launches every copy: a benchmark waits here to time the steady state."""
+        # Imported here: the CUDA bindings load only where a CUDA backend was asked for.
+        from kvflow.backends.cuda import CudaBackend
+
+        if isinstance(self.backend, CudaBackend):
+            self.backend.cpu_tier.wait_registered()
+
     def wait_for_progress(self, timeout: float) -> None:
         self.runtime.wait_for_progress(timeout)
 

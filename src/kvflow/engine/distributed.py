@@ -1,11 +1,13 @@
 """Processes for tensor parallelism: start ranks, join them with a deadline, talk between them.
 
 ``launch(fn, args, world_size=2)`` starts ``world_size`` processes with torch.multiprocessing
-(spawn), joins them into one torch.distributed group (gloo, on a free loopback port) and runs
-``fn(rank, world_size, *args)`` in each; it returns every rank's return value. A rank that raises
-makes ``launch`` raise (torch terminates the other ranks); a run past ``timeout_s`` is killed and
-raises ``KVFlowError``, so a test never hangs CI. ``ProcessGroupChannel`` carries Python objects
-from rank 0 to every rank and back through gloo's object collectives.
+(spawn), joins them into one torch.distributed group (on a free loopback port) and runs
+``fn(rank, world_size, *args)`` in each; it returns every rank's return value. On CPU the group is
+gloo; with ``device="cuda"`` rank ``r`` owns GPU ``r`` and tensors are reduced through NCCL, with a
+gloo group beside it for Python objects. A rank that raises makes ``launch`` raise (torch
+terminates the other ranks); a run past ``timeout_s`` is killed and raises ``KVFlowError``, so a
+test never hangs CI. ``ProcessGroupChannel`` carries Python objects from rank 0 to every rank and
+back through gloo's object collectives.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ log = structlog.get_logger("kvflow.engine.distributed")
 JOIN_POLL_S = 0.25
 """How often ``launch`` looks at its ranks while waiting for them."""
 
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+"""NVLink multicast stays off: on shared multi-GPU hosts it can take every GPU out of service."""
+
+_object_group: dist.ProcessGroup | None = None
+"""This rank's gloo group for Python objects when the default group is NCCL; None on CPU."""
+
 
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
@@ -51,17 +63,35 @@ def _rank_entry(
     out_dir: str,
     timeout_s: float,
     threads: int,
+    device: str,
 ) -> None:
+    global _object_group
     # One intra-op thread per rank: ranks share the machine's cores and must not oversubscribe.
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    for key, value in NO_MULTICAST.items():
+        os.environ[key] = value
+    timeout = timedelta(seconds=timeout_s)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group(
+            "nccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=torch.device("cuda", rank),
+        )
+        # Step messages are small pickles: through gloo on the host, not staged through the GPU.
+        _object_group = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
     try:
         result = fn(rank, world_size, *args)
     finally:
@@ -81,22 +111,30 @@ def launch(
     world_size: int = 2,
     timeout_s: float = 120.0,
     threads: int = 1,
+    device: str = "cpu",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their results by rank.
 
-    ``fn`` and ``args`` must pickle (a module-level function). Raises what a rank raised (as
-    torch's ``ProcessRaisedException``, with its traceback), or ``KVFlowError`` after
-    ``timeout_s`` seconds, having killed every rank.
+    ``fn`` and ``args`` must pickle (a module-level function). ``device`` is "cpu" (gloo) or
+    "cuda" (rank ``r`` on GPU ``r``, NCCL). Raises what a rank raised (as torch's
+    ``ProcessRaisedException``, with its traceback), or ``KVFlowError`` after ``timeout_s``
+    seconds, having killed every rank.
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be positive, got {world_size}")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"launch device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ConfigError(
+            f"{world_size} ranks need {world_size} GPUs; {torch.cuda.device_count()} visible"
+        )
     clock = SystemClock()
     with tempfile.TemporaryDirectory(prefix="kvflow-tp-") as out_dir:
         port = free_port()
         log.info("tp_launch", world_size=world_size, port=port)
         ctx: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
             _rank_entry,
-            args=(fn, tuple(args), world_size, port, out_dir, timeout_s, threads),
+            args=(fn, tuple(args), world_size, port, out_dir, timeout_s, threads, device),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -116,27 +154,33 @@ def launch(
 
 
 class ProcessGroupChannel:
-    """Objects between rank 0 and the other ranks of the default process group (gloo).
+    """Objects between rank 0 and the other ranks, through gloo (the default group on CPU, the
+    launch's gloo group beside NCCL on GPUs).
 
     Rank 0 ``broadcast``s, the others ``receive``; every rank then calls ``gather``, and rank 0
     gets the list of what each rank gave (its own included).
     """
 
     def __init__(self) -> None:
+        self.group = _object_group
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 
     def broadcast(self, obj: object) -> None:
-        dist.broadcast_object_list([obj], src=0)
+        dist.broadcast_object_list([obj], src=0, group=self.group)
 
     def receive(self) -> object:
         box: list[object] = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        dist.barrier(group=self.group)
 
     def gather(self, obj: object) -> list[object] | None:
         out: list[object] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
+        dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
 
@@ -146,4 +190,4 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-__all__ = ["ProcessGroupChannel", "all_reduce_sum", "free_port", "launch"]
+__all__ = ["NO_MULTICAST", "ProcessGroupChannel", "all_reduce_sum", "free_port", "launch"]

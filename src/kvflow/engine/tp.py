@@ -244,12 +244,21 @@ def _no_wrap(_rank: int, worker: WorkerConnector) -> WorkerConnector:
     return worker
 
 
-def _shard_for(spec: TPSpec, rank: int, world_size: int) -> LlamaForCausalLM:
+def rank_engine_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """``config`` as rank ``rank`` runs it: a bare "cuda" device becomes that rank's own GPU."""
+    if config.device == "cuda":
+        return attrs.evolve(config, device=f"cuda:{rank}")
+    return config
+
+
+def build_shard(spec: TPSpec, rank: int, world_size: int) -> LlamaForCausalLM:
+    """Rank ``rank``'s shard of ``spec``'s model, on the rank's device. A rank process that
+    serves several engines in a row builds it once and hands it to each ``run_rank``."""
     cfg = model_config(spec.model)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     full = build_model(
         cfg,
-        device=spec.engine.device,
+        device=rank_engine_config(spec.engine, rank).device,
         dtype=None if spec.engine.dtype is None else dtypes[spec.engine.dtype],
         seed=spec.engine.seed,
         weights=spec.engine.weights,
@@ -289,9 +298,11 @@ class TPEngine:
         wrap_worker: WrapWorker = _no_wrap,
         wrap_scheduler: WrapScheduler | None = None,
         clock: Clock = perf_clock,
+        shard: LlamaForCausalLM | None = None,
     ) -> TPEngine:
         world = channel.world_size
-        shard = _shard_for(spec, 0, world)
+        if shard is None:
+            shard = build_shard(spec, 0, world)
         offload = _offload_of(spec, world)
         built: list[OffloadConnector] = []
 
@@ -326,7 +337,7 @@ class TPEngine:
 
         engine = Engine(
             shard.config,
-            spec.engine,
+            rank_engine_config(spec.engine, 0),
             model=shard,
             clock=clock,
             connector_factory=connectors if offload is not None else None,
@@ -349,6 +360,15 @@ class TPEngine:
             self.engine.shutdown()
 
 
+def _ready(worker: OffloadWorker | None, channel: ProcessGroupChannel) -> None:
+    # Every rank's CPU tier is pinned before rank 0 starts the job: a tier still pinning would
+    # pin on demand inside the first copies (seconds on a fresh machine) and a late rank would
+    # hold back every step, all inside the job's timings.
+    if worker is not None:
+        worker.wait_cpu_tier()
+    channel.barrier()
+
+
 @frozen
 class RankZeroResult(Generic[T]):
     """What rank 0 hands back from ``run_rank``: the job's value and every rank's final status."""
@@ -365,13 +385,18 @@ def run_rank(
     *,
     wrap_worker: WrapWorker = _no_wrap,
     wrap_scheduler: WrapScheduler | None = None,
+    shard: LlamaForCausalLM | None = None,
 ) -> RankZeroResult[T] | None:
     """The body of one rank in a ``launch``ed group: rank 0 builds the engine and runs
     ``job(engine)`` (stopping the others afterwards), the others serve steps until told to
-    stop. Returns the job's result and the ranks' statuses on rank 0, None elsewhere."""
+    stop. Returns the job's result and the ranks' statuses on rank 0, None elsewhere.
+    ``shard``: this rank's model shard (``build_shard``), built here when None."""
     channel = ProcessGroupChannel()
     if rank == 0:
-        tp = TPEngine.build(spec, channel, wrap_worker=wrap_worker, wrap_scheduler=wrap_scheduler)
+        tp = TPEngine.build(
+            spec, channel, wrap_worker=wrap_worker, wrap_scheduler=wrap_scheduler, shard=shard
+        )
+        _ready(tp.worker, channel)
         try:
             result = job(tp)
         except BaseException:
@@ -379,9 +404,11 @@ def run_rank(
             tp.engine.shutdown()
             raise
         return RankZeroResult(result, tuple(tp.stop()))
-    shard = _shard_for(spec, rank, world_size)
+    if shard is None:
+        shard = build_shard(spec, rank, world_size)
     offload = _offload_of(spec, world_size)
-    kv = make_kv_cache_config(shard.config, spec.engine)
+    engine_config = rank_engine_config(spec.engine, rank)
+    kv = make_kv_cache_config(shard.config, engine_config)
     worker: OffloadWorker | None = None
     conn: WorkerConnector
     if offload is not None:
@@ -392,7 +419,8 @@ def run_rank(
     else:
         conn = wrap_worker(rank, NullConnector())
     try:
-        runner = ModelRunner(shard, kv, conn, torch.device(spec.engine.device))
+        runner = ModelRunner(shard, kv, conn, torch.device(engine_config.device))
+        _ready(worker, channel)
         serve_follower(runner, channel, lambda steps: _status(rank, worker, steps))
     finally:
         conn.shutdown()
@@ -407,7 +435,9 @@ __all__ = [
     "TPEngine",
     "TPModelRunner",
     "TPSpec",
+    "build_shard",
     "merge_outputs",
+    "rank_engine_config",
     "run_rank",
     "serve_follower",
     "shard_config",
