@@ -193,6 +193,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--batch-tokens", type=int, default=8192)
     parser.add_argument(
+        "--eager-store-interval",
+        type=int,
+        default=None,
+        help="the 'kvflow eager' row's eager_store_interval (default: kvflow's, 4)",
+    )
+    parser.add_argument(
         "--no-collect",
         action="store_true",
         help="no gc.collect() before each round and no automatic collection while timing "
@@ -223,12 +229,25 @@ def main() -> None:
         ),
     ]
     kvflow_ready = importlib.util.find_spec("kvflow.core.scheduler") is not None
-    for policy in ("eager", "lazy"):
-        if kvflow_ready:
-            extra: dict[str, object] = {"cpu_bytes_to_use": cpu_bytes, "store_policy": policy}
-            configs.append(
-                (f"kvflow {policy}", "KVFlowConnector", KVFLOW_MODULE, extra, kvflow_echo)
-            )
+    # kvflow's defaults (eager stores coalesced over 4 decode steps), and eager with one store
+    # per step, as the other connectors do.
+    interval = (
+        {}
+        if args.eager_store_interval is None
+        else {"eager_store_interval": args.eager_store_interval}
+    )
+    kvflow_configs = [
+        (
+            "eager" if not interval else f"eager, interval {args.eager_store_interval}",
+            "eager",
+            interval,
+        ),
+        ("eager, a store each step", "eager", {"eager_store_interval": 1}),
+        ("lazy", "lazy", {}),
+    ]
+    for label, policy, more in kvflow_configs if kvflow_ready else []:
+        extra: dict[str, object] = {"cpu_bytes_to_use": cpu_bytes, "store_policy": policy, **more}
+        configs.append((f"kvflow {label}", "KVFlowConnector", KVFLOW_MODULE, extra, kvflow_echo))
 
     rigs: dict[str, Rig] = {}
     with Progress() as progress:

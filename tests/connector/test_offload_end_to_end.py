@@ -112,12 +112,13 @@ WORKLOAD = MultiRoundQA(
 )
 
 
-@pytest.mark.parametrize("policy", ["eager", "lazy"])
+@pytest.mark.parametrize("policy", ["eager", "eager-each-step", "lazy"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
 def test_outputs_identical_with_offload_across_evictions_and_reloads(
     name: str, policy: str
 ) -> None:
-    """Greedy outputs with offload equal those without; blocks were stored, evicted and reloaded."""
+    """Greedy outputs with offload equal those without; blocks were stored, evicted and reloaded
+    (eager stores coalesced over decode steps, the default, or one store each step)."""
     # Far below the working set, so histories are evicted between rounds; the hybrid model's
     # sliding group holds only a few blocks per request on top of the full group's.
     blocks = 46 if "-swa" in name else 41
@@ -125,7 +126,12 @@ def test_outputs_identical_with_offload_across_evictions_and_reloads(
     want = run_multi_round(off, WORKLOAD).outputs()
     on, (conn,) = _engine(
         name,
-        offload=OffloadConfig(cpu_bytes="64MiB", store_policy=policy, lazy_watermark=16),
+        offload=OffloadConfig(
+            cpu_bytes="64MiB",
+            store_policy=policy.split("-")[0],
+            lazy_watermark=16,
+            eager_store_interval=1 if policy == "eager-each-step" else 4,
+        ),
         num_gpu_blocks=blocks,
     )
     got = run_multi_round(on, WORKLOAD)

@@ -74,6 +74,7 @@ class Sim:
         null_block: bool = False,
         wrap_view: Callable[[GpuCacheView], GpuCacheView] | None = None,
         decode_columns: bool = False,
+        eager_store_interval: int = 1,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks, name="gpu")
         # Pass one-token, non-speculative running requests as DecodeRequests columns.
@@ -87,6 +88,7 @@ class Sim:
             store_policy=store_policy,
             lazy_watermark=lazy_watermark,
             null_block_id=self.null,
+            eager_store_interval=eager_store_interval,
         )
         view: GpuCacheView = BlockPoolGpuView(self.gpu)
         self.mgr = OffloadManager(

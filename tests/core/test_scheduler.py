@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.protocol import StepPlan
-from kvflow.core.requests import CachedRequest, SchedulerOutput
+from kvflow.core.requests import CachedRequest, KVRequest, SchedulerOutput
 from kvflow.core.scheduler import (
     GroupSpec,
     OffloadManager,
@@ -24,6 +24,7 @@ from kvflow.core.scheduler import (
 from kvflow.core.transfer import Direction, TransferState
 from kvflow.errors import ConfigError, ReportError
 from tests.core.conftest import MakeSim
+from tests.core.scheduler_harness import Sim
 
 BS = 4
 ONE_GROUP = [GroupSpec(block_size=BS, num_cpu_blocks=16, block_bytes=1024)]
@@ -802,3 +803,89 @@ def test_decode_columns_must_have_equal_lengths() -> None:
     columns = DecodeRequests(["a"], [3], [[[4, 5]]])
     assert columns.new_block_ids == (((4, 5),),)
     assert len(columns) == 1
+
+
+# ---- eager stores coalesced over decode steps ---------------------------------------------------
+
+
+def _decode_all(sim: Sim, reqs: list[KVRequest], token: int) -> StepPlan:
+    """One decode step of every request in ``reqs`` (one sampled token each)."""
+    for req in reqs:
+        req.all_token_ids.append(token)
+    return sim.step(cached=[(req, 1) for req in reqs])
+
+
+def test_eager_stores_coalesce_over_the_interval(make_sim: MakeSim) -> None:
+    """With an interval of 3, blocks completed in 3 decode steps go out as one store on the
+    third step, and each is cached once every rank reported it."""
+    sim = make_sim(ONE_GROUP, eager_store_interval=3)
+    a = sim.stored("a", range(3))  # 3 tokens: block 0 completes at the first decode step
+    b = sim.stored("b", range(100, 105))  # 5 tokens: block 1 completes at the third
+    assert _decode_all(sim, [a, b], 7).stores == ()  # a's block 0 completes: deferred
+    assert _decode_all(sim, [a, b], 8).stores == ()
+    (store,) = _decode_all(sim, [a, b], 9).stores  # b's block 1 completes; the interval is up
+    assert store.gpu_block_ids == ((sim.tables["a"][0][0], sim.tables["b"][0][1]),)
+    assert sim.on_cpu(a)[:1] == [False]
+    sim.complete()
+    assert sim.on_cpu(a)[:1] == [True]
+    assert sim.on_cpu(b)[:2] == [True, True]
+
+
+def test_a_step_with_a_new_request_stores_the_deferred_blocks_at_once(make_sim: MakeSim) -> None:
+    """A prefill step is not deferred, and it takes the blocks deferred so far along."""
+    sim = make_sim(ONE_GROUP, eager_store_interval=8)
+    a = sim.stored("a", range(3))
+    assert _decode_all(sim, [a], 7).stores == ()
+    c = sim.add("c", range(200, 208))
+    sim.match(c)
+    (store,) = sim.step(new=[(c, 8)]).stores
+    assert store.gpu_block_ids == ((sim.tables["a"][0][0], *sim.tables["c"][0][:2]),)
+    sim.complete()
+    assert sim.on_cpu(a)[:1] == [True]
+
+
+def test_a_finishing_request_stores_its_deferred_blocks_and_holds_them(make_sim: MakeSim) -> None:
+    """A request finishing with deferred blocks has them stored at once and its GPU blocks held
+    until the store commits; the other request's deferred blocks wait for the interval."""
+    sim = make_sim(ONE_GROUP, eager_store_interval=4)
+    a = sim.stored("a", range(3))
+    b = sim.stored("b", range(100, 103))
+    assert _decode_all(sim, [a, b], 7).stores == ()  # both complete block 0: deferred
+    assert sim.finish(a) is True
+    (store,) = sim.step().stores
+    assert store.gpu_block_ids == ((sim.tables["a"][0][0],),)
+    out = sim.complete()
+    assert out.finished_sending == {"a"}
+    assert sim.on_cpu(a)[:1] == [True]
+    assert sim.on_cpu(b)[:1] == [False], "b's block waits for the interval"
+    assert _decode_all(sim, [b], 8).stores == ()
+    (later,) = _decode_all(sim, [b], 9).stores
+    assert later.gpu_block_ids == ((sim.tables["b"][0][0],),)
+
+
+def test_a_preempted_request_drops_its_deferred_blocks(make_sim: MakeSim) -> None:
+    """Deferred blocks of a preempted request are never stored (its GPU blocks are gone); the
+    other requests' deferred blocks still are."""
+    sim = make_sim(ONE_GROUP, eager_store_interval=2)
+    a = sim.stored("a", range(3))
+    b = sim.stored("b", range(100, 103))
+    assert _decode_all(sim, [a, b], 7).stores == ()
+    b_block = sim.tables["b"][0][0]
+    (store,) = sim.step(preempted=["a"], cached=[(b, 0)]).stores
+    assert store.gpu_block_ids == ((b_block,),)
+    sim.complete()
+    assert sim.on_cpu(a)[:1] == [False]
+    assert sim.on_cpu(b)[:1] == [True]
+
+
+def test_a_sliding_window_group_stores_every_step(make_sim: MakeSim) -> None:
+    """With a sliding-window group the interval does not apply: the engine may free a block that
+    leaves the window before a later step would store it."""
+    groups = [
+        GroupSpec(block_size=BS, num_cpu_blocks=16),
+        GroupSpec(block_size=BS, num_cpu_blocks=16, sliding_window=8),
+    ]
+    sim = make_sim(groups, eager_store_interval=4)
+    a = sim.stored("a", range(3))
+    (store,) = _decode_all(sim, [a], 7).stores
+    assert store.gpu_block_ids[0] == (sim.tables["a"][0][0],)

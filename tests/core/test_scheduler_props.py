@@ -37,7 +37,7 @@ Event = tuple[str, int, int, str]
 class Engine:
     """The engine's side of the protocol, driving one ``Sim``."""
 
-    def __init__(self, policy: str, decode_columns: bool = False) -> None:
+    def __init__(self, policy: str, decode_columns: bool = False, interval: int = 1) -> None:
         self.sim = Sim(
             [GroupSpec(block_size=BS, num_cpu_blocks=12)],
             world_size=2,
@@ -45,6 +45,7 @@ class Engine:
             lazy_watermark=10,
             gpu_blocks=28 if policy == "eager" else 16,
             decode_columns=decode_columns,
+            eager_store_interval=interval,
         )
         self.n = 0
         self.waiting: set[str] = set()  # load in flight
@@ -164,8 +165,10 @@ class Engine:
                 assert sim.gpu.block(blk).ref_cnt > 0, f"GPU block {blk} free under copy {tid}"
 
 
-def run(policy: str, script: list[Event], decode_columns: bool = False) -> Engine:
-    eng = Engine(policy, decode_columns)
+def run(
+    policy: str, script: list[Event], decode_columns: bool = False, interval: int = 1
+) -> Engine:
+    eng = Engine(policy, decode_columns, interval)
     for kind, i, n, mode in script:
         if kind == "admit":
             eng.admit(i % len(BASES), max(8, n))
@@ -205,3 +208,11 @@ def test_invariants_hold_with_decode_steps_in_columns(script: list[Event]) -> No
     """Eager policy with one-token decode steps passed as DecodeRequests columns: the same
     invariants hold (the columns share the manager's code path with CachedRequests)."""
     run("eager", script, decode_columns=True)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events)
+def test_invariants_hold_with_eager_stores_coalesced_over_steps(script: list[Event]) -> None:
+    """Eager stores coalesced over 3 decode steps (columns): the same invariants hold through
+    preemptions, finishes and resets between the deferral and the store."""
+    run("eager", script, decode_columns=True, interval=3)

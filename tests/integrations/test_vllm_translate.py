@@ -185,6 +185,9 @@ def test_options_are_validated_by_name() -> None:
         KVFlowOptions.from_extra_config({"store_policy": "sometimes"})
     with pytest.raises(ConfigError, match="lazy_watermark"):
         KVFlowOptions.from_extra_config({"lazy_watermark": 0})
+    assert KVFlowOptions.from_extra_config({"eager_store_interval": 1}).eager_store_interval == 1
+    with pytest.raises(ConfigError, match="eager_store_interval"):
+        KVFlowOptions.from_extra_config({"eager_store_interval": 0})
     with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
         KVFlowOptions.from_extra_config({"cpu_bytes_to_use": True})
 

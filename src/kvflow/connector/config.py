@@ -45,6 +45,11 @@ def _size(value: object) -> int:
     raise ConfigError(f"cpu_bytes: {value!r} is not a size (an int, or e.g. '8GiB', '512MiB')")
 
 
+EAGER_STORE_INTERVAL = 4
+"""Default decode steps per eager store: four steps' completed blocks cost one transfer's
+planning, launch and commit (docs/benchmarks.md, issue 7), and wait at most three steps."""
+
+
 @frozen
 class OffloadConfig:
     """How kvflow's CPU tier is sized and driven.
@@ -53,6 +58,8 @@ class OffloadConfig:
     - ``store_policy``: ``eager`` (store each block once computed) or ``lazy`` (store blocks about
       to be evicted from the GPU);
     - ``lazy_watermark``: lazy policy, blocks at the eviction end of the GPU free queue kept stored;
+    - ``eager_store_interval``: eager policy, decode steps whose completed blocks go in one store
+      (1: a store each step; see ``SchedulerConfig``);
     - ``backend``: ``auto``, ``host`` or ``cuda``;
     - ``world_size``: tensor-parallel ranks that must all report a copy before it commits.
     """
@@ -62,11 +69,12 @@ class OffloadConfig:
     lazy_watermark: int = 64
     backend: BackendKind = field(default=BackendKind.AUTO, converter=BackendKind)
     world_size: int = 1
+    eager_store_interval: int = EAGER_STORE_INTERVAL
 
     def __attrs_post_init__(self) -> None:
         if self.cpu_bytes <= 0:
             raise ConfigError(f"cpu_bytes must be positive, got {self.cpu_bytes}")
-        for name in ("lazy_watermark", "world_size"):
+        for name in ("lazy_watermark", "world_size", "eager_store_interval"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")

@@ -127,6 +127,7 @@ class OffloadScheduler:
                 store_policy=config.store_policy,
                 lazy_watermark=config.lazy_watermark,
                 null_block_id=null_block_id,
+                eager_store_interval=config.eager_store_interval,
             ),
             gpu_view=gpu_view,
         )

@@ -112,6 +112,12 @@ class SchedulerConfig:
 
     ``lazy_watermark`` is how many blocks at the eviction end of the GPU free queue the lazy policy
     keeps stored. ``null_block_id`` is the engine's padding block (vLLM: 0), never transferred.
+    ``eager_store_interval``: in steady decode the eager policy plans one store every that many
+    steps, with every block completed since (1: each step), so the fixed cost of a transfer
+    (plan, launch, commit) is paid once for them all. A step with new or resumed requests stores
+    at once, a finishing request's blocks are stored when it finishes and a preempted request's
+    are dropped with its GPU blocks. With a sliding-window group it is 1: the engine may free a
+    block leaving the window before a later step would store it.
     """
 
     groups: tuple[GroupSpec, ...] = field(converter=_as_groups)
@@ -119,6 +125,7 @@ class SchedulerConfig:
     store_policy: StorePolicy = field(default=StorePolicy.EAGER, converter=_as_policy)
     lazy_watermark: int = 64
     null_block_id: int | None = None
+    eager_store_interval: int = 1
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -128,6 +135,7 @@ class SchedulerConfig:
                 raise ConfigError(f"group {g} must be a GroupSpec, not {type(spec).__name__}")
         _positive("world_size", self.world_size)
         _positive("lazy_watermark", self.lazy_watermark)
+        _positive("eager_store_interval", self.eager_store_interval)
 
 
 _NOTHING: frozenset[Any] = frozenset()
@@ -268,6 +276,13 @@ class OffloadManager:
         ]
         self._null = config.null_block_id
         self._eager = config.store_policy is StorePolicy.EAGER
+        self._interval = (
+            config.eager_store_interval if self._eager and not self._window_groups else 1
+        )
+        # Eager, interval > 1: requests with completed blocks not handed to the store yet (an
+        # ordered set), and how many plans ago the oldest of them was deferred.
+        self._deferred: dict[_Request, None] = {}
+        self._deferred_plans = 0
         self._no_new: GroupBlockIds = ((),) * self._num_groups
         self._requests: dict[str, _Request] = {}
         self._xfers: dict[int, _Xfer] = {}
@@ -569,11 +584,13 @@ class OffloadManager:
                 self._plan_load(st)
             self._allocated.clear()
         advancing: list[_Request] = []
+        replaced = False
         for st, confirmed, ids, replace in dirty:
             if self._ahead:
                 for group_ids in ids:
                     self._lazy_taken(group_ids)
             if replace:
+                replaced = True
                 st.table = [list(g) for g in ids]
                 st.cursor = [0] * num_groups
             else:
@@ -585,6 +602,10 @@ class OffloadManager:
             # Else no group completes a block and confirmed tokens did not go back: advancing
             # would change nothing, its boundary included.
             st.confirmed = confirmed
+        if self._interval > 1 and (advancing or self._deferred):
+            # Steps with new or resumed requests (prefill: large stores) store at once, taking
+            # every deferred block along; only steady decode steps are coalesced.
+            advancing = self._defer(advancing, now=replaced)
         if advancing:
             # One pass over the step's completed blocks (requests are independent of each other
             # here, so advancing after every table grew is the same as advancing each in turn).
@@ -594,6 +615,30 @@ class OffloadManager:
         if not self._eager and not self._reset_pending:
             self._lazy_walk()
         return self._launch(so.step, flush)
+
+    def _defer(self, advancing: list[_Request], *, now: bool) -> list[_Request]:
+        """Coalesce eager stores over ``eager_store_interval`` plans: the requests to advance
+        now (every deferred one, once the oldest waited the interval or when ``now``), none
+        otherwise."""
+        deferred = self._deferred
+        if not deferred:
+            self._deferred_plans = 0
+        self._deferred_plans += 1
+        for st in advancing:
+            deferred[st] = None
+            # Skipped until its next block completes, as if advanced: the cursors, which
+            # ``_advance`` reads, stay where the last store left them.
+            boundary = 1 << 62
+            for _g, bs in self._group_sizes:
+                end = (st.confirmed // bs + 1) * bs
+                if end < boundary:
+                    boundary = end
+            st.next_boundary = boundary
+        if self._deferred_plans < self._interval and not now:
+            return []
+        out = list(deferred)
+        deferred.clear()
+        return out
 
     def _plan_load(self, st: _Request) -> None:
         m, st.match = st.match, None
@@ -924,6 +969,8 @@ class OffloadManager:
         # reuses the blocks, so their data is good. A load's target blocks are gone.
         self._drop_match(st)
         self._cancel_or_abandon(st, stores=False)
+        # Its GPU blocks are gone: completed blocks not stored yet are lost with them.
+        self._deferred.pop(st, None)
         st.table = [[] for _ in range(self._num_groups)]
         st.cursor = [0] * self._num_groups
         st.confirmed = 0
@@ -950,6 +997,8 @@ class OffloadManager:
         self._drop_match(st)
         # If the engine already freed the blocks, copies reading them produce garbage: abandon.
         self._cancel_or_abandon(st, stores=engine_freed)
+        # Deferred blocks are stored below with the rest (the cursors never passed them).
+        self._deferred.pop(st, None)
         if block_ids is not None and not engine_freed and not self._reset_pending:
             table = [[int(b) for b in g] for g in block_ids]
             if len(table) != self._num_groups:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import structlog
 from attrs import frozen
 
+from kvflow.connector.config import EAGER_STORE_INTERVAL
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import (
     NO_DECODE_REQUESTS,
@@ -493,6 +494,7 @@ class KVFlowOptions:
     store_policy: str = "eager"
     lazy_watermark: int = 64
     backend: str = "auto"
+    eager_store_interval: int = EAGER_STORE_INTERVAL
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None) -> KVFlowOptions:
@@ -520,6 +522,7 @@ _OPTION_PARSERS: dict[str, Callable[[str, object], object]] = {
     "store_policy": lambda k, v: _choice(k, v, STORE_POLICIES),
     "lazy_watermark": _positive_int,
     "backend": lambda k, v: _choice(k, v, BACKENDS),
+    "eager_store_interval": _positive_int,
 }
 
 
@@ -788,6 +791,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             store_policy=self.options.store_policy,
             lazy_watermark=self.options.lazy_watermark,
             null_block_id=NULL_BLOCK_ID,
+            eager_store_interval=self.options.eager_store_interval,
         )
         return OffloadManager(config, gpu_view=gpu_view)
 
