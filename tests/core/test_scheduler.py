@@ -889,3 +889,35 @@ def test_a_sliding_window_group_stores_every_step(make_sim: MakeSim) -> None:
     a = sim.stored("a", range(3))
     (store,) = _decode_all(sim, [a], 7).stores
     assert store.gpu_block_ids[0] == (sim.tables["a"][0][0],)
+
+
+def test_a_request_finishing_without_block_ids_still_stores_its_deferred_blocks(
+    make_sim: MakeSim,
+) -> None:
+    """An engine that passes no block ids to request_finished still gets the deferred blocks
+    stored (from the manager's own table) and the free delayed until they are."""
+    sim = make_sim(ONE_GROUP, eager_store_interval=4)
+    a = sim.stored("a", range(3))
+    assert _decode_all(sim, [a], 7).stores == ()
+    delay, _params = sim.mgr.request_finished(a, None)
+    assert delay is True
+    sim.delayed.add("a")
+    (store,) = sim.step().stores
+    assert store.gpu_block_ids == ((sim.tables["a"][0][0],),)
+    assert sim.complete().finished_sending == {"a"}
+    assert sim.on_cpu(a)[:1] == [True]
+
+
+def test_a_bad_finish_changes_nothing(make_sim: MakeSim) -> None:
+    """request_finished with the wrong number of block groups raises ConfigError and leaves the
+    request's deferred blocks and transfers as they were."""
+    sim = make_sim(ONE_GROUP, eager_store_interval=4)
+    a = sim.stored("a", range(3))
+    assert _decode_all(sim, [a], 7).stores == ()
+    with pytest.raises(ConfigError, match="2 block groups, expected 1"):
+        sim.mgr.request_finished(a, [[], []])
+    assert sim.mgr.has_request("a")
+    assert sim.finish(a) is True
+    (store,) = sim.step().stores
+    assert store.gpu_block_ids == ((sim.tables["a"][0][0],),)
+    sim.complete()

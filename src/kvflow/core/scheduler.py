@@ -994,18 +994,23 @@ class OffloadManager:
         self, st: _Request, block_ids: Sequence[Sequence[int]] | None, *, engine_freed: bool
     ) -> bool:
         rid = st.request.request_id
-        self._drop_match(st)
-        # If the engine already freed the blocks, copies reading them produce garbage: abandon.
-        self._cancel_or_abandon(st, stores=engine_freed)
-        # Deferred blocks are stored below with the rest (the cursors never passed them).
-        self._deferred.pop(st, None)
-        if block_ids is not None and not engine_freed and not self._reset_pending:
+        table: list[list[int]] | None = None
+        if block_ids is not None and not engine_freed:
             table = [[int(b) for b in g] for g in block_ids]
             if len(table) != self._num_groups:
                 raise ConfigError(f"{rid}: {len(table)} block groups, expected {self._num_groups}")
-            for g, bs in enumerate(self._block_sizes):
-                if len(table[g]) >= st.confirmed // bs:
-                    st.table[g] = table[g]
+        self._drop_match(st)
+        # If the engine already freed the blocks, copies reading them produce garbage: abandon.
+        self._cancel_or_abandon(st, stores=engine_freed)
+        # Blocks deferred by the store interval are stored with the rest: no cursor passed them,
+        # and the manager's own table still names them when the engine passes none.
+        deferred = st in self._deferred
+        self._deferred.pop(st, None)
+        if not engine_freed and not self._reset_pending and (table is not None or deferred):
+            if table is not None:
+                for g, bs in enumerate(self._block_sizes):
+                    if len(table[g]) >= st.confirmed // bs:
+                        st.table[g] = table[g]
             batch = self._advance((st,))
             if batch.reqs:
                 self._plan_store(batch, rid)
