@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU tests and every GPU benchmark of docs/benchmarks.md in one run, for one call of a
+# device machine: results go under OUT (default ./device-out), a log per step, JSON where the
+# benchmark writes it, and one bundle.tgz of the logs. Two visible GPUs add the tensor-parallel
+# tests and bench_tp. Each step has its own time limit, so one slow step cannot eat the rest.
+#
+#   scripts/device_suite.sh                 # everything (about 6 min on one H200, 10 on two)
+#   STEPS="tests reload" scripts/device_suite.sh
+#
+# Steps: tests, reload (16k reload and 0 % reuse), multiround (kvflow bench, llama-1b),
+# decode (decode attention kernels), tp (two GPUs only). Missing Python packages (structlog,
+# pytest-asyncio) are installed from .whl/*.whl when that folder exists.
+set -u
+OUT=${OUT:-./device-out}
+STEPS=${STEPS:-tests reload multiround decode tp}
+mkdir -p "$OUT/logs"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/kvflow-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/kvflow-site:src
+else
+  export PYTHONPATH=src
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+echo "kvflow device suite: $gpus GPU(s), steps: $STEPS"
+nvidia-smi -L
+status=0
+
+run() {  # run NAME LIMIT_S COMMAND...: one step, its log under OUT/logs
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($(date -u +%H:%M:%S))"
+  timeout "$limit" "$@" >"$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/logs/$name.log"
+  [ "$rc" -eq 0 ] || { echo "!! $name exited $rc"; status=1; }
+}
+
+model=(--model llama-1b --device cuda)
+multi=(--users 8 --rounds 4 --system 2048 --first-question 4096 --question 256 --answer 16
+  --cache-fraction 0.3 --max-batched-tokens 8192 --dtype float32)
+for step in $STEPS; do
+  case $step in
+    tests) run gpu_tests 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider ;;
+    reload)
+      run engine_offload 240 python3 scripts/bench_engine_offload.py "${model[@]}" \
+        --scenario both --reloads 5 --repeat 9 --trace "$OUT/reload_trace.jsonl" \
+        --json "$OUT/engine_offload.json" ;;
+    multiround)
+      run multiround 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
+        --json "$OUT/multiround.json" --plot "$OUT/multiround.png" ;;
+    decode) run decode_attention 120 python3 scripts/bench_decode_attention.py ;;
+    tp)
+      if [ "$gpus" -ge 2 ]; then
+        run tp_tests 300 python3 -m pytest tests/distributed -q -p no:cacheprovider
+        run bench_tp 480 python3 scripts/bench_tp.py "${model[@]}" "${multi[@]}" \
+          --cpu-bytes 6GiB --repeat 1 --threads 8 --timeout 200 --json "$OUT/bench_tp.json"
+      else
+        echo "== tp: skipped, $gpus GPU(s) visible"
+      fi ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+tar czf "$OUT/bundle.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+exit $status
