@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 
 import pytest
+from attrs import define, field
 from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.hashing import hash_blocks
 from kvflow.core.protocol import StepPlan
 from kvflow.core.requests import CachedRequest, KVRequest, SchedulerOutput
 from kvflow.core.scheduler import (
@@ -921,3 +923,61 @@ def test_a_bad_finish_changes_nothing(make_sim: MakeSim) -> None:
     (store,) = sim.step().stores
     assert store.gpu_block_ids == ((sim.tables["a"][0][0],),)
     sim.complete()
+
+
+# ---- an engine's own block hashes ----------------------------------------------------------------
+
+
+@define(eq=False)
+class EngineHashed(KVRequest):
+    """A request whose engine hashes its blocks at block size ``hashed_at`` (as vLLM does)."""
+
+    engine_hashes: list[bytes] = field(factory=list)
+    hashed_at: int = BS
+
+    def engine_block_hashes(self, block_size: int) -> list[bytes] | None:
+        return self.engine_hashes if block_size == self.hashed_at else None
+
+
+def _engine_hashed(sim: Sim, rid: str, tokens: list[int], hashes: list[bytes]) -> EngineHashed:
+    req = EngineHashed(rid, tokens, len(tokens), engine_hashes=hashes)
+    sim.requests[rid] = req
+    return req
+
+
+def test_the_cpu_tier_is_keyed_by_the_engines_hashes_when_it_has_them(make_sim: MakeSim) -> None:
+    """A request with engine hashes is stored under them and hashed by kvflow not at all: another
+    request with the same engine hashes hits, whatever its tokens."""
+    sim = make_sim(ONE_GROUP)
+    engine = [bytes([1]) * 16, bytes([2]) * 16]
+    a = _engine_hashed(sim, "a", list(range(8)), engine)
+    sim.match(a)
+    sim.step(new=[(a, 8)])
+    sim.complete()
+    pool = sim.mgr.cpu_pools[0]
+    assert all(pool.get_cached_block(h) is not None for h in engine)
+    assert all(pool.get_cached_block(h) is None for h in sim.hashes(a, 0))
+    b = _engine_hashed(sim, "b", [*range(100, 108), 5], engine)
+    assert sim.match(b) == (8, True)
+    c = _engine_hashed(sim, "c", [*range(8), 5], [bytes([3]) * 16, bytes([4]) * 16])
+    assert sim.match(c) == (0, False), "same tokens, other engine hashes: no hit"
+    sim.finish(b)
+    sim.finish(c)
+
+
+def test_a_block_size_the_engine_does_not_hash_is_hashed_by_kvflow(make_sim: MakeSim) -> None:
+    """With groups of two block sizes and engine hashes at one of them, the other group's blocks
+    are keyed by kvflow's own hashes of the tokens."""
+    groups = [
+        GroupSpec(block_size=BS, num_cpu_blocks=16),
+        GroupSpec(block_size=8, num_cpu_blocks=16),
+    ]
+    sim = make_sim(groups)
+    engine = [bytes([9 + i]) * 16 for i in range(4)]
+    a = _engine_hashed(sim, "a", list(range(16)), engine)
+    sim.match(a)
+    sim.step(new=[(a, 16)])
+    sim.complete()
+    small, large = sim.mgr.cpu_pools
+    assert all(small.get_cached_block(h) is not None for h in engine)
+    assert all(large.get_cached_block(h) is not None for h in hash_blocks(list(range(16)), 8))

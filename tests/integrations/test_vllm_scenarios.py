@@ -233,3 +233,20 @@ def test_holding_new_block_ids_back_changes_no_plan() -> None:
     assert sum(len(plan.stores) for plan, _, _ in traces[0]) > 4
     assert held_seen > 0, "ids were held back at some step"
     assert len(rigs[0].h.connector._held) == 0
+
+
+def test_the_cpu_tier_is_keyed_by_vllms_own_block_hashes() -> None:
+    """With vLLM hashing every request (as it does with a KV connector), kvflow hashes nothing
+    itself: the blocks it stored are found in its CPU tier under vLLM's ``block_hashes``."""
+    from kvflow.core.hashing import EngineBlockHashes
+
+    rig = Rig()
+    request = rig.h.add(PROMPT, max_tokens=3)
+    rig.step()
+    state = rig.manager._requests[request.request_id]
+    assert all(isinstance(chain, EngineBlockHashes) for chain in state.hashers)
+    assert state.hashers[0].hashes is request.block_hashes
+    rig.run()
+    cpu = rig.manager.cpu_pools[0]
+    assert len(request.block_hashes) == 4
+    assert all(cpu.get_cached_block(h) is not None for h in request.block_hashes)

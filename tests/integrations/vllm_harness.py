@@ -154,7 +154,7 @@ def make_kv_cache_config(
             ),
         ]
     )
-    return KVCacheConfig(
+    config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
             KVCacheTensor(
@@ -167,6 +167,9 @@ def make_kv_cache_config(
         ],
         kv_cache_groups=groups,
     )
+    # As vLLM's engine core does before it builds the scheduler (and with it the connector).
+    config.hash_block_size = block_size
+    return config
 
 
 def make_scheduler(

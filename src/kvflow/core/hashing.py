@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -180,12 +181,50 @@ class BlockHasher:
         self._parent = parent
 
 
+class HashChain(Protocol):
+    """A request's block hashes at one block size, as the scheduler-side manager reads them:
+    ``hashes[i]`` names block ``i`` (and its prefix); ``extend_to`` makes sure every full block of
+    the first ``num_tokens`` tokens has its hash."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def hashes(self) -> Sequence[BlockHash]: ...
+
+    def extend_to(self, token_ids: Sequence[int], num_tokens: int) -> None: ...
+
+
+class EngineBlockHashes:
+    """An engine's own chained block hashes of one request, which the engine keeps current as
+    tokens arrive (vLLM's ``Request.block_hashes`` with a KV connector): the manager reads them
+    instead of hashing the tokens a second time, and its CPU prefix cache is keyed by them.
+
+    The engine's list is used as it is, live: it must hold a hash for every full block of the
+    request's tokens whenever the manager is called.
+    """
+
+    __slots__ = ("block_size", "hashes")
+
+    def __init__(self, block_size: int, hashes: Sequence[BlockHash]) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.hashes = hashes
+
+    def extend_to(self, token_ids: Sequence[int], num_tokens: int) -> None:
+        # The engine extends its list when it appends tokens: nothing to hash here.
+        return None
+
+
 __all__ = [
     "HASH_BYTES",
     "ROOT_HASH",
     "BlockHash",
     "BlockHasher",
+    "EngineBlockHashes",
     "ExtraKey",
+    "HashChain",
     "encode_extra_keys",
     "hash_block",
     "hash_blocks",

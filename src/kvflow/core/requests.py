@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 
 from attrs import define, field, frozen
 
-from kvflow.core.hashing import ExtraKey
+from kvflow.core.hashing import BlockHash, ExtraKey
 from kvflow.core.protocol import GroupBlockIds, _as_group_ids
 from kvflow.errors import ConfigError
 
@@ -34,6 +34,20 @@ class RequestLike(Protocol):
     def extra_keys(self) -> tuple[ExtraKey, ...]:
         """Keys mixed into every block hash: LoRA id, cache salt, ... (empty for most requests)."""
         ...
+
+
+@runtime_checkable
+class EngineHashedRequest(RequestLike, Protocol):
+    """A request whose engine hashes its blocks itself (vLLM with a KV connector does): the
+    manager then keys the CPU tier by the engine's hashes instead of computing its own.
+
+    ``engine_block_hashes(block_size)`` is the engine's live list of hashes at that block size
+    (one per full block of ``all_token_ids``, kept current as tokens arrive), or None when the
+    engine has none at that size; kvflow then hashes the request itself. An engine should give
+    its hashes for every request or for none: the two kinds of keys never match each other.
+    """
+
+    def engine_block_hashes(self, block_size: int) -> Sequence[BlockHash] | None: ...
 
 
 @define(eq=False)
@@ -132,6 +146,7 @@ __all__ = [
     "NO_DECODE_REQUESTS",
     "CachedRequest",
     "DecodeRequests",
+    "EngineHashedRequest",
     "KVRequest",
     "NewRequest",
     "RequestLike",

@@ -30,9 +30,9 @@ from attrs import asdict, define, field, frozen
 
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
-from kvflow.core.hashing import BlockHash, BlockHasher
+from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
-from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.requests import EngineHashedRequest, RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
 from kvflow.errors import ConfigError, ReportError
 
@@ -226,7 +226,7 @@ class _Request:
     """The manager's state of one request: hashes, GPU block table, store cursors, transfers."""
 
     request: RequestLike
-    hashers: list[BlockHasher]  # per distinct block size
+    hashers: list[HashChain]  # per distinct block size: kvflow's own, or the engine's
     table: list[list[int]]  # per group: the request's GPU block ids
     cursor: list[int]  # per group: blocks already handed to the store policy
     confirmed: int = 0  # tokens whose KV is computed and not speculative
@@ -377,7 +377,11 @@ class OffloadManager:
         else:
             if any(x.spec.direction is _LOAD for x in st.transfers.values()):
                 return None, False
-            st.request = request
+            if st.request is not request:
+                # Another object for the same id (a preempted request comes back through the
+                # waiting queue): hash from it, and an engine's hashes live on the new object.
+                st.request = request
+                st.hashers = self._hashers(request)
             self._drop_match(st)
         if self._reset_pending:
             return 0, False
@@ -554,16 +558,28 @@ class OffloadManager:
                         continue
             dirty.append(news(st, end, ids, c.resumed_from_preemption))
         decode = so.decode_requests
-        # Columns of one-token steps: each entry is a CachedRequest scheduling 1 token.
+        group_sizes = self._group_sizes
+        # Columns of one-token steps: each entry is a CachedRequest scheduling 1 token. The
+        # steady state of a big batch, so ``_running_news`` is inlined: the table check is a
+        # comparison per group, and the call only happens to raise its error.
         for rid, computed, ids in zip(
             decode.request_ids, decode.num_computed_tokens, decode.new_block_ids, strict=True
         ):
             st = requests.get(rid)
             if st is None:
                 raise ConfigError(f"unknown running request {rid!r}")
-            if computed + 1 < st.next_boundary and ids == no_new:
+            end = computed + 1
+            if end < st.next_boundary and ids == no_new:
                 continue
-            dirty.append(news(st, computed + 1, ids, False))
+            num_tokens = len(st.request.all_token_ids)
+            confirmed = end if end < num_tokens else num_tokens
+            have = st.table
+            if len(ids) != num_groups:
+                check(st, end, confirmed, ids, False)
+            for g, bs in group_sizes:
+                if len(have[g]) + len(ids[g]) < confirmed // bs:
+                    check(st, end, confirmed, ids, False)
+            dirty.append((st, confirmed, ids, False))
         # Every table is checked: from here on nothing raises on bad input.
 
         flush = False
@@ -932,15 +948,28 @@ class OffloadManager:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def _new_request(self, request: RequestLike) -> _Request:
-        extra = request.extra_keys
         st = _Request(
             request=request,
-            hashers=[BlockHasher(bs, extra) for bs in self._hasher_sizes],
+            hashers=self._hashers(request),
             table=[[] for _ in range(self._num_groups)],
             cursor=[0] * self._num_groups,
         )
         self._requests[request.request_id] = st
         return st
+
+    def _hashers(self, request: RequestLike) -> list[HashChain]:
+        """Per block size, the engine's own hashes of the request where it has them, else
+        kvflow's hasher over its tokens."""
+        engine = request if isinstance(request, EngineHashedRequest) else None
+        out: list[HashChain] = []
+        for bs in self._hasher_sizes:
+            hashes = None if engine is None else engine.engine_block_hashes(bs)
+            out.append(
+                BlockHasher(bs, request.extra_keys)
+                if hashes is None
+                else EngineBlockHashes(bs, hashes)
+            )
+        return out
 
     def _drop_match(self, st: _Request) -> None:
         m, st.match = st.match, None

@@ -107,16 +107,31 @@ class VLLMRequestView:
     vLLM exposes the list through a read-only ``ConstantList`` wrapper whose ``len`` and slicing
     are Python methods; the view reads the wrapped list itself (the same object for the request's
     whole life, appended to in place), so the manager's per-step reads cost what a list's do.
+
+    With a KV connector vLLM hashes every request's blocks itself (``Request.block_hashes``, at
+    the KV cache config's ``hash_block_size``, kept current as tokens are appended); the view
+    hands that list to the manager (``engine_block_hashes``), so kvflow hashes nothing twice and
+    its CPU tier is keyed exactly as vLLM's prefix cache is (LoRA, cache salt, multimodal inputs
+    and prompt embeddings included, per block).
     """
 
-    __slots__ = ("all_token_ids", "extra_keys", "request")
+    __slots__ = ("_hash_block_size", "all_token_ids", "extra_keys", "request")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, hash_block_size: int | None = None) -> None:
         self.request = request
         self.extra_keys: tuple[int | str | bytes, ...] = request_extra_keys(request)
         tokens: Sequence[int] = request.all_token_ids
         inner = getattr(tokens, "_x", None)
         self.all_token_ids: Sequence[int] = inner if type(inner) is list else tokens
+        # Only a request vLLM hashes (it was given a block hasher) has hashes to share.
+        hashed = getattr(request, "_block_hasher", None) is not None
+        self._hash_block_size = hash_block_size if hashed else None
+
+    def engine_block_hashes(self, block_size: int) -> Sequence[bytes] | None:
+        if block_size != self._hash_block_size:
+            return None
+        hashes: list[bytes] = self.request.block_hashes
+        return hashes
 
     @property
     def request_id(self) -> str:
@@ -131,22 +146,27 @@ class VLLMRequestView:
 
 
 class RequestViews:
-    """One ``VLLMRequestView`` per live request, so the manager sees a stable object per request."""
+    """One ``VLLMRequestView`` per live request, so the manager sees a stable object per request.
+    ``hash_block_size``: vLLM's block-hash granularity (None: kvflow hashes every request)."""
 
-    __slots__ = ("_views",)
+    __slots__ = ("_hash_block_size", "_views")
 
-    def __init__(self) -> None:
+    def __init__(self, hash_block_size: int | None = None) -> None:
         self._views: dict[str, VLLMRequestView] = {}
+        self._hash_block_size = hash_block_size
 
     def get(self, request: Request) -> VLLMRequestView:
         view = self._views.get(request.request_id)
         if view is None or view.request is not request:
-            view = self._views[request.request_id] = VLLMRequestView(request)
+            view = VLLMRequestView(request, self._hash_block_size)
+            self._views[request.request_id] = view
         return view
 
     def pop(self, request: Request) -> VLLMRequestView:
         view = self._views.pop(request.request_id, None)
-        return view if view is not None and view.request is request else VLLMRequestView(request)
+        if view is not None and view.request is request:
+            return view
+        return VLLMRequestView(request, self._hash_block_size)
 
     def __len__(self) -> int:
         return len(self._views)
@@ -737,7 +757,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._num_groups = len(self.geometry)
         self._boundary = math.gcd(*(g.block_size for g in self.geometry))
-        self._views = RequestViews()
+        # vLLM sets hash_block_size on the config it hands connectors (None in older versions).
+        hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+        self._views = RequestViews(None if hash_block_size is None else int(hash_block_size))
         self._held = (
             HeldBlockIds(self._num_groups) if self.options.store_policy == "eager" else None
         )
