@@ -31,12 +31,18 @@ PROMPT = [(i * 37) % 30000 + 10 for i in range(70)]  # 4 full blocks + 6 tokens
 class Rig:
     """vLLM's scheduler with kvflow's manager and a scripted worker twin."""
 
-    def __init__(self, num_blocks: int = 64, policy: str = "eager", **config: Any) -> None:
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        policy: str = "eager",
+        extra: dict[str, Any] | None = None,
+        **config: Any,
+    ) -> None:
         self.h = VLLMHarness.build(
             num_blocks=num_blocks,
             connector="RealManagerConnector",
             module_path=FAKES_MODULE,
-            extra_config={"cpu_bytes_to_use": 1 << 20, "store_policy": policy},
+            extra_config={"cpu_bytes_to_use": 1 << 20, "store_policy": policy, **(extra or {})},
             **config,
         )
         assert isinstance(self.h.connector, KVFlowConnector)
@@ -250,3 +256,26 @@ def test_the_cpu_tier_is_keyed_by_vllms_own_block_hashes() -> None:
     cpu = rig.manager.cpu_pools[0]
     assert len(request.block_hashes) == 4
     assert all(cpu.get_cached_block(h) is not None for h in request.block_hashes)
+
+
+def test_coalesced_decode_stores_store_the_same_blocks_in_fewer_transfers() -> None:
+    """On vLLM's scheduler, eager stores coalesced over 4 decode steps (the default) end with
+    exactly the blocks a store per step ends with in the CPU tier, in fewer store transfers,
+    through decode, preemption and finishing."""
+    rigs = [Rig(num_blocks=16), Rig(num_blocks=16, extra={"eager_store_interval": 1})]
+    for rig in rigs:
+        for i in range(4):
+            rig.h.add(PROMPT[: 40 + 9 * i], max_tokens=40 + 5 * i, request_id=f"r{i}")
+        rig.run(max_steps=200)
+    cached = [
+        {b.block_hash for b in rig.manager.cpu_pools[0].blocks if b.block_hash is not None}
+        for rig in rigs
+    ]
+    stores = [sum(len(plan.stores) for plan in rig.runtime.plans) for rig in rigs]
+    assert cached[0] == cached[1]
+    assert len(cached[0]) > 10
+    assert stores[0] < stores[1]
+    assert any(plan.flush for plan in rigs[0].runtime.plans), "blocks ran short: a preemption"
+    for rig in rigs:
+        assert rig.manager.num_live_transfers() == 0
+        assert not rig.h.connector.has_pending_push_work()
