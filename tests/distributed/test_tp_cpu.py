@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from kvflow.connector.config import OffloadConfig
 from kvflow.engine.distributed import launch
 from kvflow.engine.engine import Engine
 from kvflow.engine.model import build_model, model_config
-from kvflow.engine.tp import RankZeroResult, TPSpec, shard_config, shard_model
+from kvflow.engine.tp import TPSpec, shard_config, shard_model
 from kvflow.engine.workload import run_multi_round
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.runtime.clock import SystemClock
@@ -46,13 +45,6 @@ def tp1_outputs() -> dict[tuple[int, int], tuple[int, ...]]:
         return run_multi_round(engine, WORKLOAD).outputs()
     finally:
         engine.shutdown()
-
-
-def _rank0(results: list[Any]) -> RankZeroResult[dict[str, Any]]:
-    first = results[0]
-    assert isinstance(first, RankZeroResult)
-    assert results[1:] == [None]
-    return first
 
 
 class ThreadSum:
@@ -111,7 +103,9 @@ def test_tp2_with_offload_matches_tp1_and_both_ranks_store_and_load(
     tp1_outputs: dict[tuple[int, int], tuple[int, ...]],
 ) -> None:
     """tp=2 with offload gives the tp=1 greedy outputs; both ranks stored and loaded blocks."""
-    res = _rank0(launch(scen.multi_round_rank, (SPEC, {}), world_size=2, timeout_s=TIMEOUT_S))
+    res = scen.rank_zero(
+        launch(scen.multi_round_rank, (SPEC, {}), world_size=2, timeout_s=TIMEOUT_S)
+    )
     scen.check_tp2_matches_tp1(res, tp1_outputs)
     assert res.value["external_loaded_tokens"] > 0
 
@@ -120,7 +114,7 @@ def test_late_rank_reports_commit_nothing_early_and_leak_nothing(
     tp1_outputs: dict[tuple[int, int], tuple[int, ...]],
 ) -> None:
     """Rank 1's reports 5 steps late: no early commit, no hit before both ranks have it, no leak."""
-    res = _rank0(
+    res = scen.rank_zero(
         launch(scen.multi_round_rank, (SPEC, {1: ("delay", 5)}), world_size=2, timeout_s=TIMEOUT_S)
     )
     scen.check_late_rank(res, tp1_outputs)
@@ -128,7 +122,7 @@ def test_late_rank_reports_commit_nothing_early_and_leak_nothing(
 
 def test_duplicate_report_from_one_rank_is_rejected_not_double_counted() -> None:
     """A rank naming a live store twice raises ReportError; the store stays uncommitted."""
-    res = _rank0(launch(scen.duplicate_rank, (SPEC,), world_size=2, timeout_s=TIMEOUT_S))
+    res = scen.rank_zero(launch(scen.duplicate_rank, (SPEC,), world_size=2, timeout_s=TIMEOUT_S))
     got = res.value
     assert "twice" in got["error"]
     assert got["duplicates"]

@@ -53,13 +53,11 @@ def tp1_outputs() -> dict[tuple[int, int], tuple[int, ...]]:
 
 
 def _run(faults: dict[int, tuple[str, int]]) -> RankZeroResult[dict[str, Any]]:
-    results = launch(
-        scen.multi_round_rank, (SPEC, faults), world_size=2, timeout_s=TIMEOUT_S, device="cuda"
+    return scen.rank_zero(
+        launch(
+            scen.multi_round_rank, (SPEC, faults), world_size=2, timeout_s=TIMEOUT_S, device="cuda"
+        )
     )
-    first = results[0]
-    assert isinstance(first, RankZeroResult)
-    assert results[1:] == [None]
-    return first
 
 
 def test_tp2_on_two_gpus_matches_one_gpu_and_both_ranks_copy(

@@ -317,6 +317,14 @@ def duplicate_rank(
 # ---- what the scenarios must show (CPU and GPU tests alike) -------------------------------------
 
 
+def rank_zero(results: list[Any]) -> RankZeroResult[dict[str, Any]]:
+    """Rank 0's result of a ``launch``ed scenario; the other ranks return nothing."""
+    first = results[0]
+    assert isinstance(first, RankZeroResult)
+    assert results[1:] == [None] * (len(results) - 1)
+    return first
+
+
 def check_tp2_matches_tp1(
     res: RankZeroResult[dict[str, Any]], tp1_outputs: dict[tuple[int, int], tuple[int, ...]]
 ) -> None:

@@ -32,6 +32,20 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     return out.transpose(0, 1)
 
 
+def _random_qkv(
+    lengths: list[int], gen: torch.Generator
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Random queries, keys and values of each request's tokens."""
+    return [
+        (
+            torch.randn(n, HEADS, DIM, generator=gen),
+            torch.randn(n, KV_HEADS, DIM, generator=gen),
+            torch.randn(n, KV_HEADS, DIM, generator=gen),
+        )
+        for n in lengths
+    ]
+
+
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("first_ends", [[13, 7], [5, 3], [8, 4], [1, 6]])
 def test_paged_attention_matches_dense(window: int | None, first_ends: list[int]) -> None:
@@ -41,14 +55,7 @@ def test_paged_attention_matches_dense(window: int | None, first_ends: list[int]
     cache = torch.zeros(2, 16, BS, KV_HEADS, DIM)
     free = torch.randperm(15, generator=gen).add(1).tolist()  # block 0 is the null block
     tables = [[free.pop() for _ in range(-(-n // BS))] for n in lengths]
-    seqs = [
-        (
-            torch.randn(n, HEADS, DIM, generator=gen),
-            torch.randn(n, KV_HEADS, DIM, generator=gen),
-            torch.randn(n, KV_HEADS, DIM, generator=gen),
-        )
-        for n in lengths
-    ]
+    seqs = _random_qkv(lengths, gen)
     # Each request computes [0, first_end) in one step and the rest in the next.
     for start_of, end_of in ([0, 0], first_ends), (first_ends, lengths):
         starts, ends = list(start_of), list(end_of)
@@ -90,14 +97,7 @@ def test_mixed_decode_and_prefill_batches_match_dense(
     cache[:, 0] = 0.0  # the null block is zeros; unwritten real slots stay NaN to catch leaks
     free = torch.randperm(31, generator=gen).add(1).tolist()
     tables = [[free.pop() for _ in range(-(-n // BS))] for n in lengths]
-    seqs = [
-        (
-            torch.randn(n, HEADS, DIM, generator=gen),
-            torch.randn(n, KV_HEADS, DIM, generator=gen),
-            torch.randn(n, KV_HEADS, DIM, generator=gen),
-        )
-        for n in lengths
-    ]
+    seqs = _random_qkv(lengths, gen)
     done = [0] * len(lengths)
     step = 0
     while done != lengths:

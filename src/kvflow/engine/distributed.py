@@ -72,26 +72,21 @@ def _rank_entry(
     for key, value in NO_MULTICAST.items():
         os.environ[key] = value
     timeout = timedelta(seconds=timeout_s)
+    device_id: torch.device | None = None
     if device == "cuda":
         torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            device_id=torch.device("cuda", rank),
-        )
+        device_id = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl" if device_id is not None else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
+    if device_id is not None:
         # Step messages are small pickles: through gloo on the host, not staged through the GPU.
         _object_group = dist.new_group(backend="gloo", timeout=timeout)
-    else:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
     try:
         result = fn(rank, world_size, *args)
     finally:
