@@ -7,12 +7,12 @@
 #   scripts/device_suite.sh                 # everything (about 6 min on one H200, 10 on two)
 #   STEPS="tests reload" scripts/device_suite.sh
 #
-# Steps: tests, reload (16k reload and 0 % reuse), multiround (kvflow bench, llama-1b),
-# decode (decode attention kernels), tp (two GPUs only). Missing Python packages (structlog,
+# Steps: tests, step (one decode step, eager vs CUDA graphs), reload (16k reload and 0 % reuse),
+# multiround (kvflow bench, llama-1b), decode (decode attention kernels), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists.
 set -u
 OUT=${OUT:-./device-out}
-STEPS=${STEPS:-tests reload multiround decode tp}
+STEPS=${STEPS:-tests step reload multiround decode tp}
 mkdir -p "$OUT/logs"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -43,6 +43,12 @@ multi=(--users 8 --rounds 4 --system 2048 --first-question 4096 --question 256 -
 for step in $STEPS; do
   case $step in
     tests) run gpu_tests 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider ;;
+    step)
+      run decode_step 240 python3 scripts/bench_decode_step.py --model llama-1b --device cuda \
+        --modes eager-torch eager graphs-torch graphs --json "$OUT/decode_step_bf16.json"
+      run decode_step_fp32 240 python3 scripts/bench_decode_step.py --model llama-1b \
+        --device cuda --dtype float32 --modes eager-torch eager graphs-torch graphs \
+        --json "$OUT/decode_step_fp32.json" ;;
     reload)
       run engine_offload 240 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario both --reloads 5 --repeat 9 --trace "$OUT/reload_trace.jsonl" \

@@ -8,7 +8,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvflow.engine.kv_cache import build_attention_metadata, paged_attention, write_kv
+from kvflow.engine.kv_cache import (
+    DecodeSegment,
+    build_attention_metadata,
+    paged_attention,
+    write_kv,
+)
 from kvflow.engine.model import model_config
 from kvflow.errors import ConfigError
 from tests.engine.helpers import dense_greedy, make_engine, prompts, requests, shared_model
@@ -188,9 +193,9 @@ def test_decode_rows_of_equal_length_need_no_mask() -> None:
     rows of different lengths carry one that hides the padding."""
     cpu = torch.device("cpu")
     same = build_attention_metadata([[1, 2], [3, 4]], [5, 5], [1, 1], BS, None, cpu).decode
-    assert same is not None
+    assert isinstance(same, DecodeSegment)
     assert same.mask is None
     ragged = build_attention_metadata([[1, 2], [3, 4]], [5, 2], [1, 1], BS, None, cpu).decode
-    assert ragged is not None
+    assert isinstance(ragged, DecodeSegment)
     assert ragged.mask is not None
     assert ragged.mask[1, 0, 0].tolist() == [True, True, True, False, False, False]

@@ -36,22 +36,48 @@ def test_cuda_engine_matches_dense_reference(name: str) -> None:
     for p, r in zip(ps, results, strict=True):
         assert r.output_token_ids == dense_greedy(model, p, 8)
     assert engine.stats.preemptions > 0
+    graphs = engine.runner._graphs
+    assert graphs is not None
+    assert graphs.captured
+    assert graphs.steps_run > 0
 
 
-def test_llama_1b_bf16_serves_a_batch() -> None:
-    """The ~1B config runs in bf16 on the GPU, with prefix hits on a shared prompt."""
+def test_decode_graphs_and_triton_attention_match_the_eager_torch_path() -> None:
+    """llama-1b fp32, padded buckets: graphs, their pieces, Triton and torch attention agree."""
     cfg = model_config("llama-1b")
-    engine = Engine(
-        cfg,
-        EngineConfig(
-            block_size=16, num_gpu_blocks=2048, max_num_batched_tokens=4096, device="cuda"
-        ),
-    )
-    assert 0.9e9 < cfg.num_params < 1.6e9
-    (shared,) = prompts([1024], seed=3, vocab=cfg.vocab_size)
-    tails = prompts([64, 64, 64, 64], seed=4, vocab=cfg.vocab_size)
-    first = engine.run_to_completion(requests([shared + tails[0]], 16))
-    rest = engine.run_to_completion(requests([shared + t for t in tails[1:]], 16))
-    assert all(len(r.output_token_ids) == 16 for r in [*first, *rest])
-    assert all(r.gpu_cached_tokens == 1024 for r in rest)
-    assert engine.kv_caches["model.layers.0.self_attn"].dtype == torch.bfloat16
+    model = build_model(cfg, device="cuda", dtype=torch.float32)
+    ps = prompts([300, 77, 1000], seed=5, vocab=cfg.vocab_size)
+    outputs, caches = [], []
+    # (decode_graphs, triton_decode); the first is the engine without either.
+    for graphs_mode, triton in (("off", False), ("off", True), ("pieces", True), ("auto", True)):
+        engine = Engine(
+            cfg,
+            EngineConfig(
+                block_size=16,
+                num_gpu_blocks=256,
+                max_num_batched_tokens=2048,
+                max_num_seqs=8,
+                device="cuda",
+                dtype="float32",
+                decode_graphs=graphs_mode,
+                triton_decode=triton,
+            ),
+            model=model,
+        )
+        graphs = engine.runner._graphs
+        assert (graphs is None) == (graphs_mode == "off")
+        assert engine.runner._paged_decode == triton
+        # Unequal lengths: rows finish at different steps, so the bucket shrinks mid-run.
+        outputs.append(
+            [r.output_token_ids for r in engine.run_to_completion(requests(ps, 24))]
+            + [r.output_token_ids for r in engine.run_to_completion(requests(ps[:1], 5))]
+        )
+        if graphs is not None:
+            assert graphs.captured == (graphs_mode == "auto")
+            assert graphs.steps_run > 0
+        caches.append({n: t[:, 1:].clone() for n, t in engine.kv_caches.items()})
+        engine.shutdown()
+    assert all(o == outputs[0] for o in outputs[1:])
+    for other in caches[1:]:
+        for name, tensor in caches[0].items():
+            torch.testing.assert_close(other[name], tensor, rtol=1e-4, atol=1e-4)

@@ -77,6 +77,11 @@ class EngineConfig:
     seed: int = 0
     weights: str | None = None  # a safetensors file; default: random weights from ``seed``
     max_idle_steps: int = 1_000_000  # steps in a row without progress before giving up
+    # Decode-only steps from CUDA graphs (kvflow.engine.decode_graphs): "auto" on a CUDA device,
+    # "pieces" the same pieces uncaptured on any device (tests the path on CPU), "off".
+    decode_graphs: str = "auto"
+    # Decode attention by kvflow.engine.triton_decode on CUDA when Triton imports.
+    triton_decode: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.block_size <= 0:
@@ -85,6 +90,8 @@ class EngineConfig:
             raise ConfigError(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype {self.dtype!r}: one of {sorted(_DTYPES)}")
+        if self.decode_graphs not in ("auto", "pieces", "off"):
+            raise ConfigError(f"decode_graphs {self.decode_graphs!r}: one of auto, pieces, off")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -214,6 +221,9 @@ class Engine:
         )
         self.runner = runner_factory(
             self.model, self.kv_cache_config, self.worker_connector, self.device
+        )
+        self.runner.configure_decode(
+            config.decode_graphs, config.max_num_seqs, config.triton_decode
         )
         self.stats = EngineStats()
         self._ids = itertools.count()

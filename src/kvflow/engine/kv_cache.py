@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec
+from kvflow.engine import triton_decode
 from kvflow.errors import ConfigError
 
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -80,6 +81,20 @@ class DecodeSegment:
 
 
 @frozen
+class PagedDecode:
+    """The step's decode rows for ``kvflow.engine.triton_decode``: keys stay in the cache.
+
+    Row ``b`` (flat token ``query_index[b]``) attends to ``sizes[1, b]`` keys from position
+    ``sizes[0, b]`` on, through block table ``tables[b]``; ``max_keys`` is the largest count.
+    """
+
+    query_index: torch.Tensor
+    tables: torch.Tensor
+    sizes: torch.Tensor
+    max_keys: int
+
+
+@frozen
 class PrefillSegment:
     """One request's multi-token chunk: flat tokens ``[start, stop)`` over keys ``key_slots``.
 
@@ -106,7 +121,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_tokens: int
-    decode: DecodeSegment | None
+    decode: DecodeSegment | PagedDecode | None
     prefills: tuple[PrefillSegment, ...]
 
 
@@ -129,11 +144,16 @@ def build_attention_metadata(
     block_size: int,
     window: int | None,
     device: torch.device,
+    *,
+    paged_decode: bool = False,
+    flash_if_equal: bool = False,
 ) -> AttentionMetadata:
     """Metadata for requests whose new tokens are contiguous and in order in the flat batch.
 
     Request ``b`` computes positions ``[num_computed[b], num_computed[b] + num_scheduled[b])``;
     its block table must cover them, and (sliding window) every block inside the window.
+    ``paged_decode``: decode rows for the Triton kernel (``PagedDecode``), not gathered keys
+    (see ``decode_segment`` for ``flash_if_equal``).
     """
     b = len(block_tables)
     if not b == len(num_computed) == len(num_scheduled):
@@ -187,31 +207,58 @@ def build_attention_metadata(
                 )
             )
         offset += n
-    decode: DecodeSegment | None = None
+    decode: DecodeSegment | PagedDecode | None = None
     if decode_rows:
         rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-        ctx_list = [num_computed[i] for i in decode_rows]
-        firsts = [_key_start(c, window) for c in ctx_list]
-        key_counts = [c + 1 - f for c, f in zip(ctx_list, firsts, strict=True)]
-        ctx = torch.tensor(ctx_list, dtype=torch.long, device=device)
-        first_t = torch.tensor(firsts, dtype=torch.long, device=device)
-        k_max = max(key_counts)
-        k_pos = first_t[:, None] + torch.arange(k_max, device=device)[None, :]
-        k_valid = k_pos <= ctx[:, None]
-        k_blk = (k_pos // block_size).clamp(max=width - 1)
-        key_slots = torch.where(
-            k_valid, tables[rows].gather(1, k_blk) * block_size + k_pos % block_size, 0
-        )
-        decode = DecodeSegment(
-            query_index=torch.tensor(decode_index, dtype=torch.long, device=device),
-            key_slots=key_slots,
-            mask=None if min(key_counts) == k_max else k_valid[:, None, None, :],
+        decode = decode_segment(
+            tables[rows],
+            [num_computed[i] for i in decode_rows],
+            window,
+            block_size,
+            torch.tensor(decode_index, dtype=torch.long, device=device),
+            paged=paged_decode,
+            flash_if_equal=flash_if_equal,
         )
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         num_tokens=offset,
         decode=decode,
         prefills=tuple(prefills),
+    )
+
+
+def decode_segment(
+    tables: torch.Tensor,
+    num_computed: Sequence[int],
+    window: int | None,
+    block_size: int,
+    query_index: torch.Tensor,
+    *,
+    paged: bool = False,
+    flash_if_equal: bool = False,
+) -> DecodeSegment | PagedDecode:
+    """The decode rows' keys: row ``b`` has block table ``tables[b]`` (on the device) and
+    computes position ``num_computed[b]``, its query at flat token ``query_index[b]``.
+    ``paged``: for the Triton kernel, which reads the keys in place, except, with
+    ``flash_if_equal`` (half precision), rows of equal length: unmasked, SDPA runs flash."""
+    b, width = tables.shape
+    firsts = [_key_start(c, window) for c in num_computed]
+    key_counts = [c + 1 - f for c, f in zip(num_computed, firsts, strict=True)]
+    k_max = max(key_counts)
+    if paged and not (flash_if_equal and min(key_counts) == k_max):
+        sizes = torch.tensor([firsts, key_counts], dtype=torch.int32).to(tables.device)
+        return PagedDecode(query_index, tables, sizes, max(key_counts))
+    # One copy to the device for both columns: each copy is a launch and a host wait.
+    both = torch.tensor([*num_computed, *firsts], dtype=torch.long).to(tables.device)
+    ctx, first = both[:b], both[b:]
+    k_pos = first[:, None] + torch.arange(k_max, device=tables.device)[None, :]
+    k_valid = k_pos <= ctx[:, None]
+    k_blk = (k_pos // block_size).clamp(max=width - 1)
+    key_slots = torch.where(k_valid, tables.gather(1, k_blk) * block_size + k_pos % block_size, 0)
+    return DecodeSegment(
+        query_index=query_index,
+        key_slots=key_slots,
+        mask=None if min(key_counts) == k_max else k_valid[:, None, None, :],
     )
 
 
@@ -251,8 +298,12 @@ def _prefill_attention(
     return out
 
 
-def _decode_attention(rows: torch.Tensor, cache: torch.Tensor, d: DecodeSegment) -> torch.Tensor:
+def decode_attention(
+    rows: torch.Tensor, cache: torch.Tensor, d: DecodeSegment | PagedDecode
+) -> torch.Tensor:
     """The decode rows' queries ``(B, heads, D)`` over their keys, as ``(B, heads, D)``."""
+    if isinstance(d, PagedDecode):
+        return triton_decode.paged_decode_attention(rows, cache, d.tables, d.sizes, d.max_keys)
     kv_heads = cache.shape[3]
     b, heads, head_dim = rows.shape
     keys, values = _gather(cache, d.key_slots)
@@ -280,7 +331,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
     d = meta.decode
     if not meta.prefills and d is not None:
         # Every token is a decode row, in order: no gather of queries, no scatter of outputs.
-        return _decode_attention(q, cache, d)
+        return decode_attention(q, cache, d)
     if d is None and len(meta.prefills) == 1:
         seg = meta.prefills[0]
         keys, values = _gather(cache, seg.key_slots)
@@ -295,16 +346,19 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
         )
         result[seg.start : seg.stop] = out[0].transpose(0, 1)
     if d is not None:
-        result[d.query_index] = _decode_attention(q[d.query_index], cache, d)
+        result[d.query_index] = decode_attention(q[d.query_index], cache, d)
     return result
 
 
 __all__ = [
     "AttentionMetadata",
     "DecodeSegment",
+    "PagedDecode",
     "PrefillSegment",
     "allocate_kv_caches",
     "build_attention_metadata",
+    "decode_attention",
+    "decode_segment",
     "kv_cache_groups",
     "layer_name",
     "paged_attention",

@@ -152,7 +152,7 @@ _FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 # cuDNN's SDPA is left out: it builds an execution plan for every new (query, key) shape, which
 # took hundreds of milliseconds per shape on the H200, and decode key lengths change every step.
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -297,6 +297,11 @@ class LlamaForCausalLM(nn.Module):
         # the identity on one rank. ``kvflow.engine.tp`` sets it on a shard.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
 
+    @property
+    def sharded(self) -> bool:
+        """Whether this is a tensor-parallel shard (its layers reduce over ranks)."""
+        return self.reduce is not _identity
+
     def fuse(self) -> None:
         """Fuse each layer's q/k/v and gate/up projections into one GEMM each (same weights,
         same parameter names). Call it again after moving the model to another device."""
@@ -324,20 +329,49 @@ class LlamaForCausalLM(nn.Module):
         ``kv_caches[i]`` is layer ``i``'s ``(2, num_blocks, block_size, kv_heads, head_dim)``
         tensor; ``layer_metadata[i]`` is the attention metadata of layer ``i``'s cache group.
         """
-        cfg = self.config
+        x, cos, sin = self.embed(input_ids, positions)
+        with sdpa_kernel(SDPA_BACKENDS):
+            for i in range(self.config.num_layers):
+                meta = layer_metadata[i]
+                q = self.pre_attention(i, x, cos, sin, kv_caches[i], meta.slot_mapping)
+                x = self.post_attention(i, x, paged_attention(q, kv_caches[i], meta))
+        return self.head(x, logits_indices)
+
+    # The pieces of ``forward``, apart so that ``kvflow.engine.decode_graphs`` can capture all
+    # but the attention into CUDA graphs.
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token embeddings and the rotary tables of their positions."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        with sdpa_kernel(_SDPA_BACKENDS):
-            for i in range(cfg.num_layers):
-                layer = self._layer(i)
-                h = layer.input_layernorm(x)
-                q, k, v = layer.self_attn.qkv(h, cos, sin)
-                write_kv(kv_caches[i], layer_metadata[i].slot_mapping, k, v)
-                attn = paged_attention(q, kv_caches[i], layer_metadata[i])
-                x = x + self.reduce(layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
-                x = x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
-        x = self.model.norm(x[logits_indices])
-        logits: torch.Tensor = self.lm_head(x)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        return x, cos, sin
+
+    def pre_attention(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer ``i`` up to its attention: writes the tokens' keys and values, returns queries."""
+        layer = self._layer(i)
+        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        write_kv(kv_cache, slot_mapping, k, v)
+        return q
+
+    def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` from its attention output ``(T, heads, head_dim)`` on: the new residual."""
+        layer = self._layer(i)
+        x = x + self.reduce(layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
+        return x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
+
+    def head(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the rows ``logits_indices`` of the last residual."""
+        logits: torch.Tensor = self.lm_head(self.model.norm(x[logits_indices]))
         return logits.float()
 
     @torch.inference_mode()

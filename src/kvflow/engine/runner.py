@@ -14,6 +14,8 @@ from attrs import frozen
 
 from kvflow.connector.api import KVCacheConfig, KVConnectorOutput, WorkerConnector
 from kvflow.core.requests import SchedulerOutput
+from kvflow.engine import triton_decode
+from kvflow.engine.decode_graphs import DecodeGraphs, layer_groups
 from kvflow.engine.kv_cache import (
     AttentionMetadata,
     allocate_kv_caches,
@@ -21,7 +23,7 @@ from kvflow.engine.kv_cache import (
     layer_name,
 )
 from kvflow.engine.model import LlamaForCausalLM
-from kvflow.engine.scheduler import StepBatch
+from kvflow.engine.scheduler import ScheduledChunk, StepBatch
 
 
 @frozen
@@ -64,9 +66,35 @@ class ModelRunner:
             kv_config, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )
         self._layers = [self.kv_caches[layer_name(i)] for i in range(cfg.num_layers)]
-        group_of = kv_config.tensor_groups
-        self._layer_group = [group_of[layer_name(i)] for i in range(cfg.num_layers)]
+        self._layer_group = layer_groups(kv_config, cfg.num_layers)
+        self._graphs: DecodeGraphs | None = None
+        self._paged_decode = False
+        self._half = dtype in (torch.float16, torch.bfloat16)
         connector.register_kv_caches(dict(self.kv_caches))
+
+    def configure_decode(self, graphs: str, max_rows: int, triton: bool) -> None:
+        """How decode rows run: ``triton`` uses ``kvflow.engine.triton_decode`` where it is
+        available; ``graphs`` runs decode-only steps of up to ``max_rows`` rows from
+        ``DecodeGraphs``: ``"auto"`` captures CUDA graphs on a CUDA device for an unsharded
+        model (a tensor-parallel shard's reductions are not captured) and does nothing
+        otherwise, ``"pieces"`` runs the same pieces uncaptured on any device, ``"off"`` neither.
+        """
+        self._paged_decode = triton and triton_decode.available(
+            self.device, self.model.config.head_dim
+        )
+        if graphs == "off" or (
+            graphs == "auto" and (self.device.type != "cuda" or self.model.sharded)
+        ):
+            return
+        self._graphs = DecodeGraphs(
+            self.model,
+            self.kv_config,
+            self._layers,
+            self._layer_group,
+            max_rows,
+            capture=graphs == "auto",
+            paged_decode=self._paged_decode,
+        )
 
     def execute(
         self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
@@ -96,6 +124,13 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> _Sampled:
         chunks = batch.chunks
+        graphs = self._graphs
+        if (
+            graphs is not None
+            and len(chunks) <= graphs.max_rows
+            and all(len(c.token_ids) == 1 for c in chunks)
+        ):
+            return self._decode_from_graphs(graphs, chunks)
         device = self.device
         ids = [t for c in chunks for t in c.token_ids]
         positions = [c.num_computed_tokens + j for c in chunks for j in range(len(c.token_ids))]
@@ -109,6 +144,8 @@ class ModelRunner:
                 self.kv_config.block_size,
                 g.sliding_window,
                 device,
+                paged_decode=self._paged_decode,
+                flash_if_equal=self._half,
             )
             for g in self.kv_config.groups
         ]
@@ -131,6 +168,22 @@ class ModelRunner:
         )
         ids_of_rows = [chunks[i].request_id for i in sample_rows]
         return _Sampled(ids_of_rows, logits.argmax(dim=-1) if sample_rows else None)
+
+    def _decode_from_graphs(
+        self, graphs: DecodeGraphs, chunks: tuple[ScheduledChunk, ...]
+    ) -> _Sampled:
+        tokens = graphs.run(
+            [c.token_ids[0] for c in chunks],
+            [c.num_computed_tokens for c in chunks],
+            [[c.block_ids[g.group_id] for c in chunks] for g in self.kv_config.groups],
+        )
+        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
+        ids_of_rows = [chunks[i].request_id for i in sample_rows]
+        if len(sample_rows) == len(chunks):
+            return _Sampled(ids_of_rows, tokens)
+        if not sample_rows:
+            return _Sampled([], None)
+        return _Sampled(ids_of_rows, tokens[torch.tensor(sample_rows, device=self.device)])
 
 
 __all__ = ["ModelRunner", "ModelRunnerOutput"]

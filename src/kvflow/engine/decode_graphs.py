@@ -1,0 +1,228 @@
+"""Decode-only steps replayed from CUDA graphs, piece by piece around the attention.
+
+An eager decode step of llama-1b launches about 450 kernels from Python, and on the H200 the
+launches, not the GPU, set its time (about 12 ms for two rows). A step whose tokens are all
+single-token decodes runs here instead: the rows are padded to a bucket size (1, 2, 4, ... up to
+``max_num_seqs``), and everything outside the attention (embedding, norms, projections, RoPE, the
+KV write, MLP, LM head and argmax) is captured once per bucket into ``num_layers + 1`` graphs,
+as vLLM's piecewise capture does. Attention runs eagerly between them on the real rows, with the
+same kernels as an eager step, so its key lengths never have to be padded to a bucket.
+
+Padding rows compute token 0 at position 0 and write their keys into slot 0 of the null block,
+which no query reads unmasked; every step rewrites every row of the static inputs, so a padding
+row never reuses a real row's slot from an earlier, larger step.
+
+``capture=False`` runs the same pieces on the same static buffers without capturing them: the
+CPU test suite checks this path's plumbing (buckets, padding, several cache groups) that way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+import torch
+from torch.nn.attention import sdpa_kernel
+
+from kvflow.connector.api import KVCacheConfig
+from kvflow.engine.kv_cache import decode_attention, decode_segment, layer_name
+from kvflow.engine.model import SDPA_BACKENDS, LlamaForCausalLM
+
+log = structlog.get_logger("kvflow.engine.decode_graphs")
+
+Piece = Callable[[], None]
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Powers of two below ``max_rows``, and ``max_rows`` itself."""
+    sizes = []
+    n = 1
+    while n < max_rows:
+        sizes.append(n)
+        n *= 2
+    sizes.append(max_rows)
+    return sizes
+
+
+class _Bucket:
+    """Static inputs, outputs and pieces of decode steps of up to ``rows`` rows."""
+
+    def __init__(self, runner: DecodeGraphs, rows: int, capture: bool, pool: Any) -> None:
+        model, device = runner.model, runner.device
+        cfg = model.config
+        self.rows = rows
+        # Row 0: token ids, 1: positions, 2 + g: group g's cache slots.
+        self.inputs = torch.zeros((2 + runner.num_groups, rows), dtype=torch.long, device=device)
+        self.attn = torch.zeros(
+            (rows, cfg.num_heads, cfg.head_dim), dtype=runner.dtype, device=device
+        )
+        self.query_index = torch.arange(rows, device=device)
+        self.q: list[torch.Tensor] = []
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        x: list[torch.Tensor] = []
+        rope: list[torch.Tensor] = []
+        caches, group_of = runner.kv_caches, runner.layer_group
+        slots = [self.inputs[2 + g] for g in range(runner.num_groups)]
+        last = cfg.num_layers - 1
+
+        def first() -> None:
+            h, cos, sin = model.embed(self.inputs[0], self.inputs[1])
+            x[:] = [h]
+            rope[:] = [cos, sin]
+            self._set_q(0, model.pre_attention(0, h, cos, sin, caches[0], slots[group_of[0]]))
+
+        def middle(i: int) -> Piece:
+            def piece() -> None:
+                h = model.post_attention(i - 1, x[0], self.attn)
+                x[:] = [h]
+                q = model.pre_attention(i, h, rope[0], rope[1], caches[i], slots[group_of[i]])
+                self._set_q(i, q)
+
+            return piece
+
+        def final() -> None:
+            h = model.post_attention(last, x[0], self.attn)
+            self.tokens = model.head(h, self.query_index).argmax(dim=-1)
+
+        pieces: list[Piece] = [first, *(middle(i) for i in range(1, cfg.num_layers)), final]
+        self.pieces = pieces
+        if capture:
+            self.pieces = self._capture(pieces, pool)
+
+    def _set_q(self, i: int, q: torch.Tensor) -> None:
+        if i < len(self.q):
+            self.q[i] = q
+        else:
+            self.q.append(q)
+
+    @staticmethod
+    def _capture(pieces: list[Piece], pool: Any) -> list[Piece]:  # torch's pool type is private
+        # One whole uncaptured pass on a side stream first: cuBLAS picks its algorithms and
+        # lazily loaded modules load outside the capture, where either would fail. Then the
+        # pieces are captured in order, so each graph reads the outputs the previous graph
+        # captured (the warm-up's tensors are gone by then).
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for piece in pieces:
+                piece()
+        torch.cuda.current_stream().wait_stream(side)
+        replays: list[Piece] = []
+        for piece in pieces:
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the connector's copy and pinning threads keep calling CUDA while the
+            # engine captures; "global" would fail their calls (or the capture) meanwhile.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                piece()
+            replays.append(graph.replay)
+        return replays
+
+
+class DecodeGraphs:
+    """Runs decode-only steps of up to ``max_rows`` rows from per-bucket pieces."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_config: KVCacheConfig,
+        kv_caches: Sequence[torch.Tensor],
+        layer_group: Sequence[int],
+        max_rows: int,
+        *,
+        capture: bool,
+        paged_decode: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_config = kv_config
+        self.kv_caches = list(kv_caches)
+        self.layer_group = list(layer_group)
+        self.num_groups = len(kv_config.groups)
+        self.windows = [g.sliding_window for g in kv_config.groups]
+        self.device = kv_caches[0].device
+        self.dtype = kv_caches[0].dtype
+        self.max_rows = max_rows
+        self.captured = capture
+        self.paged_decode = paged_decode
+        self.steps_run = 0
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        self._buckets: dict[int, _Bucket] = {}
+        # Largest first, as vLLM does: smaller graphs then fit in the memory the largest freed.
+        with torch.inference_mode():
+            for rows in reversed(bucket_sizes(max_rows)):
+                self._buckets[rows] = _Bucket(self, rows, capture, pool)
+        if capture:
+            torch.cuda.synchronize(self.device)
+        self._sizes = sorted(self._buckets)
+        log.info(
+            "decode_graphs_ready",
+            buckets=self._sizes,
+            pieces_per_bucket=model.config.num_layers + 1,
+            captured=capture,
+        )
+
+    def bucket_for(self, rows: int) -> int:
+        """The smallest bucket that holds ``rows`` rows."""
+        for size in self._sizes:
+            if size >= rows:
+                return size
+        raise ValueError(f"{rows} decode rows exceed the largest bucket {self.max_rows}")
+
+    @torch.inference_mode()
+    def run(
+        self,
+        token_ids: Sequence[int],
+        num_computed: Sequence[int],
+        block_tables: Sequence[Sequence[Sequence[int]]],
+    ) -> torch.Tensor:
+        """Greedy tokens of one decode step, ``(rows,)`` on the device, not yet waited for.
+
+        Row ``b`` computes token ``token_ids[b]`` at position ``num_computed[b]`` with block
+        table ``block_tables[g][b]`` in cache group ``g``.
+        """
+        b = len(token_ids)
+        bucket = self._buckets[self.bucket_for(b)]
+        self.steps_run += 1
+        pad = [0] * (bucket.rows - b)
+        bs = self.kv_config.block_size
+        host = [[*token_ids, *pad], [*num_computed, *pad]]
+        for tables in block_tables:
+            host.append(
+                [t[c // bs] * bs + c % bs for t, c in zip(tables, num_computed, strict=True)] + pad
+            )
+        bucket.inputs.copy_(torch.tensor(host, dtype=torch.long), non_blocking=False)
+        segments = []
+        for g, tables in enumerate(block_tables):
+            width = max(len(t) for t in tables)
+            flat = [0] * (b * width)
+            for r, t in enumerate(tables):
+                flat[r * width : r * width + len(t)] = t
+            device_tables = torch.tensor(flat, dtype=torch.long).view(b, width).to(self.device)
+            segments.append(
+                decode_segment(
+                    device_tables,
+                    num_computed,
+                    self.windows[g],
+                    bs,
+                    bucket.query_index[:b],
+                    paged=self.paged_decode,
+                    flash_if_equal=self.dtype in (torch.float16, torch.bfloat16),
+                )
+            )
+        pieces, caches, group_of = bucket.pieces, self.kv_caches, self.layer_group
+        with sdpa_kernel(SDPA_BACKENDS):
+            for i, piece in enumerate(pieces[:-1]):
+                piece()
+                out = decode_attention(bucket.q[i][:b], caches[i], segments[group_of[i]])
+                bucket.attn[:b].copy_(out)
+            pieces[-1]()
+        return bucket.tokens[:b]
+
+
+def layer_groups(kv_config: KVCacheConfig, num_layers: int) -> list[int]:
+    """Cache group of each layer, by index."""
+    group_of = kv_config.tensor_groups
+    return [group_of[layer_name(i)] for i in range(num_layers)]
+
+
+__all__ = ["DecodeGraphs", "bucket_sizes", "layer_groups"]

@@ -1,0 +1,70 @@
+"""Decode steps from per-bucket pieces: run uncaptured here ("pieces"), captured on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.engine.decode_graphs import bucket_sizes
+from kvflow.engine.engine import Engine, EngineConfig
+from kvflow.errors import ConfigError
+from tests.engine.helpers import dense_greedy, make_engine, prompts, requests, shared_model
+
+
+def _graphs_used(engine: Engine) -> int:
+    graphs = engine.runner._graphs
+    assert graphs is not None
+    return graphs.steps_run
+
+
+def test_bucket_sizes_are_powers_of_two_capped_by_the_largest() -> None:
+    """Buckets double from one row and end at the largest batch exactly."""
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(6) == [1, 2, 4, 6]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+
+
+def test_unknown_mode_is_rejected() -> None:
+    """A decode_graphs value other than auto, pieces or off is a ConfigError naming it."""
+    with pytest.raises(ConfigError, match="decode_graphs 'always'"):
+        EngineConfig(decode_graphs="always")
+
+
+def test_auto_does_nothing_on_the_cpu() -> None:
+    """ "auto" leaves a CPU engine on its eager path (there is nothing to capture)."""
+    assert make_engine().runner._graphs is None
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
+def test_pieces_give_the_dense_reference_tokens(name: str) -> None:
+    """Padded decode buckets, one or two cache groups, through preemption: the dense tokens."""
+    engine = make_engine(
+        name,
+        num_gpu_blocks=40 if name == "tiny" else 48,
+        max_num_batched_tokens=48,
+        max_num_seqs=6,
+        decode_graphs="pieces",
+    )
+    ps = prompts([9, 30, 17, 41, 5], seed=7)
+    results = engine.run_to_completion(requests(ps, 12))
+    model = shared_model(name)
+    for p, r in zip(ps, results, strict=True):
+        assert r.output_token_ids == dense_greedy(model, p, 12)
+    assert _graphs_used(engine) > 0
+    assert engine.stats.preemptions > 0
+
+
+def test_padding_rows_leave_every_real_block_as_the_eager_path_does() -> None:
+    """After a 3-row step in bucket 4 and 1-row steps after it, no real block differs from eager."""
+    caches = []
+    for mode in ("off", "pieces"):
+        engine = make_engine("tiny", num_gpu_blocks=64, max_num_seqs=4, decode_graphs=mode)
+        # Different lengths: rows finish at different steps, so buckets shrink mid-run.
+        engine.run_to_completion(requests(prompts([6, 13, 21], seed=3), 9))
+        engine.run_to_completion(requests(prompts([11], seed=4), 7))
+        caches.append({n: t[:, 1:].clone() for n, t in engine.kv_caches.items()})
+        if mode == "pieces":
+            assert _graphs_used(engine) > 0
+    off, pieces = caches
+    for name, tensor in off.items():
+        torch.testing.assert_close(pieces[name], tensor, rtol=1e-5, atol=1e-5)
