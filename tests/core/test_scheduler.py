@@ -7,9 +7,12 @@ request, settles every copy and checks that no block reference leaked on the CPU
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
+from typing import Any
 
 import pytest
 from attrs import define, field
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
@@ -805,6 +808,32 @@ def test_decode_columns_must_have_equal_lengths() -> None:
     columns = DecodeRequests(["a"], [3], [[[4, 5]]])
     assert columns.new_block_ids == (((4, 5),),)
     assert len(columns) == 1
+
+
+_ids_columns = st.lists(
+    st.tuples(
+        st.text(max_size=4),
+        st.integers(0, 1 << 40),
+        st.lists(
+            st.lists(st.integers(0, 1 << 20), max_size=3).map(tuple), min_size=1, max_size=3
+        ).map(tuple),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_ids_columns)
+def test_trusted_decode_columns_equal_the_checked_ones(rows: list[tuple[str, int, Any]]) -> None:
+    """DecodeRequests.trusted over valid columns equals the checking constructor's result."""
+    from kvflow.core.requests import DecodeRequests
+
+    rids, computed, ids = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    trusted = DecodeRequests.trusted(rids, computed, ids)
+    assert trusted == DecodeRequests(rids, computed, ids)
+    assert type(trusted.request_ids) is tuple
+    assert type(trusted.new_block_ids) is tuple
+    assert len(trusted) == len(rows)
 
 
 # ---- eager stores coalesced over decode steps ---------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -341,3 +343,51 @@ def test_held_ids_reach_the_manager_with_the_block_they_complete() -> None:
     # Tokens 47 and 63 complete blocks 2 and 3; block 3 was allocated when token 48 was decoded
     # and held until then. Block 4, allocated for token 64, never completes (33 output tokens).
     assert seen == [(47, ()), (63, (table[3],))]
+
+
+_held_events = st.lists(
+    st.tuples(
+        st.sampled_from(["hold", "decode"]),
+        st.lists(
+            st.none() | st.tuples(st.lists(st.integers(1, 99), max_size=2)),
+            min_size=3,
+            max_size=3,
+        ),
+        st.lists(st.integers(0, 40), min_size=3, max_size=3),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_held_events)
+def test_held_ids_reach_decode_columns_as_the_checked_constructor_builds_them(
+    events: list[tuple[str, list[tuple[list[int]] | None], list[int]]],
+) -> None:
+    """Over random holds and decode steps, decode_step's trusted columns equal the checking
+    DecodeRequests constructor's, and every held id comes back once, in allocation order."""
+    from kvflow.core.requests import DecodeRequests
+    from kvflow.integrations.vllm import HeldBlockIds
+
+    held = HeldBlockIds(num_groups=1)
+    rids = ["a", "b", "c"]
+    given_ids: dict[str, list[int]] = {rid: [] for rid in rids}
+    returned: dict[str, list[int]] = {rid: [] for rid in rids}
+    for kind, new_ids, computed in events:
+        if kind == "hold":
+            for rid, ids in zip(rids, new_ids, strict=True):
+                held.hold(rid, ids)
+                given_ids[rid] += ids[0] if ids else []
+            continue
+        for rid, ids in zip(rids, new_ids, strict=True):
+            given_ids[rid] += ids[0] if ids else []
+        columns = held.decode_step(rids, new_ids, computed, 4)
+        checked = DecodeRequests(
+            columns.request_ids, columns.num_computed_tokens, columns.new_block_ids
+        )
+        assert columns == checked
+        for rid, group_ids in zip(columns.request_ids, columns.new_block_ids, strict=True):
+            returned[rid] += group_ids[0]
+    for rid in rids:
+        returned[rid] += held.take(rid)[0]
+    assert returned == given_ids

@@ -188,7 +188,8 @@ class BlockPool:
 
     def _lookup(self, block_ids: Iterable[int]) -> list[Block]:
         """``block`` for each id, validated before any is returned (one call for many ids)."""
-        ids = list(block_ids)
+        # kvflow passes tuples and lists: no copy of those.
+        ids = block_ids if isinstance(block_ids, tuple | list) else list(block_ids)
         n = len(self.blocks)
         for block_id in ids:
             if type(block_id) is not int or not 0 <= block_id < n:
@@ -253,7 +254,8 @@ class BlockPool:
         Callers free a request's blocks in reverse so its tail blocks are evicted first.
         """
         blocks = self._lookup(block_ids)
-        if len({id(b) for b in blocks}) == len(blocks):
+        # Blocks hash by identity: a set of them, without an int per block for its id.
+        if len(set(blocks)) == len(blocks):
             # Each block once (the usual case): a ref count of 1 is enough.
             for block in blocks:
                 if block.ref_cnt < 1:
@@ -303,8 +305,6 @@ class BlockPool:
                 )
             seen.add(block.block_id)
         done: list[bool] = []
-        stored_ids: list[int] = []
-        stored_hashes: list[BlockHash] = []
         cached = self._cached
         for block, h in zip(blocks, block_hashes, strict=True):
             if h in cached:
@@ -313,10 +313,13 @@ class BlockPool:
             block.block_hash = h
             cached[h] = block
             done.append(True)
-            stored_ids.append(block.block_id)
-            stored_hashes.append(h)
-        if stored_ids and self.enable_events:
-            self._events.append(BlockStored(tuple(stored_hashes), tuple(stored_ids)))
+        if self.enable_events and True in done:
+            stored = [
+                (b.block_id, h) for b, h, ok in zip(blocks, block_hashes, done, strict=True) if ok
+            ]
+            self._events.append(
+                BlockStored(tuple(h for _, h in stored), tuple(b for b, _ in stored))
+            )
         return done
 
     def uncache(self, block_ids: Iterable[int]) -> None:

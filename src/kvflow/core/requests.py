@@ -123,6 +123,24 @@ class DecodeRequests:
                 f"{len(self.new_block_ids)} block id entries"
             )
 
+    @classmethod
+    def trusted(
+        cls,
+        request_ids: Sequence[str],
+        num_computed_tokens: Sequence[int],
+        new_block_ids: Sequence[GroupBlockIds],
+    ) -> DecodeRequests:
+        """The same columns without converting or checking them, for an engine adapter whose
+        inputs are equal-length columns of ``str``, ``int`` and ``GroupBlockIds`` (tuples of
+        tuples of ints) by construction: the checks cost more than the rest of a decode step's
+        translation. Anything else must go through the constructor."""
+        self = object.__new__(cls)
+        setattr_ = object.__setattr__
+        setattr_(self, "request_ids", tuple(request_ids))
+        setattr_(self, "num_computed_tokens", tuple(num_computed_tokens))
+        setattr_(self, "new_block_ids", tuple(new_block_ids))
+        return self
+
     def __len__(self) -> int:
         return len(self.request_ids)
 

@@ -194,15 +194,15 @@ class HeldBlockIds:
     news each step (those that only got a block) never reach the manager. The lazy policy needs
     every allocation at once (it tracks vLLM's free queue) and holds nothing back.
 
-    vLLM's per-step lists are kept as they are (they are built fresh for each step's output and
-    never written to afterwards); a second allocation before the first is handed over merges
-    them into new lists.
+    Ids are held as ``GroupBlockIds`` (tuples), so that a decode step hands them over as valid
+    columns without checking them; a second allocation before the first is handed over merges
+    them into new tuples.
     """
 
     __slots__ = ("_ids", "_no_blocks")
 
     def __init__(self, num_groups: int) -> None:
-        self._ids: dict[str, Sequence[Sequence[int]]] = {}
+        self._ids: dict[str, GroupBlockIds] = {}
         self._no_blocks: GroupBlockIds = ((),) * num_groups
 
     def hold(self, request_id: str, new_ids: Sequence[Sequence[int]] | None) -> None:
@@ -212,7 +212,9 @@ class HeldBlockIds:
         assert new_ids is not None
         held = self._ids.get(request_id)
         self._ids[request_id] = (
-            new_ids if held is None else [[*a, *b] for a, b in zip(held, new_ids, strict=True)]
+            tuple(map(tuple, new_ids))
+            if held is None
+            else tuple((*a, *b) for a, b in zip(held, new_ids, strict=True))
         )
 
     def take(
@@ -259,7 +261,9 @@ class HeldBlockIds:
         rids = [req_ids[i] for i in due]
         pop = held.pop
         none = self._no_blocks
-        return DecodeRequests(
+        # vLLM's str ids and int counts, and held tuples of tuples of ints: valid columns by
+        # construction, and checking them cost as much as the rest of the step's translation.
+        return DecodeRequests.trusted(
             rids, [num_computed[i] for i in due], [pop(rid, none) for rid in rids]
         )
 
@@ -272,6 +276,9 @@ class HeldBlockIds:
 
     def __len__(self) -> int:
         return len(self._ids)
+
+
+_NO_IDS: frozenset[str] = frozenset()
 
 
 def translate_scheduler_output(
@@ -295,25 +302,33 @@ def translate_scheduler_output(
     """
     num_scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
-    finished = frozenset(scheduler_output.finished_req_ids)
-    preempted = frozenset(scheduler_output.preempted_req_ids or ())
-    if held is not None and len(held):
+    # Most steps finish, preempt and add nothing: build no empty containers for them.
+    finished_ids, preempted_ids = (
+        scheduler_output.finished_req_ids,
+        scheduler_output.preempted_req_ids,
+    )
+    finished = frozenset(finished_ids) if finished_ids else _NO_IDS
+    preempted = frozenset(preempted_ids) if preempted_ids else _NO_IDS
+    if held is not None and (finished or preempted) and len(held):
         # A finished request's blocks are gone, a preempted one resumes with a whole new table.
         for rid in finished | preempted:
             held.drop(rid)
-    new = tuple(
-        NewRequest(
-            r.req_id,
-            r.block_ids,
-            r.num_computed_tokens,
-            num_scheduled.get(r.req_id, 0),
-            len(spec.get(r.req_id, ())),
+    new_reqs = scheduler_output.scheduled_new_reqs
+    new: tuple[NewRequest, ...] = ()
+    if new_reqs:
+        new = tuple(
+            NewRequest(
+                r.req_id,
+                r.block_ids,
+                r.num_computed_tokens,
+                num_scheduled.get(r.req_id, 0),
+                len(spec.get(r.req_id, ())),
+            )
+            for r in new_reqs
         )
-        for r in scheduler_output.scheduled_new_reqs
-    )
-    if held is not None and len(held):
-        for r in scheduler_output.scheduled_new_reqs:
-            held.drop(r.req_id)
+        if held is not None and len(held):
+            for r in new_reqs:
+                held.drop(r.req_id)
     cached_data = scheduler_output.scheduled_cached_reqs
     resumed = cached_data.resumed_req_ids
     req_ids = cached_data.req_ids
@@ -324,7 +339,8 @@ def translate_scheduler_output(
     last = boundary - 1
     cached: list[CachedRequest] = []
     decode = NO_DECODE_REQUESTS
-    if not resumed and not spec and counts and list(counts).count(1) == len(counts):
+    # Every count is 1 (the counts are positive ints): no copy of the batch's counts.
+    if not resumed and not spec and counts and max(counts) == 1 == min(counts):
         # Steady decode: one token per request, nothing resumed or speculative. A request has
         # news only if it got blocks or its one token completes a multiple of ``boundary``.
         if held is None:
