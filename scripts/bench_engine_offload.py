@@ -15,6 +15,7 @@ Two scenarios, each run with offload off and on in one process, on one model:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -176,6 +177,23 @@ def reload_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
     }
 
 
+def settle_device(device: str) -> None:
+    """Free a finished engine now, untimed: its reference cycles would otherwise be collected
+    during a later timed run, and freeing its device memory (KV cache, graph pools) waits for the
+    whole device."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def quartiles(values: Sequence[float]) -> list[float]:
+    """First and third quartile (both the value itself for a single value)."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
 def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
     args = b.args
     per_req = -(-(args.prompt + args.answer) // args.block_size)
@@ -189,9 +207,12 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
     warm = b.engine(blocks, offload=False)
     warm.run_to_completion([GenerationRequest(b.prompt(args.prompt, 99), 4) for _ in range(4)])
     warm.shutdown()
+    del warm
+    settle_device(args.device)
     progress.advance(task)
-    for _ in range(args.repeat):
-        for offload in (False, True):
+    for i in range(args.repeat):
+        # Alternate which mode runs first, so neither always inherits the other's leftovers.
+        for offload in (False, True) if i % 2 == 0 else (True, False):
             engine = b.engine(blocks, offload=offload)
             reqs = [
                 GenerationRequest(b.prompt(args.prompt, seed + i), args.answer)
@@ -205,12 +226,16 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
             runs[offload].append((wall, statistics.median(r.ttft_s for r in results)))
             pooled[offload].extend(r.ttft_s for r in results)
             engine.shutdown()
+            del engine
+            settle_device(args.device)
             progress.advance(task)
     off_wall = statistics.median(w for w, _ in runs[False])
     on_wall = statistics.median(w for w, _ in runs[True])
     off_ttft = statistics.median(t for _, t in runs[False])
     on_ttft = statistics.median(t for _, t in runs[True])
     stats = b.connectors[-1].scheduler.stats().manager
+    paired_wall = [on[0] / off[0] - 1 for off, on in zip(runs[False], runs[True], strict=True)]
+    paired_ttft = [on[1] / off[1] - 1 for off, on in zip(runs[False], runs[True], strict=True)]
     return {
         "requests": args.requests,
         "prompt_tokens": args.prompt,
@@ -226,6 +251,11 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         - 1,
         "off_ttft_mean_s": statistics.fmean(pooled[False]),
         "on_ttft_mean_s": statistics.fmean(pooled[True]),
+        # Each repeat's on/off pair ran back to back: their ratio cancels drift between repeats.
+        "wall_overhead_paired_median": statistics.median(paired_wall),
+        "wall_overhead_paired_iqr": quartiles(paired_wall),
+        "ttft_overhead_paired_median": statistics.median(paired_ttft),
+        "ttft_overhead_paired_iqr": quartiles(paired_ttft),
         "runs_off": [{"wall_s": w, "ttft_p50_s": t} for w, t in runs[False]],
         "runs_on": [{"wall_s": w, "ttft_p50_s": t} for w, t in runs[True]],
         "blocks_stored_last_run": stats.blocks_stored,
@@ -287,12 +317,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "",
         )
         table.add_row("  offload overhead, wall", f"{n['wall_overhead']:+.1%}", "≤ +3 %")
+        q1, q3 = n["wall_overhead_paired_iqr"]
+        table.add_row(
+            "  … paired runs: median (interquartile range)",
+            f"{n['wall_overhead_paired_median']:+.1%} ({q1:+.1%} … {q3:+.1%})",
+            "",
+        )
         table.add_row(
             "  TTFT p50 off / on (ms)",
             f"{n['off_ttft_p50_s'] * 1e3:.1f} / {n['on_ttft_p50_s'] * 1e3:.1f}",
             "",
         )
         table.add_row("  offload overhead, TTFT p50", f"{n['ttft_overhead']:+.1%}", "≤ +3 %")
+        q1, q3 = n["ttft_overhead_paired_iqr"]
+        table.add_row(
+            "  … paired runs: median (interquartile range)",
+            f"{n['ttft_overhead_paired_median']:+.1%} ({q1:+.1%} … {q3:+.1%})",
+            "",
+        )
         table.add_row(
             "  TTFT p50 over every request of every run, off / on (ms)",
             f"{n['off_ttft_pooled_p50_s'] * 1e3:.1f} / {n['on_ttft_pooled_p50_s'] * 1e3:.1f}",

@@ -8,6 +8,7 @@ runs must produce the same tokens: ``outputs_identical`` checks it.
 
 from __future__ import annotations
 
+import gc
 import math
 import platform
 from collections.abc import Callable, Sequence
@@ -177,6 +178,14 @@ def _result(
     )
 
 
+def _settle(device: str) -> None:
+    """Free finished engines now, untimed: collected later, inside the next timed run, freeing
+    their device memory would wait for the whole device."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def run_bench(
     cfg: BenchConfig,
     *,
@@ -234,11 +243,15 @@ def run_bench(
             warm, workload if full else evolve(workload, num_rounds=1, seed=workload.seed + 1)
         )
         warm.shutdown()
+        del warm
+        _settle(cfg.device)
 
     baseline = engine(False)
     off = _run("offload off", baseline, workload, on_round)
     off_result = _result(False, baseline, off, cfg.rounds, None)
     baseline.shutdown()
+    del baseline
+    _settle(cfg.device)
 
     if trace is not None:
         with trace_to(trace, clock.now):
