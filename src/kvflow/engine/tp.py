@@ -420,6 +420,10 @@ def run_rank(
         conn = wrap_worker(rank, NullConnector())
     try:
         runner = ModelRunner(shard, kv, conn, torch.device(engine_config.device))
+        # As rank 0's Engine does, so every rank runs its heads' decode attention the same way.
+        runner.configure_decode(
+            engine_config.decode_graphs, engine_config.max_num_seqs, engine_config.triton_decode
+        )
         _ready(worker, channel)
         serve_follower(runner, channel, lambda steps: _status(rank, worker, steps))
     finally:
