@@ -1,0 +1,57 @@
+"""The engine benchmark scripts run end to end at a tiny size and write the figures they claim."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+from scripts import bench_decode_step, bench_engine_offload
+
+
+@pytest.fixture(autouse=True)
+def _keep_logging_config() -> Iterator[None]:
+    """The scripts set structlog, the GIL switch interval and torch's threads for their own
+    process; the suite's settings come back."""
+    before = structlog.get_config()
+    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
+    yield
+    structlog.configure(**before)
+    sys.setswitchinterval(interval)
+    torch.set_num_threads(threads)
+
+
+def test_decode_step_bench_times_every_shape_in_every_mode(tmp_path: Path) -> None:
+    """Eager and uncaptured-pieces decode steps are timed for each shape and written as JSON."""
+    out = tmp_path / "step.json"
+    bench_decode_step.main(
+        [
+            "--model", "tiny", "--device", "cpu", "--modes", "eager-torch", "pieces-torch",
+            "--shapes", "1x40,3x20", "--steps", "2", "--warm", "1", "--json", str(out),
+        ]
+    )  # fmt: skip
+    shapes = json.loads(out.read_text())["shapes"]
+    assert set(shapes) == {"1x40", "3x20"}
+    for figures in shapes.values():
+        assert figures["eager-torch_median_ms"] > 0
+        assert figures["pieces-torch_median_ms"] > 0
+
+
+def test_noreuse_bench_reports_paired_overheads(tmp_path: Path) -> None:
+    """The 0 % reuse scenario pairs each on run with an off run and reports their quartiles."""
+    out = tmp_path / "noreuse.json"
+    bench_engine_offload.main(
+        [
+            "--scenario", "noreuse", "--requests", "4", "--prompt", "40", "--answer", "3",
+            "--repeat", "3", "--cpu-bytes", "64MiB", "--json", str(out),
+        ]
+    )  # fmt: skip
+    n = json.loads(out.read_text())["noreuse"]
+    assert len(n["runs_off"]) == len(n["runs_on"]) == 3
+    q1, q3 = n["wall_overhead_paired_iqr"]
+    assert q1 <= n["wall_overhead_paired_median"] <= q3
+    assert n["blocks_stored_last_run"] > 0
