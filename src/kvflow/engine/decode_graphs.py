@@ -60,6 +60,8 @@ class _Bucket:
         self.query_index = torch.arange(rows, device=device)
         self.q: list[torch.Tensor] = []
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        # The residual and the rotary tables one piece hands the next. Once captured, these hold
+        # the tensors the previous graph writes on every replay, which the next graph reads.
         x: list[torch.Tensor] = []
         rope: list[torch.Tensor] = []
         caches, group_of = runner.kv_caches, runner.layer_group
