@@ -141,6 +141,11 @@ class SchedulerConfig:
 _NOTHING: frozenset[Any] = frozenset()
 
 
+def _all_ids(ids: GroupBlockIds) -> Sequence[int]:
+    """Every group's block ids in one sequence (the one group's own tuple: no copy)."""
+    return ids[0] if len(ids) == 1 else [b for group in ids for b in group]
+
+
 def _take(items: set[Any]) -> frozenset[Any]:
     """The set's items, frozen, and the set emptied (no new frozenset when there are none)."""
     if not items:
@@ -860,7 +865,7 @@ class OffloadManager:
         if self._gpu is not None:
             # Hold the GPU ends too: the engine may free them (preemption, a block leaving a
             # sliding window, a lazy store's free block) while the copy still runs.
-            self._gpu.touch(gpu[0] if len(gpu) == 1 else [b for ids in gpu for b in ids])
+            self._gpu.touch(_all_ids(gpu))
             xfer.holds_gpu = True
         self._xfers[tid] = xfer
         self._pending.append(xfer)
@@ -1209,8 +1214,7 @@ class OffloadManager:
             pool.free(cpu_ids[::-1])
         if x.holds_gpu:
             assert self._gpu is not None
-            gpu = spec.gpu_block_ids
-            self._gpu.free(gpu[0] if len(gpu) == 1 else [b for ids in gpu for b in ids])
+            self._gpu.free(_all_ids(spec.gpu_block_ids))
         if commit:
             counters = self._n
             if store:

@@ -26,7 +26,12 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from kvflow.connector.api import KVCacheConfig
-from kvflow.engine.kv_cache import decode_attention, decode_segment, layer_name
+from kvflow.engine.kv_cache import (
+    block_table_tensor,
+    decode_attention,
+    decode_segment,
+    layer_name,
+)
 from kvflow.engine.model import SDPA_BACKENDS, LlamaForCausalLM
 
 log = structlog.get_logger("kvflow.engine.decode_graphs")
@@ -134,6 +139,7 @@ class DecodeGraphs:
         *,
         capture: bool,
         paged_decode: bool = False,
+        flash_if_equal: bool = False,
     ) -> None:
         self.model = model
         self.kv_config = kv_config
@@ -145,7 +151,9 @@ class DecodeGraphs:
         self.dtype = kv_caches[0].dtype
         self.max_rows = max_rows
         self.captured = capture
+        # Decode attention as the eager path runs it (``decode_segment``).
         self.paged_decode = paged_decode
+        self.flash_if_equal = flash_if_equal
         self.steps_run = 0
         pool = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[int, _Bucket] = {}
@@ -195,20 +203,15 @@ class DecodeGraphs:
         bucket.inputs.copy_(torch.tensor(host, dtype=torch.long), non_blocking=False)
         segments = []
         for g, tables in enumerate(block_tables):
-            width = max(len(t) for t in tables)
-            flat = [0] * (b * width)
-            for r, t in enumerate(tables):
-                flat[r * width : r * width + len(t)] = t
-            device_tables = torch.tensor(flat, dtype=torch.long).view(b, width).to(self.device)
             segments.append(
                 decode_segment(
-                    device_tables,
+                    block_table_tensor(tables, self.device),
                     num_computed,
                     self.windows[g],
                     bs,
                     bucket.query_index[:b],
                     paged=self.paged_decode,
-                    flash_if_equal=self.dtype in (torch.float16, torch.bfloat16),
+                    flash_if_equal=self.flash_if_equal,
                 )
             )
         pieces, caches, group_of = bucket.pieces, self.kv_caches, self.layer_group

@@ -137,6 +137,17 @@ def _slots(
     return result
 
 
+def block_table_tensor(block_tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """The requests' block tables as one ``(B, longest)`` tensor on ``device``, padded with the
+    null block; built in a host list and copied once."""
+    b = len(block_tables)
+    width = max(1, max(len(t) for t in block_tables))
+    flat = [0] * (b * width)
+    for i, t in enumerate(block_tables):
+        flat[i * width : i * width + len(t)] = t
+    return torch.tensor(flat, dtype=torch.long).view(b, width).to(device)
+
+
 def build_attention_metadata(
     block_tables: Sequence[Sequence[int]],
     num_computed: Sequence[int],
@@ -164,11 +175,7 @@ def build_attention_metadata(
                 f"request {i}: block table of {len(t)} blocks cannot hold "
                 f"{num_computed[i] + num_scheduled[i]} tokens"
             )
-    width = max(1, max(len(t) for t in block_tables))
-    flat = [0] * (b * width)
-    for i, t in enumerate(block_tables):
-        flat[i * width : i * width + len(t)] = t
-    tables = torch.tensor(flat, dtype=torch.long).view(b, width).to(device)
+    tables = block_table_tensor(block_tables, device)
     # Sizes come from the Python lists: reading them off the device would sync every step.
     c_all = torch.tensor(list(num_computed), dtype=torch.long, device=device)
     n_all = torch.tensor(list(num_scheduled), dtype=torch.long, device=device)
@@ -247,7 +254,7 @@ def decode_segment(
     k_max = max(key_counts)
     if paged and not (flash_if_equal and min(key_counts) == k_max):
         sizes = torch.tensor([firsts, key_counts], dtype=torch.int32).to(tables.device)
-        return PagedDecode(query_index, tables, sizes, max(key_counts))
+        return PagedDecode(query_index, tables, sizes, k_max)
     # One copy to the device for both columns: each copy is a launch and a host wait.
     both = torch.tensor([*num_computed, *firsts], dtype=torch.long).to(tables.device)
     ctx, first = both[:b], both[b:]
@@ -356,6 +363,7 @@ __all__ = [
     "PagedDecode",
     "PrefillSegment",
     "allocate_kv_caches",
+    "block_table_tensor",
     "build_attention_metadata",
     "decode_attention",
     "decode_segment",

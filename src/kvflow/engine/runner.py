@@ -94,6 +94,7 @@ class ModelRunner:
             max_rows,
             capture=graphs == "auto",
             paged_decode=self._paged_decode,
+            flash_if_equal=self._half,
         )
 
     def execute(
