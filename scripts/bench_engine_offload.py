@@ -20,6 +20,7 @@ import json
 import logging
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,42 @@ def reload_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
     }
 
 
+class TimedCalls:
+    """Forwards every method call to ``inner`` and adds its wall time to ``spent[0]``: what a
+    connector costs the engine's thread (the copy threads' time is not in it)."""
+
+    def __init__(self, inner: Any, spent: list[float]) -> None:
+        self._inner = inner
+        self._spent = spent
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+        spent = self._spent
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        return timed
+
+
+def time_connector_calls(engine: Engine) -> list[float]:
+    """Route the engine's connector calls (both roles, every caller) through ``TimedCalls``;
+    returns the accumulator. The null connector of an offload-off engine is timed the same way,
+    so both modes pay the same proxy cost."""
+    spent = [0.0]
+    sched = TimedCalls(engine.scheduler_connector, spent)
+    worker = TimedCalls(engine.worker_connector, spent)
+    engine.scheduler_connector = engine.scheduler.connector = sched
+    engine.worker_connector = engine.runner.connector = worker
+    return spent
+
+
 def settle_device(device: str) -> None:
     """Free a finished engine now, untimed: its reference cycles would otherwise be collected
     during a later timed run, and freeing its device memory (KV cache, graph pools) waits for the
@@ -199,6 +236,7 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
     per_req = -(-(args.prompt + args.answer) // args.block_size)
     blocks = per_req * min(args.requests, 64) + 1
     runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    hooks: dict[bool, list[float]] = {False: [], True: []}  # connector calls, s per run
     # Every request's TTFT of every run, per mode: the p50 of 64 simultaneous requests moves by
     # whole prefill steps when batch boundaries shift, so the pooled figure is the steadier one.
     pooled: dict[bool, list[float]] = {False: [], True: []}
@@ -214,6 +252,7 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         # Alternate which mode runs first, so neither always inherits the other's leftovers.
         for offload in (False, True) if i % 2 == 0 else (True, False):
             engine = b.engine(blocks, offload=offload)
+            spent = time_connector_calls(engine)
             reqs = [
                 GenerationRequest(b.prompt(args.prompt, seed + i), args.answer)
                 for i in range(args.requests)
@@ -224,6 +263,7 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
             wall = b.clock.now() - t0
             assert all(r.external_loaded_tokens == 0 for r in results)
             runs[offload].append((wall, statistics.median(r.ttft_s for r in results)))
+            hooks[offload].append(spent[0])
             pooled[offload].extend(r.ttft_s for r in results)
             engine.shutdown()
             del engine
@@ -256,8 +296,21 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         "wall_overhead_paired_iqr": quartiles(paired_wall),
         "ttft_overhead_paired_median": statistics.median(paired_ttft),
         "ttft_overhead_paired_iqr": quartiles(paired_ttft),
-        "runs_off": [{"wall_s": w, "ttft_p50_s": t} for w, t in runs[False]],
-        "runs_on": [{"wall_s": w, "ttft_p50_s": t} for w, t in runs[True]],
+        # The connector's calls on the engine's thread: a floor of what offload costs there.
+        "off_connector_calls_s": statistics.median(hooks[False]),
+        "on_connector_calls_s": statistics.median(hooks[True]),
+        "connector_calls_share": statistics.median(
+            (on_h - off_h) / off[0]
+            for on_h, off_h, off in zip(hooks[True], hooks[False], runs[False], strict=True)
+        ),
+        "runs_off": [
+            {"wall_s": w, "ttft_p50_s": t, "connector_calls_s": c}
+            for (w, t), c in zip(runs[False], hooks[False], strict=True)
+        ],
+        "runs_on": [
+            {"wall_s": w, "ttft_p50_s": t, "connector_calls_s": c}
+            for (w, t), c in zip(runs[True], hooks[True], strict=True)
+        ],
         "blocks_stored_last_run": stats.blocks_stored,
     }
 
@@ -321,6 +374,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         table.add_row(
             "  … paired runs: median (interquartile range)",
             f"{n['wall_overhead_paired_median']:+.1%} ({q1:+.1%} … {q3:+.1%})",
+            "",
+        )
+        table.add_row(
+            "  connector calls on the engine thread, off / on (ms per run)",
+            f"{n['off_connector_calls_s'] * 1e3:.1f} / {n['on_connector_calls_s'] * 1e3:.1f} "
+            f"({n['connector_calls_share']:+.1%} of wall)",
             "",
         )
         table.add_row(

@@ -8,11 +8,12 @@
 #   STEPS="tests reload" scripts/device_suite.sh
 #
 # Steps: tests, step (one decode step, eager vs CUDA graphs), reload (16k reload and 0 % reuse),
-# multiround (kvflow bench, llama-1b), decode (decode attention kernels), tp (two GPUs only). Missing Python packages (structlog,
+# multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
+# against the engine's own copies and kernels), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists.
 set -u
 OUT=${OUT:-./device-out}
-STEPS=${STEPS:-tests step reload multiround decode tp}
+STEPS=${STEPS:-tests step reload multiround decode contention tp}
 mkdir -p "$OUT/logs"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -57,6 +58,9 @@ for step in $STEPS; do
       run multiround 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
         --json "$OUT/multiround.json" --plot "$OUT/multiround.png" ;;
     decode) run decode_attention 120 python3 scripts/bench_decode_attention.py ;;
+    contention)
+      run copy_contention 120 python3 scripts/bench_copy_contention.py \
+        --json "$OUT/copy_contention.json" ;;
     tp)
       if [ "$gpus" -ge 2 ]; then
         run tp_tests 300 python3 -m pytest tests/distributed -q -p no:cacheprovider

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
-from scripts import bench_decode_step, bench_engine_offload
+from scripts import bench_copy_contention, bench_decode_step, bench_engine_offload
 
 
 @pytest.fixture(autouse=True)
@@ -55,3 +55,12 @@ def test_noreuse_bench_reports_paired_overheads(tmp_path: Path) -> None:
     q1, q3 = n["wall_overhead_paired_iqr"]
     assert q1 <= n["wall_overhead_paired_median"] <= q3
     assert n["blocks_stored_last_run"] > 0
+    assert n["off_connector_calls_s"] > 0
+    assert n["on_connector_calls_s"] > n["off_connector_calls_s"], "storing costs the engine"
+    assert all(r["connector_calls_s"] > 0 for r in n["runs_on"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_copy_contention_bench_says_it_needs_cuda() -> None:
+    """Without a GPU the copy-contention benchmark exits with status 2 instead of failing."""
+    assert bench_copy_contention.main([]) == 2

@@ -101,6 +101,7 @@ class Sim:
         self.computed: dict[str, int] = {}
         self.null_prefix: dict[tuple[str, int], int] = {}  # (request, group) → padded blocks
         self.delayed: set[str] = set()  # finished, GPU blocks kept for a copy in flight
+        self.flushed: set[int] = set()  # in flight, but their data moved at a preemption flush
         self.gpu_data: dict[int, BlockHash] = {}
         self.cpu_data: list[dict[int, BlockHash]] = [{} for _ in groups]
         self.outcomes: list[StepOutcome] = []
@@ -221,6 +222,13 @@ class Sim:
             DecodeRequests(*zip(*decode, strict=True)) if decode else NO_DECODE_REQUESTS,
         )
         plan = self.mgr.build_step_plan(so)
+        if plan.flush:
+            # The worker's handle_preemptions waits for every copy launched so far before this
+            # step's forward: their data moves now, whenever their ranks report.
+            for tid in self.workers.in_flight():
+                if tid not in self.flushed:
+                    self._copy(self.workers.launched[tid])
+                    self.flushed.add(tid)
         self.workers.run(plan)
         for req, n in new:
             self._compute(req, self.computed.get(req.request_id, 0) + n)
@@ -268,7 +276,9 @@ class Sim:
         out = self.mgr.update_from_reports(reports)
         self.workers.accepted(reports)
         for tid in out.committed:
-            self._copy(self.workers.launched[tid])
+            if tid not in self.flushed:
+                self._copy(self.workers.launched[tid])
+        self.flushed.difference_update((*out.committed, *out.failed))
         for rid in out.finished_sending:
             assert rid in self.delayed, f"{rid} reported finished_sending without delay"
             self.delayed.discard(rid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -341,3 +341,34 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_block_pool_invariants = PoolMachine.TestCase
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 6), st.lists(st.integers(0, 9), min_size=6, max_size=6)),
+        max_size=8,
+    )
+)
+def test_owned_cache_and_free_match_the_checked_ones(rounds: list[tuple[int, list[int]]]) -> None:
+    """cache_owned and free_owned, on blocks fresh from get_new_blocks, leave a pool exactly as
+    cache and free do (LRU order, cached hashes, ref counts)."""
+    checked, owned = BlockPool(12), BlockPool(12)
+    for n, keys in rounds:
+        n = min(n, checked.num_free_blocks)
+        ids = checked.get_new_blocks(n)
+        assert owned.get_new_blocks(n) == ids
+        hashes = [h(k) for k in keys[:n]]
+        assert checked.cache(ids, hashes).count(True) == owned.cache_owned(ids, hashes)
+        checked.free(ids[::-1])
+        owned.free_owned(ids[::-1])
+        assert snapshot(owned) == snapshot(checked)
+
+
+def test_owned_free_of_a_free_block_raises() -> None:
+    """free_owned still refuses to drop a reference nobody holds."""
+    pool = BlockPool(2)
+    (b,) = pool.get_new_blocks(1)
+    pool.free_owned([b])
+    with pytest.raises(BlockPoolError, match="double free"):
+        pool.free_owned([b])

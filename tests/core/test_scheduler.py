@@ -350,7 +350,7 @@ def test_last_full_block_of_finishing_request_is_stored(make_sim: MakeSim) -> No
     a.all_token_ids.append(8)  # sampled, never computed
     assert sim.finish(a) is True, "GPU blocks must wait for the store"
     last = sim.gpu.block(store.gpu_block_ids[0][0])
-    assert last.ref_cnt == 2, "held by the request and by the store"
+    assert last.ref_cnt == 1, "the request's, kept by delay_free; an eager store holds none"
     out = sim.complete()
     assert out.finished_sending == {"a"}
     assert sim.on_cpu(a) == [True, True]
@@ -390,7 +390,8 @@ def test_finishing_with_store_in_flight_cleans_up_after_transfer(make_sim: MakeS
 
 
 def test_preemption_with_transfers_in_flight(make_sim: MakeSim) -> None:
-    """Preemption flushes: in-flight stores still commit, in-flight loads are abandoned."""
+    """Preemption flushes: in-flight stores still commit (their copies finish before the engine
+    writes the freed blocks), in-flight loads are abandoned and keep their GPU blocks."""
     sim = make_sim(ONE_GROUP)
     a = sim.add("a", range(8))
     sim.match(a)
@@ -403,8 +404,11 @@ def test_preemption_with_transfers_in_flight(make_sim: MakeSim) -> None:
     plan = sim.step(preempted=["a", "b"])  # the engine frees a's and b's GPU blocks at once
     assert plan.flush is True
     assert plan.abandoned == (load.transfer_id,)
-    held = [sim.gpu.block(blk) for blk in (*store.gpu_block_ids[0], *load.gpu_block_ids[0])]
-    assert all(blk.ref_cnt == 1 for blk in held), "copies in flight keep their GPU blocks"
+    assert set(sim.workers.in_flight()) == sim.flushed == {store.transfer_id, load.transfer_id}
+    freed = [sim.gpu.block(blk) for blk in store.gpu_block_ids[0]]
+    held = [sim.gpu.block(blk) for blk in load.gpu_block_ids[0]]
+    assert all(blk.ref_cnt == 0 for blk in freed), "an eager store holds no GPU ref"
+    assert all(blk.ref_cnt == 1 for blk in held), "a load in flight keeps its GPU blocks"
     out = sim.complete()
     assert all(blk.ref_cnt == 0 for blk in held)
     assert out.committed == (store.transfer_id,)
@@ -836,6 +840,24 @@ def test_trusted_decode_columns_equal_the_checked_ones(rows: list[tuple[str, int
     assert len(trusted) == len(rows)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(0, 1 << 30),
+    st.lists(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 1 << 20)), max_size=4)),
+)
+def test_trusted_transfer_spec_equals_the_checked_one(
+    tid: int, groups: list[list[tuple[int, int]]]
+) -> None:
+    """TransferSpec.trusted over tuples of paired ids equals the checking constructor's spec."""
+    from kvflow.core.protocol import TransferSpec
+
+    gpu = tuple(tuple(p[0] for p in g) for g in groups)
+    cpu = tuple(tuple(p[1] for p in g) for g in groups)
+    trusted = TransferSpec.trusted(tid, "r", Direction.STORE, gpu, cpu)
+    assert trusted == TransferSpec(tid, "r", Direction.STORE, gpu, cpu)
+    assert trusted.num_blocks == sum(len(g) for g in groups)
+
+
 # ---- eager stores coalesced over decode steps ---------------------------------------------------
 
 
@@ -920,6 +942,26 @@ def test_a_sliding_window_group_stores_every_step(make_sim: MakeSim) -> None:
     a = sim.stored("a", range(3))
     (store,) = _decode_all(sim, [a], 7).stores
     assert store.gpu_block_ids[0] == (sim.tables["a"][0][0],)
+
+
+def test_stores_hold_gpu_refs_only_where_the_engine_may_free_blocks_under_them(
+    make_sim: MakeSim,
+) -> None:
+    """An eager store of full-attention blocks takes no GPU ref (the request keeps its blocks);
+    with a sliding-window group every block of the store is held until the copy settles."""
+    full = make_sim(ONE_GROUP)
+    a = full.add("a", range(8))
+    full.match(a)
+    (store,) = full.step(new=[(a, 8)]).stores
+    assert {full.gpu.block(b).ref_cnt for b in store.gpu_block_ids[0]} == {1}
+    hybrid = make_sim(HYBRID)
+    b = hybrid.add("b", range(33))
+    hybrid.match(b)
+    (store,) = hybrid.step(new=[(b, 33)]).stores
+    ids = [blk for g in store.gpu_block_ids for blk in g]
+    assert {hybrid.gpu.block(blk).ref_cnt for blk in ids} == {2}, "request + store"
+    hybrid.complete()
+    assert {hybrid.gpu.block(blk).ref_cnt for blk in ids} == {1}
 
 
 def test_a_request_finishing_without_block_ids_still_stores_its_deferred_blocks(

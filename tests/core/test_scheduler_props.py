@@ -152,7 +152,8 @@ class Engine:
 
     def check(self) -> None:
         """Ref counts match what transfers and pins hold; cached CPU data matches its hash; no
-        GPU block is free while a copy that reads or writes it is in flight."""
+        GPU block is free while a copy that reads or writes it is in flight (and was not
+        flushed by a preemption: the engine may free those blocks, not write them first)."""
         sim = self.sim
         pool = sim.mgr.cpu_pools[0]
         held = sim.mgr.cpu_refs()[0]
@@ -161,6 +162,8 @@ class Engine:
             if block.block_hash is not None:
                 assert sim.cpu_data[0].get(block.block_id) == block.block_hash
         for tid in sim.workers.in_flight():
+            if tid in sim.flushed:
+                continue
             for blk in sim.workers.launched[tid].gpu_block_ids[0]:
                 assert sim.gpu.block(blk).ref_cnt > 0, f"GPU block {blk} free under copy {tid}"
 

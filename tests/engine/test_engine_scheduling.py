@@ -11,7 +11,8 @@ import torch
 from structlog.testing import capture_logs
 
 from kvflow.connector.api import NULL_BLOCK_ID, NullConnector
-from kvflow.core.requests import SchedulerOutput
+from kvflow.core.hashing import hash_blocks
+from kvflow.core.requests import EngineHashedRequest, SchedulerOutput
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest
 from kvflow.engine.model import build_model, model_config, read_safetensors, save_weights
 from kvflow.engine.scheduler import Request, RequestInput, RequestStats, RequestStatus, transition
@@ -127,6 +128,21 @@ def test_invalid_requests_raise_config_errors() -> None:
     with pytest.raises(ConfigError, match="already in use"):
         engine.add_request([1, 2], 2, request_id="a")
     assert list(engine.scheduler.requests) == ["a"]
+
+
+def test_request_offers_its_live_block_hashes_to_a_connector() -> None:
+    """A request hands a connector its own live hash list, current after every appended token
+    that completes a block, and none at a block size it does not hash."""
+    req = Request("r", [1, 2, 3, 4, 5, 6], 4, RequestStats(arrival_time=0.0), block_size=4)
+    assert isinstance(req, EngineHashedRequest)
+    assert req.engine_block_hashes(8) is None
+    live = req.engine_block_hashes(4)
+    assert live == hash_blocks([1, 2, 3, 4], 4)
+    req.append_token(7)
+    assert len(live) == 1
+    req.append_token(8)
+    assert live == hash_blocks(list(range(1, 9)), 4)
+    assert req.output_token_ids == [7, 8]
 
 
 def test_request_transitions_follow_the_table_and_log() -> None:

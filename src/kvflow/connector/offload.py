@@ -104,8 +104,8 @@ def group_specs(
 
 
 class OffloadScheduler:
-    """The scheduler role. ``gpu_view`` (the engine's GPU pool) lets every transfer hold a GPU
-    reference, so no block is reused under a copy; the lazy policy needs it."""
+    """The scheduler role. ``gpu_view`` (the engine's GPU pool) lets transfers hold GPU references
+    where the engine could otherwise reuse a block under a copy; the lazy policy needs it."""
 
     def __init__(
         self,

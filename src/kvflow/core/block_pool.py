@@ -276,6 +276,23 @@ class BlockPool:
                 else:
                     queue.append(block)
 
+    def free_owned(self, block_ids: Sequence[int]) -> None:
+        """``free`` for a caller that holds one reference on each of these distinct, valid ids
+        (kvflow's manager releasing a transfer's CPU blocks): no id checks, one pass."""
+        blocks = self.blocks
+        queue = self.free_queue
+        for block_id in block_ids:
+            block = blocks[block_id]
+            refs = block.ref_cnt - 1
+            if refs < 0:
+                self._double_free(block_id, 1)
+            block.ref_cnt = refs
+            if refs == 0:
+                if block.block_hash is None:
+                    queue.appendleft(block)
+                else:
+                    queue.append(block)
+
     def _double_free(self, block_id: int, count: int) -> NoReturn:
         raise BlockPoolError(
             f"{self.name}: double free of block {block_id} "
@@ -321,6 +338,24 @@ class BlockPool:
                 BlockStored(tuple(h for _, h in stored), tuple(b for b, _ in stored))
             )
         return done
+
+    def cache_owned(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
+        """``cache`` for a caller that took these blocks from ``get_new_blocks`` (so they are in
+        use and uncached) and passes ``bytes`` hashes: no per-block checks. Returns how many
+        were cached (a hash another block holds already is skipped, as in ``cache``)."""
+        if self.enable_events:
+            return self.cache(block_ids, block_hashes).count(True)
+        blocks = self.blocks
+        cached = self._cached
+        n = 0
+        for block_id, h in zip(block_ids, block_hashes, strict=True):
+            if h in cached:
+                continue
+            block = blocks[block_id]
+            block.block_hash = h
+            cached[h] = block
+            n += 1
+        return n
 
     def uncache(self, block_ids: Iterable[int]) -> None:
         """Drop the cached hash of each listed block (e.g. its data turned out invalid)."""

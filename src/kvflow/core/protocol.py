@@ -70,6 +70,28 @@ class TransferSpec:
             if min(gpu, default=0) < 0 or min(cpu, default=0) < 0:
                 raise ConfigError(f"transfer {self.transfer_id} group {g}: negative block id")
 
+    @classmethod
+    def trusted(
+        cls,
+        transfer_id: int,
+        request_id: str,
+        direction: Direction,
+        gpu_block_ids: GroupBlockIds,
+        cpu_block_ids: GroupBlockIds,
+    ) -> TransferSpec:
+        """The same spec without converting or checking the ids, for kvflow's manager, whose
+        store specs pair tuples of the engine's checked GPU ids with tuples of CPU ids from its
+        own pool, group by group and of equal lengths: checking them cost as much as planning
+        the rest of the store. Anything else must go through the constructor."""
+        self = object.__new__(cls)
+        setattr_ = object.__setattr__
+        setattr_(self, "transfer_id", transfer_id)
+        setattr_(self, "request_id", request_id)
+        setattr_(self, "direction", direction)
+        setattr_(self, "gpu_block_ids", gpu_block_ids)
+        setattr_(self, "cpu_block_ids", cpu_block_ids)
+        return self
+
     @property
     def num_blocks(self) -> int:
         return sum(len(g) for g in self.gpu_block_ids)

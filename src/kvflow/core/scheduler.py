@@ -12,7 +12,8 @@ cache. The engine's scheduler calls it like vLLM's KV connector scheduler API:
 - ``reset_cache``: forget the CPU prefix cache, with transfers in flight or not.
 
 Every load and store is a ``Transfer`` driven through ``kvflow.core.transfer.apply``. A block that
-a transfer reads or writes holds a reference on its pool until the transfer is RELEASED. Per-step
+a transfer reads or writes holds a reference on its pool until the transfer is RELEASED (on the
+GPU side only where the engine could free it under the copy: see ``OffloadManager``). Per-step
 work is one comparison per scheduled request plus work proportional to the blocks that completed.
 Sans-IO: no device, no event loop, no clock.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -32,7 +33,7 @@ from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
-from kvflow.core.requests import EngineHashedRequest, RequestLike, SchedulerOutput
+from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
 from kvflow.errors import ConfigError, ReportError
 
@@ -252,7 +253,7 @@ class _Xfer:
     hashes: tuple[tuple[BlockHash, ...], ...] = ()  # stores: per group, the hashes being stored
     owners: tuple[tuple[_Request | None, ...], ...] = ()  # stores: per group, each block's request
     dropped: set[_Request] = field(factory=set)  # their GPU blocks were freed: don't cache theirs
-    holds_gpu: bool = False  # holds a ref on its GPU blocks (whenever a gpu_view was given)
+    holds_gpu: bool = False  # holds a ref on its GPU blocks (see OffloadManager._store_refs)
     reported: dict[int, bool] = field(factory=dict)  # rank → success
     reset: bool = False  # abandoned by reset_cache (a load's blocks then become invalid)
 
@@ -284,6 +285,14 @@ class OffloadManager:
         self._interval = (
             config.eager_store_interval if self._eager and not self._window_groups else 1
         )
+        # Which transfers hold GPU refs. Loads always: an aborted request's blocks must not be
+        # reused under its copy. Eager stores of full-attention blocks need none: the blocks stay
+        # the request's until it finishes (then ``delay_free`` keeps them until the store is
+        # done) or is preempted (then the plan flushes every copy before the engine reuses its
+        # blocks), and a request the engine drops unannounced has its stores abandoned. Lazy
+        # stores read free blocks and a sliding window frees blocks of running requests: those
+        # hold refs. The refs cost two pool calls per block, on the engine's thread.
+        self._store_refs = gpu_view is not None and (not self._eager or bool(self._window_groups))
         # Eager, interval > 1: requests with completed blocks not handed to the store yet (an
         # ordered set), and how many plans ago the oldest of them was deferred.
         self._deferred: dict[_Request, None] = {}
@@ -860,11 +869,15 @@ class OffloadManager:
     ) -> _Xfer:
         tid = self._next_id
         self._next_id += 1
-        spec = TransferSpec(tid, request_id, direction, gpu, cpu)
+        spec = (
+            TransferSpec.trusted(tid, request_id, direction, gpu, cpu)
+            if direction is _STORE
+            else TransferSpec(tid, request_id, direction, gpu, cpu)
+        )
         xfer = _Xfer(Transfer(tid, direction, request_id), spec, reqs)
-        if self._gpu is not None:
-            # Hold the GPU ends too: the engine may free them (preemption, a block leaving a
-            # sliding window, a lazy store's free block) while the copy still runs.
+        if self._gpu is not None and (direction is _LOAD or self._store_refs):
+            # Hold the GPU ends too: the engine may free them (an aborted load, a block leaving
+            # a sliding window, a lazy store's free block) while the copy still runs.
             self._gpu.touch(_all_ids(gpu))
             xfer.holds_gpu = True
         self._xfers[tid] = xfer
@@ -965,10 +978,13 @@ class OffloadManager:
     def _hashers(self, request: RequestLike) -> list[HashChain]:
         """Per block size, the engine's own hashes of the request where it has them, else
         kvflow's hasher over its tokens."""
-        engine = request if isinstance(request, EngineHashedRequest) else None
+        # ``EngineHashedRequest`` by its one method: a runtime protocol check costs ~14 µs.
+        engine: Callable[[int], Sequence[BlockHash] | None] | None = getattr(
+            request, "engine_block_hashes", None
+        )
         out: list[HashChain] = []
         for bs in self._hasher_sizes:
-            hashes = None if engine is None else engine.engine_block_hashes(bs)
+            hashes = None if engine is None else engine(bs)
             out.append(
                 BlockHasher(bs, request.extra_keys)
                 if hashes is None
@@ -1204,14 +1220,14 @@ class OffloadManager:
                         keep = [o not in x.dropped for o in x.owners[g]]
                         ids = tuple(b for b, k in zip(ids, keep, strict=True) if k)
                         hs = tuple(h for h, k in zip(hs, keep, strict=True) if k)
-                    n = pool.cache(ids, hs).count(True)
+                    n = pool.cache_owned(ids, hs)
                     nblocks += n
                     nbytes += n * groups[g].block_bytes
             elif commit:
                 nblocks += len(cpu_ids)
                 nbytes += len(cpu_ids) * groups[g].block_bytes
             # Reverse: a request's tail blocks become the first to be evicted.
-            pool.free(cpu_ids[::-1])
+            pool.free_owned(cpu_ids[::-1])
         if x.holds_gpu:
             assert self._gpu is not None
             self._gpu.free(_all_ids(spec.gpu_block_ids))

@@ -133,6 +133,20 @@ class Request:
             hasher.extend(self.all_token_ids[hasher.num_tokens :])
         return hasher.hashes
 
+    def engine_block_hashes(self, block_size: int) -> list[BlockHash] | None:
+        """``kvflow.core.requests.EngineHashedRequest``: the engine's own hash list, kept current
+        by ``append_token``, so a connector keys its tier by it instead of hashing every block a
+        second time. None at any other block size."""
+        return self.block_hashes if block_size == self.block_size else None
+
+    def append_token(self, token: int) -> None:
+        """Append a sampled token; a block it completes is hashed at once, because a connector
+        reads the live hash list before the engine itself asks for it again."""
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+        if len(self.all_token_ids) % self.block_size == 0:
+            self.block_hashes  # noqa: B018 - the property extends the live list
+
     @property
     def is_finished(self) -> bool:
         return len(self.output_token_ids) >= self.max_tokens
@@ -521,8 +535,7 @@ class Scheduler:
             if not chunk.sample:
                 continue
             token = sampled[req.request_id]
-            req.output_token_ids.append(token)
-            req.all_token_ids.append(token)
+            req.append_token(token)
             if req.stats.first_token_time is None:
                 req.stats.first_token_time = now
             finished = req.is_finished

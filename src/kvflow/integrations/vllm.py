@@ -792,8 +792,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_requests: dict[int, str] = {}  # worker: live load transfer → its request
         self._failed_requests: set[str] = set()  # worker: requests of loads that failed
         # The scheduler-role manager is built in bind_gpu_block_pool, which vLLM's Scheduler calls
-        # right after this: with a view of vLLM's GPU pool every transfer holds a reference on
-        # its GPU blocks, so vLLM cannot reuse a block under a copy (preemption, abort).
+        # right after this: with a view of vLLM's GPU pool, loads, lazy stores and stores of
+        # sliding-window models hold references on their GPU blocks, so vLLM cannot reuse a block
+        # under such a copy (abort, a block leaving the window). Eager full-attention stores
+        # rely on delay_free and the preemption flush, as vLLM's own CPU offload connector does.
         if role == KVConnectorRole.WORKER:
             self._worker = self.make_worker_delegate()
         log.info(
