@@ -178,39 +178,29 @@ def reload_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
     }
 
 
-class TimedCalls:
-    """Forwards every method call to ``inner`` and adds its wall time to ``spent[0]``: what a
-    connector costs the engine's thread (the copy threads' time is not in it)."""
+def time_connector_calls(engine: Engine) -> list[float]:
+    """Wrap every public method of the engine's connector (both roles; one object serving both
+    is wrapped once) so its wall time adds up in the returned ``[seconds]``: what the connector
+    costs the engine's thread (the copy threads' time is not in it). The null connector of an
+    offload-off engine is timed the same way, so both modes pay the same wrapper cost."""
+    spent = [0.0]
 
-    def __init__(self, inner: Any, spent: list[float]) -> None:
-        self._inner = inner
-        self._spent = spent
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-        spent = self._spent
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
+    def timed(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return attr(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 spent[0] += time.perf_counter() - t0
 
-        return timed
+        return call
 
-
-def time_connector_calls(engine: Engine) -> list[float]:
-    """Route the engine's connector calls (both roles, every caller) through ``TimedCalls``;
-    returns the accumulator. The null connector of an offload-off engine is timed the same way,
-    so both modes pay the same proxy cost."""
-    spent = [0.0]
-    sched = TimedCalls(engine.scheduler_connector, spent)
-    worker = TimedCalls(engine.worker_connector, spent)
-    engine.scheduler_connector = engine.scheduler.connector = sched
-    engine.worker_connector = engine.runner.connector = worker
+    roles = {id(r): r for r in (engine.scheduler_connector, engine.worker_connector)}
+    for role in roles.values():
+        for name in dir(role):
+            fn = None if name.startswith("_") else getattr(role, name)
+            if callable(fn):
+                setattr(role, name, timed(fn))
     return spent
 
 
