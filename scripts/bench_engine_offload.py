@@ -55,6 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-bytes", default="4GiB")
     p.add_argument("--store-policy", choices=("eager", "lazy"), default="eager")
+    p.add_argument("--worker-loop", choices=("thread", "inline"), default="thread")
     p.add_argument("--scenario", choices=("reload", "noreuse", "both"), default="both")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument(
@@ -90,7 +91,11 @@ class Bench:
             self.cfg,
             econf,
             self.model,
-            OffloadConfig(cpu_bytes=args.cpu_bytes, store_policy=args.store_policy),
+            OffloadConfig(
+                cpu_bytes=args.cpu_bytes,
+                store_policy=args.store_policy,
+                worker_loop=args.worker_loop,
+            ),
             block_bytes_per_group(self.cfg, kv, self.dtype),
             now=self.clock.now,
         )
@@ -230,14 +235,23 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
     # Every request's TTFT of every run, per mode: the p50 of 64 simultaneous requests moves by
     # whole prefill steps when batch boundaries shift, so the pooled figure is the steadier one.
     pooled: dict[bool, list[float]] = {False: [], True: []}
-    task = progress.add_task("noreuse: unique prompts", total=2 * args.repeat + 1)
+    task = progress.add_task("noreuse: unique prompts", total=2 * args.repeat + 2)
     seed = 100
-    warm = b.engine(blocks, offload=False)
-    warm.run_to_completion([GenerationRequest(b.prompt(args.prompt, 99), 4) for _ in range(4)])
-    warm.shutdown()
-    del warm
-    settle_device(args.device)
-    progress.advance(task)
+    # One untimed run in each mode at full size first: the first runs of a process pay one-time
+    # costs (allocator and cache growth, first use of each kernel shape and of kvflow's code
+    # paths) that are not what offload costs a serving engine in steady state.
+    for offload in (False, True):
+        warm = b.engine(blocks, offload=offload)
+        warm.run_to_completion(
+            [
+                GenerationRequest(b.prompt(args.prompt, 99 - i), args.answer)
+                for i in range(args.requests)
+            ]
+        )
+        warm.shutdown()
+        del warm
+        settle_device(args.device)
+        progress.advance(task)
     for i in range(args.repeat):
         # Alternate which mode runs first, so neither always inherits the other's leftovers.
         for offload in (False, True) if i % 2 == 0 else (True, False):

@@ -349,3 +349,62 @@ def test_waiter_threads_wake_the_reactor_when_a_batch_finishes(make_backend: Any
     assert woke.wait(10.0)
     assert backend.query(fence) is FenceStatus.DONE
     backend.set_wakeup(None)
+
+
+def test_without_completion_threads_a_fence_is_found_by_polling(make_backend: Any) -> None:
+    """With no launch or completion thread (a loop on the engine's thread), ``submit`` launches
+    at once, no wakeup ever fires, and polling the fence finds it done after the compute it
+    waits for; no kvflow thread was started."""
+    before = {t.name for t in threading.enumerate()}
+    kv, backend = ready(
+        make_backend,
+        "flash",
+        torch.bfloat16,
+        16 * KiB,
+        16,
+        16,
+        launch_thread=False,
+        completion_threads=False,
+    )
+    assert not backend.pushes_completions
+    woke = threading.Event()
+    backend.set_wakeup(woke.set)
+    gpu_sleep()
+    fence = backend.submit(store([1, 2, 3], [0, 1, 2]), [backend.compute_fence()])
+    assert fence.launched
+    assert backend.query(fence) is FenceStatus.PENDING  # the compute is still sleeping
+    torch.cuda.synchronize()
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    assert not woke.is_set()
+    assert {t.name for t in threading.enumerate()} - before <= {"kvflow-pin"}
+    for i, b in enumerate([1, 2, 3]):
+        got = torch.from_numpy(backend.cpu_block(0, i).copy())
+        assert torch.equal(got, block_bytes(kv, "flash", b))
+    backend.set_wakeup(None)
+
+
+def test_held_driver_calls_resolve_and_order_work() -> None:
+    """The GIL-holding ``cuEventRecord`` / ``cuStreamWaitEvent`` order two streams as the
+    cuda-python calls do: work after the wait starts only once the recorded work is done."""
+    from kvflow.backends.cuda import driver as drv
+
+    drv.require_driver()
+    torch.cuda.init()
+    calls = drv.held()
+    assert calls.record is not None
+    assert calls.wait is not None
+    src = torch.full((1 << 20,), 7.0, device="cuda")
+    dst = torch.zeros_like(src)
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    event = drv.new_event()
+    with torch.cuda.stream(first):
+        gpu_sleep()
+        src.mul_(2)
+    drv.record(event, drv.stream_of(first.cuda_stream))
+    drv.wait(drv.stream_of(second.cuda_stream), event)
+    with torch.cuda.stream(second):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, torch.full_like(src, 14.0))
+    drv.cu.cuEventDestroy(event)

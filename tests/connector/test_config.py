@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.connector.config import EAGER_STORE_INTERVAL, OffloadConfig
+from kvflow.connector.config import EAGER_STORE_INTERVAL, OffloadConfig, WorkerLoop
 from kvflow.core.scheduler import StorePolicy
 from kvflow.errors import ConfigError
 
@@ -15,6 +15,7 @@ def test_sizes_and_defaults() -> None:
     assert cfg.cpu_bytes == 3 << 29
     assert cfg.store_policy is StorePolicy.EAGER
     assert cfg.eager_store_interval == EAGER_STORE_INTERVAL == 4
+    assert cfg.worker_loop is WorkerLoop.THREAD
     assert OffloadConfig(cpu_bytes=4096).cpu_bytes == 4096
 
 
@@ -28,6 +29,9 @@ def test_sizes_and_defaults() -> None:
         ({"cpu_bytes": "1GiB", "eager_store_interval": 0}, "eager_store_interval"),
         ({"cpu_bytes": "1GiB", "eager_store_interval": 2.5}, "eager_store_interval"),
         ({"cpu_bytes": "1GiB", "store_interval": 2}, "unknown kvflow option"),
+        ({"cpu_bytes": "1GiB", "store_policy": "sometimes"}, "store_policy must be one of eager"),
+        ({"cpu_bytes": "1GiB", "backend": "tpu"}, "backend must be one of auto, host, cuda"),
+        ({"cpu_bytes": "1GiB", "worker_loop": "fiber"}, "worker_loop must be one of thread"),
     ],
 )
 def test_bad_options_raise_config_error_naming_the_field(
@@ -40,7 +44,15 @@ def test_bad_options_raise_config_error_naming_the_field(
 
 def test_from_mapping_takes_every_field() -> None:
     """Plain data (a JSON config) builds the same config as keyword arguments."""
-    data = {"cpu_bytes": "8MiB", "store_policy": "lazy", "eager_store_interval": 1}
+    data = {
+        "cpu_bytes": "8MiB",
+        "store_policy": "lazy",
+        "eager_store_interval": 1,
+        "worker_loop": "inline",
+    }
     assert OffloadConfig.from_mapping(data) == OffloadConfig(
-        cpu_bytes=8 << 20, store_policy=StorePolicy.LAZY, eager_store_interval=1
+        cpu_bytes=8 << 20,
+        store_policy=StorePolicy.LAZY,
+        eager_store_interval=1,
+        worker_loop=WorkerLoop.INLINE,
     )

@@ -112,13 +112,16 @@ WORKLOAD = MultiRoundQA(
 )
 
 
-@pytest.mark.parametrize("policy", ["eager", "eager-each-step", "lazy"])
+@pytest.mark.parametrize(
+    "policy", ["eager", "eager-each-step", "lazy", "eager-inline", "lazy-inline"]
+)
 @pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
 def test_outputs_identical_with_offload_across_evictions_and_reloads(
     name: str, policy: str
 ) -> None:
     """Greedy outputs with offload equal those without; blocks were stored, evicted and reloaded
-    (eager stores coalesced over decode steps, the default, or one store each step)."""
+    (eager stores coalesced over decode steps, the default, or one store each step; the worker
+    runtime's loop on a thread of its own, the default, or inline on the engine's thread)."""
     # Far below the working set, so histories are evicted between rounds; the hybrid model's
     # sliding group holds only a few blocks per request on top of the full group's.
     blocks = 46 if "-swa" in name else 41
@@ -131,6 +134,7 @@ def test_outputs_identical_with_offload_across_evictions_and_reloads(
             store_policy=policy.split("-")[0],
             lazy_watermark=16,
             eager_store_interval=1 if policy == "eager-each-step" else 4,
+            worker_loop="inline" if policy.endswith("-inline") else "thread",
         ),
         num_gpu_blocks=blocks,
     )
@@ -144,14 +148,18 @@ def test_outputs_identical_with_offload_across_evictions_and_reloads(
     _assert_nothing_leaked(on, conn)
 
 
-def test_outputs_identical_with_offload_under_preemption() -> None:
+@pytest.mark.parametrize("loop", ["thread", "inline"])
+def test_outputs_identical_with_offload_under_preemption(loop: str) -> None:
     """A cache so small that requests are preempted mid-run still gives identical outputs."""
     prompts = [[(7 * i + j) % 1000 for j in range(40)] for i in range(4)]
     reqs = [GenerationRequest(p, 12, request_id=f"p{i}") for i, p in enumerate(prompts)]
     off, _ = _engine("tiny", offload=None, num_gpu_blocks=200)
     want = [r.output_token_ids for r in off.run_to_completion(reqs)]
     on, (conn,) = _engine(
-        "tiny", offload=OffloadConfig(cpu_bytes="16MiB"), num_gpu_blocks=30, budget=16
+        "tiny",
+        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop),
+        num_gpu_blocks=30,
+        budget=16,
     )
     got = on.run_to_completion(reqs)
     assert [r.output_token_ids for r in got] == want
@@ -165,14 +173,18 @@ def test_outputs_identical_with_offload_under_preemption() -> None:
     _assert_nothing_leaked(on, conn)
 
 
-def test_failed_load_recovers_by_recompute_with_identical_output() -> None:
+@pytest.mark.parametrize("loop", ["thread", "inline"])
+def test_failed_load_recovers_by_recompute_with_identical_output(loop: str) -> None:
     """A load that fails on the device is recomputed and the output does not change."""
     prompt = list(range(100, 160))
     off, _ = _engine("tiny", offload=None, num_gpu_blocks=64)
     (want,) = off.run_to_completion([GenerationRequest(prompt, 6, request_id="a")])
     backend = FailingLoads(fail=1)
     on, (conn,) = _engine(
-        "tiny", offload=OffloadConfig(cpu_bytes="16MiB"), num_gpu_blocks=64, backend=backend
+        "tiny",
+        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop),
+        num_gpu_blocks=64,
+        backend=backend,
     )
     on.run_to_completion([GenerationRequest(prompt, 6, request_id="a")])
     assert on.scheduler.reset_prefix_cache()  # the GPU cache only: the CPU copy stays
@@ -186,15 +198,19 @@ def test_failed_load_recovers_by_recompute_with_identical_output() -> None:
 
 
 @pytest.mark.asyncio
-async def test_async_frontend_serves_concurrent_requests_with_offload() -> None:
-    """Concurrent generate() streams over an offloading engine match a plain engine's tokens."""
+@pytest.mark.parametrize("loop", ["thread", "inline"])
+async def test_async_frontend_serves_concurrent_requests_with_offload(loop: str) -> None:
+    """Concurrent generate() streams over an offloading engine match a plain engine's tokens
+    (inline: the worker runtime's loop is stepped from the frontend's worker threads)."""
     prompts = [[(11 * i + j) % 1000 for j in range(30)] for i in range(5)]
     off, _ = _engine("tiny", offload=None, num_gpu_blocks=200)
     want = [
         r.output_token_ids
         for r in off.run_to_completion([GenerationRequest(p, 5) for p in prompts])
     ]
-    on, (conn,) = _engine("tiny", offload=OffloadConfig(cpu_bytes="16MiB"), num_gpu_blocks=40)
+    on, (conn,) = _engine(
+        "tiny", offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop), num_gpu_blocks=40
+    )
     got: dict[int, list[int]] = {}
 
     async def client(i: int, frontend: AsyncEngine) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -21,10 +22,13 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("loop", ["thread", "inline"])
 @pytest.mark.parametrize("policy", ["eager", "lazy"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
-def test_cuda_offload_outputs_identical_across_reloads(name: str, policy: str) -> None:
-    """On the GPU with the CUDA backend, offload changes no token and really reloads blocks."""
+def test_cuda_offload_outputs_identical_across_reloads(name: str, policy: str, loop: str) -> None:
+    """On the GPU with the CUDA backend, offload changes no token and really reloads blocks,
+    with the worker runtime's loop on its own thread or inline on the engine's (no launch or
+    completion thread then: copies are launched and polled from the engine's calls)."""
     cfg = model_config(name)
     model = build_model(cfg, device="cuda", dtype=torch.float32)
     econf = EngineConfig(
@@ -51,7 +55,9 @@ def test_cuda_offload_outputs_identical_across_reloads(name: str, policy: str) -
     def factory(kv: KVCacheConfig, view: GpuCacheView) -> tuple[Any, Any]:
         per_layer = 2 * kv.block_size * cfg.num_kv_heads * cfg.head_dim * 4
         conn = OffloadConnector.build(
-            OffloadConfig(cpu_bytes="256MiB", store_policy=policy, lazy_watermark=16),
+            OffloadConfig(
+                cpu_bytes="256MiB", store_policy=policy, lazy_watermark=16, worker_loop=loop
+            ),
             kv,
             [per_layer * len(g.layer_names) for g in kv.groups],
             gpu_view=view,
@@ -64,6 +70,12 @@ def test_cuda_offload_outputs_identical_across_reloads(name: str, policy: str) -
         got = run_multi_round(on, work)
         (conn,) = built
         assert conn.worker.backend.name == "cuda"
+        names = {t.name for t in threading.enumerate()}
+        kvflow_threads = {n for n in names if n.startswith(("kvflow-cuda", "asyncio-portal"))}
+        if loop == "inline":
+            assert not kvflow_threads
+        else:
+            assert "kvflow-cuda-launch" in kvflow_threads
         assert got.outputs() == want
         stats = conn.scheduler.stats().manager
         assert stats.blocks_stored > 0

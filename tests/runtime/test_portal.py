@@ -1,4 +1,6 @@
-"""The synchronous facade: a synchronous engine loop drives the runtime through vLLM-named calls."""
+"""The synchronous facades: a synchronous engine loop drives the runtime through vLLM-named calls,
+with the runtime's loop on a thread of its own (``SyncWorkerRuntime``) or stepped on the engine's
+thread (``InlineWorkerRuntime``: its own behaviour is in ``test_inline.py``)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,17 @@ from kvflow.backends.host import HostBackend
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError, ConfigError
+from kvflow.runtime.inline import InlineWorkerRuntime
 from kvflow.runtime.portal import SyncWorkerRuntime
 
+FACADES = pytest.mark.parametrize("facade", [SyncWorkerRuntime, InlineWorkerRuntime])
 
-def test_sync_facade_round_trip_and_load_errors() -> None:
+
+@FACADES
+def test_sync_facade_round_trip_and_load_errors(facade: Any) -> None:
     """Store, evict, load through the facade: bytes match, a bad load's blocks are reported."""
     caches = {f"l{i}": torch.randn(2, 8, 4, 2, 8) for i in range(2)}
-    with SyncWorkerRuntime(HostBackend(), rank=1) as rt:
+    with facade(HostBackend(), rank=1) as rt:
         rt.register_kv_caches(caches, 8)
         rt.allocate_cpu_tier(4)
         rt.bind_connector_metadata(
@@ -66,11 +72,12 @@ def test_sync_facade_round_trip_and_load_errors() -> None:
     rt.shutdown()
 
 
-def test_finish_step_returns_finished_requests_and_report_in_one_call() -> None:
+@FACADES
+def test_finish_step_returns_finished_requests_and_report_in_one_call(facade: Any) -> None:
     """``finish_step`` gives the finished requests and the report together, and a failed load's
     blocks reach ``get_block_ids_with_load_errors`` in the same step."""
     caches = {"l0": torch.randn(2, 8, 4, 2, 8)}
-    with SyncWorkerRuntime(HostBackend()) as rt:
+    with facade(HostBackend()) as rt:
         rt.register_kv_caches(caches, 8)
         rt.allocate_cpu_tier(4)
         rt.bind_connector_metadata(

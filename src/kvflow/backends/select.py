@@ -7,8 +7,12 @@ from kvflow.backends.probe import probe_cuda
 from kvflow.errors import BackendError, ConfigError
 
 
-def make_backend(kind: str, device: str) -> Backend:
-    """A backend for KV tensors on ``device`` ("cpu", "cuda", "cuda:1"); ``kind`` auto/host/cuda."""
+def make_backend(kind: str, device: str, *, inline: bool = False) -> Backend:
+    """A backend for KV tensors on ``device`` ("cpu", "cuda", "cuda:1"); ``kind`` auto/host/cuda.
+
+    ``inline``: for a runtime whose loop runs on the engine's thread (``InlineWorkerRuntime``):
+    the CUDA backend then launches copies inside ``submit`` and starts no completion threads.
+    The host backend keeps its copy thread either way (its copies are the CPU's own work)."""
     on_cuda = device.startswith("cuda")
     if kind == "auto":
         kind = "cuda" if on_cuda and probe_cuda().available else "host"
@@ -24,9 +28,11 @@ def make_backend(kind: str, device: str) -> Backend:
         probe = probe_cuda()
         if not probe.available:
             raise BackendError(f"backend 'cuda' asked for, but no CUDA: {probe.error}")
-        from kvflow.backends.cuda import CudaBackend
+        from kvflow.backends.cuda import CudaBackend, CudaConfig
 
         index = int(device.split(":", 1)[1]) if ":" in device else 0
+        if inline:
+            return CudaBackend(index, CudaConfig(launch_thread=False, completion_threads=False))
         return CudaBackend(index)
     raise ConfigError(f"unknown backend {kind!r}: one of auto, host, cuda")
 

@@ -24,6 +24,7 @@ class BenchConfig:
     cpu_bytes: int | None = None  # default: room for twice the working set
     store_policy: str = "eager"
     backend: str = "auto"
+    worker_loop: str = "thread"  # where the worker runtime's loop runs: thread or inline
     max_batched_tokens: int = 2048
     seed: int = 0
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
@@ -34,6 +35,8 @@ class BenchConfig:
     def __attrs_post_init__(self) -> None:
         if self.warmup not in ("round", "full"):
             raise ConfigError(f"warmup {self.warmup!r}: one of round, full")
+        if self.worker_loop not in ("thread", "inline"):
+            raise ConfigError(f"worker_loop {self.worker_loop!r}: one of thread, inline")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r}: one of float32, bfloat16, float16")
         if not 0 < self.cache_fraction <= 4:

@@ -218,7 +218,10 @@ def run_bench(
     working_bytes = math.ceil(workload.working_set_tokens / cfg.block_size) * sum(block_bytes)
     cpu_bytes = cfg.cpu_bytes or 2 * working_bytes
     offload_cfg = OffloadConfig(
-        cpu_bytes=cpu_bytes, store_policy=cfg.store_policy, backend=cfg.backend
+        cpu_bytes=cpu_bytes,
+        store_policy=cfg.store_policy,
+        backend=cfg.backend,
+        worker_loop=cfg.worker_loop,
     )
 
     built: list[OffloadConnector] = []

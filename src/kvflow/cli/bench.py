@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--store-policy", choices=("eager", "lazy"), default=d.store_policy)
     p.add_argument("--backend", choices=("auto", "host", "cuda"), default=d.backend)
+    p.add_argument(
+        "--worker-loop",
+        choices=("thread", "inline"),
+        default=d.worker_loop,
+        help="the worker runtime's event loop on a thread of its own, or on the engine's thread",
+    )
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
@@ -90,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         cpu_bytes=cpu_bytes,
         store_policy=args.store_policy,
         backend=args.backend,
+        worker_loop=args.worker_loop,
         max_batched_tokens=args.max_batched_tokens,
         seed=args.seed,
         dtype=args.dtype,

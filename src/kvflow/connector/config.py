@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from attrs import field, fields, frozen
 
@@ -20,6 +20,36 @@ class BackendKind(enum.StrEnum):
     AUTO = "auto"  # cuda when the KV tensors are on a CUDA device and a driver is there, else host
     HOST = "host"
     CUDA = "cuda"
+
+
+class WorkerLoop(enum.StrEnum):
+    """Where the worker runtime's event loop runs."""
+
+    THREAD = "thread"  # a thread of its own; the engine's calls are posted to it
+    INLINE = "inline"  # the engine's thread, stepped by the connector's calls
+
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def _choice(kind: type[E], name: str, value: object) -> E:
+    """``value`` as a ``kind``; the error names the option and its choices."""
+    if isinstance(value, str) and value in {m.value for m in kind}:
+        return kind(value)
+    choices = ", ".join(m.value for m in kind)
+    raise ConfigError(f"{name} must be one of {choices}, not {value!r}")
+
+
+def _store_policy(value: object) -> StorePolicy:
+    return _choice(StorePolicy, "store_policy", value)
+
+
+def _backend(value: object) -> BackendKind:
+    return _choice(BackendKind, "backend", value)
+
+
+def _worker_loop(value: object) -> WorkerLoop:
+    return _choice(WorkerLoop, "worker_loop", value)
 
 
 def _size(value: object) -> int:
@@ -61,15 +91,19 @@ class OffloadConfig:
     - ``eager_store_interval``: eager policy, decode steps whose completed blocks go in one store
       (1: a store each step; see ``SchedulerConfig``);
     - ``backend``: ``auto``, ``host`` or ``cuda``;
-    - ``world_size``: tensor-parallel ranks that must all report a copy before it commits.
+    - ``world_size``: tensor-parallel ranks that must all report a copy before it commits;
+    - ``worker_loop``: ``thread`` (the worker runtime's loop, copy launches and completion waits
+      on threads of kvflow's) or ``inline`` (all of it on the engine's thread, stepped by the
+      connector's calls: nothing of kvflow takes the GIL between them).
     """
 
     cpu_bytes: int = field(converter=_size)
-    store_policy: StorePolicy = field(default=StorePolicy.EAGER, converter=StorePolicy)
+    store_policy: StorePolicy = field(default=StorePolicy.EAGER, converter=_store_policy)
     lazy_watermark: int = 64
-    backend: BackendKind = field(default=BackendKind.AUTO, converter=BackendKind)
+    backend: BackendKind = field(default=BackendKind.AUTO, converter=_backend)
     world_size: int = 1
     eager_store_interval: int = EAGER_STORE_INTERVAL
+    worker_loop: WorkerLoop = field(default=WorkerLoop.THREAD, converter=_worker_loop)
 
     def __attrs_post_init__(self) -> None:
         if self.cpu_bytes <= 0:
@@ -112,4 +146,4 @@ class OffloadConfig:
         return (n,) * len(block_bytes)
 
 
-__all__ = ["BackendKind", "OffloadConfig"]
+__all__ = ["BackendKind", "OffloadConfig", "WorkerLoop"]

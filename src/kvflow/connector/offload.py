@@ -20,7 +20,7 @@ from attrs import define, field, frozen
 from kvflow.backends.base import Backend
 from kvflow.backends.select import make_backend
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVConnectorOutput
-from kvflow.connector.config import OffloadConfig
+from kvflow.connector.config import OffloadConfig, WorkerLoop
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
@@ -33,6 +33,8 @@ from kvflow.core.scheduler import (
 )
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
+from kvflow.runtime.facade import WorkerFacade
+from kvflow.runtime.inline import InlineWorkerRuntime
 from kvflow.runtime.portal import SyncWorkerRuntime
 
 log = structlog.get_logger("kvflow.connector")
@@ -208,8 +210,15 @@ class OffloadWorker:
         self.kv_cache_config = kv_cache_config
         self.cpu_blocks = tuple(cpu_blocks)
         self.rank = rank
-        self.backend = backend or make_backend(config.backend.value, kv_cache_config.device)
-        self.runtime = SyncWorkerRuntime(self.backend, rank=rank)
+        inline = config.worker_loop is WorkerLoop.INLINE
+        self.backend = backend or make_backend(
+            config.backend.value, kv_cache_config.device, inline=inline
+        )
+        self.runtime: WorkerFacade = (
+            InlineWorkerRuntime(self.backend, rank=rank)
+            if inline
+            else SyncWorkerRuntime(self.backend, rank=rank)
+        )
         self._report: StepReport | None = None  # fetched with get_finished, for this step
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:

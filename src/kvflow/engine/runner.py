@@ -28,15 +28,22 @@ from kvflow.engine.scheduler import ScheduledChunk, StepBatch
 
 @frozen
 class _Sampled:
-    """A step's greedy tokens, still on the device until ``tokens()`` waits for them."""
+    """A step's greedy tokens, still on the device until ``tokens()`` waits for them; on a GPU,
+    ``host`` is the pinned buffer their copy lands in and ``ready`` the event after it."""
 
     request_ids: list[str]
     argmax: torch.Tensor | None
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
     def tokens(self) -> dict[str, int]:
         if self.argmax is None:
             return {}
-        toks = self.argmax.tolist()
+        if self.ready is not None and self.host is not None:
+            self.ready.synchronize()
+            toks = self.host.tolist()
+        else:
+            toks = self.argmax.tolist()
         return {rid: int(t) for rid, t in zip(self.request_ids, toks, strict=True)}
 
 
@@ -70,6 +77,9 @@ class ModelRunner:
         self._graphs: DecodeGraphs | None = None
         self._paged_decode = False
         self._half = dtype in (torch.float16, torch.bfloat16)
+        # Reused every step: a step reads its tokens back before the next one starts.
+        self._readback_buf: torch.Tensor | None = None
+        self._readback_event: torch.cuda.Event | None = None
         connector.register_kv_caches(dict(self.kv_caches))
 
     def configure_decode(self, graphs: str, max_rows: int, triton: bool) -> None:
@@ -105,8 +115,13 @@ class ModelRunner:
         conn.handle_preemptions(connector_meta)
         conn.start_load_kv()
         pending = self._forward(batch) if batch.chunks else None
+        if pending is not None:
+            pending = self._start_readback(pending)
         # As vLLM does: stores are handed over once the forward is enqueued, before the host
-        # waits for its tokens, so their submission overlaps the device's compute.
+        # waits for its tokens, so their submission overlaps the device's compute. The tokens'
+        # copy is enqueued first: a store's DMA fenced after it cannot hold it up (a small copy
+        # queued behind a store waits for the whole store on the copy engine, milliseconds per
+        # prefill step; scripts/bench_copy_contention.py measures it).
         conn.wait_for_save()
         sampled = {} if pending is None else pending.tokens()
         sending, recving = conn.get_finished(set(out.finished_request_ids))
@@ -122,6 +137,23 @@ class ModelRunner:
                 reports=() if report is None else (report,),
             ),
         )
+
+    def _start_readback(self, sampled: _Sampled) -> _Sampled:
+        """On a GPU: enqueue the tokens' copy to pinned memory now, on the compute stream."""
+        argmax = sampled.argmax
+        if argmax is None or argmax.device.type != "cuda":
+            return sampled
+        n = argmax.numel()
+        buf = self._readback_buf
+        if buf is None or buf.numel() < n or buf.dtype != argmax.dtype:
+            buf = torch.empty(max(n, 256), dtype=argmax.dtype, pin_memory=True)
+            self._readback_buf = buf
+        if self._readback_event is None:
+            self._readback_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        host = buf[:n]
+        host.copy_(argmax.reshape(-1), non_blocking=True)
+        self._readback_event.record()
+        return _Sampled(sampled.request_ids, argmax, host, self._readback_event)
 
     def _forward(self, batch: StepBatch) -> _Sampled:
         chunks = batch.chunks

@@ -35,8 +35,8 @@ from kvflow.runtime.reactor import Reactor
 
 log = structlog.get_logger("kvflow.executor")
 
-BlockKey = tuple[int, int]
-"""(KV cache group, GPU block id)"""
+GroupIds = tuple[tuple[int, ...], ...]
+"""GPU block ids per KV cache group"""
 
 DoneCallback = Callable[[Sequence[TransferSpec], FenceStatus, str], None]
 """``(transfers, DONE or FAILED, cause)``: called on the loop thread when a batch has finished."""
@@ -107,8 +107,12 @@ class DmaExecutor:
     coalesce: bool = True
     _send: MemoryObjectSendStream[_Command] = field(init=False)
     _recv: MemoryObjectReceiveStream[_Command] = field(init=False)
-    _readers: dict[BlockKey, list[Fence]] = field(factory=dict)  # in-flight stores
-    _writers: dict[BlockKey, Fence] = field(factory=dict)  # the latest in-flight load
+    # In-flight batches by direction: fence id → (fence, its GPU block ids per group). Kept per
+    # batch, not per block: a step's store holds hundreds of blocks, and only a load (rare next
+    # to stores) has to look for overlaps, with set operations that run in C.
+    _in_flight: dict[Direction, dict[int, tuple[Fence, GroupIds]]] = field(
+        factory=lambda: {d: {} for d in Direction}
+    )
     _queued: int = 0  # orders in the inbox, not yet submitted
     _outstanding: int = 0  # batches submitted, not yet finished
     _no_outstanding: anyio.Event = field(factory=anyio.Event)
@@ -199,8 +203,8 @@ class DmaExecutor:
         if batch.num_blocks == 0:
             self._finish(transfers, FenceStatus.DONE, "no_blocks")
             return
-        keys = [(g, b) for g, ids in enumerate(batch.gpu_block_ids) for b in ids]
-        wait_for = [*order.wait_for, *self._conflicts(keys, order.direction)]
+        gpu = batch.gpu_block_ids
+        wait_for = [*order.wait_for, *self._conflicts(gpu, order.direction)]
         if self._outstanding == 0:
             self._no_outstanding = anyio.Event()
         self._outstanding += 1
@@ -213,14 +217,10 @@ class DmaExecutor:
                 direction=order.direction.value,
                 error=f"{type(exc).__name__}: {exc}",
             )
-            self._batch_finished(transfers, FenceStatus.FAILED, "submit_error", [], None)
+            self._batch_finished(transfers, FenceStatus.FAILED, "submit_error", None)
             return
         self.submits += 1
-        for k in keys:
-            if order.direction is Direction.STORE:
-                self._readers.setdefault(k, []).append(fence)
-            else:
-                self._writers[k] = fence
+        self._in_flight[order.direction][id(fence)] = (fence, gpu)
         log.debug(
             "copy_batch_submitted",
             step=order.step,
@@ -240,45 +240,39 @@ class DmaExecutor:
                 transfers,
                 status,
                 "fence_done" if status is FenceStatus.DONE else "fence_failed",
-                keys,
-                fence,
+                (order.direction, fence),
             )
 
         self.reactor.watch(fence, finished)
 
-    def _conflicts(self, keys: Sequence[BlockKey], direction: Direction) -> list[Fence]:
+    def _conflicts(self, gpu: GroupIds, direction: Direction) -> list[Fence]:
         """In-flight copies a new one must follow on the device: a load waits for stores still
         reading and loads still writing its GPU blocks; a store waits for loads still writing
         them. (Two stores of one block only read it and need no order.)"""
-        out: list[Fence] = []
-        seen: set[int] = set()
-        for k in keys:
-            found = [] if direction is Direction.STORE else list(self._readers.get(k, ()))
-            writer = self._writers.get(k)
-            if writer is not None:
-                found.append(writer)
-            for f in found:
-                if id(f) not in seen:
-                    seen.add(id(f))
-                    out.append(f)
-        return out
+        in_flight = self._in_flight
+        others = [in_flight[Direction.LOAD]]
+        if direction is Direction.LOAD:
+            others.append(in_flight[Direction.STORE])
+        if not any(others):
+            return []  # the common case (stores only): no set is built
+        mine = [frozenset(ids) for ids in gpu]
+        return [
+            fence
+            for batches in others
+            for fence, theirs in batches.values()
+            if any(m and not m.isdisjoint(ids) for m, ids in zip(mine, theirs, strict=False))
+        ]
 
     def _batch_finished(
         self,
         transfers: Sequence[TransferSpec],
         status: FenceStatus,
         cause: str,
-        keys: Sequence[BlockKey],
-        fence: Fence | None,
+        submitted: tuple[Direction, Fence] | None,
     ) -> None:
-        for k in keys:
-            if self._writers.get(k) is fence:
-                del self._writers[k]
-            readers = self._readers.get(k)
-            if readers is not None and fence in readers:
-                readers.remove(fence)
-                if not readers:
-                    del self._readers[k]
+        if submitted is not None:
+            direction, fence = submitted
+            del self._in_flight[direction][id(fence)]
         self._outstanding -= 1
         log.debug("copy_batch_finished", transfers=len(transfers), status=status.value)
         if self._outstanding == 0:

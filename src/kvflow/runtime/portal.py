@@ -27,7 +27,6 @@ import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from types import TracebackType
 from typing import Any, TypeVar
 
 import structlog
@@ -39,6 +38,7 @@ from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
 from kvflow.runtime.clock import Clock
+from kvflow.runtime.facade import WorkerFacade
 from kvflow.runtime.worker import WorkerRuntime
 
 log = structlog.get_logger("kvflow.portal")
@@ -49,7 +49,7 @@ _MAX_PENDING = 16
 """Posted calls that wait for a wake-up at most (steps without copies post only a bind)."""
 
 
-class SyncWorkerRuntime:
+class SyncWorkerRuntime(WorkerFacade):
     """``WorkerRuntime`` driven from a synchronous thread. Use as a context manager or call
     ``shutdown()``."""
 
@@ -183,7 +183,7 @@ class SyncWorkerRuntime:
         self._loop.call_soon_threadsafe(run)
         return future.result()
 
-    def _acall(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    def _on_loop(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run async ``fn`` as a plain asyncio task on the loop, after every posted call, and
         wait for its result."""
         self._check_open()
@@ -207,11 +207,6 @@ class SyncWorkerRuntime:
         batch = self._take_pending()
         if batch:
             self._loop.call_soon_threadsafe(self._run_posted, batch)
-
-    @property
-    def runtime(self) -> WorkerRuntime:
-        """The async runtime underneath (touch it only through ``portal`` calls)."""
-        return self._rt
 
     @property
     def portal(self) -> BlockingPortal:
@@ -293,17 +288,6 @@ class SyncWorkerRuntime:
         self._progress.clear()
         return settled
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """GPU block ids of failed loads seen in reports since the last call."""
-        out, self._load_errors = self._load_errors, set()
-        return out
-
-    def handle_preemptions(self, plan: StepPlan) -> None:
-        self._acall(self._rt.handle_preemptions, plan)
-
-    def flush(self) -> None:
-        self._acall(self._rt.flush)
-
     def shutdown(self, *, drain: bool = True) -> None:
         """Drain (or cancel) the runtime, close the backend, stop the loop thread. Idempotent."""
         if self._closed:
@@ -315,17 +299,6 @@ class SyncWorkerRuntime:
         finally:
             self._closed = True
             self._portal_cm.__exit__(None, None, None)
-
-    def __enter__(self) -> SyncWorkerRuntime:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.shutdown(drain=exc is None)
 
 
 __all__ = ["SyncWorkerRuntime"]

@@ -89,6 +89,17 @@ class Reactor:
                     # One broken waiter must not strand the others' completions.
                     log.exception("reactor_waiter_failed", status=status.value)
 
+    def poll_now(self) -> int:
+        """Poll every watched fence once and dispatch the finished ones; returns how many. For a
+        loop driven from the engine's thread (``InlineWorkerRuntime``), which polls at each of
+        the engine's calls rather than waiting for the polling task's next timer."""
+        if not self._watches:
+            return 0
+        done = self.poll()
+        if done:
+            self.process(done)
+        return len(done)
+
     # -- the waiting side ------------------------------------------------------------------
     def watch(self, fence: Fence, callback: Callable[[FenceStatus], None]) -> None:
         """Call ``callback(status)`` on the loop thread once ``fence`` finishes."""

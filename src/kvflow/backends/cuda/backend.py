@@ -67,6 +67,10 @@ class CudaConfig:
     """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
     launch_thread: bool = True
     """Issue driver calls on a launch thread; False issues them inside ``submit``."""
+    completion_threads: bool = True
+    """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
+    leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
+    ``InlineWorkerRuntime``, polls at every call: no thread of kvflow takes the GIL)."""
 
     def __attrs_post_init__(self) -> None:
         if self.method not in ("auto", "staged", "direct"):
@@ -201,7 +205,14 @@ class CudaBackend:
             _JobThread(self._ctx, "kvflow-cuda-launch") if self.config.launch_thread else None
         )
         self._wakeup: Callable[[], None] | None = None
-        self._waiters = {d: _JobThread(self._ctx, f"kvflow-cuda-wait-{d.value}") for d in Direction}
+        self.pushes_completions = self.config.completion_threads
+        """Waiter threads call the wakeup as batches finish: the reactor need not poll on a
+        timer."""
+        self._waiters = (
+            {d: _JobThread(self._ctx, f"kvflow-cuda-wait-{d.value}") for d in Direction}
+            if self.config.completion_threads
+            else {}
+        )
         self._kernel: StageKernel | None = None
         self.layout: KVLayout | None = None
         self._tables: list[RegionTable] = []
@@ -347,9 +358,6 @@ class CudaBackend:
         log.error("cuda_fence_failed", error=getattr(err, "name", str(err)))
         return FenceStatus.FAILED
 
-    pushes_completions = True
-    """Waiter threads call the wakeup as batches finish: the reactor need not poll on a timer."""
-
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
 
@@ -443,12 +451,18 @@ class CudaBackend:
         except Exception as exc:
             fence.error = str(exc)
             log.error("cuda_submit_failed", direction=str(direction), error=str(exc))
-            self._waiters[direction].put(functools.partial(self._await, fence))  # the failure
+            self._notify(direction, fence)  # the failure
             if self._launcher is None:
                 raise
             return
         fence.launched = True
-        self._waiters[direction].put(functools.partial(self._await, fence))
+        self._notify(direction, fence)
+
+    def _notify(self, direction: Direction, fence: CudaFence) -> None:
+        """Have ``fence``'s waiter thread wake the reactor when it finishes (if there is one)."""
+        waiter = self._waiters.get(direction)
+        if waiter is not None:
+            waiter.put(functools.partial(self._await, fence))
 
     def _copy(self, desc: Descriptors, lane: _Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
         """Copy descriptors ``lo:hi`` of ``desc`` on ``stream`` (one driver call when batched)."""

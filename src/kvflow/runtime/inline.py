@@ -1,0 +1,254 @@
+"""A synchronous facade that runs ``WorkerRuntime``'s event loop on the engine's own thread.
+
+``SyncWorkerRuntime`` gives the runtime a loop thread of its own. In an engine whose step loop
+is bound by its Python thread, every wake-up of that thread (and of the backend's launch and
+completion threads) takes the GIL from the engine: each costs the engine the other thread's
+work plus two hand-offs, several times a step. Here the loop has no thread: the engine's calls
+step it (``run_until_complete``) just long enough for what they started to be submitted, and
+the reactor polls the backend's fences at each step instead of being woken by a completion
+thread. The same tasks run (the reactor, the DMA executor actor), in the same order; only who
+drives the loop changes. Nothing of kvflow runs between the engine's calls, so a copy that
+finishes is seen at the engine's next call, at the latest one step later (vLLM's own offload
+connectors poll their transfers once a step the same way).
+
+Use a backend that does not push completions from threads of its own
+(``make_backend(..., inline=True)``): one that does still works (its callbacks queue on the
+loop and run at the next call) but keeps the threads this facade exists to avoid.
+
+Calls may come from different threads over time (an async frontend stepping the engine in a
+worker thread), never from two at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import anyio
+import structlog
+
+from kvflow.backends.base import Backend
+from kvflow.core.layout import KVLayout
+from kvflow.core.protocol import StepPlan, StepReport
+from kvflow.core.transfer import Direction
+from kvflow.errors import ClosedError
+from kvflow.runtime.clock import Clock
+from kvflow.runtime.facade import WorkerFacade
+from kvflow.runtime.worker import WorkerRuntime
+
+log = structlog.get_logger("kvflow.inline")
+
+T = TypeVar("T")
+
+_MAX_SUBMIT_TURNS = 8
+"""Loop iterations a call gives the executor to submit what it queued (it needs one)."""
+
+
+class InlineWorkerRuntime(WorkerFacade):
+    """``WorkerRuntime`` stepped from the engine's thread. Use as a context manager or call
+    ``shutdown()``. Same methods as ``SyncWorkerRuntime``."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        rank: int = 0,
+        clock: Clock | None = None,
+        coalesce: bool = True,
+        min_backoff: float = 20e-6,
+        max_backoff: float = 1e-3,
+    ) -> None:
+        self._backend = backend
+        self._loop = asyncio.new_event_loop()
+        self._closed = False
+        self._drain = True
+        self._stop: anyio.Event | None = None
+        ready: asyncio.Future[WorkerRuntime] = self._loop.create_future()
+
+        async def serve() -> None:
+            async with WorkerRuntime.open(
+                backend,
+                rank=rank,
+                clock=clock,
+                coalesce=coalesce,
+                min_backoff=min_backoff,
+                max_backoff=max_backoff,
+            ) as rt:
+                self._stop = anyio.Event()
+                ready.set_result(rt)
+                await self._stop.wait()
+                if not self._drain:
+                    await rt.shutdown(drain=False)
+
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._main = self._loop.create_task(serve())
+        try:
+            self._rt: WorkerRuntime = self._drive(ready)
+        except BaseException:
+            self._main.cancel()
+            self._drive(asyncio.gather(self._main, return_exceptions=True))
+            self._close_loop()
+            raise
+        self._rt.progress_hooks.append(self._on_progress)
+        self._settled = False
+        self._progress: anyio.Event | None = None
+        self._load_errors: set[int] = set()
+        self._bound: StepPlan | None = None
+        log.info("inline_worker_runtime_started", rank=rank, backend=backend.name)
+
+    # -- driving the loop -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("inline worker runtime is shut down")
+        if self._main.done():
+            # The runtime's task group ended on its own: a task of it failed.
+            exc = None if self._main.cancelled() else self._main.exception()
+            raise ClosedError(f"the worker runtime stopped: {exc!r}") from exc
+
+    def _drive(self, awaitable: Awaitable[T]) -> T:
+        """Run the loop until ``awaitable`` is done: on this thread, or, where this thread runs
+        an event loop of its own (an engine built or shut down from async code), on a helper
+        thread while this one waits."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._loop.run_until_complete(awaitable)
+        if self._helper is None:
+            self._helper = concurrent.futures.ThreadPoolExecutor(1, "kvflow-inline-helper")
+        return self._helper.submit(self._loop.run_until_complete, awaitable).result()
+
+    def _on_loop(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``fn(*args)`` on the loop until it returns."""
+        self._check_open()
+
+        async def call() -> T:
+            return await fn(*args)
+
+        return self._drive(call())
+
+    async def _settle(self) -> None:
+        """See what finished, then give the executor the turns it needs to submit its queue."""
+        rt = self._rt
+        rt.reactor.poll_now()
+        for _ in range(_MAX_SUBMIT_TURNS):
+            if not rt.executor.queued:
+                break
+            await anyio.lowlevel.checkpoint()
+
+    def _step_loop(self) -> None:
+        """Let the loop run what the last call queued and dispatch finished copies (nothing to
+        do, and no loop turn, when no copy is queued or in flight)."""
+        rt = self._rt
+        if rt.in_flight or rt.executor.queued or rt.executor.outstanding:
+            self._on_loop(self._settle)
+
+    def _on_progress(self) -> None:
+        self._settled = True
+        if self._progress is not None:
+            self._progress.set()
+
+    # -- the engine's calls ----------------------------------------------------------------------
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, object],
+        num_blocks: int | Mapping[int, int],
+        groups: Mapping[str, int] | None = None,
+    ) -> KVLayout:
+        self._check_open()
+        return self._rt.register_kv_caches(kv_caches, num_blocks, groups)
+
+    def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
+        self._check_open()
+        self._rt.allocate_cpu_tier(num_blocks)
+
+    def bind_connector_metadata(self, plan: StepPlan) -> None:
+        """``WorkerRuntime.bind(plan)``, at once."""
+        self._check_open()
+        self._bound = plan
+        self._rt.bind(plan)
+
+    def start_load_kv(self) -> None:
+        """Launch the bound plan's loads (their copies are submitted before this returns)."""
+        self._check_open()
+        plan = self._bound
+        if plan is None or plan.loads:
+            self._rt.start_load_kv()
+            self._step_loop()
+
+    def wait_for_save(self) -> None:
+        """Launch the bound plan's stores, fenced on a compute fence recorded now."""
+        self._check_open()
+        plan = self._bound
+        if plan is None or plan.stores:
+            self._rt.wait_for_save(self._backend.compute_fence())
+            self._step_loop()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """``(finished_sending, finished_recving)`` since the previous call, after a poll."""
+        self._check_open()
+        self._step_loop()
+        return self._rt.get_finished()
+
+    def finish_step(self) -> tuple[set[str], set[str], StepReport]:
+        """``get_finished()`` and ``build_report()`` together, after one poll of the fences."""
+        sending, recving = self.get_finished()
+        return sending, recving, self._take_report()
+
+    def build_report(self) -> StepReport:
+        """This rank's ``StepReport`` since the previous one, after a poll."""
+        self._check_open()
+        self._step_loop()
+        return self._take_report()
+
+    def _take_report(self) -> StepReport:
+        report = self._rt.build_report()
+        self._load_errors |= report.invalid_block_ids
+        return report
+
+    def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
+        """Per direction: (bytes copied, seconds in flight), from the executor's accounting."""
+        self._check_open()
+        return self._rt.copy_throughput()
+
+    def wait_for_progress(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds (real time: the reactor polls with back-off) until
+        some copy settles; at once if none is in flight. Returns whether a copy settled."""
+        self._check_open()
+        self._step_loop()
+        if not self._settled and self._rt.in_flight:
+            self._on_loop(self._await_progress, timeout)
+        settled, self._settled = self._settled, False
+        return settled
+
+    async def _await_progress(self, timeout: float) -> None:
+        self._progress = anyio.Event()
+        try:
+            with anyio.move_on_after(timeout):
+                await self._progress.wait()
+        finally:
+            self._progress = None
+
+    def shutdown(self, *, drain: bool = True) -> None:
+        """Drain (or cancel) the runtime, close the backend and the loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drain = drain
+        try:
+            if self._stop is not None and not self._main.done():
+                self._stop.set()
+            self._drive(self._main)
+        finally:
+            self._close_loop()
+            log.info("inline_worker_runtime_stopped", rank=self._rt.rank)
+
+    def _close_loop(self) -> None:
+        self._drive(self._loop.shutdown_asyncgens())
+        self._loop.close()
+        if self._helper is not None:
+            self._helper.shutdown()
+
+
+__all__ = ["InlineWorkerRuntime"]

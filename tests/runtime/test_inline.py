@@ -1,0 +1,106 @@
+"""``InlineWorkerRuntime``: the runtime's loop stepped on the engine's thread, no thread of its own."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from kvflow.backends.fake import FakeBackend
+from kvflow.backends.host import HostBackend
+from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
+from kvflow.core.transfer import Direction
+from kvflow.errors import ClosedError, ConfigError
+from kvflow.runtime.inline import InlineWorkerRuntime
+
+STORE = TransferSpec(1, "a", Direction.STORE, [[1]], [[0]])
+
+
+def _opened(backend: FakeBackend | HostBackend) -> InlineWorkerRuntime:
+    rt = InlineWorkerRuntime(backend)
+    rt.register_kv_caches({"l0": torch.randn(2, 8, 4, 2, 8)}, 8)
+    rt.allocate_cpu_tier(4)
+    return rt
+
+
+def test_no_thread_and_copies_submitted_within_the_call() -> None:
+    """With a backend that has no threads, the facade starts none; ``wait_for_save`` returns with
+    its store submitted, and the next call after the copy finished reports it, once."""
+    before = threading.active_count()
+    fake = FakeBackend()
+    with _opened(fake) as rt:
+        assert threading.active_count() == before
+        rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
+        rt.start_load_kv()
+        assert rt.runtime.executor.submits == 0
+        rt.wait_for_save()
+        assert rt.runtime.executor.submits == 1
+        assert rt.finish_step() == (set(), set(), StepReport(rank=0))
+        fake.release_all()
+        sending, recving, report = rt.finish_step()
+        assert (sending, recving, report.completed) == ({"a"}, set(), (1,))
+        assert rt.finish_step() == (set(), set(), StepReport(rank=0))
+    assert threading.active_count() == before
+
+
+def test_a_bad_plan_raises_at_once_and_changes_nothing() -> None:
+    """A plan listing a transfer twice raises its ConfigError from ``bind`` itself, and the
+    runtime goes on with the next plan."""
+    with _opened(FakeBackend(auto_complete=True)) as rt:
+        with pytest.raises(ConfigError, match="twice"):
+            rt.bind_connector_metadata(StepPlan(1, stores=(STORE, STORE)))
+        rt.bind_connector_metadata(StepPlan(2, stores=(STORE,)))
+        rt.wait_for_save()
+        rt.flush()
+        assert rt.build_report().completed == (1,)
+
+
+def test_wait_for_progress_blocks_until_a_copy_settles() -> None:
+    """``wait_for_progress`` returns False at once with nothing in flight, and True once a copy
+    running on the host backend's thread has settled (the reactor polls meanwhile)."""
+    with _opened(HostBackend()) as rt:
+        assert rt.wait_for_progress(5.0) is False
+        rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
+        rt.wait_for_save()
+        assert rt.wait_for_progress(5.0) is True
+        assert rt.finish_step()[0] == {"a"}
+
+
+def test_preemption_flush_waits_for_the_copies() -> None:
+    """``handle_preemptions`` with a flush returns only once every copy handed over finished."""
+    fake = FakeBackend(auto_complete=True)
+    with _opened(fake) as rt:
+        rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
+        rt.wait_for_save()
+        with capture_logs() as logs:
+            rt.handle_preemptions(StepPlan(2, flush=True))
+        assert any(e["event"] == "preemption_flush" for e in logs)
+        assert rt.runtime.in_flight == 0
+        assert rt.finish_step()[0] == {"a"}
+
+
+def test_shut_down_runtime_refuses_calls() -> None:
+    """After ``shutdown`` every call raises ClosedError; shutting down again is a no-op."""
+    rt = _opened(FakeBackend())
+    rt.shutdown()
+    rt.shutdown()
+    with pytest.raises(ClosedError):
+        rt.bind_connector_metadata(StepPlan(1))
+    with pytest.raises(ClosedError):
+        rt.finish_step()
+
+
+@pytest.mark.asyncio
+async def test_built_and_stepped_from_async_code() -> None:
+    """Built, stepped and shut down from a thread that runs an event loop of its own (async
+    code), the facade steps its own loop on a helper thread instead of failing."""
+    fake = FakeBackend()
+    with _opened(fake) as rt:
+        rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
+        rt.wait_for_save()
+        fake.release_all()
+        await anyio.sleep(0)
+        assert rt.finish_step()[0] == {"a"}
