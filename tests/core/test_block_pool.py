@@ -365,6 +365,35 @@ def test_owned_cache_and_free_match_the_checked_ones(rounds: list[tuple[int, lis
         assert snapshot(owned) == snapshot(checked)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 6),
+            st.lists(st.integers(0, 9), min_size=6, max_size=6, unique=True),
+            st.lists(st.booleans(), min_size=6, max_size=6),
+        ),
+        max_size=8,
+    )
+)
+def test_release_owned_matches_cache_then_reverse_free(
+    rounds: list[tuple[int, list[int], list[bool]]],
+) -> None:
+    """release_owned (distinct hashes, None for blocks not to cache) leaves a pool exactly as
+    cache of the kept blocks, then free in reverse order, do."""
+    checked, owned = BlockPool(12), BlockPool(12)
+    for n, keys, drop in rounds:
+        n = min(n, checked.num_free_blocks)
+        ids = checked.get_new_blocks(n)
+        assert owned.get_new_blocks(n) == ids
+        hashes = [None if d else h(k) for k, d in zip(keys[:n], drop, strict=False)]
+        kept = [(b, x) for b, x in zip(ids, hashes, strict=True) if x is not None]
+        done = checked.cache([b for b, _ in kept], [x for _, x in kept]).count(True)
+        checked.free(ids[::-1])
+        assert owned.release_owned(ids, hashes) == done
+        assert snapshot(owned) == snapshot(checked)
+
+
 def test_owned_free_of_a_free_block_raises() -> None:
     """free_owned still refuses to drop a reference nobody holds."""
     pool = BlockPool(2)

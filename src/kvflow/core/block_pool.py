@@ -11,8 +11,8 @@ Every mutating call validates all its arguments before changing anything, so a m
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import NoReturn
+from collections.abc import Container, Iterable, Iterator, Sequence
+from typing import NoReturn, cast
 
 from attrs import define, frozen
 
@@ -216,6 +216,12 @@ class BlockPool:
     def is_cached(self, block_hash: BlockHash) -> bool:
         return block_hash in self._cached
 
+    @property
+    def cached_hashes(self) -> Container[BlockHash]:
+        """The hashes cached now (live, read-only use): ``h in pool.cached_hashes`` is
+        ``is_cached(h)`` without a call, for loops over many blocks."""
+        return self._cached
+
     # ---- mutations -----------------------------------------------------------------------
 
     def get_new_blocks(self, n: int) -> list[int]:
@@ -229,13 +235,26 @@ class BlockPool:
         out: list[int] = []
         evicted: list[BlockHash] = []
         cached = self._cached
-        for block in self.free_queue.popleft_n(n):
-            if block.block_hash is not None:
-                evicted.append(block.block_hash)
-                del cached[block.block_hash]
+        # ``popleft_n`` inlined: one pass over the blocks, which are cold, and no list of them.
+        queue = self.free_queue
+        head = queue._head
+        block = head.next_free
+        for _ in range(n):
+            assert block is not None
+            h = block.block_hash
+            if h is not None:
+                evicted.append(h)
+                del cached[h]
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block.block_id)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        head.next_free = block
+        block.prev_free = head
+        queue.num_free -= n
         if evicted and self.enable_events:
             self._events.append(BlockRemoved(tuple(evicted)))
         return out
@@ -355,6 +374,64 @@ class BlockPool:
             block.block_hash = h
             cached[h] = block
             n += 1
+        return n
+
+    def release_owned(
+        self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash | None]
+    ) -> int:
+        """``cache_owned`` of the blocks whose hash is not None, then ``free_owned`` of all of them
+        in reverse order (a committed store's CPU blocks), in one pass over the blocks. Returns how
+        many were cached. The hashes must be distinct (a store's are): the pass caches in
+        reverse order, so of two blocks with one hash the last would win."""
+        if self.enable_events:
+            keep = [i for i, h in enumerate(block_hashes) if h is not None]
+            n = self.cache(
+                [block_ids[i] for i in keep], [cast(BlockHash, block_hashes[i]) for i in keep]
+            ).count(True)
+            self.free_owned(block_ids[::-1])
+            return n
+        if len(block_ids) != len(block_hashes):
+            raise BlockPoolError(
+                f"{self.name}: {len(block_ids)} blocks but {len(block_hashes)} hashes"
+            )
+        blocks = self.blocks
+        cached = self._cached
+        queue = self.free_queue
+        # The hashed blocks are linked in at the tail as one run (no call per block); unhashed
+        # ones go to the head afterwards, which commutes with appending at the tail.
+        tail = queue._tail
+        last = tail.prev_free
+        assert last is not None
+        unhashed: list[Block] = []
+        n = appended = 0
+        for i in range(len(block_ids) - 1, -1, -1):
+            block_id = block_ids[i]
+            block = blocks[block_id]
+            refs = block.ref_cnt - 1
+            if refs < 0:
+                last.next_free = tail
+                tail.prev_free = last
+                queue.num_free += appended
+                self._double_free(block_id, 1)
+            h = block_hashes[i]
+            if h is not None and h not in cached:
+                block.block_hash = h
+                cached[h] = block
+                n += 1
+            block.ref_cnt = refs
+            if refs == 0:
+                if block.block_hash is None:
+                    unhashed.append(block)
+                else:
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
+                    appended += 1
+        last.next_free = tail
+        tail.prev_free = last
+        queue.num_free += appended
+        for block in unhashed:
+            queue.appendleft(block)
         return n
 
     def uncache(self, block_ids: Iterable[int]) -> None:

@@ -147,6 +147,15 @@ def _all_ids(ids: GroupBlockIds) -> Sequence[int]:
     return ids[0] if len(ids) == 1 else [b for group in ids for b in group]
 
 
+def _own(hashers: Sequence[HashChain]) -> tuple[HashChain, ...]:
+    """The hashers kvflow must extend itself: an engine's hashes are kept current by the engine."""
+    return tuple(h for h in hashers if not isinstance(h, EngineBlockHashes))
+
+
+def _transfer_id(x: _Xfer) -> int:
+    return x.transfer.transfer_id
+
+
 def _take(items: set[Any]) -> frozenset[Any]:
     """The set's items, frozen, and the set emptied (no new frozenset when there are none)."""
     if not items:
@@ -233,12 +242,16 @@ class _Request:
 
     request: RequestLike
     hashers: list[HashChain]  # per distinct block size: kvflow's own, or the engine's
+    hashing: tuple[HashChain, ...]  # those of ``hashers`` kvflow extends (none: the engine's)
+    hash_lists: tuple[Sequence[BlockHash], ...]  # each hasher's live list: one object to touch
     table: list[list[int]]  # per group: the request's GPU block ids
     cursor: list[int]  # per group: blocks already handed to the store policy
     confirmed: int = 0  # tokens whose KV is computed and not speculative
     next_boundary: int = 0  # confirmed-token count at which some group completes a block
     match: _Match | None = None
-    transfers: dict[int, _Xfer] = field(factory=dict)  # live (not yet released) transfers
+    # Live (not yet released) transfers, but for step stores (``_Xfer.shared``): registering the
+    # request in each would touch every storing request's state twice per store.
+    transfers: dict[int, _Xfer] = field(factory=dict)
     finishing: bool = False  # gone for the engine; state kept until its transfers settle
     delay_free: bool = False  # the engine waits for finished_sending to free its GPU blocks
 
@@ -256,6 +269,7 @@ class _Xfer:
     holds_gpu: bool = False  # holds a ref on its GPU blocks (see OffloadManager._store_refs)
     reported: dict[int, bool] = field(factory=dict)  # rank → success
     reset: bool = False  # abandoned by reset_cache (a load's blocks then become invalid)
+    shared: bool = False  # a step's store: not in its requests' ``transfers`` (see _live)
 
 
 class OffloadManager:
@@ -300,6 +314,8 @@ class OffloadManager:
         self._no_new: GroupBlockIds = ((),) * self._num_groups
         self._requests: dict[str, _Request] = {}
         self._xfers: dict[int, _Xfer] = {}
+        self._shared: dict[int, _Xfer] = {}  # live step stores, by transfer id
+        self._waiting: dict[_Request, None] = {}  # finished requests kept for their transfers
         self._pending: list[_Xfer] = []  # PENDING transfers, launched by the next plan
         self._allocated: dict[str, _Request] = {}  # matches the engine allocated blocks for
         self._storing: list[dict[BlockHash, int]] = [{} for _ in groups]  # hash → transfer id
@@ -334,7 +350,7 @@ class OffloadManager:
         if request_id is None:
             return len(self._xfers)
         st = self._requests.get(request_id)
-        return 0 if st is None else len(st.transfers)
+        return 0 if st is None else len(self._live(st))
 
     def transfer_state(self, transfer_id: int) -> tuple[TransferState, frozenset[int]] | None:
         """A live transfer's state and the ranks that reported it so far; None once released
@@ -396,6 +412,8 @@ class OffloadManager:
                 # waiting queue): hash from it, and an engine's hashes live on the new object.
                 st.request = request
                 st.hashers = self._hashers(request)
+                st.hashing = _own(st.hashers)
+                st.hash_lists = tuple(h.hashes for h in st.hashers)
             self._drop_match(st)
         if self._reset_pending:
             return 0, False
@@ -729,6 +747,8 @@ class OffloadManager:
         return confirmed
 
     def _launch(self, step: int, flush: bool) -> StepPlan:
+        if not self._pending and not self._abandoned:
+            return StepPlan(step, (), (), flush, ())  # most eager steps: nothing to launch
         stores: list[TransferSpec] = []
         loads: list[TransferSpec] = []
         for x in self._pending:
@@ -757,43 +777,52 @@ class OffloadManager:
         batch = _StoreBatch.empty(self._num_groups)
         eager = self._eager and not self._reset_pending
         lazy = not self._eager
-        group_sizes = self._group_sizes
-        slot = self._slot
         null = self._null
-        cached = [pool.is_cached for pool in self._cpu]
-        storing = self._storing
-        picked_per_group = batch.blocks
-        owners_per_group = batch.owners
+        reqs = batch.reqs
         record = self._gpu_hash
         view = self._gpu
+        # Per group, everything the loop reads, in one tuple: the pools' hash → block dicts
+        # themselves (a method call per block cost more than the lookup), the hashes being
+        # stored, and this batch's picks.
+        groups = tuple(
+            zip(
+                self._block_sizes,
+                self._slot,
+                [pool.cached_hashes for pool in self._cpu],
+                self._storing,
+                batch.blocks,
+                batch.owners,
+                strict=True,
+            )
+        )
         for st in sts:
             confirmed = st.confirmed
-            tokens = st.request.all_token_ids
-            hashers = st.hashers
-            for hasher in hashers:
-                hasher.extend_to(tokens, confirmed)
+            if st.hashing:
+                # Only kvflow's own hashers read the tokens: a cold request view and token list
+                # per request otherwise, on every store.
+                tokens = st.request.all_token_ids
+                for hasher in st.hashing:
+                    hasher.extend_to(tokens, confirmed)
+            hash_lists = st.hash_lists
             boundary = 1 << 62
             added = False
             cursor = st.cursor
             table = st.table
-            for g, bs in group_sizes:
+            for g, (bs, slot, in_cpu, in_flight, picked, owners) in enumerate(groups):
                 done = confirmed // bs
-                if (done + 1) * bs < boundary:
-                    boundary = (done + 1) * bs
+                end = (done + 1) * bs
+                if end < boundary:
+                    boundary = end
                 cur = cursor[g]
                 if done <= cur:
                     continue
                 cursor[g] = done
                 ids = table[g]
-                hs = hashers[slot[g]].hashes
+                hs = hash_lists[slot]
                 if eager:
-                    is_cached = cached[g]
-                    in_flight = storing[g]
-                    picked = picked_per_group[g]
-                    owners = owners_per_group[g]
                     for i in range(cur, done):
                         b, h = ids[i], hs[i]
-                        if b == null or h in in_flight or h in picked or is_cached(h):
+                        if b == null or h in in_flight or h in picked or h in in_cpu:
                             continue
                         picked[h] = b
                         owners.append(st)
@@ -806,7 +835,7 @@ class OffloadManager:
                             record[b] = (g, hs[i], view.block_hash(b))
             st.next_boundary = boundary
             if added:
-                batch.reqs.append(st)
+                reqs.append(st)
         return batch
 
     def _plan_store(self, batch: _StoreBatch, request_id: str) -> _Xfer | None:
@@ -848,9 +877,10 @@ class OffloadManager:
             self._lazy_reset("cpu_eviction")
         if not any(cpu):
             return None
+        shared = request_id == STEP_STORE_ID
         if len(batch.reqs) == 1:
             request_id = batch.reqs[0].request.request_id
-        xfer = self._new_xfer(_STORE, request_id, batch.reqs, tuple(gpu), tuple(cpu))
+        xfer = self._new_xfer(_STORE, request_id, batch.reqs, tuple(gpu), tuple(cpu), shared=shared)
         xfer.hashes = tuple(hashes)
         xfer.owners = tuple(owners)
         tid = xfer.transfer.transfer_id
@@ -866,6 +896,8 @@ class OffloadManager:
         reqs: list[_Request],
         gpu: GroupBlockIds,
         cpu: GroupBlockIds,
+        *,
+        shared: bool = False,
     ) -> _Xfer:
         tid = self._next_id
         self._next_id += 1
@@ -882,8 +914,12 @@ class OffloadManager:
             xfer.holds_gpu = True
         self._xfers[tid] = xfer
         self._pending.append(xfer)
-        for st in reqs:
-            st.transfers[tid] = xfer
+        if shared:
+            xfer.shared = True
+            self._shared[tid] = xfer
+        else:
+            for st in reqs:
+                st.transfers[tid] = xfer
         return xfer
 
     def _lazy_reset(self, cause: str) -> None:
@@ -966,9 +1002,12 @@ class OffloadManager:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def _new_request(self, request: RequestLike) -> _Request:
+        hashers = self._hashers(request)
         st = _Request(
             request=request,
-            hashers=self._hashers(request),
+            hashers=hashers,
+            hashing=_own(hashers),
+            hash_lists=tuple(h.hashes for h in hashers),
             table=[[] for _ in range(self._num_groups)],
             cursor=[0] * self._num_groups,
         )
@@ -1001,18 +1040,30 @@ class OffloadManager:
 
     def _cancel_or_abandon(self, st: _Request, *, stores: bool) -> None:
         """Cancel the request's PENDING transfers, abandon its in-flight loads (and stores)."""
-        for x in list(st.transfers.values()):
+        for x in self._live(st):
             state = x.transfer.state
             is_load = x.spec.direction is _LOAD
             if len(x.reqs) > 1 and (stores or is_load):
                 # A step's store shared with other requests: only this request's blocks go.
                 x.dropped.add(st)
                 x.reqs.remove(st)
-                del st.transfers[x.transfer.transfer_id]
+                if not x.shared:
+                    del st.transfers[x.transfer.transfer_id]
             elif state is _PENDING:
                 self._cancel(x)
             elif state is _IN_FLIGHT and (stores or is_load):
                 self._abandon(x, cause="request_gone")
+
+    def _live(self, st: _Request) -> list[_Xfer]:
+        """The request's live transfers in launch order: its own and the step stores naming it."""
+        own = list(st.transfers.values())
+        shared = [x for x in self._shared.values() if st in x.reqs]
+        if not shared:
+            return own
+        return sorted(own + shared, key=_transfer_id)
+
+    def _has_live(self, st: _Request) -> bool:
+        return bool(st.transfers) or any(st in x.reqs for x in self._shared.values())
 
     def _preempt(self, st: _Request) -> None:
         # In-flight stores keep going: the plan's flush makes the engine wait for them before it
@@ -1065,8 +1116,12 @@ class OffloadManager:
             if batch.reqs:
                 self._plan_store(batch, rid)
         st.finishing = True
-        st.delay_free = bool(st.transfers) and not engine_freed
-        if not st.transfers:
+        live = self._has_live(st)
+        st.delay_free = live and not engine_freed
+        if live:
+            self._waiting[st] = None
+        else:
+            self._waiting.pop(st, None)
             del self._requests[rid]
         log.debug("offload_request_finished", request_id=rid, delay_free=st.delay_free)
         return st.delay_free
@@ -1211,18 +1266,28 @@ class OffloadManager:
             if store:
                 storing = self._storing[g]
                 hs = x.hashes[g]
-                for h in hs:
-                    if storing.get(h) == tid:
-                        del storing[h]
+                if len(storing) == len(hs):
+                    # Each live store's hashes map to it alone (``_advance`` and the lazy walk
+                    # skip hashes being stored): these are all of them.
+                    storing.clear()
+                else:
+                    for h in hs:
+                        if storing.get(h) == tid:
+                            del storing[h]
                 if commit:
-                    ids = cpu_ids
+                    keep: Sequence[BlockHash | None] = hs
                     if x.dropped:
-                        keep = [o not in x.dropped for o in x.owners[g]]
-                        ids = tuple(b for b, k in zip(ids, keep, strict=True) if k)
-                        hs = tuple(h for h, k in zip(hs, keep, strict=True) if k)
-                    n = pool.cache_owned(ids, hs)
+                        # The blocks of requests whose GPU blocks were freed are not cached.
+                        dropped = x.dropped
+                        keep = [
+                            None if o in dropped else h
+                            for h, o in zip(hs, x.owners[g], strict=True)
+                        ]
+                    # Cached, then freed in reverse: a request's tail blocks are evicted first.
+                    n = pool.release_owned(cpu_ids, keep)
                     nblocks += n
                     nbytes += n * groups[g].block_bytes
+                    continue
             elif commit:
                 nblocks += len(cpu_ids)
                 nbytes += len(cpu_ids) * groups[g].block_bytes
@@ -1240,9 +1305,16 @@ class OffloadManager:
                 counters.blocks_loaded += nblocks
                 counters.bytes_loaded += nbytes
         del self._xfers[tid]
+        waiting = self._waiting
+        if x.shared:
+            del self._shared[tid]
+            if not waiting:
+                return  # no finished request waits: none of its requests' state is touched
         for st in x.reqs:
-            del st.transfers[tid]
-            if st.finishing and not st.transfers:
+            if not x.shared:
+                del st.transfers[tid]
+            if st in waiting and not self._has_live(st):
+                del waiting[st]
                 rid = st.request.request_id
                 del self._requests[rid]
                 if st.delay_free:

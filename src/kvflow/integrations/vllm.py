@@ -335,12 +335,17 @@ def translate_scheduler_output(
     new_block_ids = cached_data.new_block_ids
     num_computed = cached_data.num_computed_tokens
     no_blocks: GroupBlockIds = ((),) * num_groups
-    counts = num_scheduled.values()
     last = boundary - 1
     cached: list[CachedRequest] = []
     decode = NO_DECODE_REQUESTS
-    # Every count is 1 (the counts are positive ints): no copy of the batch's counts.
-    if not resumed and not spec and counts and max(counts) == 1 == min(counts):
+    # Every count is 1: the counts are positive ints and vLLM's total is their sum, so they all
+    # are 1 exactly when the total equals their number (no pass over the batch's counts).
+    if (
+        not resumed
+        and not spec
+        and num_scheduled
+        and scheduler_output.total_num_scheduled_tokens == len(num_scheduled)
+    ):
         # Steady decode: one token per request, nothing resumed or speculative. A request has
         # news only if it got blocks or its one token completes a multiple of ``boundary``.
         if held is None:
