@@ -166,8 +166,8 @@ class InlineWorkerRuntime(WorkerFacade):
     def bind_connector_metadata(self, plan: StepPlan) -> None:
         """``WorkerRuntime.bind(plan)``, at once."""
         self._check_open()
-        self._bound = plan
         self._rt.bind(plan)
+        self._bound = plan
 
     def start_load_kv(self) -> None:
         """Launch the bound plan's loads (their copies are submitted before this returns)."""
