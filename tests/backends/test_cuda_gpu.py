@@ -382,29 +382,3 @@ def test_without_completion_threads_a_fence_is_found_by_polling(make_backend: An
         got = torch.from_numpy(backend.cpu_block(0, i).copy())
         assert torch.equal(got, block_bytes(kv, "flash", b))
     backend.set_wakeup(None)
-
-
-def test_held_driver_calls_resolve_and_order_work() -> None:
-    """The GIL-holding ``cuEventRecord`` / ``cuStreamWaitEvent`` order two streams as the
-    cuda-python calls do: work after the wait starts only once the recorded work is done."""
-    from kvflow.backends.cuda import driver as drv
-
-    drv.require_driver()
-    torch.cuda.init()
-    calls = drv.held()
-    assert calls.record is not None
-    assert calls.wait is not None
-    src = torch.full((1 << 20,), 7.0, device="cuda")
-    dst = torch.zeros_like(src)
-    first, second = torch.cuda.Stream(), torch.cuda.Stream()
-    event = drv.new_event()
-    with torch.cuda.stream(first):
-        gpu_sleep()
-        src.mul_(2)
-    drv.record(event, drv.stream_of(first.cuda_stream))
-    drv.wait(drv.stream_of(second.cuda_stream), event)
-    with torch.cuda.stream(second):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    assert torch.equal(dst, torch.full_like(src, 14.0))
-    drv.cu.cuEventDestroy(event)

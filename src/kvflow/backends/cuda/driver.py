@@ -4,15 +4,8 @@ the raw ``cuMemcpyBatchAsync`` call.
 cuda-python's own ``cuMemcpyBatchAsync`` wrapper takes Python lists of pointer objects, far too
 slow for tens of thousands of descriptors per step. So the function pointer is resolved through
 ``cuGetProcAddress`` for a chosen ABI and called with raw numpy arrays through a ctypes
-``PYFUNCTYPE``. ``cuEventSynchronize`` goes through ctypes too, because a ctypes ``CDLL`` call
-always releases the GIL for its whole wait.
-
-The short calls of a launch (``cuEventRecord``, ``cuStreamWaitEvent``, ``cuLaunchKernel``,
-``cuMemcpyBatchAsync``) are made with the GIL held, through ``PYFUNCTYPE`` pointers: a thread
-that releases the GIL around each of a dozen microsecond calls must win it back a dozen times,
-and against an engine thread that always wants it each win is a forced switch of the engine
-(the interpreter's switch interval, then a hand-off). Held, a launch costs the engine one.
-Every other driver call goes through cuda-python.
+``CFUNCTYPE``. ``cuEventSynchronize`` goes through ctypes too, because a ctypes call always
+releases the GIL for its whole wait. Every other driver call goes through cuda-python.
 """
 
 from __future__ import annotations
@@ -123,80 +116,16 @@ def event_synchronize(event: Any) -> int:
     return result
 
 
-_UINT = ctypes.c_uint
-
-
-class HeldCalls:
-    """Driver functions resolved through ``cuGetProcAddress`` and called with the GIL held."""
-
-    def __init__(self) -> None:
-        version = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
-
-        def resolve(name: bytes, *argtypes: Any) -> Any:
-            flags = cu.CUflags(0) if hasattr(cu, "CUflags") else 0
-            result = cu.cuGetProcAddress(name, version, flags)
-            err, pfn = result[0], result[1]
-            if int(err) != 0 or int(pfn) == 0:
-                raise BackendError(f"cuGetProcAddress found no {name.decode()} ({int(err)})")
-            return ctypes.PYFUNCTYPE(ctypes.c_int, *argtypes)(int(pfn))
-
-        self.record = resolve(b"cuEventRecord", _PTR, _PTR)
-        self.wait = resolve(b"cuStreamWaitEvent", _PTR, _PTR, _UINT)
-        self.launch = resolve(
-            b"cuLaunchKernel",
-            _PTR,
-            _UINT,
-            _UINT,
-            _UINT,
-            _UINT,
-            _UINT,
-            _UINT,
-            _UINT,
-            _PTR,
-            _PTR,
-            _PTR,
-        )
-
-
-_held: HeldCalls | None = None
-_held_lock = threading.Lock()
-
-
-def held() -> HeldCalls:
-    """The process's ``HeldCalls`` (resolved on first use)."""
-    global _held
-    if _held is None:
-        with _held_lock:
-            if _held is None:
-                _held = HeldCalls()
-    return _held
-
-
-def _raise(err: int, what: str) -> None:
-    try:
-        name = cu.CUresult(err).name
-    except ValueError:
-        name = "unknown CUresult"
-    raise BackendError(f"{what} failed: {name} ({err})")
-
-
 def record(event: Any, stream: Any) -> None:
-    err = held().record(int(event), int(stream))
+    (err,) = cu.cuEventRecord(event, stream)
     if err:
-        _raise(err, "cuEventRecord")
+        check((err,), "cuEventRecord")
 
 
 def wait(stream: Any, event: Any) -> None:
-    err = held().wait(int(stream), int(event), 0)
+    (err,) = cu.cuStreamWaitEvent(stream, event, 0)
     if err:
-        _raise(err, "cuStreamWaitEvent")
-
-
-def launch_kernel(function: Any, grid: int, block: int, stream: Any, params_ptr: int) -> None:
-    """``cuLaunchKernel`` on a 1-D grid and block, parameters from a ``void**`` array."""
-    err = held().launch(int(function), grid, 1, 1, block, 1, 1, 0, int(stream), params_ptr, None)
-    if err:
-        _raise(err, "cuLaunchKernel")
+        check((err,), "cuStreamWaitEvent")
 
 
 def stream_of(handle: int) -> Any:
@@ -258,8 +187,7 @@ class BatchMemcpy:
         if abi not in _ARGTYPES:
             raise BackendError(f"unknown cuMemcpyBatchAsync ABI {abi}")
         self.abi = abi
-        # Held GIL: see the module docstring (the driver only queues the copies).
-        self._fn = ctypes.PYFUNCTYPE(ctypes.c_int, *_ARGTYPES[abi])(address)
+        self._fn = ctypes.CFUNCTYPE(ctypes.c_int, *_ARGTYPES[abi])(address)
         self._fail_idx = ctypes.c_size_t(0)
         self._fail_ptr = ctypes.addressof(self._fail_idx)
 
@@ -319,13 +247,10 @@ __all__ = [
     "BatchMemcpy",
     "Context",
     "CopyAttributes",
-    "HeldCalls",
     "check",
     "choose_abi",
     "cu",
     "event_synchronize",
-    "held",
-    "launch_kernel",
     "lowest_priority_stream",
     "memcpy_each",
     "new_event",

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.backends.cuda.driver import check, cu, launch_kernel
+from kvflow.backends.cuda.driver import check, cu
 from kvflow.errors import BackendError
 
 MAX_IDS = 512
@@ -137,7 +137,6 @@ class StageKernel:
         self._params = np.zeros(_PARAM_BYTES, dtype=np.uint8)
         base = int(self._params.ctypes.data)
         self._pointers = np.array([base + off for off in _PARAM_OFFSETS], dtype=np.uint64)
-        self._params_ptr = int(self._pointers.ctypes.data)  # the kernel's ``void**`` parameters
         self._scalars = self._params[:24].view(np.int64)  # regions, staging, block_bytes
         self._ints = self._params[24:36].view(np.int32)  # nregions, nblocks, to_staging
         self._ids = self._params[40:].view(np.int32)
@@ -151,7 +150,10 @@ class StageKernel:
         """
         self._ints[0] = 0
         self._ints[1] = 0
-        launch_kernel(self.function, 1, THREADS, stream, self._params_ptr)
+        check(
+            cu.cuLaunchKernel(self.function, 1, 1, 1, THREADS, 1, 1, 0, stream, self._pointers, 0),
+            "cuLaunchKernel(kvf_stage)",
+        )
 
     def launch(
         self,
@@ -177,7 +179,11 @@ class StageKernel:
         self._ints[2] = 1 if to_staging else 0
         self._ids[:n] = gpu_ids
         grid = min(self.max_ctas, -(-n * num_regions // WARPS))
-        launch_kernel(self.function, grid, THREADS, stream, self._params_ptr)
+        (err,) = cu.cuLaunchKernel(
+            self.function, grid, 1, 1, THREADS, 1, 1, 0, stream, self._pointers, 0
+        )
+        if err:
+            check((err,), "cuLaunchKernel(kvf_stage)")
 
     def unload(self) -> None:
         check(cu.cuModuleUnload(self.module), "cuModuleUnload")
