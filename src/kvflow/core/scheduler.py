@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -668,6 +668,8 @@ class OffloadManager:
                 self._plan_store(batch, STEP_STORE_ID)
         if not self._eager and not self._reset_pending:
             self._lazy_walk()
+        if not self._pending and not self._abandoned:
+            return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
         return self._launch(so.step, flush)
 
     def _defer(self, advancing: list[_Request], *, now: bool) -> list[_Request]:
@@ -755,8 +757,6 @@ class OffloadManager:
         return confirmed
 
     def _launch(self, step: int, flush: bool) -> StepPlan:
-        if not self._pending and not self._abandoned:
-            return StepPlan(step, (), (), flush, ())  # most eager steps: nothing to launch
         stores: list[TransferSpec] = []
         loads: list[TransferSpec] = []
         for x in self._pending:
@@ -803,6 +803,9 @@ class OffloadManager:
                 strict=True,
             )
         )
+        if eager and len(groups) == 1:
+            self._advance_one_group(sts, groups[0], reqs)
+            return batch
         for st in sts:
             confirmed = st.confirmed
             if st.hashing:
@@ -845,6 +848,44 @@ class OffloadManager:
             if added:
                 reqs.append(st)
         return batch
+
+    def _advance_one_group(
+        self,
+        sts: Sequence[_Request],
+        group: tuple[
+            int, int, Container[BlockHash], dict[BlockHash, int], dict[BlockHash, int], list[Any]
+        ],
+        reqs: list[_Request],
+    ) -> None:
+        """``_advance``'s eager loop for one KV cache group (most models), with the group loop
+        unrolled: it runs once per request with a completed block, on every store."""
+        bs, slot, in_cpu, in_flight, picked, owners = group
+        null = self._null
+        for st in sts:
+            confirmed = st.confirmed
+            if st.hashing:
+                tokens = st.request.all_token_ids
+                for hasher in st.hashing:
+                    hasher.extend_to(tokens, confirmed)
+            done = confirmed // bs
+            st.next_boundary = (done + 1) * bs
+            cursor = st.cursor
+            cur = cursor[0]
+            if done <= cur:
+                continue
+            cursor[0] = done
+            ids = st.table[0]
+            hs = st.hash_lists[slot]
+            added = False
+            for i in range(cur, done):
+                b, h = ids[i], hs[i]
+                if b == null or h in in_flight or h in picked or h in in_cpu:
+                    continue
+                picked[h] = b
+                owners.append(st)
+                added = True
+            if added:
+                reqs.append(st)
 
     def _plan_store(self, batch: _StoreBatch, request_id: str) -> _Xfer | None:
         """Allocate CPU blocks (evicting LRU cached ones) and queue one store; skip what won't fit."""
