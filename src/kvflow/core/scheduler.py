@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -244,7 +244,9 @@ class _Request:
     hashers: list[HashChain]  # per distinct block size: kvflow's own, or the engine's
     hashing: tuple[HashChain, ...]  # those of ``hashers`` kvflow extends (none: the engine's)
     hash_lists: tuple[Sequence[BlockHash], ...]  # each hasher's live list: one object to touch
-    table: list[list[int]]  # per group: the request's GPU block ids
+    # Per group, the request's GPU block ids; a tuple (its items inline, one object less to
+    # reach, cold, on every block completion) of growing lists.
+    table: tuple[list[int], ...]
     cursor: list[int]  # per group: blocks already handed to the store policy
     confirmed: int = 0  # tokens whose KV is computed and not speculative
     next_boundary: int = 0  # confirmed-token count at which some group completes a block
@@ -633,14 +635,18 @@ class OffloadManager:
             self._allocated.clear()
         advancing: list[_Request] = []
         replaced = False
+        ahead = self._ahead  # emptied in place by a lazy reset
         for st, confirmed, ids, replace in dirty:
-            if self._ahead:
+            if ahead:
                 for group_ids in ids:
                     self._lazy_taken(group_ids)
             if replace:
                 replaced = True
-                st.table = [list(g) for g in ids]
+                st.table = tuple([list(g) for g in ids])
                 st.cursor = [0] * num_groups
+            elif num_groups == 1:
+                if ids[0]:
+                    st.table[0].extend(ids[0])
             else:
                 for table, new_ids in zip(st.table, ids, strict=True):
                     if new_ids:
@@ -662,6 +668,8 @@ class OffloadManager:
                 self._plan_store(batch, STEP_STORE_ID)
         if not self._eager and not self._reset_pending:
             self._lazy_walk()
+        if not self._pending and not self._abandoned:
+            return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
         return self._launch(so.step, flush)
 
     def _defer(self, advancing: list[_Request], *, now: bool) -> list[_Request]:
@@ -672,13 +680,15 @@ class OffloadManager:
         if not deferred:
             self._deferred_plans = 0
         self._deferred_plans += 1
+        sizes = self._block_sizes
         for st in advancing:
             deferred[st] = None
             # Skipped until its next block completes, as if advanced: the cursors, which
             # ``_advance`` reads, stay where the last store left them.
+            confirmed = st.confirmed
             boundary = 1 << 62
-            for _g, bs in self._group_sizes:
-                end = (st.confirmed // bs + 1) * bs
+            for bs in sizes:
+                end = (confirmed // bs + 1) * bs
                 if end < boundary:
                     boundary = end
             st.next_boundary = boundary
@@ -747,8 +757,6 @@ class OffloadManager:
         return confirmed
 
     def _launch(self, step: int, flush: bool) -> StepPlan:
-        if not self._pending and not self._abandoned:
-            return StepPlan(step, (), (), flush, ())  # most eager steps: nothing to launch
         stores: list[TransferSpec] = []
         loads: list[TransferSpec] = []
         for x in self._pending:
@@ -795,6 +803,9 @@ class OffloadManager:
                 strict=True,
             )
         )
+        if eager and len(groups) == 1:
+            self._advance_one_group(sts, groups[0], reqs)
+            return batch
         for st in sts:
             confirmed = st.confirmed
             if st.hashing:
@@ -837,6 +848,44 @@ class OffloadManager:
             if added:
                 reqs.append(st)
         return batch
+
+    def _advance_one_group(
+        self,
+        sts: Sequence[_Request],
+        group: tuple[
+            int, int, Container[BlockHash], dict[BlockHash, int], dict[BlockHash, int], list[Any]
+        ],
+        reqs: list[_Request],
+    ) -> None:
+        """``_advance``'s eager loop for one KV cache group (most models), with the group loop
+        unrolled: it runs once per request with a completed block, on every store."""
+        bs, slot, in_cpu, in_flight, picked, owners = group
+        null = self._null
+        for st in sts:
+            confirmed = st.confirmed
+            if st.hashing:
+                tokens = st.request.all_token_ids
+                for hasher in st.hashing:
+                    hasher.extend_to(tokens, confirmed)
+            done = confirmed // bs
+            st.next_boundary = (done + 1) * bs
+            cursor = st.cursor
+            cur = cursor[0]
+            if done <= cur:
+                continue
+            cursor[0] = done
+            ids = st.table[0]
+            hs = st.hash_lists[slot]
+            added = False
+            for i in range(cur, done):
+                b, h = ids[i], hs[i]
+                if b == null or h in in_flight or h in picked or h in in_cpu:
+                    continue
+                picked[h] = b
+                owners.append(st)
+                added = True
+            if added:
+                reqs.append(st)
 
     def _plan_store(self, batch: _StoreBatch, request_id: str) -> _Xfer | None:
         """Allocate CPU blocks (evicting LRU cached ones) and queue one store; skip what won't fit."""
@@ -1008,7 +1057,7 @@ class OffloadManager:
             hashers=hashers,
             hashing=_own(hashers),
             hash_lists=tuple(h.hashes for h in hashers),
-            table=[[] for _ in range(self._num_groups)],
+            table=tuple([] for _ in range(self._num_groups)),
             cursor=[0] * self._num_groups,
         )
         self._requests[request.request_id] = st
@@ -1072,7 +1121,7 @@ class OffloadManager:
         self._cancel_or_abandon(st, stores=False)
         # Its GPU blocks are gone: completed blocks not stored yet are lost with them.
         self._deferred.pop(st, None)
-        st.table = [[] for _ in range(self._num_groups)]
+        st.table = tuple([] for _ in range(self._num_groups))
         st.cursor = [0] * self._num_groups
         st.confirmed = 0
         st.next_boundary = 0
@@ -1109,9 +1158,11 @@ class OffloadManager:
         self._deferred.pop(st, None)
         if not engine_freed and not self._reset_pending and (table is not None or deferred):
             if table is not None:
-                for g, bs in enumerate(self._block_sizes):
-                    if len(table[g]) >= st.confirmed // bs:
-                        st.table[g] = table[g]
+                confirmed = st.confirmed
+                st.table = tuple(
+                    table[g] if len(table[g]) >= confirmed // bs else st.table[g]
+                    for g, bs in enumerate(self._block_sizes)
+                )
             batch = self._advance((st,))
             if batch.reqs:
                 self._plan_store(batch, rid)
