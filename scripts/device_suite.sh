@@ -4,16 +4,17 @@
 # benchmark writes it, and one bundle.tgz of the logs. Two visible GPUs add the tensor-parallel
 # tests and bench_tp. Each step has its own time limit, so one slow step cannot eat the rest.
 #
-#   scripts/device_suite.sh                 # everything (about 6 min on one H200, 10 on two)
+#   scripts/device_suite.sh                 # everything (about 9 min on one H200, 13 on two)
 #   STEPS="tests reload" scripts/device_suite.sh
 #
 # Steps: tests, step (one decode step, eager vs CUDA graphs), reload (16k reload and 0 % reuse),
-# multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
+# noreuse-lazy / noreuse-inline (0 % reuse with the lazy policy / the worker loop on the engine's
+# thread), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists.
 set -u
 OUT=${OUT:-./device-out}
-STEPS=${STEPS:-tests step reload multiround decode contention tp}
+STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-inline multiround decode contention tp}
 mkdir -p "$OUT/logs"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -51,9 +52,15 @@ for step in $STEPS; do
         --device cuda --dtype float32 --modes eager-torch eager graphs-torch graphs \
         --json "$OUT/decode_step_fp32.json" ;;
     reload)
-      run engine_offload 240 python3 scripts/bench_engine_offload.py "${model[@]}" \
-        --scenario both --reloads 5 --repeat 9 --trace "$OUT/reload_trace.jsonl" \
+      run engine_offload 300 python3 scripts/bench_engine_offload.py "${model[@]}" \
+        --scenario both --reloads 5 --repeat 16 --trace "$OUT/reload_trace.jsonl" \
         --json "$OUT/engine_offload.json" ;;
+    noreuse-lazy)
+      run noreuse_lazy 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
+        --scenario noreuse --repeat 9 --store-policy lazy --json "$OUT/noreuse_lazy.json" ;;
+    noreuse-inline)
+      run noreuse_inline 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
+        --scenario noreuse --repeat 9 --worker-loop inline --json "$OUT/noreuse_inline.json" ;;
     multiround)
       run multiround 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
         --json "$OUT/multiround.json" --plot "$OUT/multiround.png" ;;
