@@ -57,25 +57,6 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
-    def popleft_n(self, n: int) -> list[Block]:
-        """Take the first ``n`` blocks in eviction order (one relink, not ``n``)."""
-        if n > self.num_free:
-            raise BlockPoolError(f"asked for {n} free blocks, only {self.num_free}")
-        out: list[Block] = []
-        head = self._head
-        block = head.next_free
-        for _ in range(n):
-            assert block is not None
-            out.append(block)
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
-            block = nxt
-        assert block is not None
-        head.next_free = block
-        block.prev_free = head
-        self.num_free -= n
-        return out
-
     def remove(self, block: Block) -> None:
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
@@ -235,7 +216,8 @@ class BlockPool:
         out: list[int] = []
         evicted: list[BlockHash] = []
         cached = self._cached
-        # ``popleft_n`` inlined: one pass over the blocks, which are cold, and no list of them.
+        # The queue's head taken off in one relink, in the same pass that evicts and claims the
+        # blocks: they are cold, and a second pass (or a list of them) cost more than the rest.
         queue = self.free_queue
         head = queue._head
         block = head.next_free
@@ -358,31 +340,14 @@ class BlockPool:
             )
         return done
 
-    def cache_owned(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
-        """``cache`` for a caller that took these blocks from ``get_new_blocks`` (so they are in
-        use and uncached) and passes ``bytes`` hashes: no per-block checks. Returns how many
-        were cached (a hash another block holds already is skipped, as in ``cache``)."""
-        if self.enable_events:
-            return self.cache(block_ids, block_hashes).count(True)
-        blocks = self.blocks
-        cached = self._cached
-        n = 0
-        for block_id, h in zip(block_ids, block_hashes, strict=True):
-            if h in cached:
-                continue
-            block = blocks[block_id]
-            block.block_hash = h
-            cached[h] = block
-            n += 1
-        return n
-
     def release_owned(
         self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash | None]
     ) -> int:
-        """``cache_owned`` of the blocks whose hash is not None, then ``free_owned`` of all of them
-        in reverse order (a committed store's CPU blocks), in one pass over the blocks. Returns how
-        many were cached. The hashes must be distinct (a store's are): the pass caches in
-        reverse order, so of two blocks with one hash the last would win."""
+        """``cache`` of the blocks whose hash is not None, then ``free_owned`` of all of them in
+        reverse order (a committed store's CPU blocks, fresh from ``get_new_blocks``: in use and
+        uncached), in one pass and without per-block checks. Returns how many were cached. The
+        hashes must be distinct (a store's are): the pass caches in reverse order, so of two
+        blocks with one hash the last would win."""
         if self.enable_events:
             keep = [i for i, h in enumerate(block_hashes) if h is not None]
             n = self.cache(
