@@ -46,6 +46,33 @@ def test_no_thread_and_copies_submitted_within_the_call() -> None:
     assert threading.active_count() == before
 
 
+def test_calls_run_no_loop_turn_while_copies_are_only_in_flight() -> None:
+    """With a copy in flight and nothing queued, a call polls the fences without a loop turn;
+    the call after the fence finished runs one and reports the store."""
+    fake = FakeBackend()
+    with _opened(fake) as rt:
+        turns = [0]
+        run = rt._loop.run_until_complete
+
+        def counted(awaitable: object) -> object:
+            turns[0] += 1
+            return run(awaitable)  # type: ignore[arg-type]
+
+        rt._loop.run_until_complete = counted  # type: ignore[method-assign]
+        rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
+        rt.wait_for_save()
+        assert turns[0] == 1  # the executor's turn to submit
+        polls = rt.runtime.reactor.polls
+        for _ in range(3):
+            assert rt.finish_step() == (set(), set(), StepReport(rank=0))
+        assert turns[0] == 1
+        assert rt.runtime.reactor.polls == polls + 3
+        fake.release_all()
+        assert rt.finish_step()[0] == {"a"}
+        assert turns[0] == 2
+        assert rt.runtime.in_flight == 0
+
+
 def test_a_bad_plan_raises_at_once_and_changes_nothing() -> None:
     """A plan listing a transfer twice raises its ConfigError from ``bind`` itself, and the
     runtime goes on with the next plan."""

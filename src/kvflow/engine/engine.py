@@ -273,9 +273,11 @@ class Engine:
         sched = self.scheduler
         out, batch = sched.schedule()
         meta = self.scheduler_connector.build_connector_meta(out)
-        run = self.runner.execute(out, batch, meta)
+        run = self.runner.launch(out, batch, meta)
+        # While the device computes the step: the host would otherwise idle in tokens().
+        kv_output = sched.update_connector_output(run.kv_connector_output)
         alive = {c.request_id: sched.requests[c.request_id] for c in batch.chunks}
-        outputs = sched.update_from_output(out, batch, run.sampled, run.kv_connector_output)
+        outputs = sched.update_from_output(out, batch, run.tokens(), kv_output)
         self.stats.steps += 1
         self.stats.preemptions = sched.num_preemptions
         if batch.chunks:

@@ -2,15 +2,16 @@
 
 Per step, in vLLM's order: ``bind_connector_metadata`` → ``handle_preemptions`` → ``start_load_kv``
 → forward (skipped when nothing is scheduled; the connector calls still run, so async transfers
-keep being reported) → ``wait_for_save`` (the forward enqueued, its tokens not yet read back) →
-``get_finished(finished_req_ids)`` →
-``get_block_ids_with_load_errors`` → ``build_worker_report`` → ``clear_connector_metadata``. Sampling is greedy.
+keep being reported) → ``wait_for_save`` → ``get_finished(finished_req_ids)`` →
+``get_block_ids_with_load_errors`` → ``build_worker_report`` → ``clear_connector_metadata``, all
+while the forward runs on the device; only then does the host wait for the step's tokens
+(``LaunchedStep.tokens``). Sampling is greedy.
 """
 
 from __future__ import annotations
 
 import torch
-from attrs import frozen
+from attrs import define, frozen
 
 from kvflow.connector.api import KVCacheConfig, KVConnectorOutput, WorkerConnector
 from kvflow.core.requests import SchedulerOutput
@@ -51,6 +52,27 @@ class _Sampled:
 class ModelRunnerOutput:
     sampled: dict[str, int]
     kv_connector_output: KVConnectorOutput
+
+
+@define(eq=False)
+class LaunchedStep:
+    """A step whose forward is enqueued and whose connector calls are done: the host is free
+    until ``tokens()``, which waits for the device. The engine does its side of the
+    connector's bookkeeping in that window rather than between steps, where the device idles."""
+
+    kv_connector_output: KVConnectorOutput
+    _sampled: _Sampled | None = None
+    _tokens: dict[str, int] | None = None
+
+    @classmethod
+    def finished(cls, output: ModelRunnerOutput) -> LaunchedStep:
+        """A step that already has its tokens (a runner that cannot split a step)."""
+        return cls(output.kv_connector_output, tokens=output.sampled)
+
+    def tokens(self) -> dict[str, int]:
+        if self._tokens is None:
+            self._tokens = {} if self._sampled is None else self._sampled.tokens()
+        return self._tokens
 
 
 class ModelRunner:
@@ -110,6 +132,14 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
     ) -> ModelRunnerOutput:
+        """One whole step: ``launch`` it, then wait for its tokens."""
+        step = self.launch(out, batch, connector_meta)
+        return ModelRunnerOutput(sampled=step.tokens(), kv_connector_output=step.kv_connector_output)
+
+    def launch(
+        self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
+    ) -> LaunchedStep:
+        """Enqueue the step's forward and make its connector calls; its tokens are not read."""
         conn = self.connector
         conn.bind_connector_metadata(connector_meta)
         conn.handle_preemptions(connector_meta)
@@ -123,19 +153,21 @@ class ModelRunner:
         # queued behind a store waits for the whole store on the copy engine, milliseconds per
         # prefill step; scripts/bench_copy_contention.py measures it).
         conn.wait_for_save()
-        sampled = {} if pending is None else pending.tokens()
+        # As in vLLM's runner, what finished is asked before the host waits for the tokens:
+        # the connector's calls, and the scheduler's handling of their output, then overlap the
+        # device's compute instead of adding to the host's time between steps.
         sending, recving = conn.get_finished(set(out.finished_request_ids))
         invalid = conn.get_block_ids_with_load_errors()
         report = conn.build_worker_report()
         conn.clear_connector_metadata()
-        return ModelRunnerOutput(
-            sampled=sampled,
-            kv_connector_output=KVConnectorOutput(
+        return LaunchedStep(
+            KVConnectorOutput(
                 finished_sending=sending,
                 finished_recving=recving,
                 invalid_block_ids=invalid,
                 reports=() if report is None else (report,),
             ),
+            sampled=pending,
         )
 
     def _start_readback(self, sampled: _Sampled) -> _Sampled:

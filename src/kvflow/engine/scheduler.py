@@ -503,6 +503,15 @@ class Scheduler:
 
     # ---- results ----------------------------------------------------------------------------
 
+    def update_connector_output(self, kv_output: KVConnectorOutput) -> KVConnectorOutput:
+        """Hand the workers' connector output of a step to the scheduler-side connector; the
+        output to act on in ``update_from_output``. Only the connector's state changes, so the
+        engine calls this while the step still runs on the device."""
+        # A connector that decides when transfers are done (kvflow's: once every rank
+        # reported) hands back the output to act on; others return None (vLLM's contract).
+        decided = self.connector.update_connector_output(kv_output)
+        return kv_output if decided is None else decided
+
     def update_from_output(
         self,
         out: SchedulerOutput,
@@ -510,11 +519,7 @@ class Scheduler:
         sampled: Mapping[str, int],
         kv_output: KVConnectorOutput,
     ) -> list[StepOutput]:
-        # A connector that decides when transfers are done (kvflow's: once every rank
-        # reported) hands back the output to act on; others return None (vLLM's contract).
-        decided = self.connector.update_connector_output(kv_output)
-        if decided is not None:
-            kv_output = decided
+        """Apply a step's tokens and the connector output ``update_connector_output`` returned."""
         rolled_back = self._handle_invalid_blocks(kv_output.invalid_block_ids)
         now = self.clock()
         results: list[StepOutput] = []

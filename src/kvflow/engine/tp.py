@@ -47,7 +47,7 @@ from kvflow.engine.engine import (
     perf_clock,
 )
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
-from kvflow.engine.runner import ModelRunner, ModelRunnerOutput
+from kvflow.engine.runner import LaunchedStep, ModelRunner, ModelRunnerOutput
 from kvflow.engine.scheduler import StepBatch
 from kvflow.errors import ConfigError, KVFlowError
 
@@ -174,11 +174,16 @@ class TPModelRunner(ModelRunner):
         self.channel = channel
         self.stopped = False
 
-    def execute(
+    def launch(
         self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
-    ) -> ModelRunnerOutput:
+    ) -> LaunchedStep:
+        # The ranks' outputs are compared and merged only once every rank has its tokens.
         self.channel.broadcast(StepMessage(out, batch, connector_meta))
-        mine = super().execute(out, batch, connector_meta)
+        mine = super().launch(out, batch, connector_meta)
+        return LaunchedStep.finished(self._gather(out, mine))
+
+    def _gather(self, out: SchedulerOutput, launched: LaunchedStep) -> ModelRunnerOutput:
+        mine = ModelRunnerOutput(launched.tokens(), launched.kv_connector_output)
         gathered = self.channel.gather(None)
         assert gathered is not None
         peers = [o for o in gathered[1:] if isinstance(o, ModelRunnerOutput)]
