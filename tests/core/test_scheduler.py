@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
-from kvflow.core.hashing import hash_blocks
+from kvflow.core.hashing import hash_block, hash_blocks
 from kvflow.core.protocol import StepPlan
 from kvflow.core.requests import CachedRequest, KVRequest, SchedulerOutput
 from kvflow.core.scheduler import (
@@ -271,6 +271,53 @@ def test_lazy_restores_block_whose_cpu_copy_was_evicted(make_sim: MakeSim) -> No
     assert set(store.gpu_block_ids[0]) == a_blocks, "a's blocks are not believed stored"
     sim.complete()
     assert sim.on_cpu(a) == [True, True]
+
+
+def test_lazy_never_stores_a_refilled_block_under_its_old_hash(make_sim: MakeSim) -> None:
+    """Lazy: a block kvflow saw computed for one request, then handed to another as a load
+    target and freed again before kvflow saw that request's tokens, is not stored under the
+    first request's hash (its content is the loaded one)."""
+    sim = make_sim(
+        [GroupSpec(block_size=BS, num_cpu_blocks=16)],
+        store_policy="lazy",
+        lazy_watermark=2,
+        gpu_blocks=12,
+    )
+    c = sim.add("c", range(100, 108))
+    sim.match(c)
+    sim.step(new=[(c, 8)])
+    c_blocks = set(sim.tables["c"][0])
+    sim.finish(c)  # the queue: 10 fresh blocks, then c's 2
+    d = sim.add("d", range(200, 240))
+    sim.match(d)
+    (store,) = sim.step(new=[(d, 40)]).stores  # d takes the fresh ones: c's lead the queue
+    assert set(store.gpu_block_ids[0]) == c_blocks
+    sim.complete()
+    assert sim.on_cpu(c) == [True, True]
+    a = sim.add("a", range(300, 308))
+    sim.match(a)
+    sim.step(new=[(a, 8)])  # a computes into c's old blocks; kvflow records them as a's
+    a_blocks = list(sim.tables["a"][0])
+    sim.finish(a)
+    b = sim.add("b", [*range(100, 108), 7])
+    assert sim.match(b) == (8, True)
+    sim.alloc(b, 8, 8)  # b's load targets are a's blocks, before any walk stored them
+    assert sorted(sim.tables["b"][0][:2]) == sorted(a_blocks)
+    (load,) = sim.step().loads
+    sim.complete()
+    # The engine enters loaded blocks into its prefix cache under their new content's hash.
+    hashes = sim.hashes(b, 0)
+    for i, blk in enumerate(sim.tables["b"][0][:2]):
+        sim.gpu.cache([blk], [hash_block(hashes[i], [0])])
+    plan = sim.step(preempted=["b"])  # b leaves before it ran: its blocks are free, hashed
+    for spec in plan.stores:
+        assert not set(spec.gpu_block_ids[0]) & set(a_blocks), "stored under a's hash"
+    sim.complete()
+    pool = sim.mgr.cpu_pools[0]
+    for h in sim.hashes(a, 0):
+        bid = pool.get_cached_block(h)
+        assert bid is None or sim.cpu_data[0][bid] == h, "a's hash maps to other content"
+    assert sim.on_cpu(c) == [True, True]
 
 
 class CountingView:

@@ -635,9 +635,9 @@ class OffloadManager:
             self._allocated.clear()
         advancing: list[_Request] = []
         replaced = False
-        ahead = self._ahead  # emptied in place by a lazy reset
+        lazy = not self._eager
         for st, confirmed, ids, replace in dirty:
-            if ahead:
+            if lazy:
                 for group_ids in ids:
                     self._lazy_taken(group_ids)
             if replace:
@@ -979,7 +979,16 @@ class OffloadManager:
         self._ahead.clear()
 
     def _lazy_taken(self, ids: Iterable[int]) -> None:
-        """The engine took these GPU blocks (allocation or prefix hit): they left the free queue."""
+        """The engine took these GPU blocks (allocation or prefix hit): they left the free queue,
+        and what kvflow recorded of their content no longer holds."""
+        record = self._gpu_hash
+        if record:
+            # A block handed to a request may be refilled (a fresh allocation, a load) before
+            # kvflow sees its new owner's tokens: a lazy walk trusting the old record would store
+            # the new content under the old hash. The new owner's ``_advance`` records it again.
+            ids = ids if isinstance(ids, list | tuple) else list(ids)
+            for b in ids:
+                record.pop(b, None)
         ahead = self._ahead
         if not ahead:
             return
