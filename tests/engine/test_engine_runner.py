@@ -80,7 +80,8 @@ def test_execute_is_launch_then_tokens() -> None:
     out_b, batch_b = b.scheduler.schedule()
     whole = a.runner.execute(out_a, batch_a, a.scheduler_connector.build_connector_meta(out_a))
     launched = b.runner.launch(out_b, batch_b, b.scheduler_connector.build_connector_meta(out_b))
-    assert launched.tokens() == whole.sampled and whole.sampled
+    assert whole.sampled
+    assert launched.tokens() == whole.sampled
     assert launched.tokens() is launched.tokens()  # read back once
     assert launched.kv_connector_output == whole.kv_connector_output
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import anyio
 import pytest
@@ -54,11 +55,11 @@ def test_calls_run_no_loop_turn_while_copies_are_only_in_flight() -> None:
         turns = [0]
         run = rt._loop.run_until_complete
 
-        def counted(awaitable: object) -> object:
+        def counted(awaitable: Any) -> Any:
             turns[0] += 1
-            return run(awaitable)  # type: ignore[arg-type]
+            return run(awaitable)
 
-        rt._loop.run_until_complete = counted  # type: ignore[method-assign]
+        rt._loop.run_until_complete = counted  # type: ignore[method-assign,assignment]
         rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
         rt.wait_for_save()
         assert turns[0] == 1  # the executor's turn to submit

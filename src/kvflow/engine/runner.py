@@ -134,7 +134,9 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """One whole step: ``launch`` it, then wait for its tokens."""
         step = self.launch(out, batch, connector_meta)
-        return ModelRunnerOutput(sampled=step.tokens(), kv_connector_output=step.kv_connector_output)
+        return ModelRunnerOutput(
+            sampled=step.tokens(), kv_connector_output=step.kv_connector_output
+        )
 
     def launch(
         self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
