@@ -391,3 +391,18 @@ def test_held_ids_reach_decode_columns_as_the_checked_constructor_builds_them(
     for rid in rids:
         returned[rid] += held.take(rid)[0]
     assert returned == given_ids
+
+
+def test_decode_step_holds_ids_of_several_groups_as_tuples() -> None:
+    """With two KV cache groups, ids held by a decode step reach the columns as tuples per group,
+    merged in allocation order, as the checking constructor builds them."""
+    from kvflow.core.requests import DecodeRequests
+    from kvflow.integrations.vllm import HeldBlockIds
+
+    held = HeldBlockIds(num_groups=2)
+    assert not held.decode_step(["a", "b"], [([1], [2]), None], [0, 1], 4)
+    held.decode_step(["a", "b"], [([3], []), ([5], [6])], [1, 2], 4)
+    columns = held.decode_step(["a", "b"], [None, None], [3, 2], 4)
+    assert columns == DecodeRequests(["a"], [3], [((1, 3), (2,))])
+    assert columns.new_block_ids == (((1, 3), (2,)),)
+    assert held.take("b") == ((5,), (6,))

@@ -636,6 +636,13 @@ class OffloadManager:
         advancing: list[_Request] = []
         replaced = False
         lazy = not self._eager
+        # Eager stores coalesced over ``eager_store_interval`` plans: a request with a completed
+        # block joins the deferred ones here, while its state is at hand, and is skipped until its
+        # next block completes, as if advanced (the cursors, which ``_advance`` reads, stay where
+        # the last store left them).
+        deferred = self._deferred if self._interval > 1 else None
+        fresh = not deferred
+        sizes = self._block_sizes
         for st, confirmed, ids, replace in dirty:
             if lazy:
                 for group_ids in ids:
@@ -652,14 +659,27 @@ class OffloadManager:
                     if new_ids:
                         table.extend(new_ids)
             if replace or confirmed >= st.next_boundary or confirmed < st.confirmed:
-                advancing.append(st)
+                if deferred is None:
+                    advancing.append(st)
+                else:
+                    deferred[st] = None
+                    boundary = 1 << 62
+                    for bs in sizes:
+                        end = (confirmed // bs + 1) * bs
+                        if end < boundary:
+                            boundary = end
+                    st.next_boundary = boundary
             # Else no group completes a block and confirmed tokens did not go back: advancing
             # would change nothing, its boundary included.
             st.confirmed = confirmed
-        if self._interval > 1 and (advancing or self._deferred):
-            # Steps with new or resumed requests (prefill: large stores) store at once, taking
-            # every deferred block along; only steady decode steps are coalesced.
-            advancing = self._defer(advancing, now=replaced)
+        if deferred:
+            # Counted from the plan that deferred the oldest of them. Steps with new or resumed
+            # requests (prefill: large stores) store at once, taking every deferred block along;
+            # only steady decode steps are coalesced.
+            self._deferred_plans = (0 if fresh else self._deferred_plans) + 1
+            if replaced or self._deferred_plans >= self._interval:
+                advancing = list(deferred)
+                deferred.clear()
         if advancing:
             # One pass over the step's completed blocks (requests are independent of each other
             # here, so advancing after every table grew is the same as advancing each in turn).
@@ -671,32 +691,6 @@ class OffloadManager:
         if not self._pending and not self._abandoned:
             return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
         return self._launch(so.step, flush)
-
-    def _defer(self, advancing: list[_Request], *, now: bool) -> list[_Request]:
-        """Coalesce eager stores over ``eager_store_interval`` plans: the requests to advance
-        now (every deferred one, once the oldest waited the interval or when ``now``), none
-        otherwise."""
-        deferred = self._deferred
-        if not deferred:
-            self._deferred_plans = 0
-        self._deferred_plans += 1
-        sizes = self._block_sizes
-        for st in advancing:
-            deferred[st] = None
-            # Skipped until its next block completes, as if advanced: the cursors, which
-            # ``_advance`` reads, stay where the last store left them.
-            confirmed = st.confirmed
-            boundary = 1 << 62
-            for bs in sizes:
-                end = (confirmed // bs + 1) * bs
-                if end < boundary:
-                    boundary = end
-            st.next_boundary = boundary
-        if self._deferred_plans < self._interval and not now:
-            return []
-        out = list(deferred)
-        deferred.clear()
-        return out
 
     def _plan_load(self, st: _Request) -> None:
         m, st.match = st.match, None

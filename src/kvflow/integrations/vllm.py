@@ -177,7 +177,7 @@ class RequestViews:
 
 def group_block_ids(block_ids: Sequence[Sequence[int]]) -> GroupBlockIds:
     """vLLM's per-group block lists (``tuple[list[int], ...]``) as kvflow's ``GroupBlockIds``."""
-    return tuple(tuple(group) for group in block_ids)
+    return tuple(map(tuple, block_ids))
 
 
 def _has_blocks(new_ids: Sequence[Sequence[int]] | None) -> bool:
@@ -212,7 +212,7 @@ class HeldBlockIds:
         assert new_ids is not None
         held = self._ids.get(request_id)
         self._ids[request_id] = (
-            tuple(map(tuple, new_ids))
+            group_block_ids(new_ids)
             if held is None
             else tuple((*a, *b) for a, b in zip(held, new_ids, strict=True))
         )
@@ -248,24 +248,33 @@ class HeldBlockIds:
             if any(ids):
                 rid = req_ids[i]
                 prev = get(rid)
-                # Tuples now (in C): the columns then take them as they are.
-                held[rid] = (
-                    tuple(map(tuple, ids))
-                    if prev is None
-                    else tuple((*a, *b) for a, b in zip(prev, ids, strict=True))
-                )
+                # Tuples now (in C): the columns then take them as they are. One group (most
+                # models) skips the ``map``.
+                if prev is not None:
+                    held[rid] = tuple((*a, *b) for a, b in zip(prev, ids, strict=True))
+                elif len(ids) == 1:
+                    held[rid] = (tuple(ids[0]),)
+                else:
+                    held[rid] = group_block_ids(ids)
+        # One pass builds the three columns: a comprehension per column is a code object per
+        # column, and each costs more cold (as every step starts) than the loop's iterations.
         last = boundary - 1
-        due = [i for i, computed in enumerate(num_computed) if computed % boundary == last]
-        if not due:
-            return NO_DECODE_REQUESTS
-        rids = [req_ids[i] for i in due]
+        rids: list[str] = []
+        counts: list[int] = []
+        news: list[GroupBlockIds] = []
         pop = held.pop
         none = self._no_blocks
+        for i, computed in enumerate(num_computed):
+            if computed % boundary == last:
+                rid = req_ids[i]
+                rids.append(rid)
+                counts.append(computed)
+                news.append(pop(rid, none))
+        if not rids:
+            return NO_DECODE_REQUESTS
         # vLLM's str ids and int counts, and held tuples of tuples of ints: valid columns by
         # construction, and checking them cost as much as the rest of the step's translation.
-        return DecodeRequests.trusted(
-            rids, [num_computed[i] for i in due], [pop(rid, none) for rid in rids]
-        )
+        return DecodeRequests.trusted(rids, counts, news)
 
     def drop(self, request_id: str) -> None:
         """Forget the request's held ids: it finished, or its whole table is about to be replaced."""
