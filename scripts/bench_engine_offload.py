@@ -55,7 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-bytes", default="4GiB")
     p.add_argument("--store-policy", choices=("eager", "lazy"), default="eager")
-    p.add_argument("--worker-loop", choices=("thread", "inline"), default="thread")
+    p.add_argument("--worker-loop", choices=("thread", "inline"), default="inline")
     p.add_argument("--scenario", choices=("reload", "noreuse", "both"), default="both")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument(

@@ -15,7 +15,7 @@ def test_sizes_and_defaults() -> None:
     assert cfg.cpu_bytes == 3 << 29
     assert cfg.store_policy is StorePolicy.EAGER
     assert cfg.eager_store_interval == EAGER_STORE_INTERVAL == 4
-    assert cfg.worker_loop is WorkerLoop.THREAD
+    assert cfg.worker_loop is WorkerLoop.INLINE
     assert OffloadConfig(cpu_bytes=4096).cpu_bytes == 4096
 
 

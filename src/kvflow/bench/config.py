@@ -24,7 +24,7 @@ class BenchConfig:
     cpu_bytes: int | None = None  # default: room for twice the working set
     store_policy: str = "eager"
     backend: str = "auto"
-    worker_loop: str = "thread"  # where the worker runtime's loop runs: thread or inline
+    worker_loop: str = "inline"  # where the worker runtime's loop runs: inline or thread
     max_batched_tokens: int = 2048
     seed: int = 0
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA

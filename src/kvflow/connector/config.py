@@ -92,9 +92,10 @@ class OffloadConfig:
       (1: a store each step; see ``SchedulerConfig``);
     - ``backend``: ``auto``, ``host`` or ``cuda``;
     - ``world_size``: tensor-parallel ranks that must all report a copy before it commits;
-    - ``worker_loop``: ``thread`` (the worker runtime's loop, copy launches and completion waits
-      on threads of kvflow's) or ``inline`` (all of it on the engine's thread, stepped by the
-      connector's calls: nothing of kvflow takes the GIL between them).
+    - ``worker_loop``: ``inline`` (the default: the worker runtime's loop, copy launches and
+      fence polls on the engine's thread, stepped by the connector's calls, so nothing of kvflow
+      takes the GIL between them) or ``thread`` (all of it on threads of kvflow's). See
+      docs/architecture.md, "Where the worker runtime's loop runs".
     """
 
     cpu_bytes: int = field(converter=_size)
@@ -103,7 +104,7 @@ class OffloadConfig:
     backend: BackendKind = field(default=BackendKind.AUTO, converter=_backend)
     world_size: int = 1
     eager_store_interval: int = EAGER_STORE_INTERVAL
-    worker_loop: WorkerLoop = field(default=WorkerLoop.THREAD, converter=_worker_loop)
+    worker_loop: WorkerLoop = field(default=WorkerLoop.INLINE, converter=_worker_loop)
 
     def __attrs_post_init__(self) -> None:
         if self.cpu_bytes <= 0:
