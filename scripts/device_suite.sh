@@ -8,13 +8,13 @@
 #   STEPS="tests reload" scripts/device_suite.sh
 #
 # Steps: tests, step (one decode step, eager vs CUDA graphs), reload (16k reload and 0 % reuse),
-# noreuse-lazy / noreuse-inline (0 % reuse with the lazy policy / the worker loop on the engine's
-# thread), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
+# noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
+# its own), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists.
 set -u
 OUT=${OUT:-./device-out}
-STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-inline multiround decode contention tp}
+STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-thread multiround decode contention tp}
 mkdir -p "$OUT/logs"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -58,9 +58,9 @@ for step in $STEPS; do
     noreuse-lazy)
       run noreuse_lazy 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat 9 --store-policy lazy --json "$OUT/noreuse_lazy.json" ;;
-    noreuse-inline)
-      run noreuse_inline 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
-        --scenario noreuse --repeat 9 --worker-loop inline --json "$OUT/noreuse_inline.json" ;;
+    noreuse-thread)
+      run noreuse_thread 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
+        --scenario noreuse --repeat 9 --worker-loop thread --json "$OUT/noreuse_thread.json" ;;
     multiround)
       run multiround 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
         --json "$OUT/multiround.json" --plot "$OUT/multiround.png" ;;
