@@ -972,7 +972,7 @@ class OffloadManager:
         self._cursor_hash = None
         self._ahead.clear()
 
-    def _lazy_taken(self, ids: Iterable[int]) -> None:
+    def _lazy_taken(self, ids: Sequence[int]) -> None:
         """The engine took these GPU blocks (allocation or prefix hit): they left the free queue,
         and what kvflow recorded of their content no longer holds."""
         record = self._gpu_hash
@@ -980,7 +980,6 @@ class OffloadManager:
             # A block handed to a request may be refilled (a fresh allocation, a load) before
             # kvflow sees its new owner's tokens: a lazy walk trusting the old record would store
             # the new content under the old hash. The new owner's ``_advance`` records it again.
-            ids = ids if isinstance(ids, list | tuple) else list(ids)
             for b in ids:
                 record.pop(b, None)
         ahead = self._ahead

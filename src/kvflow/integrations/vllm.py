@@ -180,6 +180,11 @@ def group_block_ids(block_ids: Sequence[Sequence[int]]) -> GroupBlockIds:
     return tuple(map(tuple, block_ids))
 
 
+def _joined(held: GroupBlockIds, new_ids: Sequence[Sequence[int]]) -> GroupBlockIds:
+    """Held ids with a step's new ids appended, group by group."""
+    return tuple((*a, *b) for a, b in zip(held, new_ids, strict=True))
+
+
 def _has_blocks(new_ids: Sequence[Sequence[int]] | None) -> bool:
     return new_ids is not None and any(new_ids)
 
@@ -211,11 +216,7 @@ class HeldBlockIds:
             return
         assert new_ids is not None
         held = self._ids.get(request_id)
-        self._ids[request_id] = (
-            group_block_ids(new_ids)
-            if held is None
-            else tuple((*a, *b) for a, b in zip(held, new_ids, strict=True))
-        )
+        self._ids[request_id] = group_block_ids(new_ids) if held is None else _joined(held, new_ids)
 
     def take(
         self, request_id: str, new_ids: Sequence[Sequence[int]] | None = None
@@ -251,7 +252,7 @@ class HeldBlockIds:
                 # Tuples now (in C): the columns then take them as they are. One group (most
                 # models) skips the ``map``.
                 if prev is not None:
-                    held[rid] = tuple((*a, *b) for a, b in zip(prev, ids, strict=True))
+                    held[rid] = _joined(prev, ids)
                 elif len(ids) == 1:
                     held[rid] = (tuple(ids[0]),)
                 else:

@@ -144,12 +144,12 @@ class InlineWorkerRuntime(WorkerFacade):
     def _step_loop(self) -> None:
         """Let the loop run what the last call queued and dispatch finished copies. A loop turn
         costs tens of microseconds on the engine's thread; with copies in flight and nothing
-        queued, the fences are polled first and the loop runs only once one has finished."""
+        queued, the fences are polled first and the loop runs only once one has finished.
+        Callers check that the runtime is open."""
         rt = self._rt
         if rt.executor.queued:
             self._on_loop(self._settle)
         elif rt.in_flight or rt.executor.outstanding:
-            self._check_open()
             done = rt.reactor.poll()
             if done:
                 self._on_loop(self._settle, done)
