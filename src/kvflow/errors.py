@@ -11,6 +11,11 @@ class ConfigError(KVFlowError, ValueError):
     """A configuration value, argument or input is invalid; the message names it."""
 
 
+class ProtocolError(KVFlowError):
+    """A call came in the wrong order or names what the callee does not know (an unknown running
+    request, a load with no pinned hit, a plan bound out of step order); state is unchanged."""
+
+
 class LayoutError(ConfigError):
     """KV tensors handed to kvflow are inconsistent (shape, stride, device); names the tensor."""
 
@@ -49,6 +54,7 @@ __all__ = [
     "ConfigError",
     "KVFlowError",
     "LayoutError",
+    "ProtocolError",
     "ReportError",
     "TransitionError",
 ]
