@@ -27,9 +27,9 @@ from rich.table import Table
 
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import BlockPoolGpuView
+from kvflow.core.offload import GroupSpec, OffloadManager, OffloadManagerConfig, StorePolicy
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.requests import CachedRequest, KVRequest, NewRequest, SchedulerOutput
-from kvflow.core.scheduler import GroupSpec, OffloadManager, SchedulerConfig, StorePolicy
 
 BLOCK = 16
 PROMPT = 1000  # 62 full blocks + 8 tokens: every request completes a block 8 steps into decode
@@ -136,7 +136,7 @@ def run_decode(
 
 def make(num_cpu_blocks: int, policy: StorePolicy, gpu_blocks: int, watermark: int = 64) -> Engine:
     gpu = BlockPool(gpu_blocks, name="gpu")
-    cfg = SchedulerConfig(
+    cfg = OffloadManagerConfig(
         groups=(GroupSpec(block_size=BLOCK, num_cpu_blocks=num_cpu_blocks, block_bytes=2 << 20),),
         store_policy=policy,
         lazy_watermark=watermark,

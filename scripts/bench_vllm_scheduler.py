@@ -228,7 +228,7 @@ def main() -> None:
             simple_echo,
         ),
     ]
-    kvflow_ready = importlib.util.find_spec("kvflow.core.scheduler") is not None
+    kvflow_ready = importlib.util.find_spec("kvflow.core.offload") is not None
     # kvflow's defaults (eager stores coalesced over 4 decode steps), and eager with one store
     # per step, as the other connectors do.
     interval = (

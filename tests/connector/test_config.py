@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow.connector.config import EAGER_STORE_INTERVAL, OffloadConfig, WorkerLoop
-from kvflow.core.scheduler import StorePolicy
+from kvflow.core.offload import StorePolicy
 from kvflow.errors import ConfigError
 
 

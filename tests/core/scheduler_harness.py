@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import BlockPoolGpuView, GpuCacheView
 from kvflow.core.hashing import BlockHash, hash_block, hash_blocks
+from kvflow.core.offload import GroupSpec, OffloadManager, OffloadManagerConfig, StepOutcome
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import (
     NO_DECODE_REQUESTS,
@@ -22,7 +23,6 @@ from kvflow.core.requests import (
     NewRequest,
     SchedulerOutput,
 )
-from kvflow.core.scheduler import GroupSpec, OffloadManager, SchedulerConfig, StepOutcome
 from kvflow.core.transfer import Direction
 
 
@@ -82,7 +82,7 @@ class Sim:
         self.null: int | None = None
         if null_block:
             self.null = self.gpu.get_new_blocks(1)[0]  # held forever, like vLLM's null block
-        self.config = SchedulerConfig(
+        self.config = OffloadManagerConfig(
             groups=tuple(groups),
             world_size=world_size,
             store_policy=store_policy,

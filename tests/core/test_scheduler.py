@@ -17,17 +17,17 @@ from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import hash_block, hash_blocks
-from kvflow.core.protocol import StepPlan
-from kvflow.core.requests import CachedRequest, KVRequest, SchedulerOutput
-from kvflow.core.scheduler import (
+from kvflow.core.offload import (
     GroupSpec,
     OffloadManager,
+    OffloadManagerConfig,
     ResetStatus,
-    SchedulerConfig,
     StorePolicy,
 )
+from kvflow.core.protocol import StepPlan
+from kvflow.core.requests import CachedRequest, KVRequest, SchedulerOutput
 from kvflow.core.transfer import Direction, TransferState
-from kvflow.errors import ConfigError, ReportError
+from kvflow.errors import ConfigError, ProtocolError, ReportError
 from tests.core.conftest import MakeSim
 from tests.core.scheduler_harness import Sim
 
@@ -741,10 +741,11 @@ def test_update_state_after_alloc_called_again_replaces_the_load(make_sim: MakeS
 
 
 def test_bad_calls_raise_typed_errors_and_change_nothing(make_sim: MakeSim) -> None:
-    """Misuse raises ConfigError or ReportError naming the problem, leaving the manager usable."""
+    """Misuse raises ProtocolError, ConfigError or ReportError naming the problem, leaving the
+    manager usable."""
     sim = make_sim(ONE_GROUP)
     a = sim.add("a", range(8))
-    with pytest.raises(ConfigError, match="no pinned CPU hit"):
+    with pytest.raises(ProtocolError, match="no pinned CPU hit"):
         sim.mgr.update_state_after_alloc(a, [[1, 2]], 4)
     with pytest.raises(ConfigError, match="num_computed_tokens"):
         sim.mgr.get_num_new_matched_tokens(a, -1)
@@ -762,13 +763,13 @@ def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="block_size"):
         GroupSpec(block_size=0, num_cpu_blocks=1)
     with pytest.raises(ConfigError, match="at least one"):
-        SchedulerConfig(groups=())
+        OffloadManagerConfig(groups=())
     with pytest.raises(ConfigError, match="world_size"):
-        SchedulerConfig(groups=ONE_GROUP, world_size=0)
+        OffloadManagerConfig(groups=ONE_GROUP, world_size=0)
     with pytest.raises(ConfigError, match="sometimes"):
-        SchedulerConfig(groups=ONE_GROUP, store_policy="sometimes")
+        OffloadManagerConfig(groups=ONE_GROUP, store_policy="sometimes")
     with pytest.raises(ConfigError, match="gpu_view"):
-        OffloadManager(SchedulerConfig(groups=ONE_GROUP, store_policy=StorePolicy.LAZY))
+        OffloadManager(OffloadManagerConfig(groups=ONE_GROUP, store_policy=StorePolicy.LAZY))
 
 
 def test_transfer_transitions_are_logged(make_sim: MakeSim) -> None:
@@ -818,7 +819,7 @@ def test_invalid_step_or_report_is_rejected_whole(make_sim: MakeSim) -> None:
         cached_requests=(CachedRequest("a", [[]], 8, 1), CachedRequest("ghost", [[]], 0, 1)),
         preempted_request_ids=frozenset({"a"}),
     )
-    with pytest.raises(ConfigError, match="ghost"):
+    with pytest.raises(ProtocolError, match="ghost"):
         sim.mgr.build_step_plan(bad)
     a.all_token_ids.extend(range(8, 16))
     short = SchedulerOutput(99, cached_requests=(CachedRequest("a", [[]], 8, 8),))

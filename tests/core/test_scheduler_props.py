@@ -12,8 +12,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvflow.core.offload import GroupSpec, ResetStatus
 from kvflow.core.requests import KVRequest
-from kvflow.core.scheduler import GroupSpec, ResetStatus
 from tests.core.scheduler_harness import Sim
 
 BS = 4

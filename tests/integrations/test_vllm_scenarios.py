@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm")
-pytest.importorskip("kvflow.core.scheduler")
+pytest.importorskip("kvflow.core.offload")
 
 from typing import Any
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from attrs import field, fields, frozen
 
-from kvflow.core.scheduler import StorePolicy
+from kvflow.core.offload import StorePolicy
 from kvflow.errors import ConfigError
 
 
@@ -89,7 +89,7 @@ class OffloadConfig:
       to be evicted from the GPU);
     - ``lazy_watermark``: lazy policy, blocks at the eviction end of the GPU free queue kept stored;
     - ``eager_store_interval``: eager policy, decode steps whose completed blocks go in one store
-      (1: a store each step; see ``SchedulerConfig``);
+      (1: a store each step; see ``OffloadManagerConfig``);
     - ``backend``: ``auto``, ``host`` or ``cuda``;
     - ``world_size``: tensor-parallel ranks that must all report a copy before it commits;
     - ``worker_loop``: ``inline`` (the default: the worker runtime's loop, copy launches and

@@ -1,6 +1,6 @@
 """kvflow's offload connector: the CPU tier behind the engine-facing connector interface.
 
-``OffloadScheduler`` is the scheduler role: a thin shell around ``kvflow.core.scheduler``'s
+``OffloadScheduler`` is the scheduler role: a thin shell around ``kvflow.core.offload``'s
 ``OffloadManager`` that turns its step plans into connector metadata and the workers' reports into
 the finished/invalid sets an engine acts on. ``OffloadWorker`` is the worker role: the
 synchronous facade of ``kvflow.runtime`` over a backend. ``OffloadConnector`` builds the pair for
@@ -22,15 +22,15 @@ from kvflow.backends.select import make_backend
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig, WorkerLoop
 from kvflow.core.gpu_view import GpuCacheView
-from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
-from kvflow.core.requests import RequestLike, SchedulerOutput
-from kvflow.core.scheduler import (
+from kvflow.core.offload import (
     GroupSpec,
     OffloadManager,
+    OffloadManagerConfig,
     OffloadStats,
     ResetStatus,
-    SchedulerConfig,
 )
+from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
+from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
 from kvflow.runtime.facade import WorkerFacade
@@ -123,7 +123,7 @@ class OffloadScheduler:
         self.kv_cache_config = kv_cache_config
         self.cpu_blocks = config.cpu_blocks_per_group(block_bytes)
         self.manager = OffloadManager(
-            SchedulerConfig(
+            OffloadManagerConfig(
                 groups=group_specs(kv_cache_config, block_bytes, self.cpu_blocks),
                 world_size=config.world_size,
                 store_policy=config.store_policy,

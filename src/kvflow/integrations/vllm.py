@@ -416,7 +416,7 @@ class OutcomeLike(Protocol):
 
 
 class SchedulerDelegate(Protocol):
-    """The engine-facing calls of ``kvflow.core.scheduler.OffloadManager``."""
+    """The engine-facing calls of ``kvflow.core.offload.OffloadManager``."""
 
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
@@ -830,9 +830,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     def make_scheduler_delegate(self, gpu_view: VLLMGpuCacheView) -> SchedulerDelegate:
         """kvflow's ``OffloadManager`` for this vLLM instance's KV cache groups."""
-        from kvflow.core.scheduler import GroupSpec, OffloadManager, SchedulerConfig
+        from kvflow.core.offload import GroupSpec, OffloadManager, OffloadManagerConfig
 
-        config = SchedulerConfig(
+        config = OffloadManagerConfig(
             groups=[
                 GroupSpec(
                     block_size=g.block_size,

@@ -1,0 +1,32 @@
+"""The scheduler-side offload manager, one module per part.
+
+``config`` (policies, groups, derived geometry) · ``state`` (per-request and per-transfer state)
+· ``matching`` (CPU-hit matching) · ``eager`` (the eager store policy) · ``lazy`` (the lazy
+policy's cursor over the GPU free queue) · ``ledger`` (the transfer ledger: the one place a
+transfer changes state or a block ref changes) · ``stats`` · ``manager`` (``OffloadManager``: the
+engine's calls, orchestrating the rest). Imports go one way: ``manager`` → policies, matcher,
+ledger → ``state``, ``stats``, ``config``.
+"""
+
+from kvflow.core.offload.config import (
+    LAZY_REQUEST_ID,
+    STEP_STORE_ID,
+    GroupSpec,
+    OffloadManagerConfig,
+    ResetStatus,
+    StorePolicy,
+)
+from kvflow.core.offload.manager import OffloadManager
+from kvflow.core.offload.stats import OffloadStats, StepOutcome
+
+__all__ = [
+    "LAZY_REQUEST_ID",
+    "STEP_STORE_ID",
+    "GroupSpec",
+    "OffloadManager",
+    "OffloadManagerConfig",
+    "OffloadStats",
+    "ResetStatus",
+    "StepOutcome",
+    "StorePolicy",
+]

@@ -1,0 +1,154 @@
+"""Configuration of the offload manager: its policies, its KV cache groups, and what follows from them.
+
+``OffloadManagerConfig`` is what a caller gives (a connector derives it from its user-facing
+``OffloadConfig``); ``Geometry`` is derived from it once, the per-group constants every part of
+the manager reads.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+
+from attrs import field, frozen
+
+from kvflow.errors import ConfigError
+
+LAZY_REQUEST_ID = "<lazy>"
+"""The request id of lazy-policy stores, which belong to the GPU free queue, not to a request."""
+STEP_STORE_ID = "<step>"
+"""The request id of an eager store carrying the blocks of several requests (one per step)."""
+
+
+class StorePolicy(enum.StrEnum):
+    """When GPU blocks are copied to the CPU tier."""
+
+    EAGER = "eager"  # as soon as a block's KV is computed
+    LAZY = "lazy"  # only when the block nears the eviction end of the GPU free queue
+
+
+class ResetStatus(enum.StrEnum):
+    """What ``reset_cache`` achieved."""
+
+    COMPLETE = "complete"  # the CPU prefix cache is empty now
+    PENDING = "pending"  # transfers were in flight; the reset completes when they settle
+
+
+def _positive(name: str, value: int) -> None:
+    if type(value) is not int or value <= 0:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+
+@frozen
+class GroupSpec:
+    """One KV cache group as the manager sees it.
+
+    ``block_size`` and ``sliding_window`` are in tokens; ``block_bytes`` (bytes of one block over all
+    its layers, 0 if unknown) only feeds the byte counters of the stats.
+    """
+
+    block_size: int
+    num_cpu_blocks: int
+    sliding_window: int | None = None
+    block_bytes: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("num_cpu_blocks", self.num_cpu_blocks)
+        if self.sliding_window is not None:
+            _positive("sliding_window", self.sliding_window)
+        if type(self.block_bytes) is not int or self.block_bytes < 0:
+            raise ConfigError(f"block_bytes must be a non-negative int, got {self.block_bytes!r}")
+
+
+def _as_groups(value: Iterable[GroupSpec]) -> tuple[GroupSpec, ...]:
+    return tuple(value)
+
+
+def _as_policy(value: str) -> StorePolicy:
+    try:
+        return StorePolicy(value)
+    except ValueError:
+        raise ConfigError(
+            f"store_policy must be one of {[p.value for p in StorePolicy]}, got {value!r}"
+        ) from None
+
+
+@frozen
+class OffloadManagerConfig:
+    """Configuration of one ``OffloadManager``.
+
+    ``lazy_watermark`` is how many blocks at the eviction end of the GPU free queue the lazy policy
+    keeps stored. ``null_block_id`` is the engine's padding block (vLLM: 0), never transferred.
+    ``eager_store_interval``: in steady decode the eager policy plans one store every that many
+    steps, with every block completed since (1: each step), so the fixed cost of a transfer
+    (plan, launch, commit) is paid once for them all. A step with new or resumed requests stores
+    at once, a finishing request's blocks are stored when it finishes and a preempted request's
+    are dropped with its GPU blocks. With a sliding-window group it is 1: the engine may free a
+    block leaving the window before a later step would store it.
+    """
+
+    groups: tuple[GroupSpec, ...] = field(converter=_as_groups)
+    world_size: int = 1
+    store_policy: StorePolicy = field(default=StorePolicy.EAGER, converter=_as_policy)
+    lazy_watermark: int = 64
+    null_block_id: int | None = None
+    eager_store_interval: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("OffloadManagerConfig needs at least one KV cache group")
+        for g, spec in enumerate(self.groups):
+            if not isinstance(spec, GroupSpec):
+                raise ConfigError(f"group {g} must be a GroupSpec, not {type(spec).__name__}")
+        _positive("world_size", self.world_size)
+        _positive("lazy_watermark", self.lazy_watermark)
+        _positive("eager_store_interval", self.eager_store_interval)
+
+
+@frozen
+class Geometry:
+    """The per-group constants derived from a config, computed once.
+
+    ``slot[g]`` is group ``g``'s index into a request's hashers (one per distinct block size);
+    ``align`` is the least common multiple of the block sizes, the granularity of a hit.
+    """
+
+    num_groups: int
+    block_sizes: tuple[int, ...]
+    group_sizes: tuple[tuple[int, int], ...]  # (group, block size), for loops over both
+    hasher_sizes: tuple[int, ...]
+    slot: tuple[int, ...]
+    align: int
+    full_groups: tuple[int, ...]
+    window_groups: tuple[int, ...]
+    windows: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, config: OffloadManagerConfig) -> Geometry:
+        groups = config.groups
+        block_sizes = tuple(g.block_size for g in groups)
+        sizes = sorted(set(block_sizes))
+        return cls(
+            num_groups=len(groups),
+            block_sizes=block_sizes,
+            group_sizes=tuple(enumerate(block_sizes)),
+            hasher_sizes=tuple(sizes),
+            slot=tuple(sizes.index(bs) for bs in block_sizes),
+            align=math.lcm(*sizes),
+            full_groups=tuple(g for g, s in enumerate(groups) if s.sliding_window is None),
+            window_groups=tuple(g for g, s in enumerate(groups) if s.sliding_window is not None),
+            windows=tuple(s.sliding_window for s in groups),
+        )
+
+
+__all__ = [
+    "LAZY_REQUEST_ID",
+    "STEP_STORE_ID",
+    "Geometry",
+    "GroupSpec",
+    "OffloadManagerConfig",
+    "ResetStatus",
+    "StorePolicy",
+]

@@ -1,0 +1,122 @@
+"""The eager store policy: a block is stored as soon as its KV is computed.
+
+``EagerStore.collect`` hands the blocks the requests completed since their last call to the
+store, as one ``StoreBatch``; in steady decode, ``eager_store_interval`` plans' worth of requests
+are deferred and collected together (``defer`` / ``due``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvflow.core.block_pool import BlockPool
+from kvflow.core.hashing import BlockHash
+from kvflow.core.offload.config import Geometry
+from kvflow.core.offload.state import RequestState, StoreBatch, next_boundary
+
+
+class EagerStore:
+    """Picks each completed block worth storing: not the null block, not cached on CPU, not
+    being stored, not picked already by the same batch."""
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        cpu: Sequence[BlockPool],
+        storing: Sequence[dict[BlockHash, int]],
+        *,
+        null_block_id: int | None,
+        interval: int,
+    ) -> None:
+        self._geo = geometry
+        self._cpu = cpu
+        self._storing = storing
+        self._null = null_block_id
+        self.interval = interval
+        # Interval > 1: requests with completed blocks not handed to the store yet (an ordered
+        # set), and how many plans ago the oldest of them was deferred.
+        self.deferred: dict[RequestState, None] = {}
+        self._deferred_plans = 0
+
+    def collect(self, sts: Sequence[RequestState], *, pick: bool = True) -> StoreBatch:
+        """Advance the requests' store cursors to their confirmed blocks; with ``pick``, return
+        the eager candidates among the blocks passed, in request order, as one batch.
+
+        Everything that is the same for every request is looked up once per call, not once per
+        request or block.
+        """
+        geo = self._geo
+        batch = StoreBatch.empty(geo.num_groups)
+        null = self._null
+        reqs = batch.reqs
+        sizes = geo.block_sizes
+        # Per group, everything the loop reads, in one tuple: the pools' hash → block dicts
+        # themselves (a method call per block costs more than the lookup), the hashes being
+        # stored, and this batch's picks.
+        groups = tuple(
+            enumerate(
+                zip(
+                    sizes,
+                    geo.slot,
+                    [pool.cached_hashes for pool in self._cpu],
+                    self._storing,
+                    batch.blocks,
+                    batch.owners,
+                    strict=True,
+                )
+            )
+        )
+        for st in sts:
+            if st.hashing:
+                st.hash_confirmed()
+            confirmed = st.confirmed
+            st.next_boundary = next_boundary(confirmed, sizes)
+            cursor = st.cursor
+            added = False
+            for g, (bs, slot, in_cpu, in_flight, picked, owners) in groups:
+                done = confirmed // bs
+                cur = cursor[g]
+                if done <= cur:
+                    continue
+                cursor[g] = done
+                if not pick:
+                    continue
+                ids = st.table[g]
+                hs = st.hash_lists[slot]
+                for i in range(cur, done):
+                    b, h = ids[i], hs[i]
+                    if b == null or h in in_flight or h in picked or h in in_cpu:
+                        continue
+                    picked[h] = b
+                    owners.append(st)
+                    added = True
+            if added:
+                reqs.append(st)
+        return batch
+
+    def defer(self, st: RequestState, confirmed: int) -> None:
+        """Skip the request until its next block completes, as if collected (its cursors stay
+        where the last store left them)."""
+        self.deferred[st] = None
+        st.next_boundary = next_boundary(confirmed, self._geo.block_sizes)
+
+    def due(self, *, fresh: bool, replaced: bool) -> list[RequestState] | None:
+        """The deferred requests if their store is due now (``fresh``: none were deferred before
+        this plan; ``replaced``: a request was new or resumed), else None.
+
+        Counted from the plan that deferred the oldest of them. Steps with new or resumed
+        requests (prefill: large stores) store at once, taking every deferred block along; only
+        steady decode steps are coalesced.
+        """
+        deferred = self.deferred
+        if not deferred:
+            return None
+        self._deferred_plans = (0 if fresh else self._deferred_plans) + 1
+        if replaced or self._deferred_plans >= self.interval:
+            due = list(deferred)
+            deferred.clear()
+            return due
+        return None
+
+
+__all__ = ["EagerStore"]

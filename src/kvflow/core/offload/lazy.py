@@ -1,0 +1,164 @@
+"""The lazy store policy's cursor over the GPU free queue: blocks are stored only when they near
+its eviction end.
+
+``LazyCursor.record`` remembers what each completed GPU block holds; ``walk`` returns the
+blocks of the queue's covered prefix the CPU tier lacks, as one ``StoreBatch`` for the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import structlog
+
+from kvflow.core.block_pool import BlockPool
+from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.hashing import BlockHash
+from kvflow.core.offload.config import Geometry
+from kvflow.core.offload.state import RequestState, StoreBatch, next_boundary
+
+log = structlog.get_logger("kvflow.scheduler")
+
+
+class LazyCursor:
+    """The covered prefix of the GPU free queue and the content records it is built from.
+
+    The cursor is the last covered block; every block from the queue head to it is covered
+    (stored, being stored, or holding nothing worth storing). It survives steps: blocks the
+    engine takes leave ``_ahead`` (``taken``), freed hashed blocks join behind the cursor. It
+    resets, and the next walk starts from the head, when its block is reused, or when a CPU
+    eviction or a failed store may have uncovered a block ahead of it.
+    """
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        cpu: Sequence[BlockPool],
+        storing: Sequence[dict[BlockHash, int]],
+        view: GpuCacheView,
+        *,
+        null_block_id: int | None,
+        watermark: int,
+    ) -> None:
+        self._geo = geometry
+        self._cpu = cpu
+        self._storing = storing
+        self._view = view
+        self._null = null_block_id
+        self._watermark = watermark
+        # GPU block → (group, kvflow hash, engine hash when recorded, None if not yet set).
+        self._record: dict[int, tuple[int, BlockHash, Hashable | None]] = {}
+        self._cursor: int | None = None  # the last covered block of the GPU free queue
+        self._cursor_hash: Hashable | None = None  # its engine hash when the walk passed it
+        self._ahead: set[int] = set()  # free blocks from the queue head to the cursor
+
+    def record(self, sts: Sequence[RequestState]) -> None:
+        """Advance the requests' cursors to their confirmed blocks, recording what each block
+        passed holds."""
+        geo = self._geo
+        view = self._view
+        record = self._record
+        null = self._null
+        for st in sts:
+            if st.hashing:
+                st.hash_confirmed()
+            confirmed = st.confirmed
+            st.next_boundary = next_boundary(confirmed, geo.block_sizes)
+            cursor = st.cursor
+            for g, bs in geo.group_sizes:
+                done = confirmed // bs
+                cur = cursor[g]
+                if done <= cur:
+                    continue
+                cursor[g] = done
+                ids = st.table[g]
+                hs = st.hash_lists[geo.slot[g]]
+                for i in range(cur, done):
+                    b = ids[i]
+                    if b != null:
+                        record[b] = (g, hs[i], view.block_hash(b))
+
+    def forget(self) -> None:
+        """Drop every content record (a cache reset)."""
+        self._record.clear()
+
+    def reset(self, cause: str) -> None:
+        """Nothing is covered any more: the next walk starts from the queue head."""
+        if self._cursor is not None or self._ahead:
+            log.debug("offload_lazy_cursor_reset", cause=cause, covered=len(self._ahead))
+        self._cursor = None
+        self._cursor_hash = None
+        self._ahead.clear()
+
+    def taken(self, ids: Sequence[int]) -> None:
+        """The engine took these GPU blocks (allocation or prefix hit): they left the free queue,
+        and what was recorded of their content no longer holds."""
+        record = self._record
+        if record:
+            # A block handed to a request may be refilled (a fresh allocation, a load) before
+            # kvflow sees its new owner's tokens: a walk trusting the old record would store the
+            # new content under the old hash. The new owner's ``record`` records it again.
+            for b in ids:
+                record.pop(b, None)
+        ahead = self._ahead
+        if not ahead:
+            return
+        for b in ids:
+            if b in ahead:
+                ahead.discard(b)
+                if b == self._cursor:
+                    self.reset("cursor_block_taken")
+                    return
+
+    def walk(self) -> StoreBatch | None:
+        """Extend the covered prefix of the GPU free queue to ``watermark`` blocks; returns the
+        hashed blocks in it that the CPU tier lacks (None if there are none)."""
+        view = self._view
+        ahead = self._ahead
+        cursor = self._cursor
+        if cursor is not None and (
+            not view.is_free(cursor) or view.block_hash(cursor) != self._cursor_hash
+        ):
+            self.reset("cursor_block_reused")
+            cursor = None
+        budget = self._watermark - len(ahead)
+        if budget <= 0:
+            return None
+        bid = view.first_free() if cursor is None else view.next_free(cursor)
+        record = self._record
+        null = self._null
+        picked: list[dict[BlockHash, int]] = [{} for _ in range(self._geo.num_groups)]
+        last = cursor
+        while bid is not None:
+            budget -= 1
+            ahead.add(bid)
+            rec = record.get(bid) if bid != null else None
+            engine_hash = None if rec is None else view.block_hash(bid)
+            # A block the engine refilled behind our back has a new engine hash: not ours to store.
+            if rec is not None and engine_hash is not None and rec[2] in (None, engine_hash):
+                g, h, _ = rec
+                if (
+                    h not in self._storing[g]
+                    and h not in picked[g]
+                    and not self._cpu[g].is_cached(h)
+                ):
+                    picked[g][h] = bid
+                else:
+                    last = bid
+            else:
+                last = bid
+            if budget <= 0:
+                break
+            bid = view.next_free(bid)
+        if last is not None and last != cursor:
+            self._cursor, self._cursor_hash = last, view.block_hash(last)
+        if not any(picked):
+            return None
+        for p in picked:
+            # A picked block leaves the free queue while its store holds it; it comes back
+            # behind the cursor, already covered.
+            ahead.difference_update(p.values())
+        return StoreBatch(picked, [[None] * len(p) for p in picked])
+
+
+__all__ = ["LazyCursor"]

@@ -1,0 +1,584 @@
+"""The offload manager: answers the engine scheduler's calls and orchestrates the other parts.
+
+``OffloadManager`` owns kvflow's CPU tier (one ``BlockPool`` per KV cache group, held by its
+``TransferLedger``) and its prefix cache. The engine's scheduler calls it like vLLM's KV
+connector scheduler API:
+
+- ``get_num_new_matched_tokens``: the longest CPU hit beyond the GPU prefix; pins the hit blocks;
+- ``update_state_after_alloc``: turns the pinned hit into a load into the GPU blocks just allocated;
+- ``build_step_plan``: every load and store of the step, as one ``StepPlan`` for the workers;
+- ``update_from_reports``: the workers' ``StepReport``\\ s; a transfer settles only when every rank
+  reported it; stores then enter the CPU prefix cache;
+- ``request_finished``: whether the engine must keep the request's GPU blocks for a copy in flight;
+- ``reset_cache``: forget the CPU prefix cache, with transfers in flight or not.
+
+Per-step work is one comparison per scheduled request plus work proportional to the blocks that
+completed. Sans-IO: no device, no event loop, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+import structlog
+from attrs import asdict
+
+from kvflow.core.block_pool import BlockPool
+from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
+from kvflow.core.offload.config import (
+    LAZY_REQUEST_ID,
+    STEP_STORE_ID,
+    Geometry,
+    OffloadManagerConfig,
+    ResetStatus,
+    StorePolicy,
+)
+from kvflow.core.offload.eager import EagerStore
+from kvflow.core.offload.lazy import LazyCursor
+from kvflow.core.offload.ledger import TransferLedger
+from kvflow.core.offload.matching import HitMatcher
+from kvflow.core.offload.state import (
+    PinnedHit,
+    RequestState,
+    StoreBatch,
+    confirmed_tokens,
+    own_hashers,
+    take,
+)
+from kvflow.core.offload.stats import Counters, OffloadStats, StepOutcome
+from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
+from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.transfer import Direction, TransferState
+from kvflow.errors import ConfigError, ProtocolError
+
+log = structlog.get_logger("kvflow.scheduler")
+
+# A request's news in ``build_step_plan``: (request, confirmed tokens, new block ids, whether
+# they replace the block table).
+_News = tuple[RequestState, int, GroupBlockIds, bool]
+
+
+class OffloadManager:
+    """The scheduler side of the CPU tier; see the module docstring for the call sequence."""
+
+    def __init__(
+        self, config: OffloadManagerConfig, *, gpu_view: GpuCacheView | None = None
+    ) -> None:
+        if config.store_policy is StorePolicy.LAZY and gpu_view is None:
+            raise ConfigError("store_policy 'lazy' needs a gpu_view of the engine's GPU block pool")
+        self.config = config
+        geo = self._geo = Geometry.of(config)
+        self._num_groups = geo.num_groups
+        self._null = config.null_block_id
+        self._eager = config.store_policy is StorePolicy.EAGER
+        self._requests: dict[str, RequestState] = {}
+        self._n = Counters()
+        ledger = self._ledger = TransferLedger(
+            config, gpu_view=gpu_view, counters=self._n, requests=self._requests
+        )
+        self._cpu = ledger.cpu
+        self._matcher = HitMatcher(geo, ledger.cpu)
+        interval = config.eager_store_interval if self._eager and not geo.window_groups else 1
+        self._store = EagerStore(
+            geo, ledger.cpu, ledger.storing, null_block_id=self._null, interval=interval
+        )
+        self._lazy: LazyCursor | None = None
+        if not self._eager:
+            assert gpu_view is not None
+            self._lazy = LazyCursor(
+                geo,
+                ledger.cpu,
+                ledger.storing,
+                gpu_view,
+                null_block_id=self._null,
+                watermark=config.lazy_watermark,
+            )
+        self._no_new: GroupBlockIds = ((),) * self._num_groups
+        self._allocated: dict[str, RequestState] = {}  # matches the engine allocated blocks for
+        self._reset_pending = False
+        self._reset_done = False
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def cpu_pools(self) -> tuple[BlockPool, ...]:
+        """The CPU tier, one pool per group (read-only use: tests and metrics)."""
+        return tuple(self._cpu)
+
+    @property
+    def reset_pending(self) -> bool:
+        """True between a ``reset_cache`` that found transfers in flight and their settling."""
+        return self._reset_pending
+
+    def num_live_transfers(self, request_id: str | None = None) -> int:
+        """Transfers not yet released, of one request or of all."""
+        if request_id is None:
+            return len(self._ledger.xfers)
+        st = self._requests.get(request_id)
+        return 0 if st is None else len(self._ledger.live(st))
+
+    def transfer_state(self, transfer_id: int) -> tuple[TransferState, frozenset[int]] | None:
+        """A live transfer's state and the ranks that reported it so far; None once released
+        (or never launched). For audits: a store must stay live until every rank reported."""
+        x = self._ledger.xfers.get(transfer_id)
+        return None if x is None else (x.transfer.state, frozenset(x.reported))
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the manager still keeps state for the request (finished ones: until their
+        transfers settle)."""
+        return request_id in self._requests
+
+    def cpu_refs(self) -> list[Counter[int]]:
+        """Per group, how many references the manager holds on each CPU block (transfers and
+        pinned hits): for consistency checks, it must equal the pools' ref counts."""
+        return self._ledger.cpu_refs()
+
+    def stats(self) -> OffloadStats:
+        """A frozen snapshot of the counters and of the CPU tier's occupancy."""
+        return OffloadStats(
+            **asdict(self._n),
+            transfers_in_flight=len(self._ledger.xfers),
+            cpu_blocks_used=sum(p.num_blocks - p.num_free_blocks for p in self._cpu),
+            cpu_blocks_cached=sum(p.num_cached_blocks for p in self._cpu),
+        )
+
+    # ---- matching -----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the CPU tier can load, and whether asynchronously.
+
+        Whole blocks, consistent over all groups, leaving at least one token to compute. ``None``
+        means "ask again next step" (this request's previous load is still on the device). The hit
+        blocks are pinned until ``update_state_after_alloc`` or ``request_finished``.
+        """
+        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+            raise ConfigError(
+                f"num_computed_tokens must be an int >= 0, got {num_computed_tokens!r}"
+            )
+        rid = request.request_id
+        st = self._requests.get(rid)
+        if st is None:
+            st = self._new_request(request)
+        else:
+            if any(x.spec.direction is Direction.LOAD for x in st.transfers.values()):
+                return None, False
+            if st.request is not request:
+                # Another object for the same id (a preempted request comes back through the
+                # waiting queue): hash from it, and an engine's hashes live on the new object.
+                st.set_request(request, self._hashers(request))
+            self._drop_match(st)
+        if self._reset_pending:
+            return 0, False
+        tokens = request.all_token_ids
+        num_tokens = len(tokens)
+        for hasher in st.hashers:
+            hasher.extend_to(tokens, num_tokens)
+        hit = self._matcher.longest_hit(st, num_computed_tokens, num_tokens)
+        self._n.lookups += 1
+        # A full-prompt hit still recomputes the last token: the engine needs its logits.
+        num_external = min(hit, num_tokens - 1) - num_computed_tokens
+        if num_external <= 0:
+            self._n.misses += 1
+            return 0, False
+        first: list[int] = []
+        pinned: list[tuple[int, ...]] = []
+        for g in range(self._num_groups):
+            lo, hi = self._matcher.needed_blocks(g, num_computed_tokens, hit)
+            hashes = st.hashers[self._geo.slot[g]].hashes
+            pinned.append(self._ledger.pin(g, hashes[lo:hi]))
+            first.append(lo)
+        st.match = PinnedHit(num_computed_tokens, num_external, tuple(first), tuple(pinned))
+        self._n.hits += 1
+        self._n.hit_tokens += num_external
+        log.debug(
+            "offload_hit",
+            request_id=rid,
+            num_computed_tokens=num_computed_tokens,
+            num_external_tokens=num_external,
+        )
+        return num_external, True
+
+    def update_state_after_alloc(
+        self,
+        request: RequestLike,
+        gpu_block_ids: Sequence[Sequence[int]],
+        num_external_tokens: int,
+    ) -> None:
+        """Turn the pinned hit into a load into ``gpu_block_ids`` (the request's whole block table).
+
+        ``num_external_tokens`` is what the engine allocated for: 0 drops the pin; less than the hit
+        loads fewer blocks. Until the next ``build_step_plan`` a new call replaces the previous one.
+        """
+        rid = request.request_id
+        st = self._requests.get(rid)
+        if type(num_external_tokens) is not int or num_external_tokens < 0:
+            raise ConfigError(f"{rid}: num_external_tokens must be an int >= 0")
+        if num_external_tokens == 0:
+            if st is not None:
+                self._drop_match(st)
+            return
+        m = None if st is None else st.match
+        if st is None or m is None:
+            raise ProtocolError(
+                f"{rid}: {num_external_tokens} external tokens but no pinned CPU hit"
+            )
+        if num_external_tokens > m.num_external_tokens:
+            raise ConfigError(
+                f"{rid}: {num_external_tokens} external tokens allocated, "
+                f"only {m.num_external_tokens} matched"
+            )
+        table = [tuple(int(b) for b in group) for group in gpu_block_ids]
+        if len(table) != self._num_groups:
+            raise ConfigError(f"{rid}: {len(table)} block groups, expected {self._num_groups}")
+        last_token = m.num_computed_tokens + num_external_tokens
+        gpu: list[tuple[int, ...]] = []
+        cpu: list[tuple[int, ...]] = []
+        for g, bs in self._geo.group_sizes:
+            lo = m.first[g]
+            n = max(0, -(-last_token // bs) - lo)
+            if len(table[g]) < lo + n:
+                raise ConfigError(
+                    f"{rid} group {g}: block table has {len(table[g])} blocks, load needs {lo + n}"
+                )
+            pairs = [
+                (gb, cb)
+                for gb, cb in zip(table[g][lo : lo + n], m.cpu_block_ids[g][:n], strict=True)
+                if gb != self._null
+            ]
+            gpu.append(tuple(p[0] for p in pairs))
+            cpu.append(tuple(p[1] for p in pairs))
+        st.request = request
+        m.load = (tuple(gpu), tuple(cpu))
+        if self._lazy is not None:
+            for ids in table:
+                self._lazy.taken(ids)
+        self._allocated[rid] = st
+
+    # ---- planning -----------------------------------------------------------------------------
+
+    def build_step_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        """Every load and store of this step (all PENDING transfers are launched). Pure w.r.t. input."""
+        so = scheduler_output
+        requests = self._requests
+        check = self._check_table
+        num_groups = self._num_groups
+        dirty: list[_News] = []
+        for new in so.new_requests:
+            st = requests.get(new.request_id)
+            if st is None:
+                raise ProtocolError(
+                    f"unknown new request {new.request_id!r}: match or alloc it first"
+                )
+            end = new.num_computed_tokens + new.num_scheduled_tokens - new.num_spec_tokens
+            confirmed = confirmed_tokens(st, end)
+            check(st, end, confirmed, new.block_ids, True)
+            dirty.append((st, confirmed, new.block_ids, True))
+        no_new = self._no_new
+        news = self._running_news
+        for c in so.cached_requests:
+            st = requests.get(c.request_id)
+            if st is None:
+                raise ProtocolError(f"unknown running request {c.request_id!r}")
+            end = c.num_computed_tokens + c.num_scheduled_tokens - c.num_spec_tokens
+            ids = c.new_block_ids
+            if end < st.next_boundary:
+                if ids == no_new:
+                    continue  # the steady state: no block completed, none allocated
+                if not c.resumed_from_preemption:
+                    # Only new blocks (vLLM-like engines pass every allocation at once): inline,
+                    # as the common case of a step where many requests cross into a new block.
+                    confirmed = confirmed_tokens(st, end)
+                    if confirmed >= st.confirmed and len(ids) == num_groups:
+                        dirty.append((st, confirmed, ids, False))
+                        continue
+            dirty.append(news(st, end, ids, c.resumed_from_preemption))
+        decode = so.decode_requests
+        group_sizes = self._geo.group_sizes
+        # Columns of one-token steps: each entry is a CachedRequest scheduling 1 token. The
+        # steady state of a big batch, so ``_running_news`` is inlined: the table check is a
+        # comparison per group, and the call only happens to raise its error.
+        for rid, computed, ids in zip(
+            decode.request_ids, decode.num_computed_tokens, decode.new_block_ids, strict=True
+        ):
+            st = requests.get(rid)
+            if st is None:
+                raise ProtocolError(f"unknown running request {rid!r}")
+            end = computed + 1
+            if end < st.next_boundary and ids == no_new:
+                continue
+            confirmed = confirmed_tokens(st, end)
+            have = st.table
+            if len(ids) != num_groups:
+                check(st, end, confirmed, ids, False)
+            for g, bs in group_sizes:
+                if len(have[g]) + len(ids[g]) < confirmed // bs:
+                    check(st, end, confirmed, ids, False)
+            dirty.append((st, confirmed, ids, False))
+        # Every table is checked: from here on nothing raises on bad input.
+
+        flush = False
+        if so.preempted_request_ids:
+            flush = True
+            for rid in sorted(so.preempted_request_ids):
+                st = requests.get(rid)
+                if st is not None:
+                    self._preempt(st)
+        if so.finished_request_ids:
+            for rid in sorted(so.finished_request_ids):
+                st = requests.get(rid)
+                if st is not None and not st.finishing:
+                    # The engine dropped the request without request_finished: its blocks are gone.
+                    self._finish(st, None, engine_freed=True)
+        ledger = self._ledger
+        if self._allocated:
+            for st in self._allocated.values():
+                ledger.plan_load(st)
+            self._allocated.clear()
+        advancing: list[RequestState] = []
+        replaced = False
+        lazy = self._lazy
+        store = self._store
+        # Eager stores coalesced over ``eager_store_interval`` plans: a request with a completed
+        # block joins the deferred ones here, while its state is at hand.
+        deferring = store.interval > 1
+        fresh = not store.deferred
+        for st, confirmed, ids, replace in dirty:
+            if lazy is not None:
+                for group_ids in ids:
+                    lazy.taken(group_ids)
+            if replace:
+                replaced = True
+                st.table = tuple([list(g) for g in ids])
+                st.cursor = [0] * num_groups
+            elif num_groups == 1:
+                if ids[0]:
+                    st.table[0].extend(ids[0])
+            else:
+                for table, new_ids in zip(st.table, ids, strict=True):
+                    if new_ids:
+                        table.extend(new_ids)
+            if replace or confirmed >= st.next_boundary or confirmed < st.confirmed:
+                if deferring:
+                    store.defer(st, confirmed)
+                else:
+                    advancing.append(st)
+            # Else no group completes a block and confirmed tokens did not go back: advancing
+            # would change nothing, its boundary included.
+            st.confirmed = confirmed
+        if deferring:
+            due = store.due(fresh=fresh, replaced=replaced)
+            if due is not None:
+                advancing = due
+        if advancing:
+            # One pass over the step's completed blocks (requests are independent of each other
+            # here, so advancing after every table grew is the same as advancing each in turn).
+            self._advance(advancing, STEP_STORE_ID)
+        if lazy is not None and not self._reset_pending:
+            batch = lazy.walk()
+            if batch is not None:
+                self._plan_store(batch, LAZY_REQUEST_ID)
+        if not ledger.pending and not ledger.abandoned:
+            return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
+        return ledger.launch(so.step, flush)
+
+    def _advance(self, sts: Sequence[RequestState], request_id: str) -> None:
+        """Hand the blocks the requests completed since their last call to the store policy;
+        the eager policy's candidates become one store named ``request_id``."""
+        if self._lazy is not None:
+            self._lazy.record(sts)
+            return
+        batch = self._store.collect(sts, pick=not self._reset_pending)
+        if batch.reqs:
+            self._plan_store(batch, request_id)
+
+    def _plan_store(self, batch: StoreBatch, request_id: str) -> None:
+        evicted = self._ledger.plan_store(batch, request_id)
+        if evicted and self._lazy is not None:
+            # Evicted copies may back blocks ahead of the cursor: they are no longer covered.
+            self._lazy.reset("cpu_eviction")
+
+    def _running_news(self, st: RequestState, end: int, ids: GroupBlockIds, replace: bool) -> _News:
+        """A running request with news (``end`` tokens computed after the step), its table
+        checked; the ``dirty`` entry ``build_step_plan`` applies once every request passed."""
+        confirmed = confirmed_tokens(st, end)
+        if (
+            replace
+            or confirmed >= st.next_boundary
+            or confirmed < st.confirmed
+            or len(ids) != self._num_groups
+        ):
+            self._check_table(st, end, confirmed, ids, replace)
+        # Else only new blocks: every group's table already holds its confirmed blocks (the
+        # check passed when they completed; tables only grow until a preemption resets the
+        # boundary), so it holds them with more blocks too.
+        return st, confirmed, ids, replace
+
+    def _check_table(
+        self, st: RequestState, end: int, confirmed: int, ids: GroupBlockIds, replace: bool
+    ) -> None:
+        """Validate the request's block table after this step's ids."""
+        if len(ids) != self._num_groups:
+            rid = st.request.request_id
+            raise ConfigError(f"{rid}: {len(ids)} block groups, expected {self._num_groups}")
+        table = st.table
+        for g, bs in self._geo.group_sizes:
+            have = len(ids[g]) if replace else len(table[g]) + len(ids[g])
+            if have < confirmed // bs:
+                raise ConfigError(
+                    f"{st.request.request_id} group {g}: {have} GPU blocks cannot hold "
+                    f"{end} computed tokens"
+                )
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def _new_request(self, request: RequestLike) -> RequestState:
+        hashers = self._hashers(request)
+        n = self._num_groups
+        st = RequestState(
+            request=request,
+            hashers=hashers,
+            hashing=own_hashers(hashers),
+            hash_lists=tuple(h.hashes for h in hashers),
+            table=tuple([] for _ in range(n)),
+            cursor=[0] * n,
+        )
+        self._requests[request.request_id] = st
+        return st
+
+    def _hashers(self, request: RequestLike) -> list[HashChain]:
+        """Per block size, the engine's own hashes of the request where it has them, else
+        kvflow's hasher over its tokens."""
+        # ``EngineHashedRequest`` by its one method: a runtime protocol check is far slower.
+        engine: Callable[[int], Sequence[BlockHash] | None] | None = getattr(
+            request, "engine_block_hashes", None
+        )
+        out: list[HashChain] = []
+        for bs in self._geo.hasher_sizes:
+            hashes = None if engine is None else engine(bs)
+            out.append(
+                BlockHasher(bs, request.extra_keys)
+                if hashes is None
+                else EngineBlockHashes(bs, hashes)
+            )
+        return out
+
+    def _drop_match(self, st: RequestState) -> None:
+        m, st.match = st.match, None
+        if m is not None:
+            self._allocated.pop(st.request.request_id, None)
+            self._ledger.unpin(m)
+
+    def _preempt(self, st: RequestState) -> None:
+        # In-flight stores keep going: the plan's flush makes the engine wait for them before it
+        # reuses the blocks, so their data is good. A load's target blocks are gone.
+        self._drop_match(st)
+        self._ledger.drop_request(st, stores=False)
+        # Its GPU blocks are gone: completed blocks not stored yet are lost with them.
+        self._store.deferred.pop(st, None)
+        st.forget_blocks(self._num_groups)
+        log.debug("offload_request_preempted", request_id=st.request.request_id)
+
+    def request_finished(
+        self, request: RequestLike, block_ids: Sequence[Sequence[int]] | None = None
+    ) -> tuple[bool, dict[str, object] | None]:
+        """The request is done. Returns ``(delay_free, params)``: if ``delay_free``, the engine keeps
+        its GPU blocks until the request id appears in ``StepOutcome.finished_sending``.
+
+        Eager: any full computed block not yet stored is stored now (from ``block_ids``).
+        """
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return False, None
+        return self._finish(st, block_ids, engine_freed=False), None
+
+    def _finish(
+        self, st: RequestState, block_ids: Sequence[Sequence[int]] | None, *, engine_freed: bool
+    ) -> bool:
+        rid = st.request.request_id
+        table: list[list[int]] | None = None
+        if block_ids is not None and not engine_freed:
+            table = [[int(b) for b in g] for g in block_ids]
+            if len(table) != self._num_groups:
+                raise ConfigError(f"{rid}: {len(table)} block groups, expected {self._num_groups}")
+        self._drop_match(st)
+        ledger = self._ledger
+        # If the engine already freed the blocks, copies reading them produce garbage: abandon.
+        ledger.drop_request(st, stores=engine_freed)
+        # Blocks deferred by the store interval are stored with the rest: no cursor passed them,
+        # and the manager's own table still names them when the engine passes none.
+        deferred = st in self._store.deferred
+        self._store.deferred.pop(st, None)
+        if not engine_freed and not self._reset_pending and (table is not None or deferred):
+            if table is not None:
+                confirmed = st.confirmed
+                st.table = tuple(
+                    table[g] if len(table[g]) >= confirmed // bs else st.table[g]
+                    for g, bs in self._geo.group_sizes
+                )
+            self._advance((st,), rid)
+        st.finishing = True
+        live = ledger.has_live(st)
+        st.delay_free = live and not engine_freed
+        if live:
+            ledger.waiting[st] = None
+        else:
+            ledger.waiting.pop(st, None)
+            del self._requests[rid]
+        log.debug("offload_request_finished", request_id=rid, delay_free=st.delay_free)
+        return st.delay_free
+
+    def reset_cache(self) -> ResetStatus:
+        """Forget the CPU prefix cache. In-flight transfers are abandoned (their results dropped
+        when they settle); the reset is PENDING until then and COMPLETE after."""
+        for st in self._requests.values():
+            self._drop_match(st)
+        self._ledger.drop_all()
+        self._reset_pending = True
+        if self._lazy is not None:
+            self._lazy.forget()
+            self._lazy.reset("reset")
+        status = self._try_complete_reset()
+        log.info("offload_reset", status=status.value, in_flight=len(self._ledger.xfers))
+        return status
+
+    def _try_complete_reset(self) -> ResetStatus:
+        if not self._reset_pending:
+            return ResetStatus.COMPLETE
+        if self._ledger.xfers:
+            return ResetStatus.PENDING
+        for pool in self._cpu:
+            done = pool.reset_prefix_cache()
+            assert done, f"{pool.name}: blocks still in use after every transfer settled"
+        self._reset_pending = False
+        self._reset_done = True
+        return ResetStatus.COMPLETE
+
+    # ---- reports ------------------------------------------------------------------------------
+
+    def update_from_reports(self, reports: Iterable[StepReport]) -> StepOutcome:
+        """Apply worker reports. A transfer settles once all ``world_size`` ranks reported it: it
+        commits if all succeeded, else fails. Invalid input raises ``ReportError`` and changes nothing.
+        """
+        ledger = self._ledger
+        committed, failed, store_failed = ledger.apply_reports(reports, self.config.world_size)
+        if store_failed and self._lazy is not None:
+            # Blocks ahead of the lazy cursor may have counted on the failed store.
+            self._lazy.reset("store_failed")
+        self._try_complete_reset()
+        out = StepOutcome(
+            take(ledger.finished_sending),
+            take(ledger.finished_recving),
+            tuple(committed),
+            tuple(failed),
+            take(ledger.invalid),
+            self._reset_done,
+        )
+        self._reset_done = False
+        return out
+
+
+__all__ = ["OffloadManager"]
