@@ -31,9 +31,9 @@ from kvflow.backends.host import HostBackend
 from kvflow.core.layout import TensorDesc
 from kvflow.core.protocol import StepPlan, TransferSpec
 from kvflow.core.transfer import Direction
-from kvflow.runtime.portal import SyncWorkerRuntime
 from kvflow.runtime.reactor import Reactor
-from kvflow.runtime.worker import WorkerRuntime
+from kvflow.runtime.threaded import ThreadedSyncWorker
+from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
 GPU_BLOCKS = 1 << 16
 
@@ -78,7 +78,7 @@ async def overhead(
     """
     steps = max(transfers // per_step, 1)
     plans = [plan(s, per_step) for s in range(steps)]
-    async with WorkerRuntime.open(fake_backend(), coalesce=coalesce) as rt:
+    async with WorkerRuntime.open(fake_backend(), WorkerOptions(coalesce=coalesce)) as rt:
         done = 0
         c0, t0 = time.process_time(), time.perf_counter()
         for p in plans:
@@ -101,7 +101,7 @@ def sync_overhead(per_step: int, transfers: int, pipelined: bool) -> tuple[float
     ``pipelined`` no step waits for its copies (no flush), as in an engine's step loop."""
     steps = max(transfers // per_step, 1)
     plans = [plan(s, per_step) for s in range(steps)]
-    with SyncWorkerRuntime(fake_backend()) as rt:
+    with ThreadedSyncWorker(fake_backend()) as rt:
         done = 0
         t0 = time.perf_counter()
         for p in plans:

@@ -16,7 +16,7 @@ from kvflow.runtime.clock import FakeClock
 
 
 def make(clock: FakeClock | None = None, *, auto: bool = False) -> FakeBackend:
-    fake = FakeBackend(clock=clock, auto_complete=auto)
+    fake = FakeBackend(now=None if clock is None else clock.now, auto_complete=auto)
     desc = TensorDesc("kv", (8, 16), (16, 1), 2, 0x1000, "cuda:0")
     fake.register_kv_caches({"kv": desc}, 8)
     fake.allocate_cpu_tier([8])

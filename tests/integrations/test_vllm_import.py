@@ -11,7 +11,7 @@ import kvflow
 
 PROBE = """
 import sys
-import kvflow, kvflow.integrations, kvflow.core.offload, kvflow.runtime.portal, kvflow.cli.main
+import kvflow, kvflow.integrations, kvflow.core.offload, kvflow.runtime.threaded, kvflow.cli.main
 leaked = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
 print(len(leaked))
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm")
-pytest.importorskip("kvflow.runtime.portal")
+pytest.importorskip("kvflow.runtime.threaded")
 pytest.importorskip("kvflow.backends.host")
 
 import torch

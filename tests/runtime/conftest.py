@@ -22,7 +22,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def fake(clock: FakeClock) -> FakeBackend:
-    backend = FakeBackend(clock=clock)
+    backend = FakeBackend(now=clock.now)
     descs = {
         f"layer{i}": TensorDesc(
             name=f"layer{i}",

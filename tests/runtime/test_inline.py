@@ -1,4 +1,4 @@
-"""``InlineWorkerRuntime``: the runtime's loop stepped on the engine's thread, no thread of its own."""
+"""``InlineSyncWorker``: the runtime's loop stepped on the engine's thread, no thread of its own."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from kvflow.backends.host import HostBackend
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError, ConfigError
-from kvflow.runtime.inline import InlineWorkerRuntime
+from kvflow.runtime.inline import InlineSyncWorker
 
 STORE = TransferSpec(1, "a", Direction.STORE, [[1]], [[0]])
 
 
-def _opened(backend: FakeBackend | HostBackend) -> InlineWorkerRuntime:
-    rt = InlineWorkerRuntime(backend)
+def _opened(backend: FakeBackend | HostBackend) -> InlineSyncWorker:
+    rt = InlineSyncWorker(backend)
     rt.register_kv_caches({"l0": torch.randn(2, 8, 4, 2, 8)}, 8)
     rt.allocate_cpu_tier(4)
     return rt

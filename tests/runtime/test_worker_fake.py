@@ -14,9 +14,9 @@ from kvflow.backends.base import CopyBatch, FenceStatus
 from kvflow.backends.fake import GARBAGE, FakeBackend, FakeFence
 from kvflow.core.protocol import StepPlan, TransferSpec
 from kvflow.core.transfer import TRANSITIONS, Direction, TransferState
-from kvflow.errors import ClosedError, ConfigError
+from kvflow.errors import ClosedError, ConfigError, ProtocolError
 from kvflow.runtime.clock import FakeClock, wait_all_tasks_blocked
-from kvflow.runtime.worker import WorkerRuntime
+from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
 pytestmark = pytest.mark.asyncio
 
@@ -40,7 +40,7 @@ def events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMappi
 async def test_one_transfer_full_life(fake: FakeBackend, clock: FakeClock) -> None:
     """A store goes PENDING → IN_FLIGHT → COMMITTED → RELEASED, logging each step."""
     with capture_logs() as logs:
-        async with WorkerRuntime.open(fake, clock=clock, rank=3) as rt:
+        async with WorkerRuntime.open(fake, WorkerOptions(clock=clock, rank=3)) as rt:
             rt.bind(StepPlan(1, stores=(store(7, "req", [2, 3], [10, 11]),)))
             assert rt.transfer_state(7) is TransferState.PENDING
             version = fake.write([2, 3])
@@ -86,7 +86,7 @@ async def test_one_transfer_full_life(fake: FakeBackend, clock: FakeClock) -> No
 
 async def test_many_in_flight_complete_out_of_order(fake: FakeBackend, clock: FakeClock) -> None:
     """Transfers finishing in reverse order are each reported once, when their own copy ends."""
-    async with WorkerRuntime.open(fake, clock=clock, coalesce=False) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock, coalesce=False)) as rt:
         rt.bind(StepPlan(1, stores=tuple(store(i, f"r{i % 2}", [i], [i]) for i in range(6))))
         rt.wait_for_save()
         rt.bind(StepPlan(2, loads=tuple(load(10 + i, "l", [8 + i], [20 + i]) for i in range(3))))
@@ -131,7 +131,7 @@ async def test_store_without_compute_fence_reads_stale_data(fake: FakeBackend) -
 
 async def test_store_is_fenced_after_compute(fake: FakeBackend, clock: FakeClock) -> None:
     """The runtime's store waits for its step's compute fence and copies the new contents."""
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         version = fake.write([4])
         rt.bind(StepPlan(1, stores=(store(1, "r", [4], [9]),)))
         rt.wait_for_save()
@@ -152,7 +152,7 @@ async def test_load_waits_for_in_flight_store_on_same_block(
     fake: FakeBackend, clock: FakeClock
 ) -> None:
     """A load into a GPU block an in-flight store still reads is fenced after that store."""
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         old = fake.write([3])
         rt.bind(StepPlan(1, stores=(store(1, "a", [3], [7]),)))
         rt.wait_for_save()
@@ -179,7 +179,7 @@ async def test_store_waits_for_in_flight_load_on_same_block(
     fake: FakeBackend, clock: FakeClock
 ) -> None:
     """A store of a GPU block an in-flight load still writes is fenced after that load."""
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         fake.cpu_version[(0, 9)] = 42
         rt.bind(StepPlan(1, loads=(load(1, "a", [3], [9]),)))
         rt.start_load_kv()
@@ -201,7 +201,7 @@ async def test_store_waits_for_in_flight_load_on_same_block(
 
 async def test_load_into_other_blocks_does_not_wait(fake: FakeBackend, clock: FakeClock) -> None:
     """A load that shares no GPU block with in-flight stores waits for nothing."""
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         rt.bind(StepPlan(1, stores=(store(1, "a", [3], [7]),)))
         rt.wait_for_save()
         rt.bind(StepPlan(2, loads=(load(2, "b", [4], [9]),)))
@@ -219,7 +219,7 @@ async def test_flush_on_preemption_waits_for_queued_unsubmitted_copies(
 ) -> None:
     """handle_preemptions with flush returns only after copies still in the inbox have run."""
     flushed = anyio.Event()
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
 
         async def preempt() -> None:
             await rt.handle_preemptions(StepPlan(2, flush=True))
@@ -251,7 +251,7 @@ async def test_failed_load_becomes_failed_transfer_with_invalid_blocks(
 ) -> None:
     """A load whose copy fails is FAILED, its GPU blocks are reported invalid, its request done."""
     with capture_logs() as logs:
-        async with WorkerRuntime.open(fake, clock=clock) as rt:
+        async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
             rt.bind(StepPlan(1, loads=(load(5, "r", [6, 7], [1, 2]),)))
             rt.start_load_kv()
             await wait_all_tasks_blocked()
@@ -269,7 +269,7 @@ async def test_failed_load_becomes_failed_transfer_with_invalid_blocks(
 
 async def test_failed_store_reports_no_invalid_blocks(fake: FakeBackend, clock: FakeClock) -> None:
     """A failed store is FAILED but leaves the GPU blocks valid."""
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         rt.bind(StepPlan(1, stores=(store(5, "r", [6], [1]),)))
         rt.wait_for_save()
         await wait_all_tasks_blocked()
@@ -285,7 +285,7 @@ async def test_batch_failure_attribution(
     fake: FakeBackend, clock: FakeClock, coalesce: bool, failed: list[int]
 ) -> None:
     """Coalesced, one failed batch fails all its transfers; uncoalesced, only the one that failed."""
-    async with WorkerRuntime.open(fake, clock=clock, coalesce=coalesce) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock, coalesce=coalesce)) as rt:
         rt.bind(StepPlan(1, loads=tuple(load(i, f"r{i}", [i], [i]) for i in (1, 2, 3))))
         rt.start_load_kv()
         await wait_all_tasks_blocked()
@@ -303,7 +303,7 @@ async def test_batch_failure_attribution(
 async def test_shutdown_drains_work_in_flight(fake: FakeBackend, clock: FakeClock) -> None:
     """shutdown() waits for submitted and queued copies, then closes the backend."""
     stopped = anyio.Event()
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         rt.bind(StepPlan(1, stores=(store(1, "a", [1], [1]),)))
         rt.wait_for_save()
         await wait_all_tasks_blocked()
@@ -343,7 +343,7 @@ async def test_shutdown_without_drain_fails_queued_copies(
         fake.release_all()
 
     with capture_logs() as logs:
-        async with WorkerRuntime.open(fake, clock=clock) as rt:
+        async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
             rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
             rt.start_load_kv()
             await wait_all_tasks_blocked()
@@ -363,7 +363,7 @@ async def test_abandoned_transfer_is_released_when_the_device_finishes(
     fake: FakeBackend, clock: FakeClock
 ) -> None:
     """An in-flight transfer a plan abandons goes ABANDONED, then RELEASED when its copy ends."""
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
         rt.start_load_kv()
         rt.bind(StepPlan(2, loads=(load(2, "b", [2], [2]),), abandoned=(1, 42)))
@@ -382,7 +382,7 @@ async def test_abandoned_transfer_is_released_when_the_device_finishes(
 async def test_delayed_fence_is_found_by_polling(fake: FakeBackend, clock: FakeClock) -> None:
     """A fence that finishes late, with no wakeup, is found by the back-off polls."""
     fake.auto_complete = False
-    async with clock.autojump(), WorkerRuntime.open(fake, clock=clock) as rt:
+    async with clock.autojump(), WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
         rt.start_load_kv()
         await clock.sleep(0.001)
@@ -396,17 +396,18 @@ async def test_delayed_fence_is_found_by_polling(fake: FakeBackend, clock: FakeC
 async def test_bind_rejects_bad_plans_without_changing_state(
     fake: FakeBackend, clock: FakeClock
 ) -> None:
-    """Duplicate ids and binding over unlaunched transfers raise ConfigError, state unchanged."""
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    """Duplicate ids raise ConfigError; binding over unlaunched transfers or replaying known ids
+    raises ProtocolError; state unchanged."""
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         with pytest.raises(ConfigError, match="twice"):
             rt.bind(StepPlan(1, stores=(store(1, "a", [1], [1]), store(1, "a", [2], [2]))))
         assert rt.transfer_state(1) is None
         rt.bind(StepPlan(1, stores=(store(1, "a", [1], [1]),)))
-        with pytest.raises(ConfigError, match="unlaunched"):
+        with pytest.raises(ProtocolError, match="unlaunched"):
             rt.bind(StepPlan(2, loads=(load(2, "b", [2], [2]),)))
         assert rt.transfer_state(2) is None
         rt.wait_for_save()
-        with pytest.raises(ConfigError, match="already known"):
+        with pytest.raises(ProtocolError, match="already known"):
             rt.bind(StepPlan(2, loads=(load(1, "b", [2], [2]),)))
         await wait_all_tasks_blocked()
         fake.release_all()
@@ -417,7 +418,7 @@ async def test_bind_rejects_bad_plans_without_changing_state(
 async def test_every_transition_of_the_table_is_logged(fake: FakeBackend, clock: FakeClock) -> None:
     """A run touching every (state, input) pair of the transfer table logs each one."""
     with capture_logs() as logs:
-        async with WorkerRuntime.open(fake, clock=clock, coalesce=False) as rt:
+        async with WorkerRuntime.open(fake, WorkerOptions(clock=clock, coalesce=False)) as rt:
             rt.bind(StepPlan(1, loads=tuple(load(i, f"r{i}", [i], [i]) for i in range(1, 5))))
             rt.start_load_kv()
             rt.bind(
@@ -447,7 +448,7 @@ async def test_error_in_the_body_abandons_in_flight_work_and_closes(
 ) -> None:
     """An exception inside the runtime's block abandons transfers in flight and closes the backend."""
     with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="engine crashed")):
-        async with WorkerRuntime.open(fake, clock=clock) as rt:
+        async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
             rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
             rt.start_load_kv()
             await wait_all_tasks_blocked()
@@ -459,7 +460,7 @@ async def test_error_in_the_body_abandons_in_flight_work_and_closes(
 async def test_concurrent_shutdowns_both_wait(fake: FakeBackend, clock: FakeClock) -> None:
     """A second shutdown call waits for the first to finish instead of returning early."""
     done: list[str] = []
-    async with WorkerRuntime.open(fake, clock=clock) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
         rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
         rt.start_load_kv()
         await wait_all_tasks_blocked()

@@ -18,7 +18,7 @@ from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
-from kvflow.runtime.worker import WorkerRuntime
+from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
 pytestmark = pytest.mark.asyncio
 
@@ -92,7 +92,7 @@ async def test_host_round_trip_is_byte_exact(style: str) -> None:
 async def test_host_many_in_flight_steps() -> None:
     """Many steps of stores in flight at once all land, each in its own CPU block."""
     caches = LAYOUTS["flash_attention"]()
-    async with WorkerRuntime.open(HostBackend(), coalesce=False) as rt:
+    async with WorkerRuntime.open(HostBackend(), WorkerOptions(coalesce=False)) as rt:
         layout = rt.register_kv_caches(caches, N)
         rt.allocate_cpu_tier(CPU)
         before = blocks(layout, caches, list(range(N)))
@@ -179,7 +179,7 @@ async def test_host_flush_waits_for_queued_copies() -> None:
 async def test_host_failed_copy_reports_invalid_blocks() -> None:
     """A load naming a CPU block outside the tier fails alone; its neighbours load correctly."""
     caches = LAYOUTS["flashinfer_mla"]()
-    async with WorkerRuntime.open(HostBackend(), coalesce=False) as rt:
+    async with WorkerRuntime.open(HostBackend(), WorkerOptions(coalesce=False)) as rt:
         layout = rt.register_kv_caches(caches, N)
         rt.allocate_cpu_tier(CPU)
         rt.bind(StepPlan(1, stores=(store(1, "a", [0], [0]),)))

@@ -12,7 +12,7 @@ from kvflow.core.layout import TensorDesc
 from kvflow.core.protocol import StepPlan, TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.runtime.clock import FakeClock, wait_all_tasks_blocked
-from kvflow.runtime.worker import WorkerRuntime
+from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
 BLOCKS = 8
 
@@ -25,7 +25,7 @@ steps = st.lists(st.lists(transfer, max_size=4), min_size=1, max_size=5)
 
 async def scenario(plan: list[list[tuple[Direction, list[int]]]], data: st.DataObject) -> None:
     clock = FakeClock()
-    fake = FakeBackend(clock=clock)
+    fake = FakeBackend(now=clock.now)
     desc = TensorDesc("kv", (BLOCKS, 64), (64, 1), 2, 0x1000, "cuda:0")
     fake.register_kv_caches({"kv": desc}, BLOCKS)
     fake.allocate_cpu_tier([BLOCKS])
@@ -34,7 +34,7 @@ async def scenario(plan: list[list[tuple[Direction, list[int]]]], data: st.DataO
     completed: list[int] = []
     failed: list[int] = []
     invalid: set[int] = set()
-    async with WorkerRuntime.open(fake, clock=clock, coalesce=coalesce) as rt:
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock, coalesce=coalesce)) as rt:
         tid = 0
         for step, items in enumerate(plan):
             stores: list[TransferSpec] = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import structlog
 from attrs import define, field
@@ -25,9 +24,6 @@ from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError
-
-if TYPE_CHECKING:
-    from kvflow.runtime.clock import Clock
 
 log = structlog.get_logger("kvflow.backend.fake")
 
@@ -67,9 +63,10 @@ def _desc(name: str, tensor: object) -> TensorDesc:
 
 @define(eq=False)
 class FakeBackend:
-    """Deterministic ``Backend``: fences finish when the test releases them (or on the clock)."""
+    """Deterministic ``Backend``: fences finish when the test releases them (or at a time ``now``
+    reads: a test passes its ``FakeClock``'s ``now``)."""
 
-    clock: Clock | None = None
+    now: Callable[[], float] | None = None
     auto_complete: bool = False
     name: str = "fake"
     layout: KVLayout | None = None
@@ -155,8 +152,8 @@ class FakeBackend:
         if (
             not f.released
             and f.release_at is not None
-            and self.clock is not None
-            and self.clock.now() >= f.release_at
+            and self.now is not None
+            and self.now() >= f.release_at
         ):
             self.release(f)
         return f.status
@@ -189,9 +186,9 @@ class FakeBackend:
         self.release(f)
 
     def release_at(self, fence: Fence, when: float) -> None:
-        """Release ``fence`` once the clock reads ``when`` (seen by the next ``query``)."""
-        if self.clock is None:
-            raise ConfigError("release_at needs a FakeBackend built with a clock")
+        """Release ``fence`` once ``now`` reads ``when`` (seen by the next ``query``)."""
+        if self.now is None:
+            raise ConfigError("release_at needs a FakeBackend built with a clock's now")
         self._own(fence).release_at = when
 
     def release_all(self) -> None:

@@ -10,7 +10,7 @@ from kvflow.errors import BackendError, ConfigError
 def make_backend(kind: str, device: str, *, inline: bool = False) -> Backend:
     """A backend for KV tensors on ``device`` ("cpu", "cuda", "cuda:1"); ``kind`` auto/host/cuda.
 
-    ``inline``: for a runtime whose loop runs on the engine's thread (``InlineWorkerRuntime``):
+    ``inline``: for a runtime whose loop runs on the engine's thread (``InlineSyncWorker``):
     the CUDA backend then launches copies inside ``submit`` and starts no completion threads.
     The host backend keeps its copy thread either way (its copies are the CPU's own work)."""
     on_cuda = device.startswith("cuda")

@@ -14,19 +14,13 @@ from attrs import field, fields, frozen
 
 from kvflow.core.offload import StorePolicy
 from kvflow.errors import ConfigError
+from kvflow.runtime.sync_worker import WorkerLoop
 
 
 class BackendKind(enum.StrEnum):
     AUTO = "auto"  # cuda when the KV tensors are on a CUDA device and a driver is there, else host
     HOST = "host"
     CUDA = "cuda"
-
-
-class WorkerLoop(enum.StrEnum):
-    """Where the worker runtime's event loop runs."""
-
-    THREAD = "thread"  # a thread of its own; the engine's calls are posted to it
-    INLINE = "inline"  # the engine's thread, stepped by the connector's calls
 
 
 E = TypeVar("E", bound=enum.StrEnum)

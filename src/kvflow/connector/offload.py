@@ -3,7 +3,7 @@
 ``OffloadScheduler`` is the scheduler role: a thin shell around ``kvflow.core.offload``'s
 ``OffloadManager`` that turns its step plans into connector metadata and the workers' reports into
 the finished/invalid sets an engine acts on. ``OffloadWorker`` is the worker role: the
-synchronous facade of ``kvflow.runtime`` over a backend. ``OffloadConnector`` builds the pair for
+synchronous driver of ``kvflow.runtime``'s worker runtime over a backend. ``OffloadConnector`` builds the pair for
 one engine. Both keep stats; the scheduler also times every transfer from launch to commit.
 """
 
@@ -33,9 +33,9 @@ from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
-from kvflow.runtime.facade import WorkerFacade
-from kvflow.runtime.inline import InlineWorkerRuntime
-from kvflow.runtime.portal import SyncWorkerRuntime
+from kvflow.runtime.factory import make_sync_worker
+from kvflow.runtime.sync_worker import SyncWorker
+from kvflow.runtime.worker import WorkerOptions
 
 log = structlog.get_logger("kvflow.connector")
 
@@ -214,10 +214,8 @@ class OffloadWorker:
         self.backend = backend or make_backend(
             config.backend.value, kv_cache_config.device, inline=inline
         )
-        self.runtime: WorkerFacade = (
-            InlineWorkerRuntime(self.backend, rank=rank)
-            if inline
-            else SyncWorkerRuntime(self.backend, rank=rank)
+        self.runtime: SyncWorker = make_sync_worker(
+            self.backend, WorkerOptions(rank=rank), loop=config.worker_loop
         )
         self._report: StepReport | None = None  # fetched with get_finished, for this step
 

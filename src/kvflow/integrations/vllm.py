@@ -440,7 +440,7 @@ class SchedulerDelegate(Protocol):
 
 
 class WorkerDelegate(Protocol):
-    """The synchronous facade of kvflow's worker runtime (``SyncWorkerRuntime``)."""
+    """The synchronous driver of kvflow's worker runtime (``kvflow.runtime.sync_worker.SyncWorker``)."""
 
     def register_kv_caches(
         self,
@@ -855,14 +855,17 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         device (``auto``: CUDA for a CUDA worker when a driver is there, else the host backend)."""
         # Imported here: the scheduler process never needs the runtime's event loop or torch.
         from kvflow.backends.select import make_backend
-        from kvflow.runtime.portal import SyncWorkerRuntime
+        from kvflow.runtime.factory import make_sync_worker
+        from kvflow.runtime.sync_worker import WorkerLoop
+        from kvflow.runtime.worker import WorkerOptions
 
         device = "cpu"
         if str(self._vllm_config.device_config.device_type) == "cuda":
             import torch
 
             device = f"cuda:{torch.cuda.current_device()}"
-        return SyncWorkerRuntime(make_backend(self.options.backend, device), rank=_world_rank())
+        backend = make_backend(self.options.backend, device)
+        return make_sync_worker(backend, WorkerOptions(rank=_world_rank()), loop=WorkerLoop.THREAD)
 
     @property
     def manager(self) -> SchedulerDelegate:

@@ -31,6 +31,7 @@ from kvflow.backends.base import Backend, CopyBatch, Fence, FenceStatus
 from kvflow.core.protocol import TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
+from kvflow.runtime.clock import SystemClock
 from kvflow.runtime.reactor import Reactor
 
 log = structlog.get_logger("kvflow.executor")
@@ -105,6 +106,8 @@ class DmaExecutor:
     reactor: Reactor
     on_done: DoneCallback
     coalesce: bool = True
+    now: Callable[[], float] = field(factory=lambda: SystemClock().now)
+    """Reads the time a batch was in flight (the executor never sleeps: no ``Clock``)."""
     _send: MemoryObjectSendStream[_Command] = field(init=False)
     _recv: MemoryObjectReceiveStream[_Command] = field(init=False)
     # In-flight batches by direction: fence id → (fence, its GPU block ids per group). Kept per
@@ -229,13 +232,13 @@ class DmaExecutor:
             blocks=batch.num_blocks,
             waits=len(wait_for),
         )
-        started = self.reactor.clock.now()
+        started = self.now()
         per_group = [len(ids) for ids in batch.gpu_block_ids]
         stats = self.throughput[order.direction]
 
         def finished(status: FenceStatus) -> None:
             if status is FenceStatus.DONE:
-                stats.observe(started, self.reactor.clock.now(), per_group)
+                stats.observe(started, self.now(), per_group)
             self._batch_finished(
                 transfers,
                 status,

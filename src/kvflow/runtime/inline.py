@@ -1,6 +1,6 @@
-"""A synchronous facade that runs ``WorkerRuntime``'s event loop on the engine's own thread.
+"""``InlineSyncWorker``: the worker runtime's event loop stepped on the engine's own thread.
 
-``SyncWorkerRuntime`` gives the runtime a loop thread of its own. In an engine whose step loop
+``ThreadedSyncWorker`` gives the runtime a loop thread of its own. In an engine whose step loop
 is bound by its Python thread, every wake-up of that thread (and of the backend's launch and
 completion threads) takes the GIL from the engine: each costs the engine the other thread's
 work plus two hand-offs, several times a step. Here the loop has no thread: the engine's calls
@@ -13,7 +13,7 @@ connectors poll their transfers once a step the same way).
 
 Use a backend that does not push completions from threads of its own
 (``make_backend(..., inline=True)``): one that does still works (its callbacks queue on the
-loop and run at the next call) but keeps the threads this facade exists to avoid.
+loop and run at the next call) but keeps the threads this driver exists to avoid.
 
 Calls may come from different threads over time (an async frontend stepping the engine in a
 worker thread), never from two at once.
@@ -34,9 +34,8 @@ from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
-from kvflow.runtime.clock import Clock
-from kvflow.runtime.facade import WorkerFacade
-from kvflow.runtime.worker import WorkerRuntime
+from kvflow.runtime.sync_worker import SyncWorker
+from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
 log = structlog.get_logger("kvflow.inline")
 
@@ -46,20 +45,11 @@ _MAX_SUBMIT_TURNS = 8
 """Loop iterations a call gives the executor to submit what it queued (it needs one)."""
 
 
-class InlineWorkerRuntime(WorkerFacade):
+class InlineSyncWorker(SyncWorker):
     """``WorkerRuntime`` stepped from the engine's thread. Use as a context manager or call
-    ``shutdown()``. Same methods as ``SyncWorkerRuntime``."""
+    ``shutdown()``. Same methods as ``ThreadedSyncWorker``."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        rank: int = 0,
-        clock: Clock | None = None,
-        coalesce: bool = True,
-        min_backoff: float = 20e-6,
-        max_backoff: float = 1e-3,
-    ) -> None:
+    def __init__(self, backend: Backend, options: WorkerOptions | None = None) -> None:
         self._backend = backend
         self._loop = asyncio.new_event_loop()
         self._closed = False
@@ -68,14 +58,7 @@ class InlineWorkerRuntime(WorkerFacade):
         ready: asyncio.Future[WorkerRuntime] = self._loop.create_future()
 
         async def serve() -> None:
-            async with WorkerRuntime.open(
-                backend,
-                rank=rank,
-                clock=clock,
-                coalesce=coalesce,
-                min_backoff=min_backoff,
-                max_backoff=max_backoff,
-            ) as rt:
+            async with WorkerRuntime.open(backend, options) as rt:
                 self._stop = anyio.Event()
                 ready.set_result(rt)
                 await self._stop.wait()
@@ -96,7 +79,7 @@ class InlineWorkerRuntime(WorkerFacade):
         self._progress: anyio.Event | None = None
         self._load_errors: set[int] = set()
         self._bound: StepPlan | None = None
-        log.info("inline_worker_runtime_started", rank=rank, backend=backend.name)
+        log.info("inline_worker_runtime_started", rank=self._rt.rank, backend=backend.name)
 
     # -- driving the loop -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -261,4 +244,4 @@ class InlineWorkerRuntime(WorkerFacade):
             self._helper.shutdown()
 
 
-__all__ = ["InlineWorkerRuntime"]
+__all__ = ["InlineSyncWorker"]

@@ -91,7 +91,7 @@ class Reactor:
 
     def poll_now(self) -> int:
         """Poll every watched fence once and dispatch the finished ones; returns how many. For a
-        loop driven from the engine's thread (``InlineWorkerRuntime``), which polls at each of
+        loop driven from the engine's thread (``InlineSyncWorker``), which polls at each of
         the engine's calls rather than waiting for the polling task's next timer."""
         if not self._watches:
             return 0

@@ -9,7 +9,8 @@ in flight is ABANDONED and released (still reported, so the scheduler can drop i
 references) when the device is done with it.
 
 Methods other than the ``async`` ones are synchronous and must run on the event loop's thread;
-engines with a synchronous step loop use ``kvflow.runtime.portal.SyncWorkerRuntime``.
+engines with a synchronous step loop drive it through a ``kvflow.runtime.sync_worker.SyncWorker``
+(``make_sync_worker``). ``WorkerOptions`` is how all of them are configured.
 """
 
 from __future__ import annotations
@@ -19,18 +20,35 @@ from contextlib import asynccontextmanager
 
 import anyio
 import structlog
-from attrs import define, field
+from attrs import define, field, frozen
 
 from kvflow.backends.base import Backend, Fence, FenceStatus
 from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
-from kvflow.errors import ClosedError, ConfigError
+from kvflow.errors import ClosedError, ConfigError, ProtocolError
 from kvflow.runtime.clock import Clock, SystemClock
 from kvflow.runtime.executor import CopyOrder, DmaExecutor
 from kvflow.runtime.reactor import Reactor
 
 log = structlog.get_logger("kvflow.worker")
+
+
+@frozen
+class WorkerOptions:
+    """How a worker runtime is built, whoever drives its loop.
+
+    ``rank``: this worker's tensor-parallel rank (in its reports). ``clock``: what the reactor
+    reads and sleeps on (``SystemClock`` when None; tests pass a ``FakeClock``). ``coalesce``:
+    one backend batch for all the transfers of a direction the engine launched at once.
+    ``min_backoff`` / ``max_backoff``: the reactor's poll back-off, in seconds.
+    """
+
+    rank: int = 0
+    clock: Clock | None = None
+    coalesce: bool = True
+    min_backoff: float = 20e-6
+    max_backoff: float = 1e-3
 
 
 @define(eq=False, slots=True)
@@ -73,29 +91,26 @@ class WorkerRuntime:
         if self.rank < 0:
             raise ConfigError(f"negative rank {self.rank}")
         self.reactor = Reactor(self.backend, self.clock, self.min_backoff, self.max_backoff)
-        self.executor = DmaExecutor(self.backend, self.reactor, self._on_done, self.coalesce)
+        self.executor = DmaExecutor(
+            self.backend, self.reactor, self._on_done, self.coalesce, now=self.clock.now
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
     @asynccontextmanager
     async def open(
-        cls,
-        backend: Backend,
-        *,
-        rank: int = 0,
-        clock: Clock | None = None,
-        coalesce: bool = True,
-        min_backoff: float = 20e-6,
-        max_backoff: float = 1e-3,
+        cls, backend: Backend, options: WorkerOptions | None = None
     ) -> AsyncIterator[WorkerRuntime]:
         """Start the reactor and executor tasks; on exit drain (or, on error, cancel) and close."""
+        opts = options if options is not None else WorkerOptions()
+        rank = opts.rank
         rt = cls(
             backend,
             rank=rank,
-            clock=clock if clock is not None else SystemClock(),
-            coalesce=coalesce,
-            min_backoff=min_backoff,
-            max_backoff=max_backoff,
+            clock=opts.clock if opts.clock is not None else SystemClock(),
+            coalesce=opts.coalesce,
+            min_backoff=opts.min_backoff,
+            max_backoff=opts.max_backoff,
         )
         async with anyio.create_task_group() as tg:
             tg.start_soon(rt.reactor.run)
@@ -170,7 +185,7 @@ class WorkerRuntime:
         """Allocate the CPU tier: ``num_blocks`` per group (an int: the same for every group)."""
         self._check_open()
         if self.layout is None:
-            raise ConfigError("allocate_cpu_tier before register_kv_caches")
+            raise ProtocolError("allocate_cpu_tier before register_kv_caches")
         counts = (
             [num_blocks] * len(self.layout.groups)
             if isinstance(num_blocks, int)
@@ -183,7 +198,7 @@ class WorkerRuntime:
         """Take this step's plan: abandon what it abandons, create its transfers (PENDING)."""
         self._check_open()
         if self._plan is not None and not (self._loads_launched and self._stores_launched):
-            raise ConfigError(
+            raise ProtocolError(
                 f"step {plan.step} bound while step {self._plan.step} has unlaunched transfers"
             )
         new = [*plan.stores, *plan.loads]
@@ -192,7 +207,7 @@ class WorkerRuntime:
             raise ConfigError(f"step {plan.step} lists a transfer id twice")
         known = [i for i in ids if i in self._entries]
         if known:
-            raise ConfigError(f"step {plan.step}: transfers {known} are already known")
+            raise ProtocolError(f"step {plan.step}: transfers {known} are already known")
         self._abandon(plan.abandoned)
         for spec in new:
             self._entries[spec.transfer_id] = _Entry(
@@ -345,4 +360,4 @@ class WorkerRuntime:
             await self.flush()
 
 
-__all__ = ["WorkerRuntime"]
+__all__ = ["WorkerOptions", "WorkerRuntime"]

@@ -70,7 +70,7 @@ class CudaConfig:
     completion_threads: bool = True
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
-    ``InlineWorkerRuntime``, polls at every call: no thread of kvflow takes the GIL)."""
+    ``InlineSyncWorker``, polls at every call: no thread of kvflow takes the GIL)."""
 
     def __attrs_post_init__(self) -> None:
         if self.method not in ("auto", "staged", "direct"):

@@ -1,4 +1,5 @@
-"""A synchronous facade over ``WorkerRuntime`` for engines with a synchronous step loop.
+"""``ThreadedSyncWorker``: the worker runtime's loop on a thread of its own, driven from a
+synchronous engine.
 
 The runtime lives on an event loop in a thread of its own (anyio's blocking portal). Method names
 follow the worker side of vLLM's ``KVConnectorBase_V1`` (``register_kv_caches``,
@@ -37,9 +38,8 @@ from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
-from kvflow.runtime.clock import Clock
-from kvflow.runtime.facade import WorkerFacade
-from kvflow.runtime.worker import WorkerRuntime
+from kvflow.runtime.sync_worker import SyncWorker
+from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
 log = structlog.get_logger("kvflow.portal")
 
@@ -49,33 +49,17 @@ _MAX_PENDING = 16
 """Posted calls that wait for a wake-up at most (steps without copies post only a bind)."""
 
 
-class SyncWorkerRuntime(WorkerFacade):
-    """``WorkerRuntime`` driven from a synchronous thread. Use as a context manager or call
-    ``shutdown()``."""
+class ThreadedSyncWorker(SyncWorker):
+    """``WorkerRuntime`` on a loop thread, driven from a synchronous thread. Use as a context
+    manager or call ``shutdown()``."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        rank: int = 0,
-        clock: Clock | None = None,
-        coalesce: bool = True,
-        min_backoff: float = 20e-6,
-        max_backoff: float = 1e-3,
-    ) -> None:
+    def __init__(self, backend: Backend, options: WorkerOptions | None = None) -> None:
         self._backend = backend
         self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal("asyncio")
         self._portal = self._portal_cm.__enter__()
         try:
             self._rt_cm = self._portal.wrap_async_context_manager(
-                WorkerRuntime.open(
-                    backend,
-                    rank=rank,
-                    clock=clock,
-                    coalesce=coalesce,
-                    min_backoff=min_backoff,
-                    max_backoff=max_backoff,
-                )
+                WorkerRuntime.open(backend, options)
             )
             self._rt: WorkerRuntime = self._rt_cm.__enter__()
             self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
@@ -99,7 +83,7 @@ class SyncWorkerRuntime(WorkerFacade):
     # -- plumbing ------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError("sync worker runtime is shut down")
+            raise ClosedError("threaded sync worker is shut down")
 
     def _collect(self) -> None:
         """On the loop, whenever copies settle: move what finished into the mailbox."""
@@ -301,4 +285,4 @@ class SyncWorkerRuntime(WorkerFacade):
             self._portal_cm.__exit__(None, None, None)
 
 
-__all__ = ["SyncWorkerRuntime"]
+__all__ = ["ThreadedSyncWorker"]

@@ -1,6 +1,6 @@
 """The synchronous facades: a synchronous engine loop drives the runtime through vLLM-named calls,
-with the runtime's loop on a thread of its own (``SyncWorkerRuntime``) or stepped on the engine's
-thread (``InlineWorkerRuntime``: its own behaviour is in ``test_inline.py``)."""
+with the runtime's loop on a thread of its own (``ThreadedSyncWorker``) or stepped on the engine's
+thread (``InlineSyncWorker``: its own behaviour is in ``test_inline.py``)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,18 @@ from kvflow.backends.host import HostBackend
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError, ConfigError
-from kvflow.runtime.inline import InlineWorkerRuntime
-from kvflow.runtime.portal import SyncWorkerRuntime
+from kvflow.runtime.inline import InlineSyncWorker
+from kvflow.runtime.threaded import ThreadedSyncWorker
+from kvflow.runtime.worker import WorkerOptions
 
-FACADES = pytest.mark.parametrize("facade", [SyncWorkerRuntime, InlineWorkerRuntime])
+FACADES = pytest.mark.parametrize("facade", [ThreadedSyncWorker, InlineSyncWorker])
 
 
 @FACADES
 def test_sync_facade_round_trip_and_load_errors(facade: Any) -> None:
     """Store, evict, load through the facade: bytes match, a bad load's blocks are reported."""
     caches = {f"l{i}": torch.randn(2, 8, 4, 2, 8) for i in range(2)}
-    with facade(HostBackend(), rank=1) as rt:
+    with facade(HostBackend(), WorkerOptions(rank=1)) as rt:
         rt.register_kv_caches(caches, 8)
         rt.allocate_cpu_tier(4)
         rt.bind_connector_metadata(
@@ -103,7 +104,7 @@ def test_a_step_wakes_the_loop_only_for_work_and_keeps_posted_calls_in_order() -
     trip); loads wake it at ``start_load_kv``, stores at ``wait_for_save``, and the calls queued
     meanwhile run first, in order. Steps without copies run their queued binds now and then."""
     caches = {"l0": torch.randn(2, 8, 4, 2, 8)}
-    with SyncWorkerRuntime(HostBackend()) as rt:
+    with ThreadedSyncWorker(HostBackend()) as rt:
         rt.register_kv_caches(caches, 8)
         rt.allocate_cpu_tier(4)
         loop = rt._loop
@@ -155,7 +156,7 @@ def test_finish_step_reports_a_copy_once_the_loop_has_seen_it_settle() -> None:
     """Without a round trip, ``finish_step`` reports what has settled so far: a copy still in
     flight is not in it, and once it settled it is reported by one later call, exactly once."""
     fake = FakeBackend()
-    with SyncWorkerRuntime(fake) as rt:
+    with ThreadedSyncWorker(fake) as rt:
         rt.register_kv_caches({"l0": torch.randn(2, 8, 4, 2, 8)}, 8)
         rt.allocate_cpu_tier(4)
         rt.bind_connector_metadata(
@@ -174,7 +175,7 @@ def test_finish_step_reports_a_copy_once_the_loop_has_seen_it_settle() -> None:
 
 def test_posted_call_error_is_raised_by_the_next_call() -> None:
     """A bad plan bound without waiting raises its ConfigError at the next facade call, once."""
-    with SyncWorkerRuntime(HostBackend()) as rt:
+    with ThreadedSyncWorker(HostBackend()) as rt:
         rt.register_kv_caches({"kv": torch.zeros(4, 16)}, 4)
         rt.allocate_cpu_tier(4)
         twice = TransferSpec(1, "a", Direction.STORE, [[0]], [[0]])

@@ -1,26 +1,41 @@
-"""What the two synchronous facades over ``WorkerRuntime`` share: the calls that differ between
-them only in how they reach the loop, the load-error mailbox, and the context-manager protocol.
+"""``SyncWorker``: the worker runtime driven from a synchronous engine, the base of the two ways to
+drive its loop.
 
-``SyncWorkerRuntime`` (``portal``) runs the loop on a thread of its own; ``InlineWorkerRuntime``
-(``inline``) steps it on the engine's thread. An engine holds either as a ``WorkerFacade``.
+``ThreadedSyncWorker`` (``threaded``) runs the loop on a thread of its own; ``InlineSyncWorker``
+(``inline``) steps it on the engine's thread (``WorkerLoop`` names the choice). They share the
+calls that differ only in how they reach the loop, the load-error mailbox, and the
+context-manager protocol; an engine holds either as a ``SyncWorker``, made by
+``kvflow.runtime.factory.make_sync_worker``.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
-from kvflow.runtime.worker import WorkerRuntime
+
+if TYPE_CHECKING:
+    # Only for annotations: the connector's configuration imports ``WorkerLoop`` from here, and
+    # a vLLM scheduler process reading it must not load the event loop's modules.
+    from kvflow.runtime.worker import WorkerRuntime
 
 T = TypeVar("T")
 
 
-class WorkerFacade(abc.ABC):
+class WorkerLoop(enum.StrEnum):
+    """Where the worker runtime's event loop runs."""
+
+    THREAD = "thread"  # a thread of its own; the engine's calls are posted to it
+    INLINE = "inline"  # the engine's thread, stepped by the connector's calls
+
+
+class SyncWorker(abc.ABC):
     """The worker side of vLLM's connector API over one ``WorkerRuntime``, for a synchronous
     engine. Subclasses say how an awaitable call reaches the loop (``_on_loop``)."""
 
@@ -110,4 +125,4 @@ class WorkerFacade(abc.ABC):
         self.shutdown(drain=exc is None)
 
 
-__all__ = ["WorkerFacade"]
+__all__ = ["SyncWorker", "WorkerLoop"]
