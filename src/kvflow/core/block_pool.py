@@ -11,7 +11,7 @@ Every mutating call validates all its arguments before changing anything, so a m
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import NoReturn, cast
 
 from attrs import define, frozen
@@ -83,6 +83,88 @@ class FreeBlockQueue:
         block.prev_free = self._head
         self._head.next_free = block
         self.num_free += 1
+
+    # The two batch operations below do the pool's per-block bookkeeping (ref counts, the hash
+    # map) in the same pass as the relinking: the blocks are cold, and a second pass over them
+    # (or a list of them) costs more than the rest (docs/benchmarks.md, issue 19).
+
+    def claim_front(
+        self, n: int, cached: dict[BlockHash, Block]
+    ) -> tuple[list[int], list[BlockHash]]:
+        """Unlink the first ``n`` blocks (the caller checked there are that many) in one relink
+        of the head and give each a ref count of 1, dropping its hash from ``cached``. Returns
+        their ids in eviction order and the hashes evicted."""
+        out: list[int] = []
+        evicted: list[BlockHash] = []
+        head = self._head
+        block = head.next_free
+        for _ in range(n):
+            assert block is not None
+            h = block.block_hash
+            if h is not None:
+                evicted.append(h)
+                del cached[h]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block.block_id)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        assert block is not None
+        head.next_free = block
+        block.prev_free = head
+        self.num_free -= n
+        return out, evicted
+
+    def release_owned(
+        self,
+        blocks: Sequence[Block],
+        block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash | None],
+        cached: dict[BlockHash, Block],
+        on_double_free: Callable[[int], NoReturn],
+    ) -> int:
+        """Drop one ref on each listed block, in reverse order, caching (in ``cached``) those
+        whose hash is not None and not held by another block; blocks reaching zero join the
+        queue, hashed at the tail as one run, unhashed at the head. Returns how many were
+        cached. A block without a ref calls ``on_double_free`` (which raises) after what came
+        before it is linked in."""
+        # The hashed blocks join the tail as one run (no call per block); unhashed ones go to
+        # the head afterwards, which commutes with appending at the tail.
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        unhashed: list[Block] = []
+        n = appended = 0
+        for i in range(len(block_ids) - 1, -1, -1):
+            block_id = block_ids[i]
+            block = blocks[block_id]
+            refs = block.ref_cnt - 1
+            if refs < 0:
+                last.next_free = tail
+                tail.prev_free = last
+                self.num_free += appended
+                on_double_free(block_id)
+            h = block_hashes[i]
+            if h is not None and h not in cached:
+                block.block_hash = h
+                cached[h] = block
+                n += 1
+            block.ref_cnt = refs
+            if refs == 0:
+                if block.block_hash is None:
+                    unhashed.append(block)
+                else:
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
+                    appended += 1
+        last.next_free = tail
+        tail.prev_free = last
+        self.num_free += appended
+        for block in unhashed:
+            self.appendleft(block)
+        return n
 
     def first(self) -> Block | None:
         """The block that would be evicted next, or None."""
@@ -213,30 +295,7 @@ class BlockPool:
             raise BlockPoolError(
                 f"{self.name}: asked for {n} blocks, only {self.free_queue.num_free} free"
             )
-        out: list[int] = []
-        evicted: list[BlockHash] = []
-        cached = self._cached
-        # The queue's head taken off in one relink, in the same pass that evicts and claims the
-        # blocks: they are cold, and a second pass (or a list of them) cost more than the rest.
-        queue = self.free_queue
-        head = queue._head
-        block = head.next_free
-        for _ in range(n):
-            assert block is not None
-            h = block.block_hash
-            if h is not None:
-                evicted.append(h)
-                del cached[h]
-                block.block_hash = None
-            block.ref_cnt = 1
-            out.append(block.block_id)
-            nxt = block.next_free
-            block.prev_free = block.next_free = None
-            block = nxt
-        assert block is not None
-        head.next_free = block
-        block.prev_free = head
-        queue.num_free -= n
+        out, evicted = self.free_queue.claim_front(n, self._cached)
         if evicted and self.enable_events:
             self._events.append(BlockRemoved(tuple(evicted)))
         return out
@@ -293,6 +352,9 @@ class BlockPool:
                     queue.appendleft(block)
                 else:
                     queue.append(block)
+
+    def _double_free_one(self, block_id: int) -> NoReturn:
+        self._double_free(block_id, 1)
 
     def _double_free(self, block_id: int, count: int) -> NoReturn:
         raise BlockPoolError(
@@ -359,45 +421,9 @@ class BlockPool:
             raise BlockPoolError(
                 f"{self.name}: {len(block_ids)} blocks but {len(block_hashes)} hashes"
             )
-        blocks = self.blocks
-        cached = self._cached
-        queue = self.free_queue
-        # The hashed blocks are linked in at the tail as one run (no call per block); unhashed
-        # ones go to the head afterwards, which commutes with appending at the tail.
-        tail = queue._tail
-        last = tail.prev_free
-        assert last is not None
-        unhashed: list[Block] = []
-        n = appended = 0
-        for i in range(len(block_ids) - 1, -1, -1):
-            block_id = block_ids[i]
-            block = blocks[block_id]
-            refs = block.ref_cnt - 1
-            if refs < 0:
-                last.next_free = tail
-                tail.prev_free = last
-                queue.num_free += appended
-                self._double_free(block_id, 1)
-            h = block_hashes[i]
-            if h is not None and h not in cached:
-                block.block_hash = h
-                cached[h] = block
-                n += 1
-            block.ref_cnt = refs
-            if refs == 0:
-                if block.block_hash is None:
-                    unhashed.append(block)
-                else:
-                    last.next_free = block
-                    block.prev_free = last
-                    last = block
-                    appended += 1
-        last.next_free = tail
-        tail.prev_free = last
-        queue.num_free += appended
-        for block in unhashed:
-            queue.appendleft(block)
-        return n
+        return self.free_queue.release_owned(
+            self.blocks, block_ids, block_hashes, self._cached, self._double_free_one
+        )
 
     def uncache(self, block_ids: Iterable[int]) -> None:
         """Drop the cached hash of each listed block (e.g. its data turned out invalid)."""

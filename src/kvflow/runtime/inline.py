@@ -126,7 +126,7 @@ class InlineSyncWorker(SyncWorker):
 
     def _step_loop(self) -> None:
         """Let the loop run what the last call queued and dispatch finished copies. A loop turn
-        costs tens of microseconds on the engine's thread; with copies in flight and nothing
+        costs the engine's thread more than a poll; with copies in flight and nothing
         queued, the fences are polled first and the loop runs only once one has finished.
         Callers check that the runtime is open."""
         rt = self._rt

@@ -9,7 +9,8 @@ onto it one to one.
 
 The three calls an engine makes on its hot path every step (``bind_connector_metadata``,
 ``start_load_kv``, ``wait_for_save``) are *posted*: queued for the loop in order without waiting
-for it, because a blocking round trip to another thread costs about a hundred microseconds. The
+for it, because a blocking round trip to another thread costs more than the calls themselves
+(docs/benchmarks.md, the synchronous facade's figures). The
 loop is woken only when a posted call has copies to start (the bound plan's loads, its stores);
 otherwise the calls ride along with the next wake-up or blocking call, still in order (and at
 the latest every ``_MAX_PENDING`` calls). Each wake-up hands the GIL to the loop's thread while
@@ -151,8 +152,8 @@ class ThreadedSyncWorker(SyncWorker):
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run synchronous ``fn`` on the loop, after every posted call, and wait for its result.
-        A bare callback and a thread-safe future: about a third of ``portal.call``'s cost, which
-        spawns a task."""
+        A bare callback and a thread-safe future: far cheaper than ``portal.call``, which spawns
+        a task."""
         self._check_open()
         batch = self._take_pending()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()

@@ -107,8 +107,8 @@ class _JobThread:
     """One thread that runs the jobs put to it, in order, with the device's context current.
 
     The launch thread takes the driver calls of submitted batches, so the driver's
-    per-descriptor cost of ``cuMemcpyBatchAsync`` (hundreds of µs for a step's scattered
-    blocks) and any wait for a CPU chunk still being pinned happen off the event loop; the
+    per-descriptor cost of ``cuMemcpyBatchAsync`` (large for a step's scattered blocks:
+    docs/benchmarks.md) and any wait for a CPU chunk still being pinned happen off the event loop; the
     driver calls release the GIL. A waiter thread per direction takes fence waits (``_await``).
     """
 
