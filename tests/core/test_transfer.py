@@ -84,12 +84,6 @@ def test_brief_lifecycles() -> None:
         assert t.done is ends_released
 
 
-def test_on_device_only_while_copies_may_run() -> None:
-    """A transfer counts as on the device only while IN_FLIGHT or ABANDONED."""
-    on = {s for s in TransferState if Transfer(1, Direction.LOAD, "r", s).on_device}
-    assert on == {TransferState.IN_FLIGHT, TransferState.ABANDONED}
-
-
 def test_state_machine_doc_is_up_to_date() -> None:
     """docs/state-machines.md is exactly what scripts/gen_state_diagram.py renders from the table."""
     script = runpy.run_path(str(ROOT / "scripts" / "gen_state_diagram.py"))

@@ -2,7 +2,6 @@
 
 from kvflow.connector.api import (
     NULL_BLOCK_ID,
-    ConnectorRole,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVConnectorOutput,
@@ -13,7 +12,6 @@ from kvflow.connector.api import (
 
 __all__ = [
     "NULL_BLOCK_ID",
-    "ConnectorRole",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVConnectorOutput",

@@ -15,7 +15,6 @@ it holds no data and must never be stored or loaded.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -42,11 +41,6 @@ def _str_set(values: Iterable[str] | None) -> frozenset[str]:
 
 def _int_set(values: Iterable[int] | None) -> frozenset[int]:
     return frozenset(values or ())
-
-
-class ConnectorRole(enum.StrEnum):
-    SCHEDULER = "scheduler"
-    WORKER = "worker"
 
 
 @frozen
@@ -280,7 +274,6 @@ class NullConnector:
 
 __all__ = [
     "NULL_BLOCK_ID",
-    "ConnectorRole",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVConnectorOutput",

@@ -2,19 +2,25 @@
 
 It comes from code, from a CLI, or from a plain mapping (vLLM's ``kv_connector_extra_config``);
 ``from_mapping`` rejects unknown keys and wrong types with a ``ConfigError`` naming the key.
+The internal specs are derived from it, never written by a user: ``manager_config`` (the
+scheduler side's ``OffloadManagerConfig``) and ``worker_options`` (a rank's ``WorkerOptions``).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from attrs import field, fields, frozen
 
-from kvflow.core.offload import StorePolicy
+from kvflow.core.offload import GroupSpec, OffloadManagerConfig, StorePolicy
 from kvflow.errors import ConfigError
 from kvflow.runtime.sync_worker import WorkerLoop
+
+if TYPE_CHECKING:
+    # Only for annotations: reading the configuration must not load the event loop's modules.
+    from kvflow.runtime.worker import WorkerOptions
 
 
 class BackendKind(enum.StrEnum):
@@ -123,6 +129,25 @@ class OffloadConfig:
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError(f"invalid kvflow option: {exc}") from exc
+
+    def manager_config(
+        self, groups: Sequence[GroupSpec], *, null_block_id: int | None
+    ) -> OffloadManagerConfig:
+        """The scheduler-side manager's spec: these options over the engine's KV cache groups."""
+        return OffloadManagerConfig(
+            groups=groups,
+            world_size=self.world_size,
+            store_policy=self.store_policy,
+            lazy_watermark=self.lazy_watermark,
+            null_block_id=null_block_id,
+            eager_store_interval=self.eager_store_interval,
+        )
+
+    def worker_options(self, rank: int) -> WorkerOptions:
+        """One rank's worker runtime options (the rest are the runtime's defaults)."""
+        from kvflow.runtime.worker import WorkerOptions
+
+        return WorkerOptions(rank=rank)
 
     def cpu_blocks_per_group(self, block_bytes: Sequence[int]) -> tuple[int, ...]:
         """CPU blocks of each group: the same count in every group, as many as ``cpu_bytes`` holds.

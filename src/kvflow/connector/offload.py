@@ -25,7 +25,6 @@ from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.offload import (
     GroupSpec,
     OffloadManager,
-    OffloadManagerConfig,
     OffloadStats,
     ResetStatus,
 )
@@ -35,7 +34,6 @@ from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
 from kvflow.runtime.factory import make_sync_worker
 from kvflow.runtime.sync_worker import SyncWorker
-from kvflow.runtime.worker import WorkerOptions
 
 log = structlog.get_logger("kvflow.connector")
 
@@ -123,13 +121,9 @@ class OffloadScheduler:
         self.kv_cache_config = kv_cache_config
         self.cpu_blocks = config.cpu_blocks_per_group(block_bytes)
         self.manager = OffloadManager(
-            OffloadManagerConfig(
-                groups=group_specs(kv_cache_config, block_bytes, self.cpu_blocks),
-                world_size=config.world_size,
-                store_policy=config.store_policy,
-                lazy_watermark=config.lazy_watermark,
+            config.manager_config(
+                group_specs(kv_cache_config, block_bytes, self.cpu_blocks),
                 null_block_id=null_block_id,
-                eager_store_interval=config.eager_store_interval,
             ),
             gpu_view=gpu_view,
         )
@@ -215,7 +209,7 @@ class OffloadWorker:
             config.backend.value, kv_cache_config.device, inline=inline
         )
         self.runtime: SyncWorker = make_sync_worker(
-            self.backend, WorkerOptions(rank=rank), loop=config.worker_loop
+            self.backend, config.worker_options(rank), loop=config.worker_loop
         )
         self._report: StepReport | None = None  # fetched with get_finished, for this step
 

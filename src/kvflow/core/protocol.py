@@ -121,10 +121,6 @@ class StepPlan:
     flush: bool = False
     abandoned: tuple[int, ...] = ()
 
-    @property
-    def empty(self) -> bool:
-        return not (self.stores or self.loads or self.flush or self.abandoned)
-
 
 @frozen
 class StepReport:
@@ -158,10 +154,6 @@ class AggregatedReport:
     completed: dict[int, frozenset[int]]
     failed: dict[int, frozenset[int]]
     invalid_block_ids: frozenset[int]
-
-    @property
-    def empty(self) -> bool:
-        return not (self.completed or self.failed or self.invalid_block_ids)
 
 
 def aggregate(reports: Iterable[StepReport], world_size: int) -> AggregatedReport:

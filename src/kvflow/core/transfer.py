@@ -57,8 +57,6 @@ TRANSITIONS: Mapping[tuple[TransferState, TransferInput], TransferState] = {
 """The whole protocol. Anything not listed is illegal."""
 
 TERMINAL_STATES = frozenset({S.RELEASED})
-LIVE_ON_DEVICE = frozenset({S.IN_FLIGHT, S.ABANDONED})
-"""States in which the device may still read or write the transfer's blocks."""
 
 
 @define(eq=False)
@@ -69,11 +67,6 @@ class Transfer:
     direction: Direction
     request_id: str
     state: TransferState = TransferState.PENDING
-
-    @property
-    def on_device(self) -> bool:
-        """True while copies may still touch this transfer's blocks."""
-        return self.state in LIVE_ON_DEVICE
 
     @property
     def done(self) -> bool:
@@ -121,7 +114,6 @@ def render_table() -> str:
 
 
 __all__ = [
-    "LIVE_ON_DEVICE",
     "TERMINAL_STATES",
     "TRANSFER_MACHINE",
     "TRANSITIONS",

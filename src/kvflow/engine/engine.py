@@ -57,7 +57,7 @@ Clock = Callable[[], float]
 
 
 def perf_clock() -> float:
-    """The default clock. kvflow.runtime.clock is not on main yet; this wraps perf_counter."""
+    """The engine's default time source: ``time.perf_counter`` (the engine only reads time)."""
     return time.perf_counter()
 
 

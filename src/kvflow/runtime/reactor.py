@@ -22,7 +22,7 @@ import structlog
 from attrs import define, field
 
 from kvflow.backends.base import Backend, Fence, FenceStatus
-from kvflow.errors import ClosedError, ConfigError
+from kvflow.errors import ClosedError, ConfigError, ProtocolError
 from kvflow.runtime.clock import Clock
 
 log = structlog.get_logger("kvflow.reactor")
@@ -155,7 +155,7 @@ class Reactor:
     async def run(self) -> None:
         """Poll while fences are watched, back off, sleep when idle; until cancelled or closed."""
         if self._loop is not None:
-            raise ConfigError("reactor.run() is already running")
+            raise ProtocolError("reactor.run() is already running")
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self.backend.set_wakeup(self.wakeup_threadsafe)
