@@ -7,11 +7,16 @@ import) or under ``TYPE_CHECKING`` counts as much as one at the top.
 
 from __future__ import annotations
 
-import ast
+import runpy
+from collections.abc import Callable
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
 PACKAGE = SRC / "kvflow"
+GRAPH = runpy.run_path(str(ROOT / "scripts" / "gen_module_graph.py"))
+module_name: Callable[[Path], str] = GRAPH["module_name"]
+kvflow_imports: Callable[[Path], list[tuple[int, str]]] = GRAPH["kvflow_imports"]
 
 LAYERS: dict[str, int] = {
     "": 0,  # kvflow/__init__.py
@@ -28,37 +33,6 @@ LAYERS: dict[str, int] = {
 }
 """Each top-level part of kvflow and its layer; a part may import its own package and lower
 layers, never a peer of its own layer or a higher one."""
-
-
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every kvflow import in the file."""
-    tree = ast.parse(path.read_text(), str(path))
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out: list[tuple[int, str]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "kvflow"]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                target = ".".join([*base, node.module] if node.module else base)
-            else:
-                target = node.module or ""
-            if target == "kvflow":
-                out += [(node.lineno, f"kvflow.{a.name}") for a in node.names]
-            elif target.split(".")[0] == "kvflow":
-                out.append((node.lineno, target))
-    return out
 
 
 def _part(module: str) -> str:
@@ -79,12 +53,19 @@ def test_no_module_imports_a_higher_layer_or_a_peer() -> None:
     assert len(files) > 50
     bad: list[str] = []
     for path in files:
-        source = _module_name(path)
+        source = module_name(path)
         src_part = _part(source)
-        for line, target in _imports(path):
+        for line, target in kvflow_imports(path):
             dst_part = _part(target)
             if dst_part == src_part:
                 continue
             if dst_part not in LAYERS or LAYERS[dst_part] >= LAYERS[src_part]:
                 bad.append(f"{path.relative_to(SRC)}:{line} imports {target}")
     assert bad == [], "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_module_graph_doc_is_up_to_date() -> None:
+    """docs/modules.md is exactly what scripts/gen_module_graph.py renders from the imports."""
+    assert (ROOT / "docs" / "modules.md").read_text() == GRAPH["render"](), (
+        "run scripts/gen_module_graph.py"
+    )
