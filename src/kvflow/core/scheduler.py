@@ -26,18 +26,18 @@ from collections import Counter
 from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from typing import Any
 
-import structlog
 from attrs import asdict, define, field, frozen
 
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
+from kvflow.core.logs import get_logger
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
 from kvflow.errors import ConfigError, ReportError
 
-log = structlog.get_logger("kvflow.scheduler")
+log = get_logger("kvflow.scheduler")
 
 LAZY_REQUEST_ID = "<lazy>"
 """The request id of lazy-policy stores, which belong to the GPU free queue, not to a request."""

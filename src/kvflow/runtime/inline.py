@@ -27,10 +27,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
-import structlog
 
 from kvflow.backends.base import Backend, FenceStatus
 from kvflow.core.layout import KVLayout
+from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
@@ -38,7 +38,7 @@ from kvflow.runtime.clock import Clock
 from kvflow.runtime.facade import WorkerFacade
 from kvflow.runtime.worker import WorkerRuntime
 
-log = structlog.get_logger("kvflow.inline")
+log = get_logger("kvflow.inline")
 
 T = TypeVar("T")
 

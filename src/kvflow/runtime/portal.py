@@ -29,11 +29,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-import structlog
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kvflow.backends.base import Backend
 from kvflow.core.layout import KVLayout
+from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
@@ -41,7 +41,7 @@ from kvflow.runtime.clock import Clock
 from kvflow.runtime.facade import WorkerFacade
 from kvflow.runtime.worker import WorkerRuntime
 
-log = structlog.get_logger("kvflow.portal")
+log = get_logger("kvflow.portal")
 
 T = TypeVar("T")
 

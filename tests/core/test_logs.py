@@ -1,0 +1,176 @@
+"""kvflow's loggers follow the host: stdlib ``logging`` unless structlog is configured."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from kvflow.core import logs
+from kvflow.core.transfer import Direction, Transfer, TransferInput, apply
+
+
+class _Records(logging.Handler):
+    """Keeps every record it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def unconfigured() -> Iterator[logging.Logger]:
+    """structlog as in a process that never configured it, and a pristine ``kvflow`` logger."""
+    was, before = structlog.is_configured(), structlog.get_config()
+    root = logging.getLogger("kvflow")
+    saved = (root.level, list(root.handlers), root.propagate)
+    structlog.reset_defaults()
+    root.setLevel(logging.NOTSET)
+    root.handlers.clear()
+    root.propagate = True
+    yield root
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    root.propagate = saved[2]
+    if was:
+        structlog.configure(**before)
+    else:
+        structlog.reset_defaults()
+
+
+def _transition() -> None:
+    apply(Transfer(7, Direction.STORE, "req-7"), TransferInput.LAUNCH, cause="test")
+
+
+def test_unconfigured_debug_event_is_dropped_at_the_default_level(
+    unconfigured: logging.Logger, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Without any configuration a transition's debug event prints nothing (stdlib: WARNING)."""
+    assert not logs.debug_enabled()
+    _transition()
+    logs.get_logger("kvflow.test").debug("some_debug_event", n=1)
+    out, err = capfd.readouterr()
+    assert out == err == ""
+
+
+def test_unconfigured_events_reach_stdlib_handlers_at_their_level(
+    unconfigured: logging.Logger,
+) -> None:
+    """With the kvflow logger at DEBUG, events arrive as stdlib records with their fields."""
+    handler = _Records()
+    unconfigured.addHandler(handler)
+    unconfigured.setLevel(logging.DEBUG)
+    assert logs.debug_enabled()
+    _transition()
+    logs.get_logger("kvflow.test").info("spaced", why="two words")
+    first, second = handler.records
+    assert first.name == "kvflow.transfer"
+    assert first.levelno == logging.DEBUG
+    assert first.getMessage().startswith("transfer_transition transfer_id=7 request_id=req-7")
+    assert first.kvflow_event == "transfer_transition"  # type: ignore[attr-defined]
+    assert first.kvflow_fields["to"] == "in_flight"  # type: ignore[attr-defined]
+    assert first.pathname.endswith("fsm.py"), "the record names kvflow's call site"
+    assert second.getMessage() == "spaced why='two words'"
+
+
+def test_child_logger_level_is_its_own(unconfigured: logging.Logger) -> None:
+    """A kvflow module's logger set to DEBUG emits debug events while the others stay quiet."""
+    handler = _Records()
+    unconfigured.addHandler(handler)
+    child = logging.getLogger("kvflow.transfer")
+    child.setLevel(logging.DEBUG)
+    try:
+        assert logs.get_logger("kvflow.transfer").debug_enabled()
+        assert not logs.get_logger("kvflow.worker").debug_enabled()
+        _transition()
+        logs.get_logger("kvflow.worker").debug("quiet")
+    finally:
+        child.setLevel(logging.NOTSET)
+    assert [r.kvflow_event for r in handler.records] == ["transfer_transition"]  # type: ignore[attr-defined]
+
+
+def test_exception_attaches_the_exception_being_handled(unconfigured: logging.Logger) -> None:
+    """``log.exception`` gives the stdlib record the exception's info."""
+    handler = _Records()
+    unconfigured.addHandler(handler)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        logs.get_logger("kvflow.test").exception("it_failed", n=2)
+    (record,) = handler.records
+    assert record.levelno == logging.ERROR
+    assert record.exc_info is not None
+    assert record.exc_info[0] is RuntimeError
+
+
+def test_configured_structlog_takes_the_events(unconfigured: logging.Logger) -> None:
+    """An application that configures structlog gets kvflow's events; stdlib sees none."""
+    handler = _Records()
+    unconfigured.addHandler(handler)
+    unconfigured.setLevel(logging.DEBUG)
+    seen: list[str] = []
+
+    def keep(_logger: object, _method: str, event_dict: MutableMapping[str, Any]) -> str:
+        seen.append(str(event_dict["event"]))
+        raise structlog.DropEvent
+
+    structlog.configure(
+        processors=[keep], wrapper_class=structlog.make_filtering_bound_logger(logging.INFO)
+    )
+    assert not logs.debug_enabled(), "structlog's own filter at INFO decides"
+    _transition()
+    logs.get_logger("kvflow.test").info("visible")
+    assert seen == ["visible"]
+    assert handler.records == []
+
+
+def test_capture_logs_sees_debug_events_with_stdlib_quiet(unconfigured: logging.Logger) -> None:
+    """``structlog.testing.capture_logs`` captures debug events whatever stdlib's level is."""
+    with capture_logs() as captured:
+        _transition()
+    assert [e["event"] for e in captured] == ["transfer_transition"]
+
+
+def test_follow_host_logging_lends_the_hosts_handlers_once(unconfigured: logging.Logger) -> None:
+    """The kvflow logger takes an unconfigured host's level and handlers; a set level wins."""
+    host = logging.getLogger("test_host_app")
+    handler = _Records()
+    host.addHandler(handler)
+    host.setLevel(logging.INFO)
+    host.propagate = False
+    try:
+        assert logs.follow_host_logging(host)
+        assert unconfigured.level == logging.INFO
+        assert unconfigured.handlers == [handler]
+        assert not logs.follow_host_logging(host), "already set up: a no-op"
+        _transition()
+        logs.get_logger("kvflow.test").info("shown")
+        assert [r.getMessage() for r in handler.records] == ["shown"]
+    finally:
+        host.removeHandler(handler)
+        host.propagate = True
+    unconfigured.handlers.clear()
+    unconfigured.setLevel(logging.DEBUG)
+    assert not logs.follow_host_logging(host), "the application's own level wins"
+
+
+def test_importing_kvflow_configures_no_logging() -> None:
+    """Importing kvflow's modules leaves structlog unconfigured and stdlib logging untouched."""
+    code = (
+        "import logging, structlog\n"
+        "import kvflow.connector.offload, kvflow.core.scheduler, kvflow.runtime.worker\n"
+        "root = logging.getLogger('kvflow')\n"
+        "assert not structlog.is_configured()\n"
+        "assert root.handlers == [] and root.level == logging.NOTSET\n"
+        "assert logging.getLogger().handlers == []\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
