@@ -14,37 +14,14 @@ from structlog.testing import capture_logs
 
 from kvflow.core import logs
 from kvflow.core.transfer import Direction, Transfer, TransferInput, apply
-
-
-class _Records(logging.Handler):
-    """Keeps every record it is handed."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+from tests.logging_setup import Records, fresh_logging
 
 
 @pytest.fixture
 def unconfigured() -> Iterator[logging.Logger]:
     """structlog as in a process that never configured it, and a pristine ``kvflow`` logger."""
-    was, before = structlog.is_configured(), structlog.get_config()
-    root = logging.getLogger("kvflow")
-    saved = (root.level, list(root.handlers), root.propagate)
-    structlog.reset_defaults()
-    root.setLevel(logging.NOTSET)
-    root.handlers.clear()
-    root.propagate = True
-    yield root
-    root.setLevel(saved[0])
-    root.handlers[:] = saved[1]
-    root.propagate = saved[2]
-    if was:
-        structlog.configure(**before)
-    else:
-        structlog.reset_defaults()
+    with fresh_logging() as root:
+        yield root
 
 
 def _transition() -> None:
@@ -66,7 +43,7 @@ def test_unconfigured_events_reach_stdlib_handlers_at_their_level(
     unconfigured: logging.Logger,
 ) -> None:
     """With the kvflow logger at DEBUG, events arrive as stdlib records with their fields."""
-    handler = _Records()
+    handler = Records()
     unconfigured.addHandler(handler)
     unconfigured.setLevel(logging.DEBUG)
     assert logs.debug_enabled()
@@ -84,7 +61,7 @@ def test_unconfigured_events_reach_stdlib_handlers_at_their_level(
 
 def test_child_logger_level_is_its_own(unconfigured: logging.Logger) -> None:
     """A kvflow module's logger set to DEBUG emits debug events while the others stay quiet."""
-    handler = _Records()
+    handler = Records()
     unconfigured.addHandler(handler)
     child = logging.getLogger("kvflow.transfer")
     child.setLevel(logging.DEBUG)
@@ -100,7 +77,7 @@ def test_child_logger_level_is_its_own(unconfigured: logging.Logger) -> None:
 
 def test_exception_attaches_the_exception_being_handled(unconfigured: logging.Logger) -> None:
     """``log.exception`` gives the stdlib record the exception's info."""
-    handler = _Records()
+    handler = Records()
     unconfigured.addHandler(handler)
     try:
         raise RuntimeError("boom")
@@ -114,7 +91,7 @@ def test_exception_attaches_the_exception_being_handled(unconfigured: logging.Lo
 
 def test_configured_structlog_takes_the_events(unconfigured: logging.Logger) -> None:
     """An application that configures structlog gets kvflow's events; stdlib sees none."""
-    handler = _Records()
+    handler = Records()
     unconfigured.addHandler(handler)
     unconfigured.setLevel(logging.DEBUG)
     seen: list[str] = []
@@ -143,7 +120,7 @@ def test_capture_logs_sees_debug_events_with_stdlib_quiet(unconfigured: logging.
 def test_follow_host_logging_lends_the_hosts_handlers_once(unconfigured: logging.Logger) -> None:
     """The kvflow logger takes an unconfigured host's level and handlers; a set level wins."""
     host = logging.getLogger("test_host_app")
-    handler = _Records()
+    handler = Records()
     host.addHandler(handler)
     host.setLevel(logging.INFO)
     host.propagate = False

@@ -1,7 +1,8 @@
 """kvflow inside a vLLM process follows vLLM's logging: quiet at the default level, debug on ask.
 
-vLLM configures stdlib logging for its own ``vllm`` logger and never structlog; kvflow's connector
-lends that logger's handler and level to the ``kvflow`` logger when vLLM builds it.
+vLLM configures stdlib logging for its own ``vllm`` logger (when its engine starts, before the
+scheduler builds the connector) and never structlog; kvflow's connector lends that logger's
+handler and level to the ``kvflow`` logger when vLLM builds it.
 """
 
 from __future__ import annotations
@@ -13,38 +14,20 @@ pytest.importorskip("vllm")
 import logging
 from collections.abc import Iterator
 
-import structlog
-
 from tests.integrations.test_vllm_scenarios import PROMPT, Rig
-
-
-class _Records(logging.Handler):
-    """Keeps every record it is handed."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+from tests.logging_setup import Records, fresh_logging
 
 
 @pytest.fixture
 def vllm_process() -> Iterator[logging.Logger]:
-    """structlog unconfigured and the ``kvflow`` logger untouched, as in a fresh vLLM server."""
-    was, before = structlog.is_configured(), structlog.get_config()
-    root = logging.getLogger("kvflow")
-    saved = (root.level, list(root.handlers), root.propagate)
-    structlog.reset_defaults()
-    root.setLevel(logging.NOTSET)
-    root.handlers.clear()
-    root.propagate = True
-    yield root
-    root.setLevel(saved[0])
-    root.handlers[:] = saved[1]
-    root.propagate = saved[2]
-    if was:
-        structlog.configure(**before)
+    """structlog unconfigured, the ``kvflow`` logger untouched and vLLM's logging set up with its
+    defaults, as in a fresh vLLM server's engine process."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    with fresh_logging() as root:
+        configure_logging(LoggingConfig())
+        yield root
 
 
 def _serve_twice(rig: Rig) -> None:
@@ -59,7 +42,8 @@ def test_default_vllm_run_prints_no_debug_line(
 ) -> None:
     """At vLLM's default level (INFO) a store-and-load run prints no kvflow debug event."""
     rig = Rig()
-    assert logging.getLogger("vllm").handlers, "vLLM configured its logger on import"
+    assert logging.getLogger("vllm").handlers, "vLLM configured its logger"
+    assert logging.getLogger("vllm").getEffectiveLevel() == logging.INFO
     assert vllm_process.handlers == logging.getLogger("vllm").handlers, "vLLM's handler lent"
     assert vllm_process.getEffectiveLevel() == logging.getLogger("vllm").getEffectiveLevel()
     _serve_twice(rig)
@@ -74,7 +58,7 @@ def test_kvflow_logger_at_debug_sends_debug_events_to_the_handler(
     vllm_process: logging.Logger, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """With the ``kvflow`` logger at DEBUG, transitions reach its handler and not stdout."""
-    handler = _Records()
+    handler = Records()
     vllm_process.addHandler(handler)
     vllm_process.setLevel(logging.DEBUG)
     vllm_process.propagate = False

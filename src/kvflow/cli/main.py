@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -37,26 +37,23 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer ≥ 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (≥ 0)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; give an integer ≥ 0")
-    return value
+def _int_at_least(minimum: int, kind: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (≥ {minimum})") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is {kind}; give an integer ≥ {minimum}")
+        return value
+
+    return parse
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (≥ 1)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive; give an integer ≥ 1")
-    return value
+non_negative_int = _int_at_least(0, "negative")
+"""argparse type: an integer ≥ 0."""
+positive_int = _int_at_least(1, "not positive")
+"""argparse type: an integer ≥ 1."""
 
 
 def build_parser() -> argparse.ArgumentParser:
