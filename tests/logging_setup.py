@@ -40,3 +40,16 @@ def fresh_logging() -> Iterator[logging.Logger]:
             structlog.configure(**before)
         else:
             structlog.reset_defaults()
+
+
+@contextmanager
+def no_root_handlers() -> Iterator[None]:
+    """The root logger without handlers (pytest's own are put back), as in a process where only
+    a host library such as vLLM configured its logger."""
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    root.handlers.clear()
+    try:
+        yield
+    finally:
+        root.handlers[:] = saved

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from kvflow.core import logs
 from kvflow.core.transfer import Direction, Transfer, TransferInput, apply
-from tests.logging_setup import Records, fresh_logging
+from tests.logging_setup import Records, fresh_logging, no_root_handlers
 
 
 @pytest.fixture
@@ -125,19 +125,37 @@ def test_follow_host_logging_lends_the_hosts_handlers_once(unconfigured: logging
     host.setLevel(logging.INFO)
     host.propagate = False
     try:
-        assert logs.follow_host_logging(host)
-        assert unconfigured.level == logging.INFO
-        assert unconfigured.handlers == [handler]
-        assert not logs.follow_host_logging(host), "already set up: a no-op"
-        _transition()
-        logs.get_logger("kvflow.test").info("shown")
-        assert [r.getMessage() for r in handler.records] == ["shown"]
+        with no_root_handlers():
+            assert logs.follow_host_logging(host)
+            assert unconfigured.level == logging.INFO
+            assert unconfigured.handlers == [handler]
+            assert not logs.follow_host_logging(host), "already set up: a no-op"
+            _transition()
+            logs.get_logger("kvflow.test").info("shown")
+            assert [r.getMessage() for r in handler.records] == ["shown"]
+            unconfigured.handlers.clear()
+            unconfigured.setLevel(logging.DEBUG)
+            assert not logs.follow_host_logging(host), "the application's own level wins"
     finally:
         host.removeHandler(handler)
         host.propagate = True
-    unconfigured.handlers.clear()
-    unconfigured.setLevel(logging.DEBUG)
-    assert not logs.follow_host_logging(host), "the application's own level wins"
+
+
+def test_follow_host_logging_leaves_a_configured_root_alone(unconfigured: logging.Logger) -> None:
+    """With handlers on the root logger (the application configured logging) kvflow's events
+    keep propagating there: nothing is lent."""
+    host = logging.getLogger("test_host_app")
+    handler = Records()
+    host.addHandler(handler)
+    root = logging.getLogger()
+    root_handler = Records()
+    try:
+        with no_root_handlers():
+            root.addHandler(root_handler)
+            assert not logs.follow_host_logging(host)
+            assert unconfigured.handlers == []
+    finally:
+        host.removeHandler(handler)
 
 
 def test_importing_kvflow_configures_no_logging() -> None:

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterator
 
 from tests.integrations.test_vllm_scenarios import PROMPT, Rig
-from tests.logging_setup import Records, fresh_logging
+from tests.logging_setup import Records, fresh_logging, no_root_handlers
 
 
 @pytest.fixture
@@ -41,7 +41,8 @@ def test_default_vllm_run_prints_no_debug_line(
     vllm_process: logging.Logger, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """At vLLM's default level (INFO) a store-and-load run prints no kvflow debug event."""
-    rig = Rig()
+    with no_root_handlers():  # vLLM's server configures no root handler; pytest does
+        rig = Rig()
     assert logging.getLogger("vllm").handlers, "vLLM configured its logger"
     assert logging.getLogger("vllm").getEffectiveLevel() == logging.INFO
     assert vllm_process.handlers == logging.getLogger("vllm").handlers, "vLLM's handler lent"

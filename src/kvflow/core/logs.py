@@ -147,11 +147,15 @@ def follow_host_logging(host: logging.Logger) -> bool:
 
     For a host that configures only its own logger (vLLM sets up ``vllm`` with its handler, format
     and ``VLLM_LOGGING_LEVEL``): kvflow's stdlib events then read like the host's. Called when the
-    host builds kvflow's connector, never on import; a no-op when structlog is configured or the
-    ``kvflow`` logger already has a level or handlers. Returns whether it changed anything.
+    host builds kvflow's connector, never on import. A no-op when structlog is configured, the
+    ``kvflow`` logger already has a level or handlers, or the root logger has handlers (then the
+    application configured logging, and kvflow's events propagate there). Returns whether it
+    changed anything.
     """
     mine = logging.getLogger(ROOT)
     if structlog.is_configured() or mine.level != logging.NOTSET or mine.handlers:
+        return False
+    if logging.getLogger().handlers:
         return False
     if not host.handlers:
         return False
