@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Iterator, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,3 +170,15 @@ def test_importing_kvflow_configures_no_logging() -> None:
         "assert logging.getLogger().handlers == []\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_module_takes_its_logger_from_kvflow_core_logs() -> None:
+    """No kvflow module calls ``structlog.get_logger`` itself: its events would bypass the stdlib
+    route and print every debug event to stdout when structlog is unconfigured."""
+    package = Path(logs.__file__).resolve().parent.parent
+    offenders = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "logs.py" and "structlog.get_logger(" in path.read_text()
+    ]
+    assert offenders == [], "use kvflow.core.logs.get_logger"
