@@ -204,9 +204,16 @@ def main() -> None:
         help="no gc.collect() before each round and no automatic collection while timing "
         "(a full collection walks the whole heap, so every step then starts with cold caches)",
     )
+    parser.add_argument(
+        "--logging",
+        choices=("structlog-warning", "unconfigured"),
+        default="structlog-warning",
+        help="structlog configured at WARNING, or nothing configured (kvflow's events then go to "
+        "stdlib logging, as in a vLLM server; what a filtered debug event costs there)",
+    )
     args = parser.parse_args()
-    # Debug events of every transfer would be printed and timed; a benchmark wants warnings only.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    if args.logging == "structlog-warning":
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
     bytes_per_block = page_bytes(args.block_size) * len(LAYERS)

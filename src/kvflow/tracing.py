@@ -2,8 +2,9 @@
 
 The library never configures logging on import; a program (``kvflow bench --trace``) opts in with
 ``trace_to(path, now)``, which installs a JSON-lines sink for the duration of a ``with`` block and
-restores the previous structlog configuration afterwards. ``now`` is the caller's clock, so traces
-of a fake-clock run carry fake times.
+restores the previous structlog configuration afterwards (or structlog's unconfigured state, so
+kvflow's events go back to stdlib ``logging``). ``now`` is the caller's clock, so traces of a
+fake-clock run carry fake times. The sink writes the file only: nothing reaches stdout.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class _JsonLinesSink:
 @contextmanager
 def trace_to(path: Path, now: Callable[[], float]) -> Iterator[None]:
     """Send every structlog event, stamped ``ts=now()``, to ``path`` as JSON lines."""
+    was_configured = structlog.is_configured()
     previous = structlog.get_config()
 
     def stamp(_logger: object, method: str, event_dict: MutableMapping[str, Any]) -> Any:
@@ -50,22 +52,55 @@ def trace_to(path: Path, now: Callable[[], float]) -> Iterator[None]:
         try:
             yield
         finally:
-            structlog.configure(**previous)
+            if was_configured:
+                structlog.configure(**previous)
+            else:
+                structlog.reset_defaults()
+
+
+def read_trace_lines(
+    path: Path, problems: list[str] | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, event) of a JSON-lines trace.
+
+    A path that is not a readable text file raises ``ConfigError`` at once. A line that is not a
+    JSON object (a cut-off last line, what a killed process leaves) raises ``ConfigError`` naming
+    it, or, with ``problems`` given, is recorded there as ``"line N: ..."`` and skipped.
+    """
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a trace file (kvflow bench --trace FILE)")
+    try:
+        with path.open("rb") as probe:
+            head = probe.read(8192)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from exc
+    if b"\0" in head:
+        raise ConfigError(f"{path}: a binary file, not a JSON-lines trace")
+    with path.open(encoding="utf-8") as stream:
+        try:
+            for lineno, line in enumerate(stream, 1):
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    problem = f"line {lineno}: not a JSON line ({exc.msg})"
+                else:
+                    if isinstance(event, dict):
+                        yield lineno, event
+                        continue
+                    problem = f"line {lineno}: expected a JSON object"
+                if problems is None:
+                    raise ConfigError(f"{path}:{problem.removeprefix('line ')}")
+                problems.append(problem)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({exc.reason})") from exc
 
 
 def read_trace(path: Path) -> Iterator[dict[str, Any]]:
     """The events of a JSON-lines trace; a malformed line raises ``ConfigError`` naming it."""
-    with path.open() as stream:
-        for lineno, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{lineno}: not a JSON line ({exc.msg})") from exc
-            if not isinstance(event, dict):
-                raise ConfigError(f"{path}:{lineno}: expected a JSON object")
-            yield event
+    for _, event in read_trace_lines(path):
+        yield event
 
 
-__all__ = ["read_trace", "trace_to"]
+__all__ = ["read_trace", "read_trace_lines", "trace_to"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
-from scripts import bench_copy_contention, bench_decode_step, bench_engine_offload
+from scripts import bench_copy_contention, bench_decode_step, bench_engine_offload, bench_logging
 
 
 @pytest.fixture(autouse=True)
@@ -64,3 +64,15 @@ def test_noreuse_bench_reports_paired_overheads(tmp_path: Path) -> None:
 def test_copy_contention_bench_says_it_needs_cuda() -> None:
     """Without a GPU the copy-contention benchmark exits with status 2 instead of failing."""
     assert bench_copy_contention.main([]) == 2
+
+
+def test_logging_bench_times_every_setup_and_leaves_structlog_unconfigured(tmp_path: Path) -> None:
+    """Each logging setup gets a per-call figure for each call; structlog is reset afterwards."""
+    out = tmp_path / "logging.json"
+    assert bench_logging.main(["--calls", "50", "--repeat", "2", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["per_call_ns"]
+    assert set(figures) == set(bench_logging.SETUPS)
+    for row in figures.values():
+        assert set(row) == set(bench_logging.CALLS)
+        assert all(ns > 0 for ns in row.values())
+    assert not structlog.is_configured()

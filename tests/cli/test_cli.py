@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from rich.console import Console
 
 import kvflow
+from kvflow.cli import doctor
 from kvflow.cli.doctor import doctor_rows, run_doctor
 from kvflow.cli.main import main
 
@@ -30,6 +34,9 @@ def test_doctor_reports_every_check_as_a_table() -> None:
         "CUDA driver",
         "cuMemcpyBatchAsync",
         "default backend",
+        "vllm",
+        "matplotlib",
+        "nixl",
     ):
         assert check in text
     names = [name for name, _, _ in doctor_rows()]
@@ -49,3 +56,31 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     """Running kvflow without a command prints usage and exits 2."""
     assert main([]) == 2
     assert "doctor" in capsys.readouterr().out
+
+
+def test_doctor_names_a_missing_optional_package_and_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An optional package that is not installed is reported with its install hint, not a warning."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import then raises ModuleNotFoundError
+    rows = {name: (value, verdict) for name, value, verdict in doctor.optional_rows()}
+    assert rows["vllm"] == ("not installed (pip install 'kvflow[vllm]')", "info")
+
+
+def test_doctor_says_why_an_optional_package_does_not_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An optional package whose import fails is a warning naming the error's first line."""
+    (tmp_path / "nixl.py").write_text("raise RuntimeError('libnixl.so: cannot open')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "nixl", raising=False)
+    rows = {name: (value, verdict) for name, value, verdict in doctor.optional_rows()}
+    assert rows["nixl"] == ("import failed: libnixl.so: cannot open", "warn")
+
+
+def test_doctor_shows_an_installed_packages_version() -> None:
+    """matplotlib, installed with the dev extra, is shown with its distribution's version."""
+    pytest.importorskip("matplotlib")
+    value, verdict = {n: (v, d) for n, v, d in doctor.optional_rows()}["matplotlib"]
+    assert verdict == "ok"
+    assert value.endswith("(matplotlib)")

@@ -13,7 +13,7 @@ from kvflow.cli.main import main
 from kvflow.cli.trace import run_trace, summarize
 from kvflow.core.transfer import Direction, Transfer, TransferInput, apply
 from kvflow.errors import ConfigError
-from kvflow.tracing import read_trace, trace_to
+from kvflow.tracing import read_trace, read_trace_lines, trace_to
 
 
 def _write_trace(path: Path) -> None:
@@ -78,11 +78,31 @@ def test_trace_restores_logging_configuration(tmp_path: Path) -> None:
     assert structlog.get_config() == before
 
 
+def test_trace_leaves_unconfigured_structlog_unconfigured(tmp_path: Path) -> None:
+    """Tracing in a process that never configured structlog leaves it unconfigured, so kvflow's
+    events go back to stdlib logging instead of structlog's stdout printer."""
+    was, before = structlog.is_configured(), structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        _write_trace(tmp_path / "t.jsonl")
+        assert not structlog.is_configured()
+    finally:
+        if was:
+            structlog.configure(**before)
+
+
+def test_wrong_field_type_is_a_named_error_without_a_problem_list() -> None:
+    """summarize() without a problem list raises ConfigError naming the line of a bad field."""
+    bad = {"event": "transfer_transition", "transfer_id": "x", "from": "pending", "to": "in_flight"}
+    with pytest.raises(ConfigError, match=r"line 4: transfer_id 'x' is not an integer"):
+        summarize([(4, bad)])
+
+
 def test_summary_counts_outcomes_and_latencies(tmp_path: Path) -> None:
     """Outcomes per direction, pending→committed latency percentiles and the slowest are right."""
     path = tmp_path / "t.jsonl"
     _write_trace(path)
-    s = summarize(read_trace(path))
+    s = summarize(read_trace_lines(path))
     assert s.ended_in == {
         ("store", "committed"): 2,
         ("load", "committed"): 1,

@@ -16,16 +16,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-import structlog
 from attrs import define, field
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
+from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError
 
-log = structlog.get_logger("kvflow.backend.fake")
+log = get_logger("kvflow.backend.fake")
 
 BlockKey = tuple[int, int]
 """(group, block id)"""

@@ -15,17 +15,17 @@ import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-import structlog
 import torch
 from attrs import define, field
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.torch_layout import layout_of, region_view
 from kvflow.core.layout import KVLayout
+from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError, LayoutError
 
-log = structlog.get_logger("kvflow.backend.host")
+log = get_logger("kvflow.backend.host")
 
 
 @define(eq=False, slots=True)

@@ -6,6 +6,31 @@ from attrs import frozen
 
 from kvflow.errors import ConfigError
 
+MODEL_PRESETS = ("tiny", "small", "llama-1b")
+"""The reference engine's model presets (``kvflow.engine.model.MODEL_CONFIGS``, which needs torch;
+a test keeps the two equal), so a bad ``--model`` is found before torch is imported."""
+
+
+def check_model(name: str) -> None:
+    """Raise ConfigError unless ``name`` is a preset or ``PRESET-swaW`` (a ``W``-token window)."""
+    base, sep, window = name.partition("-swa")
+    if base not in MODEL_PRESETS or (sep and not (window.isdigit() and int(window) > 0)):
+        raise ConfigError(
+            f"model {name!r}: one of {', '.join(MODEL_PRESETS)}, "
+            "or PRESET-swaW for its hybrid variant with a W-token sliding window (e.g. tiny-swa64)"
+        )
+
+
+def check_device(device: str, backend: str) -> None:
+    """Raise ConfigError unless ``device`` is cpu, cuda or cuda:N and ``backend`` can copy there."""
+    kind, sep, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (sep and (kind == "cpu" or not index.isdigit())):
+        raise ConfigError(f"device {device!r}: one of cpu, cuda, cuda:N (N a GPU index)")
+    if backend == "cuda" and kind == "cpu":
+        raise ConfigError("backend 'cuda' copies GPU memory: it needs device cuda, not cpu")
+    if backend == "host" and kind == "cuda":
+        raise ConfigError("backend 'host' copies CPU tensors: on device cuda use backend cuda")
+
 
 @frozen
 class BenchConfig:
@@ -33,6 +58,8 @@ class BenchConfig:
     warmup: str = "full"
 
     def __attrs_post_init__(self) -> None:
+        check_model(self.model)
+        check_device(self.device, self.backend)
         if self.warmup not in ("round", "full"):
             raise ConfigError(f"warmup {self.warmup!r}: one of round, full")
         if self.worker_loop not in ("thread", "inline"):
@@ -46,4 +73,4 @@ class BenchConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-__all__ = ["BenchConfig"]
+__all__ = ["MODEL_PRESETS", "BenchConfig", "check_device", "check_model"]

@@ -3,60 +3,107 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import structlog
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from kvflow.bench.multi_round import BenchResult
 
-from kvflow.bench.config import BenchConfig
+from kvflow.bench.config import MODEL_PRESETS, BenchConfig
+from kvflow.cli.main import non_negative_int, positive_int
 from kvflow.errors import ConfigError
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _fraction(text: str) -> float:
+    """argparse type: the GPU cache as a fraction of the working set, in (0, 4]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 4]") from None
+    if not 0 < value <= 4:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 4]")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BenchConfig()
-    p.add_argument("--model", default=d.model, help="tiny, small, llama-1b (suffix -swaN: hybrid)")
-    p.add_argument("--device", default=d.device, help="cpu or cuda (uses the CUDA backend)")
-    p.add_argument("--users", type=int, default=d.users)
-    p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--system", type=int, default=d.system_prompt, help="system prompt tokens")
-    p.add_argument("--first-question", type=int, default=d.first_question)
-    p.add_argument("--question", type=int, default=d.question)
-    p.add_argument("--answer", type=int, default=d.answer)
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    presets = ", ".join(MODEL_PRESETS)
+    p.add_argument(
+        "--model", default=d.model, help=f"{presets}; suffix -swaW: hybrid, W-token window"
+    )
+    p.add_argument(
+        "--device", default=d.device, help="cpu, cuda or cuda:N (cuda uses the CUDA backend)"
+    )
+    p.add_argument("--users", type=positive_int, default=d.users, help="conversations")
+    p.add_argument("--rounds", type=positive_int, default=d.rounds, help="questions per user")
+    p.add_argument(
+        "--system", type=non_negative_int, default=d.system_prompt, help="system prompt tokens"
+    )
+    p.add_argument(
+        "--first-question",
+        type=non_negative_int,
+        default=d.first_question,
+        help="tokens of a user's first question",
+    )
+    p.add_argument(
+        "--question", type=positive_int, default=d.question, help="tokens of each later question"
+    )
+    p.add_argument(
+        "--answer", type=positive_int, default=d.answer, help="tokens generated per answer"
+    )
+    p.add_argument(
+        "--block-size", type=positive_int, default=d.block_size, help="tokens per KV block"
+    )
     p.add_argument(
         "--cache-fraction",
-        type=float,
+        type=_fraction,
         default=d.cache_fraction,
-        help="GPU cache size as a fraction of the working set",
+        help="GPU cache size as a fraction of the working set, in (0, 4]",
     )
     p.add_argument(
-        "--cpu-bytes", default=None, help="CPU tier size, e.g. 2GiB (default: 2x working set)"
+        "--cpu-bytes",
+        default=None,
+        help="CPU tier size: bytes, or with a unit, e.g. 512MiB, 2GiB (default: 2x working set)",
     )
-    p.add_argument("--store-policy", choices=("eager", "lazy"), default=d.store_policy)
-    p.add_argument("--backend", choices=("auto", "host", "cuda"), default=d.backend)
+    p.add_argument(
+        "--store-policy",
+        choices=("eager", "lazy"),
+        default=d.store_policy,
+        help="when blocks are stored to CPU",
+    )
+    p.add_argument(
+        "--backend", choices=("auto", "host", "cuda"), default=d.backend, help="the copy backend"
+    )
     p.add_argument(
         "--worker-loop",
         choices=("thread", "inline"),
         default=d.worker_loop,
         help="the worker runtime's event loop on a thread of its own, or on the engine's thread",
     )
-    p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--max-batched-tokens",
+        type=positive_int,
+        default=d.max_batched_tokens,
+        help="tokens per engine step",
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="model weights and workload")
     p.add_argument(
         "--warmup",
         choices=("round", "full"),
         default=d.warmup,
-        help="untimed warm-up: both runs once (default, fair), or one round (faster)",
+        help="untimed warm-up: both runs once (fair), or one round (faster)",
     )
     p.add_argument(
         "--dtype",
@@ -66,42 +113,109 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch CPU threads, the same for both runs (default on CPU: one core fewer than the "
         "machine has, left to the copy and event-loop threads; on CUDA: torch's default)",
     )
-    p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
-    p.add_argument("--plot", type=Path, default=None, help="write TTFT per round as a PNG")
-    p.add_argument("--trace", type=Path, default=None, help="write every log event as JSON lines")
+    p.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this file")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help=f"write TTFT per round as a figure ({', '.join(PLOT_SUFFIXES)}; needs matplotlib)",
+    )
+    p.add_argument(
+        "--trace", type=Path, default=None, help="write every log event to this file as JSON lines"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The run's configuration; raises ConfigError naming the flag and its accepted form."""
     from kvflow.connector.config import OffloadConfig
 
     cpu_bytes = None
     if args.cpu_bytes is not None:
-        cpu_bytes = OffloadConfig(cpu_bytes=args.cpu_bytes).cpu_bytes
-    return BenchConfig(
-        model=args.model,
-        device=args.device,
-        users=args.users,
-        rounds=args.rounds,
-        system_prompt=args.system,
-        first_question=args.first_question,
-        question=args.question,
-        answer=args.answer,
-        block_size=args.block_size,
-        cache_fraction=args.cache_fraction,
-        cpu_bytes=cpu_bytes,
-        store_policy=args.store_policy,
-        backend=args.backend,
-        worker_loop=args.worker_loop,
-        max_batched_tokens=args.max_batched_tokens,
-        seed=args.seed,
-        dtype=args.dtype,
-        warmup=args.warmup,
-    )
+        try:
+            cpu_bytes = OffloadConfig(cpu_bytes=args.cpu_bytes).cpu_bytes
+        except ConfigError as exc:
+            raise ConfigError(
+                f"--cpu-bytes {args.cpu_bytes!r}: a positive size in bytes, or with a unit "
+                "(B, KiB, MiB, GiB, TiB), e.g. 512MiB or 2GiB"
+            ) from exc
+    try:
+        return BenchConfig(
+            model=args.model,
+            device=args.device,
+            users=args.users,
+            rounds=args.rounds,
+            system_prompt=args.system,
+            first_question=args.first_question,
+            question=args.question,
+            answer=args.answer,
+            block_size=args.block_size,
+            cache_fraction=args.cache_fraction,
+            cpu_bytes=cpu_bytes,
+            store_policy=args.store_policy,
+            backend=args.backend,
+            worker_loop=args.worker_loop,
+            max_batched_tokens=args.max_batched_tokens,
+            seed=args.seed,
+            dtype=args.dtype,
+            warmup=args.warmup,
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"--{exc}") from exc
+
+
+def check_writable(flag: str, path: Path) -> None:
+    """Raise ConfigError unless ``path`` can be written as a file (checked before the run)."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable; give a file in a writable directory")
+
+
+def check_cuda(device: str) -> None:
+    """Raise ConfigError unless the CUDA driver sees the GPU ``device`` names (no torch import)."""
+    from kvflow.backends.probe import probe_cuda
+
+    probe = probe_cuda()
+    if not probe.available:
+        raise ConfigError(
+            f"--device {device}: no CUDA GPU on this machine ({probe.error or 'no device'}); "
+            "use --device cpu"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= probe.device_count:
+        raise ConfigError(
+            f"--device {device}: this machine has {probe.device_count} GPU(s), "
+            f"cuda:0 to cuda:{probe.device_count - 1}"
+        )
+
+
+def validate(args: argparse.Namespace) -> BenchConfig:
+    """Every check a run can fail that needs no torch: values, output paths, matplotlib, GPU."""
+    cfg = config_from_args(args)
+    for flag in ("json", "plot", "trace"):
+        path = getattr(args, flag)
+        if path is not None:
+            check_writable(f"--{flag}", path)
+    if args.plot is not None:
+        if args.plot.suffix.lower() not in PLOT_SUFFIXES:
+            raise ConfigError(
+                f"--plot {args.plot}: the file name ends in one of {', '.join(PLOT_SUFFIXES)}"
+            )
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError(
+                "--plot needs matplotlib, which is not installed: pip install 'kvflow[plot]'"
+            )
+    if cfg.device.startswith("cuda"):
+        check_cuda(cfg.device)
+    return cfg
 
 
 def render(result: BenchResult, console: Console) -> None:
@@ -175,31 +289,47 @@ def render(result: BenchResult, console: Console) -> None:
     console.print(per_round)
 
 
-def plot(result: BenchResult, path: Path) -> None:
-    try:
-        import matplotlib
+def figure(result: BenchResult) -> Figure:
+    """TTFT p50 per round, offload off vs on, both axes from 0 (``validate`` checked matplotlib)."""
+    from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # matplotlib is the optional "plot" extra
-        raise ConfigError("--plot needs matplotlib: pip install 'kvflow[plot]'") from exc
     off, on = result.runs
     rounds = list(range(len(off.ttft_p50_per_round_s)))
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    fig = Figure(figsize=(6, 3.5), dpi=120)
+    ax = fig.subplots()
     ax.plot(rounds, [t * 1e3 for t in off.ttft_p50_per_round_s], "o-", label="offload off")
     ax.plot(rounds, [t * 1e3 for t in on.ttft_p50_per_round_s], "s-", label="offload on (kvflow)")
-    ax.set_xlabel("round")
-    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_xlabel("round (each user's n-th question)")
+    ax.set_ylabel("TTFT p50 (ms), lower is better")
     ax.set_xticks(rounds)
-    ax.set_title(f"{result.model} on {result.device}: TTFT per round")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{result.model} on {result.device}: time to first token per round")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Write ``figure(result)`` to ``path`` (its suffix picks the format)."""
+    figure(result).savefig(path)
+
+
+def _check_torch_device(device: str) -> None:
+    """After every cheap check: the installed torch can use ``device`` (a CPU build cannot)."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {device}: this torch ({torch.__version__}) cannot use the GPU; "
+            "install a CUDA build of torch or use --device cpu"
+        )
 
 
 def run_bench_command(args: argparse.Namespace, console: Console | None = None) -> int:
+    cfg = validate(args)
+    _check_torch_device(cfg.device)
     console = console or Console()
     # The engine thread and kvflow's copy/loop threads share the GIL; at the default 5 ms
     # switch interval a busy engine thread holds the copy threads off for whole milliseconds.
@@ -215,12 +345,10 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
         import torch
 
         torch.set_num_threads(threads)
-    if args.trace is None:
-        # The library never configures logging; the command quiets debug events it would print.
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    # No logging set up here: unless the host configured structlog, kvflow's events go to stdlib
+    # logging, whose default shows warnings only; --trace sends them to its file alone.
     from kvflow.bench.multi_round import run_bench
 
-    cfg = config_from_args(args)
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -248,4 +376,14 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
     return 0 if result.outputs_identical else 1
 
 
-__all__ = ["add_arguments", "config_from_args", "plot", "render", "run_bench_command"]
+__all__ = [
+    "add_arguments",
+    "check_cuda",
+    "check_writable",
+    "config_from_args",
+    "figure",
+    "plot",
+    "render",
+    "run_bench_command",
+    "validate",
+]

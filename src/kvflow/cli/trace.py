@@ -2,7 +2,8 @@
 
 Reads the ``transfer_transition`` events (``transfer_id``, ``direction``, ``from``, ``to``, ``ts``)
 and prints: transfers by final state and direction, pending → committed latency percentiles per
-direction, and the slowest transfers.
+direction, and the slowest transfers. A line that cannot be read (a cut-off last line, a field of
+the wrong type) is reported by number and skipped; the summary covers the rest.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from attrs import define, frozen
 from rich.console import Console
 from rich.table import Table
 
-from kvflow.tracing import read_trace
+from kvflow.errors import ConfigError
+from kvflow.tracing import read_trace_lines
 
 
 @define(eq=False)
@@ -46,13 +48,41 @@ def _percentile(sorted_values: tuple[float, ...], q: float) -> float:
     return sorted_values[idx]
 
 
-def summarize(events: Iterable[Mapping[str, Any]], top: int = 10) -> TraceSummary:
-    """Fold transfer transition events into per-transfer lives and summary tables."""
+def _field_problem(event: Mapping[str, Any]) -> str | None:
+    """What is wrong with a transition event's fields, or None."""
+    tid = event.get("transfer_id")
+    if isinstance(tid, bool) or not isinstance(tid, int):
+        return f"transfer_id {tid!r} is not an integer"
+    ts = event.get("ts")
+    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, int | float)):
+        return f"ts {ts!r} is not a number"
+    for key in ("from", "to"):
+        if not isinstance(event.get(key), str):
+            return f"{key!r} {event.get(key)!r} is not a state name"
+    return None
+
+
+def summarize(
+    lines: Iterable[tuple[int, Mapping[str, Any]]],
+    top: int = 10,
+    problems: list[str] | None = None,
+) -> TraceSummary:
+    """Fold (line number, event) pairs' transfer transitions into per-transfer lives and tables.
+
+    A transition whose fields have the wrong type raises ``ConfigError`` naming its line, or, with
+    ``problems`` given, is recorded there and skipped.
+    """
     transfers: dict[int, _TransferTrace] = {}
     count = 0
-    for event in events:
+    for lineno, event in lines:
         count += 1
         if event.get("event") != "transfer_transition":
+            continue
+        problem = _field_problem(event)
+        if problem is not None:
+            if problems is None:
+                raise ConfigError(f"line {lineno}: {problem}")
+            problems.append(f"line {lineno}: {problem}; skipped")
             continue
         tid = int(event["transfer_id"])
         t = transfers.get(tid)
@@ -126,12 +156,24 @@ def render(summary: TraceSummary, console: Console) -> None:
     console.print(slow)
 
 
+MAX_PROBLEMS_SHOWN = 10
+
+
 def run_trace(path: Path, top: int = 10, console: Console | None = None) -> int:
+    """Print the summary of ``path``; unreadable lines are listed by number after it."""
     console = console or Console()
-    if not path.exists():
-        console.print(f"[red]no such trace file: {path}[/]")
-        return 2
-    render(summarize(read_trace(path), top=top), console)
+    problems: list[str] = []
+    summary = summarize(read_trace_lines(path, problems), top=top, problems=problems)
+    render(summary, console)
+    if problems:
+        console.print(
+            f"[yellow]{len(problems)} line(s) skipped, the summary covers the rest:[/]",
+            soft_wrap=True,
+        )
+        for problem in problems[:MAX_PROBLEMS_SHOWN]:
+            console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+        if len(problems) > MAX_PROBLEMS_SHOWN:
+            console.print(f"  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more")
     return 0
 
 

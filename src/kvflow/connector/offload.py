@@ -13,7 +13,6 @@ import bisect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import structlog
 import torch
 from attrs import define, field, frozen
 
@@ -22,6 +21,7 @@ from kvflow.backends.select import make_backend
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig, WorkerLoop
 from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.logs import get_logger
 from kvflow.core.offload import (
     GroupSpec,
     OffloadManager,
@@ -35,7 +35,7 @@ from kvflow.errors import ConfigError
 from kvflow.runtime.factory import make_sync_worker
 from kvflow.runtime.sync_worker import SyncWorker
 
-log = structlog.get_logger("kvflow.connector")
+log = get_logger("kvflow.connector")
 
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 """Upper bounds of the transfer latency histogram buckets (the last bucket is open)."""

@@ -11,9 +11,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-import structlog
-
-from kvflow.core.logs import debug_enabled
+from kvflow.core.logs import get_logger
 from kvflow.errors import TransitionError
 
 S = TypeVar("S", bound=enum.Enum)
@@ -43,7 +41,7 @@ class Machine(Generic[S, I]):
         self.id_field = id_field
         self.initial = initial
         self.terminal = frozenset(terminal)
-        self._log = structlog.get_logger(logger)
+        self._log = get_logger(logger)
 
     def next_state(self, state: S, event: I) -> S | None:
         """The state ``event`` leads to from ``state``, or None if the pair is illegal."""
@@ -63,7 +61,7 @@ class Machine(Generic[S, I]):
             )
             raise TransitionError(self.name, entity_id, str(state.value), str(event.value))
         # Transfers pass here several times a step: skip building an event that is filtered.
-        if debug_enabled():
+        if self._log.debug_enabled():
             self._log.debug(
                 f"{self.name}_transition",
                 **{self.id_field: entity_id},

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import structlog
-
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVCacheGroupSpec
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import BlockPoolGpuView
 from kvflow.core.hashing import BlockHash
+from kvflow.core.logs import get_logger
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.errors import BlockPoolError
 
-log = structlog.get_logger("kvflow.engine.blocks")
+log = get_logger("kvflow.engine.blocks")
 
 
 def _first_needed_block(group: KVCacheGroupSpec, num_computed: int, block_size: int) -> int:

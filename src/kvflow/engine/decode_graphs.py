@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import structlog
 import torch
 from torch.nn.attention import sdpa_kernel
 
 from kvflow.connector.api import KVCacheConfig
+from kvflow.core.logs import get_logger
 from kvflow.engine.kv_cache import (
     block_table_tensor,
     decode_attention,
@@ -34,7 +34,7 @@ from kvflow.engine.kv_cache import (
 )
 from kvflow.engine.model import SDPA_BACKENDS, LlamaForCausalLM
 
-log = structlog.get_logger("kvflow.engine.decode_graphs")
+log = get_logger("kvflow.engine.decode_graphs")
 
 Piece = Callable[[], None]
 

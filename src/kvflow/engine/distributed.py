@@ -22,15 +22,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
+from kvflow.core.logs import get_logger
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.runtime.clock import SystemClock
 
-log = structlog.get_logger("kvflow.engine.distributed")
+log = get_logger("kvflow.engine.distributed")
 
 JOIN_POLL_S = 0.25
 """How often ``launch`` looks at its ranks while waiting for them."""

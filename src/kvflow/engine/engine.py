@@ -12,7 +12,6 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-import structlog
 import torch
 from attrs import define, field, frozen
 
@@ -24,6 +23,7 @@ from kvflow.connector.api import (
 )
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import ExtraKey
+from kvflow.core.logs import get_logger
 from kvflow.engine.block_manager import BlockManager
 from kvflow.engine.kv_cache import kv_cache_groups
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model
@@ -37,7 +37,7 @@ from kvflow.engine.scheduler import (
 )
 from kvflow.errors import ConfigError, KVFlowError
 
-log = structlog.get_logger("kvflow.engine")
+log = get_logger("kvflow.engine")
 
 IDLE_WAIT_S = 0.002
 """Longest an engine with nothing to compute blocks waiting for a transfer before re-checking."""

@@ -15,15 +15,15 @@ from types import TracebackType
 
 import anyio
 import anyio.lowlevel
-import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 from attrs import frozen
 
+from kvflow.core.logs import get_logger
 from kvflow.engine.engine import Engine, RequestResult
 from kvflow.errors import ClosedError, KVFlowError
 
-log = structlog.get_logger("kvflow.engine.frontend")
+log = get_logger("kvflow.engine.frontend")
 
 _Item = int | KVFlowError
 

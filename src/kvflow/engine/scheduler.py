@@ -17,18 +17,18 @@ import enum
 from collections import deque
 from collections.abc import Callable, Mapping
 
-import structlog
 from attrs import define, field, frozen
 
 from kvflow.connector.api import KVConnectorOutput, SchedulerConnector
 from kvflow.core.fsm import Machine
 from kvflow.core.hashing import BlockHash, BlockHasher, ExtraKey
+from kvflow.core.logs import get_logger
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.core.requests import CachedRequest, NewRequest, SchedulerOutput
 from kvflow.engine.block_manager import BlockManager
 from kvflow.errors import ConfigError
 
-log = structlog.get_logger("kvflow.engine.scheduler")
+log = get_logger("kvflow.engine.scheduler")
 
 
 class RequestStatus(enum.StrEnum):

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import attrs
-import structlog
 import torch
 from attrs import define, frozen
 
@@ -35,6 +34,7 @@ from kvflow.connector.api import (
 from kvflow.connector.config import OffloadConfig
 from kvflow.connector.offload import OffloadConnector, OffloadScheduler, OffloadWorker
 from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.logs import get_logger
 from kvflow.core.requests import SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.engine.distributed import ProcessGroupChannel, all_reduce_sum
@@ -51,7 +51,7 @@ from kvflow.engine.runner import LaunchedStep, ModelRunner, ModelRunnerOutput
 from kvflow.engine.scheduler import StepBatch
 from kvflow.errors import ConfigError, KVFlowError
 
-log = structlog.get_logger("kvflow.engine.tp")
+log = get_logger("kvflow.engine.tp")
 
 T = TypeVar("T")
 

@@ -25,15 +25,16 @@ the affected ``finished_recving`` are held back until then, as vLLM requires.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence, Set
 from itertools import compress
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-import structlog
 from attrs import frozen
 
 from kvflow.connector.config import EAGER_STORE_INTERVAL
+from kvflow.core.logs import follow_host_logging, get_logger
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import (
     NO_DECODE_REQUESTS,
@@ -70,7 +71,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = structlog.get_logger("kvflow.integrations.vllm")
+log = get_logger("kvflow.integrations.vllm")
 
 VLLM_VERSION_TESTED = "0.32.0"
 NULL_BLOCK_ID = 0
@@ -771,6 +772,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        # kvflow's events (stdlib logging unless structlog is configured) take vLLM's handler,
+        # format and VLLM_LOGGING_LEVEL, unless the application set the kvflow logger up itself.
+        follow_host_logging(logging.getLogger("vllm"))
         if self._kv_transfer_config.kv_role != "kv_both":
             raise ConfigError(
                 f"KVFlowConnector needs kv_role='kv_both' (it stores to and loads from its own CPU "

@@ -18,12 +18,12 @@ from contextlib import asynccontextmanager
 from typing import Protocol, runtime_checkable
 
 import anyio
-import structlog
 from attrs import define, field
 
+from kvflow.core.logs import get_logger
 from kvflow.errors import ConfigError
 
-log = structlog.get_logger("kvflow.clock")
+log = get_logger("kvflow.clock")
 
 
 @runtime_checkable

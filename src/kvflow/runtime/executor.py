@@ -23,18 +23,18 @@ import math
 from collections.abc import Callable, Sequence
 
 import anyio
-import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from attrs import define, field, frozen
 
 from kvflow.backends.base import Backend, CopyBatch, Fence, FenceStatus
+from kvflow.core.logs import get_logger
 from kvflow.core.protocol import TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
 from kvflow.runtime.clock import SystemClock
 from kvflow.runtime.reactor import Reactor
 
-log = structlog.get_logger("kvflow.executor")
+log = get_logger("kvflow.executor")
 
 GroupIds = tuple[tuple[int, ...], ...]
 """GPU block ids per KV cache group"""

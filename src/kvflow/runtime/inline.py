@@ -27,17 +27,17 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
-import structlog
 
 from kvflow.backends.base import Backend, FenceStatus
 from kvflow.core.layout import KVLayout
+from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
 from kvflow.runtime.sync_worker import SyncWorker
 from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
-log = structlog.get_logger("kvflow.inline")
+log = get_logger("kvflow.inline")
 
 T = TypeVar("T")
 

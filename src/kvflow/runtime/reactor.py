@@ -18,14 +18,14 @@ import threading
 from collections.abc import Callable
 
 import anyio
-import structlog
 from attrs import define, field
 
 from kvflow.backends.base import Backend, Fence, FenceStatus
+from kvflow.core.logs import get_logger
 from kvflow.errors import ClosedError, ConfigError, ProtocolError
 from kvflow.runtime.clock import Clock
 
-log = structlog.get_logger("kvflow.reactor")
+log = get_logger("kvflow.reactor")
 
 
 @define(eq=False, slots=True)

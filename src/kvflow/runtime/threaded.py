@@ -31,18 +31,18 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-import structlog
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kvflow.backends.base import Backend
 from kvflow.core.layout import KVLayout
+from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
 from kvflow.runtime.sync_worker import SyncWorker
 from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
-log = structlog.get_logger("kvflow.portal")
+log = get_logger("kvflow.portal")
 
 T = TypeVar("T")
 

@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import anyio
-import structlog
 from attrs import define, field, frozen
 
 from kvflow.backends.base import Backend, Fence, FenceStatus
 from kvflow.core.layout import KVLayout
+from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
 from kvflow.errors import ClosedError, ConfigError, ProtocolError
@@ -31,7 +31,7 @@ from kvflow.runtime.clock import Clock, SystemClock
 from kvflow.runtime.executor import CopyOrder, DmaExecutor
 from kvflow.runtime.reactor import Reactor
 
-log = structlog.get_logger("kvflow.worker")
+log = get_logger("kvflow.worker")
 
 
 @frozen

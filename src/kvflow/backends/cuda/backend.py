@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
-import structlog
 from attrs import define, evolve, frozen
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
@@ -38,10 +37,11 @@ from kvflow.backends.cuda.plan import (
 )
 from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
+from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError
 
-log = structlog.get_logger("kvflow.backends.cuda")
+log = get_logger("kvflow.backends.cuda")
 
 MiB = 1 << 20
 KiB = 1 << 10

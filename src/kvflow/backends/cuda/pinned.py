@@ -16,12 +16,12 @@ from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
-import structlog
 
 from kvflow.backends.cuda.driver import Context, check, cu
+from kvflow.core.logs import get_logger
 from kvflow.errors import BackendError, ConfigError
 
-log = structlog.get_logger("kvflow.backends.cuda")
+log = get_logger("kvflow.backends.cuda")
 
 
 class _GroupBuffer:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-import structlog
-
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash
+from kvflow.core.logs import get_logger
 from kvflow.core.offload.config import Geometry
 from kvflow.core.offload.state import RequestState, StoreBatch, next_boundary
 
-log = structlog.get_logger("kvflow.scheduler")
+log = get_logger("kvflow.scheduler")
 
 
 class LazyCursor:

@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-import structlog
-
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash
+from kvflow.core.logs import get_logger
 from kvflow.core.offload.config import STEP_STORE_ID, OffloadManagerConfig, StorePolicy
 from kvflow.core.offload.state import LiveTransfer, PinnedHit, RequestState, StoreBatch, all_ids
 from kvflow.core.offload.stats import Counters
@@ -25,7 +24,7 @@ from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSp
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
 from kvflow.errors import ReportError
 
-log = structlog.get_logger("kvflow.scheduler")
+log = get_logger("kvflow.scheduler")
 
 
 def _transfer_id(x: LiveTransfer) -> int:

@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
-import structlog
 from attrs import asdict
 
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
+from kvflow.core.logs import get_logger
 from kvflow.core.offload.config import (
     LAZY_REQUEST_ID,
     STEP_STORE_ID,
@@ -53,7 +53,7 @@ from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction, TransferState
 from kvflow.errors import ConfigError, ProtocolError
 
-log = structlog.get_logger("kvflow.scheduler")
+log = get_logger("kvflow.scheduler")
 
 # A request's news in ``build_step_plan``: (request, confirmed tokens, new block ids, whether
 # they replace the block table).
