@@ -100,6 +100,7 @@ class Hello:
     transfer_id: str
     epoch: int
     engine_id: str
+    address: str  # the sender's control-plane endpoint, for the answer
     compat_hash: str
     compat: Compat
     tp_size: int
@@ -111,6 +112,7 @@ class HelloAck:
     transfer_id: str
     epoch: int
     engine_id: str
+    address: str
     compat_hash: str
     compat: Compat
     tp_size: int
