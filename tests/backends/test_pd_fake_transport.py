@@ -13,6 +13,7 @@ from tests.pd_leaks import no_leaks  # noqa: F401 - the fixture, used by pytestm
 from kvflow.backends.base import Backend, FenceStatus
 from kvflow.backends.pd.fake import FakeLink, FakeTransport
 from kvflow.backends.pd.transport import KVTransport, plan_chunks
+from kvflow.core.pd.common import LaunchCopies, Pairs
 from kvflow.errors import ConfigError, LayoutError, ProtocolError
 from kvflow.runtime.clock import FakeClock
 from kvflow.runtime.reactor import Reactor
@@ -33,13 +34,21 @@ def ends(link: FakeLink) -> tuple[FakeTransport, FakeTransport, list[list[torch.
     return p, d, src
 
 
+CHANNEL = {"t": 1, "u": 2, "v": 3}
+
+
+def op(transfer_id: str, send: bool, pairs: Pairs) -> LaunchCopies:
+    """The manager's launch action for one side of hand-off ``transfer_id``."""
+    return LaunchCopies(transfer_id, 1, "peer", send, pairs, CHANNEL[transfer_id])
+
+
 def recv_pairs() -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(tuple((r, s) for s, r in g) for g in PAIRS)
 
 
 def landed(d: FakeTransport, src: list[list[torch.Tensor]]) -> bool:
     return all(
-        torch.equal(d.geo[g].views[0][r], src[g][0][s])
+        torch.equal(d.geo[g].views[0][r].view(torch.uint8), src[g][0][s])
         for g, grp in enumerate(PAIRS)
         for s, r in grp
     )
@@ -51,10 +60,10 @@ def test_both_ends_finish_together_and_bytes_are_exact() -> None:
     link = FakeLink()
     p, d, src = ends(link)
     assert isinstance(p, KVTransport)
-    fs = p.launch("t", 1, True, PAIRS)
+    fs = p.launch(op("t", True, PAIRS))
     assert link.step(0.0) == 0
     assert p.query(fs) is FenceStatus.PENDING
-    fr = d.launch("t", 1, False, recv_pairs())
+    fr = d.launch(op("t", False, recv_pairs()))
     assert link.step(0.0) == 2
     assert (p.query(fs), d.query(fr)) == (FenceStatus.DONE, FenceStatus.DONE)
     assert landed(d, src)
@@ -64,8 +73,8 @@ def test_delay_holds_delivery_until_its_time() -> None:
     """A delayed packet is delivered only once the link's time reaches it."""
     link = FakeLink(delay_s=2.0)
     p, d, src = ends(link)
-    fr = d.launch("t", 1, False, recv_pairs())
-    p.launch("t", 1, True, PAIRS)
+    fr = d.launch(op("t", False, recv_pairs()))
+    p.launch(op("t", True, PAIRS))
     link.step(1.9)
     assert d.query(fr) is FenceStatus.PENDING
     link.step(2.0)
@@ -78,8 +87,8 @@ def test_a_dropped_packet_fails_the_receive_at_its_deadline() -> None:
     link = FakeLink(recv_timeout_s=3.0)
     p, d, _ = ends(link)
     link.drop(1)
-    fs = p.launch("t", 1, True, PAIRS)
-    fr = d.launch("t", 1, False, recv_pairs())
+    fs = p.launch(op("t", True, PAIRS))
+    fr = d.launch(op("t", False, recv_pairs()))
     link.step(0.0)
     assert p.query(fs) is FenceStatus.DONE
     assert d.query(fr) is FenceStatus.PENDING
@@ -93,8 +102,8 @@ def test_a_duplicate_is_dropped_and_never_written() -> None:
     link = FakeLink()
     p, d, _src = ends(link)
     link.duplicate(1)
-    d.launch("t", 1, False, recv_pairs())
-    p.launch("t", 1, True, PAIRS)
+    d.launch(op("t", False, recv_pairs()))
+    p.launch(op("t", True, PAIRS))
     link.step(0.0)
     d.geo[0].views[0].fill_(0)  # the blocks are reused after the hand-off
     link.step(0.1)
@@ -106,8 +115,8 @@ def test_reordered_chunks_land_in_the_right_blocks() -> None:
     """Chunks arriving last-first still land where their tags say."""
     link = FakeLink(reorder=True)
     p, d, src = ends(link)
-    p.launch("t", 1, True, PAIRS)
-    fr = d.launch("t", 1, False, recv_pairs())
+    p.launch(op("t", True, PAIRS))
+    fr = d.launch(op("t", False, recv_pairs()))
     link.step(0.0)
     assert d.query(fr) is FenceStatus.DONE
     assert landed(d, src)
@@ -117,21 +126,21 @@ def test_peer_death_fails_everything_pending_and_later_launches() -> None:
     """kill(): pending fences on both ends fail at once, and so does any later launch."""
     link = FakeLink()
     p, d, _ = ends(link)
-    fs = p.launch("t", 1, True, PAIRS)
-    fr = d.launch("u", 1, False, recv_pairs())
+    fs = p.launch(op("t", True, PAIRS))
+    fr = d.launch(op("u", False, recv_pairs()))
     link.kill()
     assert (p.query(fs), d.query(fr)) == (FenceStatus.FAILED, FenceStatus.FAILED)
-    assert d.query(d.launch("v", 1, False, recv_pairs())) is FenceStatus.FAILED
+    assert d.query(d.launch(op("v", False, recv_pairs()))) is FenceStatus.FAILED
 
 
 def test_cancel_settles_and_a_late_packet_is_not_written() -> None:
     """A cancelled receive fails at once; P's packet arriving later writes nothing."""
     link = FakeLink()
     p, d, _ = ends(link)
-    fr = d.launch("t", 1, False, recv_pairs())
+    fr = d.launch(op("t", False, recv_pairs()))
     d.cancel(fr)
     assert d.query(fr) is FenceStatus.FAILED
-    p.launch("t", 1, True, PAIRS)
+    p.launch(op("t", True, PAIRS))
     link.step(0.0)
     assert not d.geo[0].views[0].any()
     assert link.stale_dropped == 2
@@ -143,24 +152,26 @@ def test_registration_and_launch_errors_are_typed() -> None:
     link = FakeLink()
     p, _d = link.pair()
     with pytest.raises(ProtocolError):
-        p.launch("t", 1, True, PAIRS)
+        p.launch(op("t", True, PAIRS))
     with pytest.raises(LayoutError):
         p.register([[torch.zeros(4, 8).t()]])
     p.register([[torch.zeros(4, 8, dtype=torch.uint8)]])
     with pytest.raises(ProtocolError):
         p.register([[torch.zeros(4, 8, dtype=torch.uint8)]])
     with pytest.raises(ConfigError):
-        p.launch("t", 1, True, (((9, 0),),))
+        p.launch(op("t", True, (((9, 0),),)))
     with pytest.raises(ConfigError):
-        plan_chunks("t", 1, (((0, 0),),), p.geo, 4)
+        plan_chunks(1, (((0, 0),),), p.geo, 4)
+    with pytest.raises(ConfigError):
+        plan_chunks(0, PAIRS, p.geo, 1 << 20)
 
 
 def test_chunks_are_the_same_on_both_sides() -> None:
     """Sender and receiver derive the same chunk tags and sizes from the same pairs."""
     link = FakeLink()
     p, d, _ = ends(link)
-    a = plan_chunks("t", 3, PAIRS, p.geo, 128)
-    b = plan_chunks("t", 3, recv_pairs(), d.geo, 128)
+    a = plan_chunks(3, PAIRS, p.geo, 128)
+    b = plan_chunks(3, recv_pairs(), d.geo, 128)
     assert [(c.index, c.group, len(c.local), c.tag) for c in a] == [
         (c.index, c.group, len(c.local), c.tag) for c in b
     ]
@@ -174,8 +185,8 @@ async def test_the_reactor_awaits_a_transport_fence() -> None:
     p, d, _ = ends(link)
     clock = FakeClock()
     reactor = Reactor(cast(Backend, d), clock)
-    fr = d.launch("t", 1, False, recv_pairs())
-    p.launch("t", 1, True, PAIRS)
+    fr = d.launch(op("t", False, recv_pairs()))
+    p.launch(op("t", True, PAIRS))
     async with anyio.create_task_group() as tg:
         tg.start_soon(reactor.run)
         with anyio.fail_after(5):

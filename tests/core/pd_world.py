@@ -123,6 +123,7 @@ class World:
         self.results: dict[str, str] = {}  # transfer id → how D ended: committed/recompute/freed
         self.sent: set[str] = set()  # hand-offs whose P blocks came back
         self.prefilling: set[str] = set()  # begun on P, kv_ready not called yet
+        self.channels: dict[tuple[str, str], int] = {}  # (side, transfer id) → launch channel
         self._next = 0
 
     # -- building hand-offs -------------------------------------------------------------------
@@ -200,6 +201,7 @@ class World:
                     self.net.append(Wire(side, a.peer, a.message))
             elif isinstance(a, LaunchCopies):
                 assert a.send == (side == "P")
+                self.channels[(side, a.transfer_id)] = a.channel
                 for r in range(self.ranks):
                     self.ops.append(Op(side, a.transfer_id, a.epoch, r, a.pairs))
             elif isinstance(a, CancelCopies):
@@ -310,6 +312,12 @@ class World:
                             raise Violation(f"{side}: copy {op} runs on a free block")
             assert mgr.num_live <= len(self.handoffs)
             assert len(mgr.peers) <= 1
+        # Both sides' copies of a hand-off share its channel; no two live sends share one.
+        for (side, tid), channel in self.channels.items():
+            if side == "D" and ("P", tid) in self.channels:
+                assert self.channels[("P", tid)] == channel, tid
+        live = [self.channels[("P", t)] for t in self.p.transfers if ("P", t) in self.channels]
+        assert len(live) == len(set(live)), live
 
     def quiesce(self, max_rounds: int = 400) -> None:
         """Heal the network and run until no hand-off is live on a side that is alive."""

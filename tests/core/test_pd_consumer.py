@@ -37,7 +37,7 @@ from tests.core.pd_world import prompt_hashes
 T = PDTimeouts(claim_s=3, grant_window_s=2, copy_s=4, drain_retry_s=1, peer_timeout_s=5)
 IDS = ((0, 1),)
 HASHES = prompt_hashes(1, 3)
-GRANT = Grant("t", 1, ((11, 12),), HASHES, 2.0)
+GRANT = Grant("t", 1, ((11, 12),), HASHES, 2.0, 7)
 OK = Done("t", 1, DoneStatus.OK)
 
 
@@ -68,7 +68,7 @@ def test_happy_path_claims_receives_verifies_and_commits() -> None:
     d, out = claiming()
     assert sends(out) == [Claim("t", 1, IDS, (1,), 12, hashes_digest(HASHES))]
     out = d.on_message("P", GRANT, 0.1)
-    assert of(out, LaunchCopies) == [LaunchCopies("t", 1, "P", False, (((0, 11), (1, 12)),))]
+    assert of(out, LaunchCopies) == [LaunchCopies("t", 1, "P", False, (((0, 11), (1, 12)),), 7)]
     assert d.copy_done("t", 1, 0, True, 0.2) == []  # P's DONE not yet seen
     out = d.on_message("P", OK, 0.3)
     assert of(out, FinishedRecving) == [FinishedRecving("t", True, ())]
@@ -112,7 +112,7 @@ def test_kv_of_another_request_is_rejected_by_hash() -> None:
     """P's hashes differ from D's own chain: verify_bad → the blocks are invalid (recompute),
     DONE(failed) to P, and no retry."""
     d, _ = claiming()
-    d.on_message("P", Grant("t", 1, ((11, 12),), prompt_hashes(2, 3), 2.0), 0.1)
+    d.on_message("P", Grant("t", 1, ((11, 12),), prompt_hashes(2, 3), 2.0, 7), 0.1)
     d.copy_done("t", 1, 0, True, 0.2)
     with capture_logs() as logs:
         out = d.on_message("P", OK, 0.3)
@@ -156,7 +156,7 @@ def test_never_launches_after_the_grant_window() -> None:
     """One receive slot: a grant that waits for it past its window drains instead of starting."""
     d = ConsumerManager("D", timeouts=T, max_inflight=1)
     d.reserve("a", 1, "P", ((5,),), (0,), 4, HASHES[:1], 0.0)
-    d.on_message("P", Grant("a", 1, ((7,),), HASHES[:1], 2.0), 0.0)
+    d.on_message("P", Grant("a", 1, ((7,),), HASHES[:1], 2.0, 8), 0.0)
     d.reserve("t", 1, "P", IDS, (1,), 12, HASHES, 0.0)
     assert not of(d.on_message("P", GRANT, 0.1), LaunchCopies)
     d.on_message("P", Done("a", 1, DoneStatus.OK), 2.0)
@@ -216,7 +216,7 @@ def test_every_state_has_a_timer(state: str, at: float) -> None:
     d = ConsumerManager("D", timeouts=T, max_inflight=1)
     if state == "granted":
         d.reserve("a", 1, "P", ((5,),), (0,), 4, HASHES[:1], 0.0)
-        d.on_message("P", Grant("a", 1, ((7,),), HASHES[:1], 2.0), 0.0)
+        d.on_message("P", Grant("a", 1, ((7,),), HASHES[:1], 2.0, 8), 0.0)
     d.reserve("t", 1, "P", IDS, (1,), 12, HASHES, 0.0, claim=state != "reserved")
     if state in ("granted", "in_flight"):
         d.on_message("P", GRANT, 0.1)
@@ -271,6 +271,6 @@ def test_bad_input_raises_and_changes_nothing() -> None:
 def test_a_malformed_grant_drains() -> None:
     """A grant whose blocks do not match the claim is never launched."""
     d, _ = claiming()
-    out = d.on_message("P", Grant("t", 1, ((11,),), HASHES, 2.0), 0.1)
+    out = d.on_message("P", Grant("t", 1, ((11,),), HASHES, 2.0, 7), 0.1)
     assert not of(out, LaunchCopies)
     assert d.transfers["t"].state is DState.DRAINING

@@ -65,8 +65,8 @@ def test_happy_path_grants_sends_and_releases_once() -> None:
     every rank's send → DONE(ok); D's DONE → the blocks back to the engine exactly once."""
     p = ready()
     out = p.on_message("D", CLAIM, 0.1)
-    assert sends(out) == [Grant("t", 1, ((11, 12),), HASHES, 2.0)]
-    assert of(out, LaunchCopies) == [LaunchCopies("t", 1, "D", True, (((11, 0), (12, 1)),))]
+    assert sends(out) == [Grant("t", 1, ((11, 12),), HASHES, 2.0, 1)]
+    assert of(out, LaunchCopies) == [LaunchCopies("t", 1, "D", True, (((11, 0), (12, 1)),), 1)]
     out = p.copy_done("t", 1, 0, True, 0.2)
     assert sends(out) == [Done("t", 1, DoneStatus.OK)]
     assert p.transfers["t"].state is PState.SENT
@@ -75,6 +75,26 @@ def test_happy_path_grants_sends_and_releases_once() -> None:
     assert p.num_live == 0
     assert p.ledger.num_blocks == 0
     assert p.on_message("D", Done("t", 1, DoneStatus.OK), 0.4) == []  # duplicate: dropped
+
+
+def test_channels_are_unique_among_live_hand_offs_and_reused_after_release() -> None:
+    """Each grant gets a data-plane channel no live hand-off holds; a released one is free."""
+    p = ProducerManager("P", timeouts=T)
+    for i in range(3):
+        p.kv_ready(f"t{i}", 1, "D", ((10 + i,),), HASHES[:1], 0.0)
+    claim = Claim("t0", 1, ((0,),), (0,), 4, hashes_digest(HASHES[:1]))
+    grants: list[Grant] = []
+    for i in range(3):
+        out = p.on_message("D", Claim(f"t{i}", 1, claim.block_ids, (0,), 4, claim.digest), 0.0)
+        grants.extend(m for m in sends(out) if isinstance(m, Grant))
+    assert len({g.channel for g in grants}) == 3
+    assert all(g.channel > 0 for g in grants)
+    p.abort("t1", 0.1)
+    p.copy_done("t1", 1, 0, False, 0.1)
+    p.kv_ready("t3", 1, "D", ((20,),), HASHES[:1], 0.2)
+    out = p.on_message("D", Claim("t3", 1, claim.block_ids, (0,), 4, claim.digest), 0.2)
+    (g3,) = [m for m in sends(out) if isinstance(m, Grant)]
+    assert g3.channel not in {grants[0].channel, grants[2].channel}
 
 
 def test_unclaimed_lease_expires_and_a_late_claim_is_nacked() -> None:

@@ -125,6 +125,7 @@ class ControlPlane:
         hello_timeout_s: float,
         hello_ttl_s: float,
         inbox_size: int,
+        context: zmq.asyncio.Context | None = None,
     ) -> None:
         for name, value in (("hello_timeout_s", hello_timeout_s), ("hello_ttl_s", hello_ttl_s)):
             if not (math.isfinite(value) and value > 0):
@@ -139,7 +140,10 @@ class ControlPlane:
         self.endpoints = endpoints
         self.hello_timeout_s = hello_timeout_s
         self.hello_ttl_s = hello_ttl_s
-        self._ctx = zmq.asyncio.Context()
+        # One zmq context per process is zmq's advice: a caller may share its own (not closed
+        # here); without one the plane owns a context and terminates it on close.
+        self._own_ctx = context is None
+        self._ctx = zmq.asyncio.Context() if context is None else context
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(bind)
@@ -208,6 +212,9 @@ class ControlPlane:
     async def recv(self, timeout_s: float, what: str) -> tuple[str, Message]:
         """The next hand-off message and its sender; ``PeerError`` naming ``what`` at the deadline."""
         self._check_open()
+        got = self.recv_nowait()
+        if got is not None:
+            return got
         ok, got = await _before(self.clock, self.clock.now() + timeout_s, self._inbox.receive)
         if not ok or got is None:
             raise PeerError(
@@ -324,7 +331,8 @@ class ControlPlane:
         self._router.close(linger=0)
         self._inbox_send.close()
         self._inbox.close()
-        self._ctx.term()
+        if self._own_ctx:
+            self._ctx.term()
 
 
 @asynccontextmanager
@@ -339,6 +347,7 @@ async def open_control_plane(
     hello_timeout_s: float = 5.0,
     hello_ttl_s: float = 300.0,
     inbox_size: int = 1024,
+    context: zmq.asyncio.Context | None = None,
 ) -> AsyncIterator[ControlPlane]:
     """An open control plane with its receive loop running; closed on exit."""
     cp = ControlPlane(
@@ -351,6 +360,7 @@ async def open_control_plane(
         hello_timeout_s=hello_timeout_s,
         hello_ttl_s=hello_ttl_s,
         inbox_size=inbox_size,
+        context=context,
     )
     try:
         async with anyio.create_task_group() as tg:

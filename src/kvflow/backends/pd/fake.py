@@ -27,7 +27,7 @@ from kvflow.backends.pd.transport import (
     plan_chunks,
     scatter_rows,
 )
-from kvflow.core.pd.common import Pairs
+from kvflow.core.pd.common import LaunchCopies
 from kvflow.errors import ClosedError, ProtocolError
 
 log = structlog.get_logger("kvflow.backend.pd.fake")
@@ -155,12 +155,13 @@ class FakeTransport:
             raise ProtocolError("fake transport: KV tensors are registered once")
         self.geo = geometry(groups)
 
-    def launch(self, transfer_id: str, epoch: int, send: bool, pairs: Pairs) -> FakeTransportFence:
+    def launch(self, op: LaunchCopies) -> FakeTransportFence:
         if self.closed:
             raise ClosedError("fake transport is closed")
         if not self.geo:
             raise ProtocolError("fake transport: register the KV tensors before launching")
-        chunks = plan_chunks(transfer_id, epoch, pairs, self.geo, 1 << 30)
+        transfer_id, epoch, send = op.transfer_id, op.epoch, op.send
+        chunks = plan_chunks(op.channel, op.pairs, self.geo, 1 << 30)
         fence = FakeTransportFence(next(self._ids), {c.index for c in chunks})
         if self.link.dead:
             fence.pending.clear()

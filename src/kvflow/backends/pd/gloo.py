@@ -4,7 +4,10 @@ The pair gets a 2-rank gloo group of its own (a ``TCPStore`` at an address both 
 the HELLO, the producer's side hosting it), so it works beside any group the engines already
 have. Copies go through one bounded staging ring of ``slots × slot_bytes`` bytes, allocated once:
 the sender gathers a chunk of blocks into a slot and sends it; the receiver receives into a slot
-and scatters it into the reserved blocks. No buffer is allocated per request.
+and scatters it into the reserved blocks. No buffer is allocated per request. Blocks of at least
+``direct_min_bytes`` skip the ring: each region's row is sent from, and received into, the KV
+tensor itself (one wire op per row, no copy), which on a CPU-bound host saves the gather and the
+scatter. Both sides of a pair must use the same ``slot_bytes`` and ``direct_min_bytes``.
 
 Each slot is served by a thread of its own, which does the gather / scatter (torch releases the
 GIL) and waits for the gloo operation: gloo's point-to-point ``Work.is_completed()`` never turns
@@ -22,6 +25,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 import torch
@@ -38,7 +42,7 @@ from kvflow.backends.pd.transport import (
     plan_chunks,
     scatter_rows,
 )
-from kvflow.core.pd.common import Pairs
+from kvflow.core.pd.common import LaunchCopies
 from kvflow.errors import BackendError, ClosedError, ConfigError, ProtocolError
 
 log = structlog.get_logger("kvflow.backend.pd.gloo")
@@ -77,12 +81,19 @@ class GlooTransport:
         port: int,
         timeout_s: float = 30.0,
         slots: int = 4,
-        slot_bytes: int = 8 << 20,
+        slot_bytes: int = 2 << 20,
+        direct_min_bytes: int | None = None,
     ) -> None:
-        if pair_rank not in (0, 1) or slots < 1 or slot_bytes < 1 or timeout_s <= 0:
+        if (
+            pair_rank not in (0, 1)
+            or slots < 1
+            or slot_bytes < 8
+            or slot_bytes % 8
+            or timeout_s <= 0
+        ):
             raise ConfigError(
-                f"gloo transport: pair_rank must be 0 or 1, slots, slot_bytes and timeout_s "
-                f"positive (got {pair_rank}, {slots}, {slot_bytes}, {timeout_s})"
+                f"gloo transport: pair_rank must be 0 or 1, slots and timeout_s positive, "
+                f"slot_bytes a positive multiple of 8 (got {pair_rank}, {slots}, {slot_bytes}, {timeout_s})"
             )
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
@@ -94,6 +105,7 @@ class GlooTransport:
             ) from e
         self.peer = 1 - pair_rank
         self.slot_bytes = slot_bytes
+        self.direct_min_bytes = direct_min_bytes
         self._ring = torch.empty(slots * slot_bytes, dtype=torch.uint8)
         self._geo: tuple[GroupGeometry, ...] | None = None
         self._queue: queue.Queue[tuple[GlooFence, bool, Chunk] | None] = queue.Queue()
@@ -122,19 +134,23 @@ class GlooTransport:
             raise ProtocolError("gloo transport: KV tensors are registered once")
         geo = geometry(groups)
         for g in geo:
-            if g.block_bytes > self.slot_bytes:
+            direct = self.direct_min_bytes is not None and g.block_bytes >= self.direct_min_bytes
+            if g.block_bytes > self.slot_bytes and not direct:
                 raise ConfigError(
                     f"a block ({g.block_bytes} B) does not fit a {self.slot_bytes} B slot"
                 )
         self._geo = geo
 
-    def launch(self, transfer_id: str, epoch: int, send: bool, pairs: Pairs) -> GlooFence:
+    def launch(self, op: LaunchCopies) -> GlooFence:
         if self._closed:
             raise ClosedError("gloo transport is closed")
         if self._geo is None:
             raise ProtocolError("gloo transport: register the KV tensors before launching")
-        chunks = plan_chunks(transfer_id, epoch, pairs, self._geo, self.slot_bytes)
-        fence = GlooFence(next(self._ids), transfer_id, len(chunks))
+        chunks = plan_chunks(
+            op.channel, op.pairs, self._geo, self.slot_bytes, self.direct_min_bytes
+        )
+        send = op.send
+        fence = GlooFence(next(self._ids), op.transfer_id, len(chunks))
         if self.broken is not None:
             fence.remaining, fence.failed = 0, True
             return fence
@@ -193,12 +209,21 @@ class GlooTransport:
         assert self._geo is not None
         geo = self._geo[chunk.group]
         nbytes = len(chunk.local) * geo.block_bytes
+        pg: Any = self._pg
+        if chunk.direct:
+            # Every op posted before any wait: the pair's rendezvous round trips overlap.
+            rows = [v[b] for b in chunk.local for v in geo.views]
+            post = pg.send if send else pg.recv
+            works = [post([row], self.peer, chunk.tag + j) for j, row in enumerate(rows)]
+            for w in works:
+                w.wait()
+            return
         if send:
             data = gather_rows(geo, chunk.local, buf)
-            self._pg.send([data], self.peer, chunk.tag).wait()  # type: ignore[attr-defined]
+            pg.send([data], self.peer, chunk.tag).wait()
         else:
             data = buf[:nbytes]
-            self._pg.recv([data], self.peer, chunk.tag).wait()  # type: ignore[attr-defined]
+            pg.recv([data], self.peer, chunk.tag).wait()
             scatter_rows(geo, chunk.local, data)
 
     def _settle(self, fence: GlooFence, ok: bool) -> None:

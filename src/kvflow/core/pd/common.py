@@ -20,6 +20,9 @@ from kvflow.errors import ConfigError, ProtocolError
 log = structlog.get_logger("kvflow.pd")
 
 Pairs = tuple[tuple[tuple[int, int], ...], ...]
+
+CHANNELS = 1 << 19
+"""Data-plane channels per producer: a transport's wire tags are ``channel << 12 | op``."""
 """Per KV cache group, the (local block, remote block) pairs of one hand-off."""
 
 
@@ -65,6 +68,7 @@ class LaunchCopies:
     peer: str
     send: bool  # True on P (read local blocks), False on D (write local blocks)
     pairs: Pairs
+    channel: int  # the GRANT's channel: both sides' copies of the hand-off match on it
 
 
 @frozen

@@ -23,6 +23,7 @@ from attrs import define, field
 
 from kvflow.core.hashing import BlockHash
 from kvflow.core.pd.common import (
+    CHANNELS,
     Action,
     BlockLedger,
     CancelCopies,
@@ -83,6 +84,7 @@ class DTransfer:
     peer_confirmed: bool = False  # P answered: nothing of P's touches the blocks any more
     lost_at: float | None = None
     aborted: bool = False  # the engine dropped the request: free the blocks, report nothing
+    channel: int = 0
 
 
 class ConsumerManager:
@@ -292,7 +294,7 @@ class ConsumerManager:
         shapes_match = len(grant.block_ids) == len(t.block_ids) and all(
             len(p) == len(d) for p, d in zip(grant.block_ids, t.block_ids, strict=False)
         )
-        if not shapes_match or grant.window_s <= 0:
+        if not shapes_match or grant.window_s <= 0 or not 0 < grant.channel < CHANNELS:
             log.warning("pd_grant_malformed", transfer_id=t.transfer_id)
             self._drain(t, DI.FAIL, "grant_malformed", now, out)
             return
@@ -301,6 +303,7 @@ class ConsumerManager:
             tuple(zip(d, p, strict=True)) for d, p in zip(t.block_ids, grant.block_ids, strict=True)
         )
         t.grant_hashes = grant.block_hashes
+        t.channel = grant.channel
         # The window counts from the grant's arrival: later than P's send, but D's receive
         # pairs with P's send, and P frees a granted hold only once its own sends settled.
         t.grant_deadline = now + min(grant.window_s, self.timeouts.grant_window_s)
@@ -395,7 +398,7 @@ class ConsumerManager:
             t.launched = True
             t.deadline = now + self.timeouts.copy_s
             self._inflight.add(t.transfer_id)
-            out.append(LaunchCopies(t.transfer_id, t.epoch, t.peer, False, t.pairs))
+            out.append(LaunchCopies(t.transfer_id, t.epoch, t.peer, False, t.pairs, t.channel))
 
     @property
     def num_live(self) -> int:

@@ -142,6 +142,7 @@ class Grant:
     block_ids: GroupIds = field(converter=_group_ids)
     block_hashes: tuple[BlockHash, ...]
     window_s: float  # a duration, so clock skew between the engines errs long
+    channel: int = 0  # P's data-plane channel for this hand-off, unique among its live ones
 
 
 @frozen

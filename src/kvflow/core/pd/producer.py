@@ -21,6 +21,7 @@ from attrs import define, field
 
 from kvflow.core.hashing import BlockHash
 from kvflow.core.pd.common import (
+    CHANNELS,
     Action,
     BlockLedger,
     CancelCopies,
@@ -75,6 +76,7 @@ class PTransfer:
     peer_done: bool = False
     ack_owed: bool = False
     done_owed: bool = False
+    channel: int = 0
 
 
 class ProducerManager:
@@ -102,6 +104,8 @@ class ProducerManager:
         self.tombstones = Tombstones(self.timeouts.tombstone_s)
         self._waiting: deque[str] = deque()  # GRANTED, waiting for a send slot, in grant order
         self._inflight: set[str] = set()  # holding a send slot: launched, not every rank settled
+        self._channels: set[int] = set()  # held from grant to release
+        self._next_channel = 1
 
     # -- engine inputs ------------------------------------------------------------------------
 
@@ -294,16 +298,35 @@ class ProducerManager:
             for g, (s, d) in enumerate(zip(claim.start, claim.block_ids, strict=True))
         )
         self._apply(t, PI.CLAIM, "claim")
+        t.channel = self._take_channel()
         t.deadline = now + self.timeouts.grant_window_s
         self.peers.watch(t.peer, now)
         mine = tuple(tuple(p for p, _ in g) for g in t.pairs)
         out.append(
             Send(
                 t.peer,
-                Grant(t.transfer_id, t.epoch, mine, t.block_hashes, self.timeouts.grant_window_s),
+                Grant(
+                    t.transfer_id,
+                    t.epoch,
+                    mine,
+                    t.block_hashes,
+                    self.timeouts.grant_window_s,
+                    t.channel,
+                ),
             )
         )
         self._waiting.append(t.transfer_id)
+
+    def _take_channel(self) -> int:
+        """A channel no live hand-off uses: two hand-offs' copies never match each other's."""
+        if len(self._channels) >= CHANNELS - 1:
+            raise ProtocolError(f"P has {len(self._channels)} live hand-offs: no channel left")
+        while self._next_channel in self._channels:
+            self._next_channel = self._next_channel % (CHANNELS - 1) + 1
+        channel = self._next_channel
+        self._channels.add(channel)
+        self._next_channel = channel % (CHANNELS - 1) + 1
+        return channel
 
     def _claim_problem(self, t: PTransfer, claim: Claim) -> NackReason | None:
         if claim.digest != t.digest:
@@ -374,6 +397,7 @@ class ProducerManager:
         self._apply(t, event, cause)
         assert t.state is PState.RELEASED
         del self.transfers[t.transfer_id]
+        self._channels.discard(t.channel)
         self.tombstones.add(t.transfer_id, t.epoch, now)
         if t.transfer_id in self._waiting:
             self._waiting.remove(t.transfer_id)
@@ -390,7 +414,7 @@ class ProducerManager:
             t.launched = True
             t.deadline = now + self.timeouts.copy_s
             self._inflight.add(t.transfer_id)
-            out.append(LaunchCopies(t.transfer_id, t.epoch, t.peer, True, t.pairs))
+            out.append(LaunchCopies(t.transfer_id, t.epoch, t.peer, True, t.pairs, t.channel))
 
     @property
     def num_live(self) -> int:
