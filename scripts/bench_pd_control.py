@@ -31,8 +31,8 @@ import zmq.asyncio
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from tests.core.pd_world import prompt_hashes
 
+from kvflow.core.hashing import hash_blocks
 from kvflow.core.pd.common import (
     Action,
     FinishedRecving,
@@ -47,7 +47,7 @@ from kvflow.runtime.clock import SystemClock
 from kvflow.runtime.pd_control import ControlPlane, default_compat, open_control_plane
 
 BLOCKS = 4
-HASHES = prompt_hashes(1, BLOCKS)
+HASHES = tuple(hash_blocks(list(range(BLOCKS * 16)), 16))
 LONG = PDTimeouts(
     lease_s=600, claim_s=60, grant_window_s=60, copy_s=60, done_s=60, peer_timeout_s=600
 )
