@@ -61,7 +61,13 @@ def _wait(t: GlooTransport, fence: GlooFence, limit_s: float) -> str:
 def _pair(rank: int, world_size: int, port: int, mode: str) -> Any:
     del world_size
     t = GlooTransport(
-        pair_rank=rank, host="127.0.0.1", port=port, timeout_s=3.0, slots=2, slot_bytes=1024
+        pair_rank=rank,
+        host="127.0.0.1",
+        port=port,
+        timeout_s=3.0,
+        slots=2,
+        slot_bytes=1024,
+        direct_min_bytes=64 << 10,
     )
     try:
         tensors = kv(rank)

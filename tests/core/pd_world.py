@@ -47,6 +47,16 @@ TIMEOUTS = PDTimeouts(
 BLOCK_SIZE = 4
 
 
+def sends(actions: list[Action]) -> list[Any]:
+    """The messages among ``actions``."""
+    return [a.message for a in actions if isinstance(a, Send)]
+
+
+def of(actions: list[Action], kind: type) -> list[Any]:
+    """The actions of one kind."""
+    return [a for a in actions if isinstance(a, kind)]
+
+
 def prompt_hashes(seed: int, num_blocks: int) -> tuple[BlockHash, ...]:
     """The chained hashes of a made-up prompt of ``num_blocks`` full blocks."""
     tokens = [(seed * 31 + i) % 50_000 for i in range(num_blocks * BLOCK_SIZE)]

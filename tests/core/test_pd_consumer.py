@@ -32,21 +32,13 @@ from kvflow.core.pd.messages import (
     hashes_digest,
 )
 from kvflow.errors import ConfigError, ProtocolError
-from tests.core.pd_world import prompt_hashes
+from tests.core.pd_world import of, prompt_hashes, sends
 
 T = PDTimeouts(claim_s=3, grant_window_s=2, copy_s=4, drain_retry_s=1, peer_timeout_s=5)
 IDS = ((0, 1),)
 HASHES = prompt_hashes(1, 3)
 GRANT = Grant("t", 1, ((11, 12),), HASHES, 2.0, 7)
 OK = Done("t", 1, DoneStatus.OK)
-
-
-def sends(actions: list[Action]) -> list[Any]:
-    return [a.message for a in actions if isinstance(a, Send)]
-
-
-def of(actions: list[Action], kind: type) -> list[Any]:
-    return [a for a in actions if isinstance(a, kind)]
 
 
 def claiming(world_size: int = 1, **kw: Any) -> tuple[ConsumerManager, list[Action]]:

@@ -8,12 +8,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvflow.core.pd.common import (
-    Action,
     CancelCopies,
     FinishedSending,
     LaunchCopies,
     PDTimeouts,
-    Send,
 )
 from kvflow.core.pd.machines import PState
 from kvflow.core.pd.messages import (
@@ -31,20 +29,12 @@ from kvflow.core.pd.messages import (
 )
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.errors import ConfigError, ProtocolError
-from tests.core.pd_world import prompt_hashes
+from tests.core.pd_world import of, prompt_hashes, sends
 
 T = PDTimeouts(lease_s=5, grant_window_s=2, copy_s=4, done_s=3, prefill_s=9, drain_retry_s=1)
 IDS = ((10, 11, 12),)
 HASHES = prompt_hashes(1, 3)
 CLAIM = Claim("t", 1, ((0, 1),), (1,), 12, hashes_digest(HASHES))
-
-
-def sends(actions: list[Action]) -> list[Any]:
-    return [a.message for a in actions if isinstance(a, Send)]
-
-
-def of(actions: list[Action], kind: type) -> list[Any]:
-    return [a for a in actions if isinstance(a, kind)]
 
 
 def ready(world_size: int = 1, **kw: Any) -> ProducerManager:
@@ -57,6 +47,30 @@ def in_flight(world_size: int = 1) -> ProducerManager:
     p = ready(world_size)
     p.on_message("D", CLAIM, 0.0)
     assert p.transfers["t"].state is PState.IN_FLIGHT
+    return p
+
+
+def occupy_the_send_slot(p: ProducerManager) -> None:
+    """Another hand-off takes P's only send slot (``max_inflight=1``) and keeps it."""
+    p.kv_ready("busy", 1, "D", ((20,),), HASHES[:1], 0.0)
+    p.on_message("D", Claim("busy", 1, ((5,),), (0,), 4, hashes_digest(HASHES[:1])), 0.0)
+
+
+def producer_in(state: str) -> ProducerManager:
+    """A producer (one send slot) whose hand-off "t" is in ``state`` ("unknown": none)."""
+    p = ProducerManager("P", timeouts=T, max_inflight=1)
+    if state == "prefilling":
+        p.begin("t", 1, "D", 0.0)
+    elif state != "unknown":
+        p.kv_ready("t", 1, "D", IDS, HASHES, 0.0)
+    if state == "granted":
+        occupy_the_send_slot(p)
+    if state in ("granted", "in_flight", "sent"):
+        p.on_message("D", CLAIM, 0.0)
+    if state == "sent":
+        p.copy_done("t", 1, 0, True, 0.0)
+    if state != "unknown":
+        assert p.transfers["t"].state.value == state
     return p
 
 
@@ -172,18 +186,7 @@ def test_a_bad_claim_is_refused_and_the_hold_stays(claim: Claim, reason: NackRea
 def test_abort_from_d_is_acked_once_nothing_of_p_writes(state: str) -> None:
     """ABORT: in READY, GRANTED (no send slot yet), SENT or for an unknown id P acks at once;
     with sends in flight, P cancels and acks only after they settled."""
-    p = ProducerManager("P", timeouts=T, max_inflight=1)
-    if state != "unknown":
-        p.kv_ready("t", 1, "D", IDS, HASHES, 0.0)
-    if state == "granted":
-        p.kv_ready("busy", 1, "D", ((20,),), HASHES[:1], 0.0)
-        p.on_message("D", Claim("busy", 1, ((5,),), (0,), 4, hashes_digest(HASHES[:1])), 0.0)
-    if state in ("granted", "in_flight", "sent"):
-        p.on_message("D", CLAIM, 0.0)
-    if state == "sent":
-        p.copy_done("t", 1, 0, True, 0.1)
-    if state != "unknown":
-        assert p.transfers["t"].state.value == state
+    p = producer_in(state)
     out = p.on_message("D", Abort("t", 1, "test"), 0.2)
     if state == "in_flight":
         assert of(out, CancelCopies) == [CancelCopies("t", 1)]
@@ -259,19 +262,7 @@ def test_engine_abort_in_every_state() -> None:
 )
 def test_every_state_has_a_timer(state: str, at: float, after: PState | None) -> None:
     """Each non-terminal state's deadline fires at its time and not before."""
-    p = ProducerManager("P", timeouts=T, max_inflight=1)
-    if state == "prefilling":
-        p.begin("t", 1, "D", 0.0)
-    else:
-        p.kv_ready("t", 1, "D", IDS, HASHES, 0.0)
-    if state == "granted":
-        p.kv_ready("busy", 1, "D", ((20,),), HASHES[:1], 0.0)
-        p.on_message("D", Claim("busy", 1, ((5,),), (0,), 4, hashes_digest(HASHES[:1])), 0.0)
-    if state in ("granted", "in_flight", "sent"):
-        p.on_message("D", CLAIM, 0.0)
-    if state == "sent":
-        p.copy_done("t", 1, 0, True, 0.0)
-    assert p.transfers["t"].state.value == state
+    p = producer_in(state)
     p.tick(at - 0.01)
     assert p.transfers["t"].state.value == state
     p.tick(at)
@@ -283,11 +274,7 @@ def test_every_state_has_a_timer(state: str, at: float, after: PState | None) ->
 
 def test_granted_timeout_without_a_slot_tells_d() -> None:
     """No send slot within the grant window: P never launches, frees, and says DONE(failed)."""
-    p = ProducerManager("P", timeouts=T, max_inflight=1)
-    p.kv_ready("busy", 1, "D", ((20,),), HASHES[:1], 0.0)
-    p.on_message("D", Claim("busy", 1, ((5,),), (0,), 4, hashes_digest(HASHES[:1])), 0.0)
-    p.kv_ready("t", 1, "D", IDS, HASHES, 0.0)
-    p.on_message("D", CLAIM, 0.0)
+    p = producer_in("granted")
     out = p.tick(T.grant_window_s)
     assert Done("t", 1, DoneStatus.FAILED) in sends(out)
     assert FinishedSending("t", IDS) in out

@@ -174,17 +174,7 @@ class ControlPlane:
         wait = self._hello_waits.get(address)
         if wait is None:
             wait = self._hello_waits[address] = _HelloWait(anyio.Event())
-            hello = Hello(
-                PEER_TRANSFER,
-                0,
-                self.engine_id,
-                self.address,
-                self.compat_hash,
-                self.compat,
-                self.tp_size,
-                self.endpoints,
-            )
-            await self._dealer(address).send(encode(hello))
+            await self._dealer(address).send(encode(Hello(*self._about())))
         deadline = self.clock.now() + self.hello_timeout_s
         ok, _ = await _before(self.clock, deadline, wait.event.wait)
         self._hello_waits.pop(address, None)
@@ -275,7 +265,12 @@ class ControlPlane:
             self._remember(msg)
         else:
             log.warning("pd_peer_incompatible", peer=msg.engine_id, fields=reason)
-        ack = HelloAck(
+        ack = HelloAck(*self._about(), accepted, reason)
+        await self._dealer(msg.address).send(encode(ack))
+
+    def _about(self) -> tuple[str, int, str, str, str, Compat, int, tuple[str, ...]]:
+        """HELLO's and HELLO_ACK's common fields: who this engine is and what its KV is."""
+        return (
             PEER_TRANSFER,
             0,
             self.engine_id,
@@ -284,10 +279,7 @@ class ControlPlane:
             self.compat,
             self.tp_size,
             self.endpoints,
-            accepted,
-            reason,
         )
-        await self._dealer(msg.address).send(encode(ack))
 
     def _remember(self, msg: Hello | HelloAck) -> PeerInfo:
         info = PeerInfo(

@@ -9,7 +9,9 @@ the engine). Nothing here reads a clock or touches a socket.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Generic, Protocol, TypeVar
 
 import structlog
 from attrs import define, field, frozen
@@ -221,6 +223,109 @@ class Tombstones:
         return len(self._until)
 
 
+class HandoffRecord(Protocol):
+    """What both sides' per-hand-off records have."""
+
+    transfer_id: str
+    epoch: int
+    peer: str
+    deadline: float
+    launched: bool
+    settled: set[int]
+
+
+R = TypeVar("R", bound=HandoffRecord)
+
+
+class HandoffSide(Generic[R]):
+    """The bookkeeping both managers share: live hand-offs, the block ledger, peers, tombstones,
+    and the bounded copy slots (``max_inflight`` launches at once, the rest queued in order)."""
+
+    side = ""
+
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        world_size: int = 1,
+        timeouts: PDTimeouts | None = None,
+        max_inflight: int = 4,
+    ) -> None:
+        if world_size < 1 or max_inflight < 1:
+            raise ConfigError(
+                f"world_size and max_inflight must be positive, got {world_size}, {max_inflight}"
+            )
+        self.engine_id = engine_id
+        self.world_size = world_size
+        self.timeouts = timeouts or PDTimeouts()
+        self.max_inflight = max_inflight
+        self.transfers: dict[str, R] = {}
+        self.ledger = BlockLedger()
+        self.peers = Peers(engine_id, self.timeouts)
+        self.tombstones = Tombstones(self.timeouts.tombstone_s)
+        self._waiting: deque[str] = deque()  # granted, waiting for a copy slot, in grant order
+        self._inflight: set[str] = set()  # holding a slot: launched, not every rank settled
+
+    @property
+    def num_live(self) -> int:
+        return len(self.transfers)
+
+    def _settle_rank(self, transfer_id: str, epoch: int, rank: int) -> R:
+        """Record rank ``rank``'s copies of a launched hand-off as settled; frees the slot once
+        every rank settled. Raises ``ProtocolError`` (nothing changed) for a bad report."""
+        t = self.transfers.get(transfer_id)
+        if t is None or t.epoch != epoch or not t.launched:
+            raise ProtocolError(f"{self.side}: copy_done for no running copy: {transfer_id!r}")
+        if not 0 <= rank < self.world_size or rank in t.settled:
+            raise ProtocolError(
+                f"{self.side}: copy_done rank {rank} unknown or reported twice ({transfer_id!r})"
+            )
+        t.settled.add(rank)
+        if len(t.settled) == self.world_size:
+            self._inflight.discard(transfer_id)
+        return t
+
+    def _copies_running(self, t: R) -> bool:
+        return t.launched and len(t.settled) < self.world_size
+
+    def _unqueue(self, t: R) -> None:
+        if t.transfer_id in self._waiting:
+            self._waiting.remove(t.transfer_id)
+
+    def _due(self, now: float) -> Iterator[R]:
+        """The live hand-offs whose deadline passed (each still live when yielded)."""
+        self.tombstones.expire(now)
+        for t in [t for t in self.transfers.values() if t.deadline <= now]:
+            if self.transfers.get(t.transfer_id) is t:
+                yield t
+
+    def _next_launch(self, now: float) -> R | None:
+        """The next queued hand-off if a copy slot is free (the slot is taken for it)."""
+        if not self._waiting or len(self._inflight) >= self.max_inflight:
+            return None
+        t = self.transfers[self._waiting.popleft()]
+        t.launched = True
+        t.deadline = now + self.timeouts.copy_s
+        self._inflight.add(t.transfer_id)
+        return t
+
+    def _forget(self, t: R, now: float, *, watching: Callable[[R], bool]) -> None:
+        """Drop an ended hand-off: tombstone it, unqueue it, stop watching idle peers."""
+        del self.transfers[t.transfer_id]
+        self.tombstones.add(t.transfer_id, t.epoch, now)
+        self._unqueue(t)
+        self.peers.unwatch_except({x.peer for x in self.transfers.values() if watching(x)})
+
+    def _tick_peers(
+        self, now: float, peer_lost: Callable[[str, float], list[Action]]
+    ) -> list[Action]:
+        sends, lost = self.peers.tick(now)
+        out: list[Action] = list(sends)
+        for peer in lost:
+            out.extend(peer_lost(peer, now))
+        return out
+
+
 def drop_stale(side: str, peer: str, message: Message, why: str) -> None:
     """Log a message that matches no live hand-off (unknown, stale epoch, wrong state); drop it."""
     log.info(
@@ -241,6 +346,8 @@ __all__ = [
     "FinishedRecving",
     "FinishedSending",
     "FreeBlocks",
+    "HandoffRecord",
+    "HandoffSide",
     "LaunchCopies",
     "PDTimeouts",
     "Pairs",

@@ -16,7 +16,6 @@ A hand-off commits only when every rank's part landed.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 from attrs import define, field
@@ -25,16 +24,13 @@ from kvflow.core.hashing import BlockHash
 from kvflow.core.pd.common import (
     CHANNELS,
     Action,
-    BlockLedger,
     CancelCopies,
     FinishedRecving,
     FreeBlocks,
+    HandoffSide,
     LaunchCopies,
     Pairs,
-    PDTimeouts,
-    Peers,
     Send,
-    Tombstones,
     drop_stale,
     log,
 )
@@ -87,31 +83,10 @@ class DTransfer:
     channel: int = 0
 
 
-class ConsumerManager:
+class ConsumerManager(HandoffSide[DTransfer]):
     """Every hand-off D is part of, keyed by the router's transfer id."""
 
-    def __init__(
-        self,
-        engine_id: str,
-        *,
-        world_size: int = 1,
-        timeouts: PDTimeouts | None = None,
-        max_inflight: int = 4,
-    ) -> None:
-        if world_size < 1 or max_inflight < 1:
-            raise ConfigError(
-                f"world_size and max_inflight must be positive, got {world_size}, {max_inflight}"
-            )
-        self.engine_id = engine_id
-        self.world_size = world_size
-        self.timeouts = timeouts or PDTimeouts()
-        self.max_inflight = max_inflight
-        self.transfers: dict[str, DTransfer] = {}
-        self.ledger = BlockLedger()
-        self.peers = Peers(engine_id, self.timeouts)
-        self.tombstones = Tombstones(self.timeouts.tombstone_s)
-        self._waiting: deque[str] = deque()
-        self._inflight: set[str] = set()
+    side = "consumer"
 
     # -- engine inputs ------------------------------------------------------------------------
 
@@ -196,18 +171,9 @@ class ConsumerManager:
         self, transfer_id: str, epoch: int, rank: int, ok: bool, now: float
     ) -> list[Action]:
         """Rank ``rank``'s receives of the hand-off finished (``ok``) or failed / were cancelled."""
-        t = self.transfers.get(transfer_id)
-        if t is None or t.epoch != epoch or not t.launched:
-            raise ProtocolError(f"copy_done for no running receive: {transfer_id!r} epoch {epoch}")
-        if not 0 <= rank < self.world_size or rank in t.settled:
-            raise ProtocolError(
-                f"copy_done: rank {rank} unknown or reported twice ({transfer_id!r})"
-            )
-        t.settled.add(rank)
+        t = self._settle_rank(transfer_id, epoch, rank)
         if ok:
             t.ranks_ok.add(rank)
-        if len(t.settled) == self.world_size:
-            self._inflight.discard(transfer_id)
         out: list[Action] = []
         if t.state is DState.IN_FLIGHT and not ok:
             self._drain(t, DI.FAIL, f"rank_{rank}_failed", now, out)
@@ -221,10 +187,7 @@ class ConsumerManager:
     def tick(self, now: float) -> list[Action]:
         """Fire every deadline that passed; heartbeats; peers gone silent; old tombstones."""
         out: list[Action] = []
-        self.tombstones.expire(now)
-        for t in [t for t in self.transfers.values() if t.deadline <= now]:
-            if t.transfer_id not in self.transfers:
-                continue
+        for t in self._due(now):
             if t.state is DState.RESERVED:
                 self._finish(t, DI.TIMEOUT, "reserve_timeout", now, out)
             elif t.state is DState.DRAINING:
@@ -234,10 +197,7 @@ class ConsumerManager:
                     self._rearm_drain(t, now, out)
             else:
                 self._drain(t, DI.TIMEOUT, f"{t.state.value}_timeout", now, out)
-        sends, lost = self.peers.tick(now)
-        out.extend(sends)
-        for peer in lost:
-            out.extend(self.peer_lost(peer, now))
+        out.extend(self._tick_peers(now, self.peer_lost))
         self._launch_waiting(now, out)
         return out
 
@@ -341,9 +301,8 @@ class ConsumerManager:
     ) -> None:
         """Leave a claimed state: ABORT to P, cancel local receives, wait for both to settle."""
         self._apply(t, event, cause)
-        if t.transfer_id in self._waiting:
-            self._waiting.remove(t.transfer_id)
-        if t.launched and len(t.settled) < self.world_size:
+        self._unqueue(t)
+        if self._copies_running(t):
             out.append(CancelCopies(t.transfer_id, t.epoch))
         self._rearm_drain(t, now, out)
         self._try_drain(t, now, out)
@@ -357,7 +316,7 @@ class ConsumerManager:
                 out.append(Send(t.peer, Abort(t.transfer_id, t.epoch, "consumer_drain")))
 
     def _try_drain(self, t: DTransfer, now: float, out: list[Action]) -> None:
-        if t.launched and len(t.settled) < self.world_size:
+        if self._copies_running(t):
             return
         quarantined = t.lost_at is not None and now >= t.lost_at + self.timeouts.quarantine_s
         if t.peer_confirmed or quarantined:
@@ -374,35 +333,25 @@ class ConsumerManager:
         ok: bool = False,
     ) -> None:
         self._apply(t, event, cause)
-        del self.transfers[t.transfer_id]
-        self.tombstones.add(t.transfer_id, t.epoch, now)
-        if t.transfer_id in self._waiting:
-            self._waiting.remove(t.transfer_id)
+        self._forget(t, now, watching=lambda x: x.state is not DState.RESERVED)
         ids = self.ledger.give_back(t.transfer_id)
         if t.aborted:
             out.append(FreeBlocks(t.transfer_id, ids))
         else:
             out.append(FinishedRecving(t.transfer_id, ok, () if ok else ids))
-        self.peers.unwatch_except(
-            {x.peer for x in self.transfers.values() if x.state is not DState.RESERVED}
-        )
 
     def _launch_waiting(self, now: float, out: list[Action]) -> None:
         while self._waiting and len(self._inflight) < self.max_inflight:
-            t = self.transfers[self._waiting.popleft()]
-            if now > t.grant_deadline:
+            head = self.transfers[self._waiting[0]]
+            if now > head.grant_deadline:
                 # Never start a receive after the grant window: drain instead.
-                self._drain(t, DI.TIMEOUT, "grant_window_passed", now, out)
+                self._waiting.popleft()
+                self._drain(head, DI.TIMEOUT, "grant_window_passed", now, out)
                 continue
+            t = self._next_launch(now)
+            assert t is head
             self._apply(t, DI.LAUNCH, "receive_slot")
-            t.launched = True
-            t.deadline = now + self.timeouts.copy_s
-            self._inflight.add(t.transfer_id)
             out.append(LaunchCopies(t.transfer_id, t.epoch, t.peer, False, t.pairs, t.channel))
-
-    @property
-    def num_live(self) -> int:
-        return len(self.transfers)
 
 
 __all__ = ["ConsumerManager", "DTransfer"]

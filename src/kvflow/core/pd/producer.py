@@ -14,7 +14,6 @@ is logged and dropped.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 from attrs import define, field
@@ -23,15 +22,13 @@ from kvflow.core.hashing import BlockHash
 from kvflow.core.pd.common import (
     CHANNELS,
     Action,
-    BlockLedger,
     CancelCopies,
     FinishedSending,
+    HandoffSide,
     LaunchCopies,
     Pairs,
     PDTimeouts,
-    Peers,
     Send,
-    Tombstones,
     drop_stale,
     log,
 )
@@ -51,7 +48,7 @@ from kvflow.core.pd.messages import (
     Release,
     hashes_digest,
 )
-from kvflow.errors import ConfigError, ProtocolError
+from kvflow.errors import ProtocolError
 
 PI = PInput
 
@@ -79,8 +76,10 @@ class PTransfer:
     channel: int = 0
 
 
-class ProducerManager:
+class ProducerManager(HandoffSide[PTransfer]):
     """Every hand-off P is part of, keyed by the router's transfer id."""
+
+    side = "producer"
 
     def __init__(
         self,
@@ -90,20 +89,9 @@ class ProducerManager:
         timeouts: PDTimeouts | None = None,
         max_inflight: int = 4,
     ) -> None:
-        if world_size < 1 or max_inflight < 1:
-            raise ConfigError(
-                f"world_size and max_inflight must be positive, got {world_size}, {max_inflight}"
-            )
-        self.engine_id = engine_id
-        self.world_size = world_size
-        self.timeouts = timeouts or PDTimeouts()
-        self.max_inflight = max_inflight
-        self.transfers: dict[str, PTransfer] = {}
-        self.ledger = BlockLedger()
-        self.peers = Peers(engine_id, self.timeouts)
-        self.tombstones = Tombstones(self.timeouts.tombstone_s)
-        self._waiting: deque[str] = deque()  # GRANTED, waiting for a send slot, in grant order
-        self._inflight: set[str] = set()  # holding a send slot: launched, not every rank settled
+        super().__init__(
+            engine_id, world_size=world_size, timeouts=timeouts, max_inflight=max_inflight
+        )
         self._channels: set[int] = set()  # held from grant to release
         self._next_channel = 1
 
@@ -179,19 +167,10 @@ class ProducerManager:
         self, transfer_id: str, epoch: int, rank: int, ok: bool, now: float
     ) -> list[Action]:
         """Rank ``rank``'s sends of the hand-off finished (``ok``) or failed / were cancelled."""
-        t = self.transfers.get(transfer_id)
-        if t is None or t.epoch != epoch or not t.launched:
-            raise ProtocolError(f"copy_done for no running send: {transfer_id!r} epoch {epoch}")
-        if not 0 <= rank < self.world_size or rank in t.settled:
-            raise ProtocolError(
-                f"copy_done: rank {rank} unknown or reported twice ({transfer_id!r})"
-            )
-        t.settled.add(rank)
+        t = self._settle_rank(transfer_id, epoch, rank)
         t.failed = t.failed or not ok
         out: list[Action] = []
-        all_settled = len(t.settled) == self.world_size
-        if all_settled:
-            self._inflight.discard(transfer_id)
+        all_settled = not self._copies_running(t)
         if t.state is PState.IN_FLIGHT and not ok:
             t.done_owed = True
             self._stop(t, PI.FAIL, "send_failed", now, out)
@@ -209,10 +188,7 @@ class ProducerManager:
     def tick(self, now: float) -> list[Action]:
         """Fire every deadline that passed; heartbeats; forget old tombstones."""
         out: list[Action] = []
-        self.tombstones.expire(now)
-        for t in [t for t in self.transfers.values() if t.deadline <= now]:
-            if t.transfer_id not in self.transfers:
-                continue
+        for t in self._due(now):
             if t.state is PState.READY:
                 self._finish(t, PI.LEASE_EXPIRED, "unclaimed_lease", now, out)
             elif t.state is PState.DRAINING:
@@ -224,10 +200,7 @@ class ProducerManager:
             else:
                 t.done_owed = True
                 self._stop(t, PI.TIMEOUT, f"{t.state.value}_timeout", now, out)
-        sends, lost = self.peers.tick(now)
-        out.extend(sends)
-        for peer in lost:
-            out.extend(self.peer_lost(peer, now))
+        out.extend(self._tick_peers(now, self.peer_lost))
         self._launch_waiting(now, out)
         return out
 
@@ -373,17 +346,16 @@ class ProducerManager:
                 out.append(Send(t.peer, AbortAck(t.transfer_id, t.epoch)))
             self._finish(t, event, cause, now, out)
             return
-        was_launched = t.launched and len(t.settled) < self.world_size
+        was_launched = self._copies_running(t)
         self._apply(t, event, cause)
-        if t.transfer_id in self._waiting:
-            self._waiting.remove(t.transfer_id)
+        self._unqueue(t)
         if was_launched:
             out.append(CancelCopies(t.transfer_id, t.epoch))
         t.deadline = now + self.timeouts.drain_retry_s
         self._try_drain(t, now, out)
 
     def _try_drain(self, t: PTransfer, now: float, out: list[Action]) -> None:
-        if t.launched and len(t.settled) < self.world_size:
+        if self._copies_running(t):
             return
         if t.ack_owed:
             out.append(Send(t.peer, AbortAck(t.transfer_id, t.epoch)))
@@ -396,29 +368,15 @@ class ProducerManager:
     ) -> None:
         self._apply(t, event, cause)
         assert t.state is PState.RELEASED
-        del self.transfers[t.transfer_id]
         self._channels.discard(t.channel)
-        self.tombstones.add(t.transfer_id, t.epoch, now)
-        if t.transfer_id in self._waiting:
-            self._waiting.remove(t.transfer_id)
+        self._forget(t, now, watching=lambda x: x.state is not PState.READY)
         if self.ledger.holds(t.transfer_id):
             out.append(FinishedSending(t.transfer_id, self.ledger.give_back(t.transfer_id)))
-        self.peers.unwatch_except(
-            {x.peer for x in self.transfers.values() if x.state is not PState.READY}
-        )
 
     def _launch_waiting(self, now: float, out: list[Action]) -> None:
-        while self._waiting and len(self._inflight) < self.max_inflight:
-            t = self.transfers[self._waiting.popleft()]
+        while (t := self._next_launch(now)) is not None:
             self._apply(t, PI.LAUNCH, "send_slot")
-            t.launched = True
-            t.deadline = now + self.timeouts.copy_s
-            self._inflight.add(t.transfer_id)
             out.append(LaunchCopies(t.transfer_id, t.epoch, t.peer, True, t.pairs, t.channel))
-
-    @property
-    def num_live(self) -> int:
-        return len(self.transfers)
 
 
 __all__ = ["PTransfer", "ProducerManager"]
