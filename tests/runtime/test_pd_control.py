@@ -16,7 +16,7 @@ from kvflow.core.pd.messages import Claim, Grant, hashes_digest
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.engine.distributed import free_port
 from kvflow.errors import ClosedError, PeerError, ProtocolError
-from kvflow.runtime.clock import FakeClock, wait_all_tasks_blocked
+from kvflow.runtime.clock import FakeClock, SystemClock, wait_all_tasks_blocked
 from kvflow.runtime.pd_control import decode, default_compat, encode, open_control_plane
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_leaks")]
@@ -169,3 +169,19 @@ async def test_closed_plane_refuses_and_wire_errors_are_typed() -> None:
         decode(b"\x92\xa4Nope\xc0")
     with pytest.raises(ProtocolError):
         decode(b"not msgpack")
+
+
+async def test_the_system_clock_deadline_needs_no_watchdog() -> None:
+    """With the real clock the deadline is the loop's own timer: a zero timeout with nothing
+    waiting raises PeerError at once, and a waiting message is returned without any wait."""
+    clock = SystemClock()
+    with anyio.fail_after(GUARD_S):
+        async with (
+            open_control_plane("P", default_compat(), clock) as p,
+            open_control_plane("D", default_compat(), clock) as d,
+        ):
+            with pytest.raises(PeerError, match="while waiting for nothing"):
+                await p.recv(0.0, "nothing")
+            await d.hello(p.address)
+            await d.send("P", CLAIM)
+            assert await p.recv(GUARD_S, "a claim") == ("D", CLAIM)

@@ -38,7 +38,7 @@ from kvflow.core.pd.messages import (
     Message,
 )
 from kvflow.errors import ClosedError, ConfigError, PeerError, ProtocolError
-from kvflow.runtime.clock import Clock
+from kvflow.runtime.clock import Clock, SystemClock
 
 log = structlog.get_logger("kvflow.pd.control")
 T = TypeVar("T")
@@ -97,6 +97,11 @@ async def _before(
     clock: Clock, deadline: float, fn: Callable[[], Awaitable[T]]
 ) -> tuple[bool, T | None]:
     """Run ``fn()`` until the clock reaches ``deadline``: (True, result), or (False, None)."""
+    if isinstance(clock, SystemClock):
+        # The real clock is the loop's: its own timer is the deadline, no watchdog task.
+        with anyio.move_on_after(max(deadline - clock.now(), 0.0)):
+            return True, await fn()
+        return False, None
     box: list[T] = []
     async with anyio.create_task_group() as tg:
 
