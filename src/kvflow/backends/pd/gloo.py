@@ -5,9 +5,11 @@ the HELLO, the producer's side hosting it), so it works beside any group the eng
 have. Copies go through one bounded staging ring of ``slots × slot_bytes`` bytes, allocated once:
 the sender gathers a chunk of blocks into a slot and sends it; the receiver receives into a slot
 and scatters it into the reserved blocks. No buffer is allocated per request. Blocks of at least
-``direct_min_bytes`` skip the ring: each region's row is sent from, and received into, the KV
-tensor itself (one wire op per row, no copy), which on a CPU-bound host saves the gather and the
-scatter. Both sides of a pair must use the same ``slot_bytes`` and ``direct_min_bytes``.
+``direct_min_bytes`` (off by default) skip the ring: each region's row is sent from, and
+received into, the KV tensor itself (one wire op per row, all posted at once, no copy); on the dev
+box it was not faster (docs/benchmarks.md). Both sides of a pair must use the same
+``slot_bytes`` and ``direct_min_bytes``. Wire tags are the GRANT's channel and the op's index,
+so two hand-offs' copies never match.
 
 Each slot is served by a thread of its own, which does the gather / scatter (torch releases the
 GIL) and waits for the gloo operation: gloo's point-to-point ``Work.is_completed()`` never turns
