@@ -32,6 +32,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _submodule_or_package(name: str) -> str:
+    here = Path(__file__).resolve().parents[1] / "src" / "kvflow"
+    is_module = (here / f"{name}.py").exists() or (here / name / "__init__.py").exists()
+    return f"kvflow.{name}" if is_module else "kvflow"
+
+
 def kvflow_imports(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every kvflow import in the file, wherever it is."""
     tree = ast.parse(path.read_text(), str(path))
@@ -49,7 +55,8 @@ def kvflow_imports(path: Path) -> list[tuple[int, str]]:
             else:
                 target = node.module or ""
             if target == "kvflow":
-                out += [(node.lineno, f"kvflow.{a.name}") for a in node.names]
+                # `from kvflow import __version__` names the package itself, not a submodule
+                out += [(node.lineno, _submodule_or_package(a.name)) for a in node.names]
             elif target.split(".")[0] == "kvflow":
                 out.append((node.lineno, target))
     return out

@@ -1,4 +1,4 @@
-"""Regenerate docs/state-machines.md from the transfer transition table.
+"""Regenerate docs/state-machines.md from the transition tables (transfer, request, PD).
 
 Usage: python scripts/gen_state_diagram.py [--check]
 With --check, exit 1 if the committed file differs from what the table produces.
@@ -10,6 +10,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvflow.core.pd.machines import (
+    CONSUMER_MACHINE,
+    PRODUCER_MACHINE,
+    DInput,
+    DState,
+    PInput,
+    PState,
+)
 from kvflow.core.transfer import render_mermaid, render_table
 from kvflow.engine.scheduler import REQUEST_MACHINE, RequestInput, RequestStatus
 
@@ -36,6 +44,23 @@ def render() -> str:
         "```mermaid\n" + REQUEST_MACHINE.render_mermaid() + "```\n\n"
         "Every (state, input) pair; a dash is illegal:\n\n"
         + REQUEST_MACHINE.render_table(RequestStatus, RequestInput)
+        + "\n## PD hand-off: producer (prefill engine)\n\n"
+        "`kvflow.core.pd.machines.PRODUCER_MACHINE`: one prefill → decode hand-off on P, from\n"
+        "prefill to the release of P's blocks. Only a hold that was never granted (`ready`) can\n"
+        "expire; a granted one is freed only after every send settled. Applied by\n"
+        "`kvflow.core.pd.producer.ProducerManager`, which logs `pd_producer_transition`.\n\n"
+        "```mermaid\n" + PRODUCER_MACHINE.render_mermaid() + "```\n\n"
+        "Every (state, input) pair; a dash is illegal:\n\n"
+        + PRODUCER_MACHINE.render_table(PState, PInput)
+        + "\n## PD hand-off: consumer (decode engine)\n\n"
+        "`kvflow.core.pd.machines.CONSUMER_MACHINE`: the same hand-off on D, from the reservation\n"
+        "of its blocks to commit or failure. Once claimed, the blocks return to the pool only\n"
+        "through `draining` (P's confirmation and every receive settled, or a quarantine after\n"
+        "P's death) or P's NACK. Applied by `kvflow.core.pd.consumer.ConsumerManager`, which\n"
+        "logs `pd_consumer_transition`.\n\n"
+        "```mermaid\n" + CONSUMER_MACHINE.render_mermaid() + "```\n\n"
+        "Every (state, input) pair; a dash is illegal:\n\n"
+        + CONSUMER_MACHINE.render_table(DState, DInput)
     )
 
 

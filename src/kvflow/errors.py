@@ -43,6 +43,11 @@ class BackendError(KVFlowError):
     """A device backend failed or is unavailable (no CUDA, driver too old, copy failed)."""
 
 
+class PeerError(KVFlowError):
+    """A PD peer engine is incompatible (HELLO), silent past a deadline, or gone; the message
+    names the peer and what was waited for. The hand-off falls back to local recompute."""
+
+
 class ClosedError(KVFlowError):
     """The runtime, executor or reactor was used after it was closed."""
 
@@ -54,6 +59,7 @@ __all__ = [
     "ConfigError",
     "KVFlowError",
     "LayoutError",
+    "PeerError",
     "ProtocolError",
     "ReportError",
     "TransitionError",

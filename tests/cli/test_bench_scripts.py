@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
-from scripts import bench_copy_contention, bench_decode_step, bench_engine_offload, bench_logging
+from scripts import (
+    bench_copy_contention,
+    bench_decode_step,
+    bench_engine_offload,
+    bench_logging,
+    bench_pd_control,
+    bench_pd_transfer,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -76,3 +83,28 @@ def test_logging_bench_times_every_setup_and_leaves_structlog_unconfigured(tmp_p
         assert set(row) == set(bench_logging.CALLS)
         assert all(ns > 0 for ns in row.values())
     assert not structlog.is_configured()
+
+
+def test_pd_control_bench_times_hand_offs_against_the_zmq_floor(tmp_path: Path) -> None:
+    """A few hand-offs between two processes are timed and every one is released on P."""
+    out = tmp_path / "pd_control.json"
+    bench_pd_control.main(["--handoffs", "20", "--warmup", "5", "--json", str(out)])
+    f = json.loads(out.read_text())
+    assert f["released_on_p"] == 25
+    assert f["handoff_us_p50"] > 0
+    assert f["raw_zmq_rtt_us_p50"] > 0
+
+
+@pytest.mark.distributed
+def test_pd_transfer_bench_compares_the_transport_with_raw_gloo(tmp_path: Path) -> None:
+    """Two gloo processes move scattered blocks both ways of the comparison; bytes match."""
+    out = tmp_path / "pd_transfer.json"
+    bench_pd_transfer.main(
+        ["--mib", "1", "--repeat", "1", "--sizes-kib", "4", "32", "--json", str(out)]
+    )
+    sizes = json.loads(out.read_text())["sizes"]
+    assert set(sizes) == {"4", "32"}
+    for f in sizes.values():
+        assert f["bytes_match"]
+        assert f["kvflow_gbs"] > 0
+        assert f["raw_gbs"] > 0

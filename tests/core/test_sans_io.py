@@ -13,7 +13,7 @@ import kvflow.core
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 # asyncio itself is imported by structlog; what matters is that core never runs a loop.
-FORBIDDEN = ("torch", "anyio", "cuda", "numpy")
+FORBIDDEN = ("torch", "anyio", "cuda", "numpy", "zmq", "msgspec")
 
 
 def test_core_modules_import_no_device_or_loop_libraries() -> None:

@@ -1,0 +1,169 @@
+"""Benchmark the PD data plane on CPU: kvflow's gloo transport against a raw gloo send of the same
+bytes.
+
+Usage: python scripts/bench_pd_transfer.py [--sizes-kib 4 8 16 32 64 128] [--mib 32]
+                                           [--repeat 5] [--slots 4] [--slot-mib 8] [--json FILE]
+Goal (issue 21): kvflow >= 80 % of the raw send at blocks of 32 KiB and more.
+
+Two processes (P and D, one torch thread each) form the transport's 2-rank gloo group. For each
+block size, P sends ``--mib`` MiB as N blocks at scattered ids of a 2N-block tensor to scattered
+ids on D: gather into the staging ring, send, receive, scatter (what a hand-off does). The raw
+baseline sends the same number of bytes as one contiguous tensor through the same group. Time is
+D's, from a barrier to the last byte in place; the median of ``--repeat`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from kvflow.backends.base import FenceStatus
+from kvflow.backends.pd.gloo import GlooFence, GlooTransport
+from kvflow.core.pd.common import LaunchCopies
+from kvflow.engine.distributed import free_port, launch
+
+
+def _wait(t: GlooTransport, fence: GlooFence) -> None:
+    woke = threading.Event()
+    t.set_wakeup(woke.set)
+    while t.query(fence) is FenceStatus.PENDING:
+        woke.wait(0.01)
+        woke.clear()
+    if t.query(fence) is not FenceStatus.DONE:
+        raise SystemExit(f"bench_pd_transfer: a launch failed ({t.broken})")
+
+
+def _rank(rank: int, world_size: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    del world_size
+    t = GlooTransport(
+        pair_rank=rank,
+        host="127.0.0.1",
+        port=port,
+        timeout_s=120,
+        slots=cfg["slots"],
+        slot_bytes=cfg["slot_mib"] << 20,
+        direct_min_bytes=None if cfg["direct_kib"] <= 0 else cfg["direct_kib"] << 10,
+    )
+    out: dict[str, Any] = {}
+    total = cfg["mib"] << 20
+    sizes = [kib << 10 for kib in cfg["sizes_kib"]]
+    # One KV cache group per block size, registered once; each size's pairs name its own group.
+    caches = [
+        torch.randint(0, 255, (2 * (total // bs), bs), dtype=torch.uint8, generator=_gen(bs))
+        if rank == 0
+        else torch.zeros(2 * (total // bs), bs, dtype=torch.uint8)
+        for bs in sizes
+    ]
+    try:
+        t.register([[c] for c in caches])
+        for g, bs in enumerate(sizes):
+            n = total // bs
+            perm = torch.randperm(2 * n, generator=_gen(bs + 1))
+            src, dst = perm[:n].tolist(), perm[n:].tolist()  # scattered ids on both sides
+            mine = src if rank == 0 else dst
+            theirs = dst if rank == 0 else src
+            pairs = tuple(
+                tuple(zip(mine, theirs, strict=True)) if k == g else () for k in range(len(sizes))
+            )
+            raw = torch.empty(n * bs, dtype=torch.uint8)
+            kv_s, raw_s = [], []
+            for r in range(cfg["repeat"] + 1):  # the first run warms up
+                dist.barrier()
+                t0 = time.perf_counter()
+                _wait(t, t.launch(LaunchCopies(f"b{bs}", r, "peer", rank == 0, pairs, g + 1)))
+                kv_s.append(time.perf_counter() - t0)
+                dist.barrier()
+                t0 = time.perf_counter()
+                pg: Any = t.group
+                (pg.send([raw], 1, 7) if rank == 0 else pg.recv([raw], 0, 7)).wait()
+                raw_s.append(time.perf_counter() - t0)
+            if rank == 1:
+                want = torch.randint(0, 255, (2 * n, bs), dtype=torch.uint8, generator=_gen(bs))
+                idx_s, idx_d = torch.tensor(src), torch.tensor(dst)
+                out[str(bs >> 10)] = {
+                    "blocks": n,
+                    "bytes": n * bs,
+                    "kvflow_s": statistics.median(kv_s[1:]),
+                    "raw_s": statistics.median(raw_s[1:]),
+                    "bytes_match": bool(torch.equal(caches[g][idx_d], want[idx_s])),
+                }
+    finally:
+        t.close()
+    return out
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
+    parser.add_argument("--mib", type=int, default=32, help="bytes per hand-off, MiB")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--slot-mib", type=int, default=8)
+    parser.add_argument(
+        "--direct-kib", type=int, default=64, help="blocks this large skip the ring (0: never)"
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    cfg = {
+        "sizes_kib": args.sizes_kib,
+        "mib": args.mib,
+        "repeat": args.repeat,
+        "slots": args.slots,
+        "slot_mib": args.slot_mib,
+        "direct_kib": args.direct_kib,
+    }
+    console = Console()
+    with console.status(f"two gloo processes moving {args.mib} MiB per size ..."):
+        res = launch(_rank, (free_port(), cfg), world_size=2, timeout_s=900)[1]
+    table = Table(
+        title=f"PD gloo transport vs raw gloo send, {args.mib} MiB per hand-off (D's time)"
+    )
+    for col in ("block KiB", "blocks", "kvflow GB/s", "raw GB/s", "kvflow / raw", "bytes match"):
+        table.add_column(col, justify="right")
+    rows = {}
+    for kib, f in res.items():
+        kv_gbs, raw_gbs = f["bytes"] / f["kvflow_s"] / 1e9, f["bytes"] / f["raw_s"] / 1e9
+        rows[kib] = {**f, "kvflow_gbs": kv_gbs, "raw_gbs": raw_gbs, "ratio": kv_gbs / raw_gbs}
+        table.add_row(
+            kib,
+            str(f["blocks"]),
+            f"{kv_gbs:.2f}",
+            f"{raw_gbs:.2f}",
+            f"{kv_gbs / raw_gbs:.0%}",
+            "yes" if f["bytes_match"] else "NO",
+        )
+    console.print(table)
+    big = [r["ratio"] for k, r in rows.items() if int(k) >= 32]
+    if big:
+        print(
+            f"goal >= 80 % at >= 32 KiB: {'met' if min(big) >= 0.8 else 'NOT met'} (min {min(big):.0%}); load average {os.getloadavg()[0]:.1f}"
+        )
+    if args.json:
+        figures = {
+            "machine": platform.node(),
+            "config": cfg,
+            "sizes": rows,
+            "load_average_1m": os.getloadavg()[0],
+        }
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,359 @@
+"""What both sides of a PD hand-off share: timeouts, the actions a manager returns, the ledger of
+which blocks each hand-off holds, peer liveness and tombstones of ended hand-offs.
+
+The managers are sans-IO: each call takes inputs and the current time and returns a list of
+actions for the runtime to carry out (send a message, launch or cancel copies, hand blocks back to
+the engine). Nothing here reads a clock or touches a socket.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Generic, Protocol, TypeVar
+
+from attrs import define, field, frozen
+
+from kvflow.core.logs import get_logger
+from kvflow.core.pd.messages import GroupIds, Heartbeat, Message
+from kvflow.errors import ConfigError, ProtocolError
+
+log = get_logger("kvflow.pd")
+
+Pairs = tuple[tuple[tuple[int, int], ...], ...]
+
+CHANNELS = 1 << 19
+"""Data-plane channels per producer: a transport's wire tags are ``channel << 12 | op``."""
+"""Per KV cache group, the (local block, remote block) pairs of one hand-off."""
+
+
+def _positive(_: object, attribute: object, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        name = getattr(attribute, "name", "?")
+        raise ConfigError(f"PDTimeouts.{name} must be a positive number of seconds, got {value!r}")
+
+
+@frozen
+class PDTimeouts:
+    """Every deadline of a hand-off, in seconds on the injected clock."""
+
+    prefill_s: float = field(default=60.0, validator=_positive)  # P: PREFILLING
+    lease_s: float = field(default=10.0, validator=_positive)  # P: an unclaimed hold (READY)
+    claim_s: float = field(default=5.0, validator=_positive)  # D: RESERVED, CLAIMING
+    grant_window_s: float = field(default=5.0, validator=_positive)  # GRANTED, both sides
+    copy_s: float = field(default=30.0, validator=_positive)  # the longest copy: IN_FLIGHT
+    done_s: float = field(default=10.0, validator=_positive)  # P: SENT, waiting for D's DONE
+    drain_retry_s: float = field(default=1.0, validator=_positive)  # DRAINING: re-send, re-check
+    heartbeat_s: float = field(default=1.0, validator=_positive)
+    peer_timeout_s: float = field(default=10.0, validator=_positive)
+    tombstone_s: float = field(default=60.0, validator=_positive)  # > the control plane's delay
+
+    @property
+    def quarantine_s(self) -> float:
+        """After a peer's death, how long its claimed blocks stay out of the pool."""
+        return self.grant_window_s + self.copy_s
+
+
+@frozen
+class Send:
+    peer: str
+    message: Message
+
+
+@frozen
+class LaunchCopies:
+    """Start this side's copies of one hand-off on every rank; each rank reports ``copy_done``."""
+
+    transfer_id: str
+    epoch: int
+    peer: str
+    send: bool  # True on P (read local blocks), False on D (write local blocks)
+    pairs: Pairs
+    channel: int  # the GRANT's channel: both sides' copies of the hand-off match on it
+
+
+@frozen
+class CancelCopies:
+    """Stop this side's copies of a hand-off; each launched rank still reports ``copy_done``."""
+
+    transfer_id: str
+    epoch: int
+
+
+@frozen
+class FinishedSending:
+    """P: the engine may free the request's blocks now (exactly once per hand-off)."""
+
+    transfer_id: str
+    block_ids: GroupIds
+
+
+@frozen
+class FinishedRecving:
+    """D: the request may run; ``invalid_block_ids`` hold no KV and are recomputed."""
+
+    transfer_id: str
+    ok: bool
+    invalid_block_ids: GroupIds
+
+
+@frozen
+class FreeBlocks:
+    """D: the request is gone; its reserved blocks go back to the pool (exactly once)."""
+
+    transfer_id: str
+    block_ids: GroupIds
+
+
+Action = Send | LaunchCopies | CancelCopies | FinishedSending | FinishedRecving | FreeBlocks
+
+
+def flat(ids: GroupIds) -> Iterator[tuple[int, int]]:
+    """Every (group, block id) of ``ids``."""
+    for g, group in enumerate(ids):
+        for b in group:
+            yield (g, b)
+
+
+@define
+class BlockLedger:
+    """Who holds which block: each hand-off's blocks, taken once and given back exactly once."""
+
+    _by_transfer: dict[str, GroupIds] = field(factory=dict)
+    _owner: dict[tuple[int, int], str] = field(factory=dict)
+
+    def check_free(self, transfer_id: str, ids: GroupIds) -> None:
+        """Raise ``ProtocolError`` (changing nothing) if ``ids`` cannot be taken for the hand-off."""
+        if transfer_id in self._by_transfer:
+            raise ProtocolError(f"hand-off {transfer_id!r} already holds blocks")
+        seen: set[tuple[int, int]] = set()
+        for key in flat(ids):
+            if key in seen:
+                raise ProtocolError(f"hand-off {transfer_id!r} names block {key} twice")
+            seen.add(key)
+            if (owner := self._owner.get(key)) is not None:
+                raise ProtocolError(f"block {key} is already held by hand-off {owner!r}")
+
+    def take(self, transfer_id: str, ids: GroupIds) -> None:
+        self.check_free(transfer_id, ids)
+        self._by_transfer[transfer_id] = ids
+        for key in flat(ids):
+            self._owner[key] = transfer_id
+
+    def give_back(self, transfer_id: str) -> GroupIds:
+        ids = self._by_transfer.pop(transfer_id, None)
+        if ids is None:
+            raise ProtocolError(f"hand-off {transfer_id!r} holds no blocks (given back twice?)")
+        for key in flat(ids):
+            del self._owner[key]
+        return ids
+
+    def holds(self, transfer_id: str) -> bool:
+        return transfer_id in self._by_transfer
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._owner)
+
+    def owner(self, group: int, block: int) -> str | None:
+        return self._owner.get((group, block))
+
+
+@define
+class Peers:
+    """Liveness of the peers this side is in a claimed hand-off with: heartbeats out, silence in."""
+
+    engine_id: str
+    timeouts: PDTimeouts
+    _heard: dict[str, float] = field(factory=dict)
+    _beat: dict[str, float] = field(factory=dict)
+
+    def heard(self, peer: str, now: float) -> None:
+        if peer in self._heard:
+            self._heard[peer] = max(self._heard[peer], now)
+
+    def watch(self, peer: str, now: float) -> None:
+        """Start watching ``peer`` (a claim names it); a peer already watched keeps its times."""
+        self._heard.setdefault(peer, now)
+        self._beat.setdefault(peer, now)
+
+    def unwatch_except(self, active: set[str]) -> None:
+        for peer in [p for p in self._heard if p not in active]:
+            del self._heard[peer]
+            del self._beat[peer]
+
+    def tick(self, now: float) -> tuple[list[Send], list[str]]:
+        """Heartbeats due now, and the peers silent past the timeout (no longer watched)."""
+        sends: list[Send] = []
+        lost: list[str] = []
+        for peer, heard in list(self._heard.items()):
+            if now - heard > self.timeouts.peer_timeout_s:
+                lost.append(peer)
+                del self._heard[peer]
+                del self._beat[peer]
+            elif now - self._beat[peer] >= self.timeouts.heartbeat_s:
+                self._beat[peer] = now
+                sends.append(Send(peer, Heartbeat("", 0, self.engine_id)))
+        return sends, lost
+
+    def __len__(self) -> int:
+        return len(self._heard)
+
+
+@define
+class Tombstones:
+    """(transfer_id, epoch) of ended or aborted hand-offs, kept ``tombstone_s`` so a late or
+    duplicated message about them is recognised instead of starting anything."""
+
+    ttl_s: float
+    _until: dict[tuple[str, int], float] = field(factory=dict)
+
+    def add(self, transfer_id: str, epoch: int, now: float) -> None:
+        self._until[(transfer_id, epoch)] = now + self.ttl_s
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return key in self._until
+
+    def expire(self, now: float) -> None:
+        for key in [k for k, t in self._until.items() if t <= now]:
+            del self._until[key]
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
+class HandoffRecord(Protocol):
+    """What both sides' per-hand-off records have."""
+
+    transfer_id: str
+    epoch: int
+    peer: str
+    deadline: float
+    launched: bool
+    settled: set[int]
+
+
+R = TypeVar("R", bound=HandoffRecord)
+
+
+class HandoffSide(Generic[R]):
+    """The bookkeeping both managers share: live hand-offs, the block ledger, peers, tombstones,
+    and the bounded copy slots (``max_inflight`` launches at once, the rest queued in order)."""
+
+    side = ""
+
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        world_size: int = 1,
+        timeouts: PDTimeouts | None = None,
+        max_inflight: int = 4,
+    ) -> None:
+        if world_size < 1 or max_inflight < 1:
+            raise ConfigError(
+                f"world_size and max_inflight must be positive, got {world_size}, {max_inflight}"
+            )
+        self.engine_id = engine_id
+        self.world_size = world_size
+        self.timeouts = timeouts or PDTimeouts()
+        self.max_inflight = max_inflight
+        self.transfers: dict[str, R] = {}
+        self.ledger = BlockLedger()
+        self.peers = Peers(engine_id, self.timeouts)
+        self.tombstones = Tombstones(self.timeouts.tombstone_s)
+        self._waiting: deque[str] = deque()  # granted, waiting for a copy slot, in grant order
+        self._inflight: set[str] = set()  # holding a slot: launched, not every rank settled
+
+    @property
+    def num_live(self) -> int:
+        return len(self.transfers)
+
+    def _settle_rank(self, transfer_id: str, epoch: int, rank: int) -> R:
+        """Record rank ``rank``'s copies of a launched hand-off as settled; frees the slot once
+        every rank settled. Raises ``ProtocolError`` (nothing changed) for a bad report."""
+        t = self.transfers.get(transfer_id)
+        if t is None or t.epoch != epoch or not t.launched:
+            raise ProtocolError(f"{self.side}: copy_done for no running copy: {transfer_id!r}")
+        if not 0 <= rank < self.world_size or rank in t.settled:
+            raise ProtocolError(
+                f"{self.side}: copy_done rank {rank} unknown or reported twice ({transfer_id!r})"
+            )
+        t.settled.add(rank)
+        if len(t.settled) == self.world_size:
+            self._inflight.discard(transfer_id)
+        return t
+
+    def _copies_running(self, t: R) -> bool:
+        return t.launched and len(t.settled) < self.world_size
+
+    def _unqueue(self, t: R) -> None:
+        if t.transfer_id in self._waiting:
+            self._waiting.remove(t.transfer_id)
+
+    def _due(self, now: float) -> Iterator[R]:
+        """The live hand-offs whose deadline passed (each still live when yielded)."""
+        self.tombstones.expire(now)
+        for t in [t for t in self.transfers.values() if t.deadline <= now]:
+            if self.transfers.get(t.transfer_id) is t:
+                yield t
+
+    def _next_launch(self, now: float) -> R | None:
+        """The next queued hand-off if a copy slot is free (the slot is taken for it)."""
+        if not self._waiting or len(self._inflight) >= self.max_inflight:
+            return None
+        t = self.transfers[self._waiting.popleft()]
+        t.launched = True
+        t.deadline = now + self.timeouts.copy_s
+        self._inflight.add(t.transfer_id)
+        return t
+
+    def _forget(self, t: R, now: float, *, watching: Callable[[R], bool]) -> None:
+        """Drop an ended hand-off: tombstone it, unqueue it, stop watching idle peers."""
+        del self.transfers[t.transfer_id]
+        self.tombstones.add(t.transfer_id, t.epoch, now)
+        self._unqueue(t)
+        self.peers.unwatch_except({x.peer for x in self.transfers.values() if watching(x)})
+
+    def _tick_peers(
+        self, now: float, peer_lost: Callable[[str, float], list[Action]]
+    ) -> list[Action]:
+        sends, lost = self.peers.tick(now)
+        out: list[Action] = list(sends)
+        for peer in lost:
+            out.extend(peer_lost(peer, now))
+        return out
+
+
+def drop_stale(side: str, peer: str, message: Message, why: str) -> None:
+    """Log a message that matches no live hand-off (unknown, stale epoch, wrong state); drop it."""
+    log.info(
+        "pd_message_dropped",
+        side=side,
+        peer=peer,
+        message=type(message).__name__,
+        transfer_id=message.transfer_id,
+        epoch=message.epoch,
+        why=why,
+    )
+
+
+__all__ = [
+    "Action",
+    "BlockLedger",
+    "CancelCopies",
+    "FinishedRecving",
+    "FinishedSending",
+    "FreeBlocks",
+    "HandoffRecord",
+    "HandoffSide",
+    "LaunchCopies",
+    "PDTimeouts",
+    "Pairs",
+    "Peers",
+    "Send",
+    "Tombstones",
+    "drop_stale",
+    "flat",
+]

@@ -1,0 +1,382 @@
+"""The prefill engine's (P's) side of PD hand-offs: a sans-IO manager of many transfers.
+
+Inputs: the engine's events (``begin`` when a request that D will decode is admitted,
+``kv_ready`` when its KV is complete and its blocks are held with ``delay_free``, ``abort``), D's
+messages (``on_message``), the transport's per-rank completions (``copy_done``) and time
+(``tick``). Each returns the actions to carry out. P pushes: on a claim it grants, and launches
+its sends as soon as one of ``max_inflight`` send slots (the bounded staging ring) is free.
+
+The rules it keeps (PD.md §1): only a hold that was never granted expires (READY's lease); a
+granted hold is freed only after every rank's send settled; a claim for an ended or aborted
+attempt is refused (tombstones), and anything about an unknown or stale ``(transfer_id, epoch)``
+is logged and dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from attrs import define, field
+
+from kvflow.core.hashing import BlockHash
+from kvflow.core.pd.common import (
+    CHANNELS,
+    Action,
+    CancelCopies,
+    FinishedSending,
+    HandoffSide,
+    LaunchCopies,
+    Pairs,
+    PDTimeouts,
+    Send,
+    drop_stale,
+    log,
+)
+from kvflow.core.pd.machines import PRODUCER_MACHINE, PInput, PState
+from kvflow.core.pd.messages import (
+    Abort,
+    AbortAck,
+    Claim,
+    Done,
+    DoneStatus,
+    Grant,
+    GroupIds,
+    Heartbeat,
+    Message,
+    Nack,
+    NackReason,
+    Release,
+    hashes_digest,
+)
+from kvflow.errors import ProtocolError
+
+PI = PInput
+
+
+@define(eq=False)
+class PTransfer:
+    """One hand-off on P."""
+
+    transfer_id: str
+    epoch: int
+    peer: str
+    deadline: float
+    state: PState = PState.PREFILLING
+    block_ids: GroupIds = ()
+    block_hashes: tuple[BlockHash, ...] = ()
+    digest: bytes = b""
+    pending_claim: Claim | None = None
+    pairs: Pairs = ()
+    launched: bool = False
+    settled: set[int] = field(factory=set)
+    failed: bool = False
+    peer_done: bool = False
+    ack_owed: bool = False
+    done_owed: bool = False
+    channel: int = 0
+
+
+class ProducerManager(HandoffSide[PTransfer]):
+    """Every hand-off P is part of, keyed by the router's transfer id."""
+
+    side = "producer"
+
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        world_size: int = 1,
+        timeouts: PDTimeouts | None = None,
+        max_inflight: int = 4,
+    ) -> None:
+        super().__init__(
+            engine_id, world_size=world_size, timeouts=timeouts, max_inflight=max_inflight
+        )
+        self._channels: set[int] = set()  # held from grant to release
+        self._next_channel = 1
+
+    # -- engine inputs ------------------------------------------------------------------------
+
+    def begin(self, transfer_id: str, epoch: int, peer: str, now: float) -> list[Action]:
+        """A request whose KV D will receive started prefilling (the concurrent flow)."""
+        if transfer_id in self.transfers:
+            raise ProtocolError(f"hand-off {transfer_id!r} already exists on P")
+        self.transfers[transfer_id] = PTransfer(
+            transfer_id, epoch, peer, deadline=now + self.timeouts.prefill_s
+        )
+        return []
+
+    def kv_ready(
+        self,
+        transfer_id: str,
+        epoch: int,
+        peer: str,
+        block_ids: GroupIds,
+        block_hashes: Sequence[BlockHash],
+        now: float,
+    ) -> list[Action]:
+        """The request's KV is complete in ``block_ids``; P holds them for D until released."""
+        ids = tuple(tuple(g) for g in block_ids)
+        t = self.transfers.get(transfer_id)
+        if t is not None and (
+            t.state is not PState.PREFILLING or (t.epoch, t.peer) != (epoch, peer)
+        ):
+            raise ProtocolError(
+                f"kv_ready for hand-off {transfer_id!r} (epoch {epoch}, peer {peer!r}) does not "
+                f"match its state {t.state.value} (epoch {t.epoch}, peer {t.peer!r})"
+            )
+        self.ledger.check_free(transfer_id, ids)
+        if (transfer_id, epoch) in self.tombstones:
+            # D aborted or released this attempt while P was prefilling: nothing to hold.
+            if t is not None:
+                self._apply(t, PI.ABORT, "aborted_while_prefilling")
+                del self.transfers[transfer_id]
+            log.info("pd_kv_ready_after_abort", transfer_id=transfer_id, epoch=epoch)
+            return [FinishedSending(transfer_id, ids)]
+        if t is None:
+            t = PTransfer(transfer_id, epoch, peer, deadline=now)
+            self.transfers[transfer_id] = t
+        self.ledger.take(transfer_id, ids)
+        t.block_ids, t.block_hashes = ids, tuple(block_hashes)
+        t.digest = hashes_digest(t.block_hashes)
+        self._apply(t, PI.KV_READY, "kv_ready")
+        t.deadline = now + self.timeouts.lease_s
+        out: list[Action] = []
+        if t.pending_claim is not None:
+            claim, t.pending_claim = t.pending_claim, None
+            self._on_claim(t, claim, now, out)
+            self._launch_waiting(now, out)
+        return out
+
+    def abort(self, transfer_id: str, now: float) -> list[Action]:
+        """The router or engine abandoned the hand-off; P's blocks come back once safe."""
+        t = self.transfers.get(transfer_id)
+        if t is None:
+            raise ProtocolError(f"abort of unknown hand-off {transfer_id!r} on P")
+        out: list[Action] = []
+        if t.state is PState.DRAINING:
+            return out
+        # Past the claim D must hear that P stops; in SENT every send already finished.
+        t.done_owed = t.state in (PState.GRANTED, PState.IN_FLIGHT)
+        self._stop(t, PI.ABORT, "engine_abort", now, out)
+        return out
+
+    # -- transport and time -------------------------------------------------------------------
+
+    def copy_done(
+        self, transfer_id: str, epoch: int, rank: int, ok: bool, now: float
+    ) -> list[Action]:
+        """Rank ``rank``'s sends of the hand-off finished (``ok``) or failed / were cancelled."""
+        t = self._settle_rank(transfer_id, epoch, rank)
+        t.failed = t.failed or not ok
+        out: list[Action] = []
+        all_settled = not self._copies_running(t)
+        if t.state is PState.IN_FLIGHT and not ok:
+            t.done_owed = True
+            self._stop(t, PI.FAIL, "send_failed", now, out)
+        elif t.state is PState.IN_FLIGHT and all_settled:
+            self._apply(t, PI.LOCAL_DONE, "every_rank_sent")
+            t.deadline = now + self.timeouts.done_s
+            out.append(Send(t.peer, Done(t.transfer_id, t.epoch, DoneStatus.OK)))
+            if t.peer_done:
+                self._finish(t, PI.PEER_DONE, "peer_done", now, out)
+        elif t.state is PState.DRAINING:
+            self._try_drain(t, now, out)
+        self._launch_waiting(now, out)
+        return out
+
+    def tick(self, now: float) -> list[Action]:
+        """Fire every deadline that passed; heartbeats; forget old tombstones."""
+        out: list[Action] = []
+        for t in self._due(now):
+            if t.state is PState.READY:
+                self._finish(t, PI.LEASE_EXPIRED, "unclaimed_lease", now, out)
+            elif t.state is PState.DRAINING:
+                self._apply(t, PI.TIMEOUT, "drain_overdue")
+                log.warning("pd_drain_overdue", side="producer", transfer_id=t.transfer_id)
+                t.deadline = now + self.timeouts.drain_retry_s
+            elif t.state in (PState.PREFILLING, PState.SENT):
+                self._finish(t, PI.TIMEOUT, f"{t.state.value}_timeout", now, out)
+            else:
+                t.done_owed = True
+                self._stop(t, PI.TIMEOUT, f"{t.state.value}_timeout", now, out)
+        out.extend(self._tick_peers(now, self.peer_lost))
+        self._launch_waiting(now, out)
+        return out
+
+    def peer_lost(self, peer: str, now: float) -> list[Action]:
+        """``peer`` is dead: its claimed hand-offs drain, its unclaimed holds are released."""
+        log.warning("pd_peer_lost", side="producer", peer=peer)
+        out: list[Action] = []
+        for t in [t for t in self.transfers.values() if t.peer == peer]:
+            if PRODUCER_MACHINE.next_state(t.state, PI.PEER_LOST) is not None:
+                self._stop(t, PI.PEER_LOST, "peer_lost", now, out)
+        return out
+
+    # -- D's messages -------------------------------------------------------------------------
+
+    def on_message(self, peer: str, msg: Message, now: float) -> list[Action]:
+        """One control-plane message from D."""
+        self.peers.heard(peer, now)
+        out: list[Action] = []
+        if isinstance(msg, Heartbeat):
+            return out
+        t = self.transfers.get(msg.transfer_id)
+        if t is not None and t.peer != peer:
+            drop_stale("producer", peer, msg, "wrong_peer")
+            return out
+        if t is not None and t.epoch != msg.epoch:
+            if isinstance(msg, Abort):  # an attempt P no longer runs: nothing of it writes
+                self.tombstones.add(msg.transfer_id, msg.epoch, now)
+                out.append(Send(peer, AbortAck(msg.transfer_id, msg.epoch)))
+            else:
+                drop_stale("producer", peer, msg, "stale_epoch")
+            return out
+        if isinstance(msg, Claim):
+            if t is None:
+                gone = (msg.transfer_id, msg.epoch) in self.tombstones
+                reason = NackReason.EXPIRED if gone else NackReason.UNKNOWN_TRANSFER
+                out.append(Send(peer, Nack(msg.transfer_id, msg.epoch, reason)))
+            else:
+                self._on_claim(t, msg, now, out)
+        elif isinstance(msg, Abort | Release):
+            self._on_abort(peer, t, msg, now, out)
+        elif isinstance(msg, Done) and t is not None:
+            if t.state is PState.SENT:
+                self._finish(t, PI.PEER_DONE, "peer_done", now, out)
+            elif t.state is PState.IN_FLIGHT:
+                t.peer_done = True  # D's receive finished before P's send fence was seen
+            else:
+                drop_stale("producer", peer, msg, f"in_{t.state.value}")
+        else:
+            drop_stale("producer", peer, msg, "unknown" if t is None else "unexpected")
+        self._launch_waiting(now, out)
+        return out
+
+    def _on_claim(self, t: PTransfer, claim: Claim, now: float, out: list[Action]) -> None:
+        if t.state is PState.PREFILLING:
+            t.pending_claim = claim  # the concurrent flow: granted at kv_ready
+            self.peers.watch(t.peer, now)
+            return
+        if t.state is not PState.READY:
+            drop_stale("producer", t.peer, claim, f"duplicate_claim_in_{t.state.value}")
+            return
+        reason = self._claim_problem(t, claim)
+        if reason is not None:
+            log.warning("pd_claim_refused", transfer_id=t.transfer_id, reason=reason.value)
+            out.append(Send(t.peer, Nack(t.transfer_id, t.epoch, reason)))
+            return
+        t.pairs = tuple(
+            tuple(zip(t.block_ids[g][s : s + len(d)], d, strict=True))
+            for g, (s, d) in enumerate(zip(claim.start, claim.block_ids, strict=True))
+        )
+        self._apply(t, PI.CLAIM, "claim")
+        t.channel = self._take_channel()
+        t.deadline = now + self.timeouts.grant_window_s
+        self.peers.watch(t.peer, now)
+        mine = tuple(tuple(p for p, _ in g) for g in t.pairs)
+        out.append(
+            Send(
+                t.peer,
+                Grant(
+                    t.transfer_id,
+                    t.epoch,
+                    mine,
+                    t.block_hashes,
+                    self.timeouts.grant_window_s,
+                    t.channel,
+                ),
+            )
+        )
+        self._waiting.append(t.transfer_id)
+
+    def _take_channel(self) -> int:
+        """A channel no live hand-off uses: two hand-offs' copies never match each other's."""
+        if len(self._channels) >= CHANNELS - 1:
+            raise ProtocolError(f"P has {len(self._channels)} live hand-offs: no channel left")
+        while self._next_channel in self._channels:
+            self._next_channel = self._next_channel % (CHANNELS - 1) + 1
+        channel = self._next_channel
+        self._channels.add(channel)
+        self._next_channel = channel % (CHANNELS - 1) + 1
+        return channel
+
+    def _claim_problem(self, t: PTransfer, claim: Claim) -> NackReason | None:
+        if claim.digest != t.digest:
+            return NackReason.HASH_MISMATCH
+        if len(claim.start) != len(t.block_ids) or len(claim.block_ids) != len(t.block_ids):
+            return NackReason.SHAPE
+        for s, d, mine in zip(claim.start, claim.block_ids, t.block_ids, strict=True):
+            if s < 0 or s + len(d) > len(mine):
+                return NackReason.SHAPE
+        return None
+
+    def _on_abort(
+        self, peer: str, t: PTransfer | None, msg: Abort | Release, now: float, out: list[Action]
+    ) -> None:
+        self.tombstones.add(msg.transfer_id, msg.epoch, now)
+        ack = isinstance(msg, Abort)
+        if t is None or t.state is PState.SENT:
+            if t is not None:
+                self._finish(t, PI.ABORT, "peer_abort", now, out)
+            if ack:
+                out.append(Send(peer, AbortAck(msg.transfer_id, msg.epoch)))
+            return
+        if t.state is PState.DRAINING:
+            t.ack_owed = t.ack_owed or ack
+            self._try_drain(t, now, out)
+            return
+        if isinstance(msg, Release) and t.state not in (PState.PREFILLING, PState.READY):
+            drop_stale("producer", peer, msg, f"release_in_{t.state.value}")
+            return
+        t.ack_owed = ack
+        self._stop(t, PI.ABORT, "peer_abort", now, out)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _apply(self, t: PTransfer, event: PInput, cause: str) -> None:
+        t.state = PRODUCER_MACHINE.apply(
+            t.transfer_id, t.state, event, cause=cause, epoch=t.epoch, peer=t.peer
+        )
+
+    def _stop(self, t: PTransfer, event: PInput, cause: str, now: float, out: list[Action]) -> None:
+        """Apply a failure-class input: to RELEASED if nothing was granted, else to DRAINING."""
+        if PRODUCER_MACHINE.next_state(t.state, event) is PState.RELEASED:
+            if t.ack_owed:
+                out.append(Send(t.peer, AbortAck(t.transfer_id, t.epoch)))
+            self._finish(t, event, cause, now, out)
+            return
+        was_launched = self._copies_running(t)
+        self._apply(t, event, cause)
+        self._unqueue(t)
+        if was_launched:
+            out.append(CancelCopies(t.transfer_id, t.epoch))
+        t.deadline = now + self.timeouts.drain_retry_s
+        self._try_drain(t, now, out)
+
+    def _try_drain(self, t: PTransfer, now: float, out: list[Action]) -> None:
+        if self._copies_running(t):
+            return
+        if t.ack_owed:
+            out.append(Send(t.peer, AbortAck(t.transfer_id, t.epoch)))
+        elif t.done_owed:
+            out.append(Send(t.peer, Done(t.transfer_id, t.epoch, DoneStatus.FAILED)))
+        self._finish(t, PI.DRAIN_DONE, "drained", now, out)
+
+    def _finish(
+        self, t: PTransfer, event: PInput, cause: str, now: float, out: list[Action]
+    ) -> None:
+        self._apply(t, event, cause)
+        assert t.state is PState.RELEASED
+        self._channels.discard(t.channel)
+        self._forget(t, now, watching=lambda x: x.state is not PState.READY)
+        if self.ledger.holds(t.transfer_id):
+            out.append(FinishedSending(t.transfer_id, self.ledger.give_back(t.transfer_id)))
+
+    def _launch_waiting(self, now: float, out: list[Action]) -> None:
+        while (t := self._next_launch(now)) is not None:
+            self._apply(t, PI.LAUNCH, "send_slot")
+            out.append(LaunchCopies(t.transfer_id, t.epoch, t.peer, True, t.pairs, t.channel))
+
+
+__all__ = ["PTransfer", "ProducerManager"]
