@@ -45,8 +45,15 @@ class EagerStore:
         Everything that is the same for every request is looked up once per call, not once per
         request or block.
         """
+        batch = StoreBatch.empty(self._geo.num_groups)
+        if self._geo.num_groups == 1:
+            self._collect_one(sts, batch, pick)
+        else:
+            self._collect_groups(sts, batch, pick)
+        return batch
+
+    def _collect_groups(self, sts: Sequence[RequestState], batch: StoreBatch, pick: bool) -> None:
         geo = self._geo
-        batch = StoreBatch.empty(geo.num_groups)
         null = self._null
         reqs = batch.reqs
         sizes = geo.block_sizes
@@ -92,7 +99,46 @@ class EagerStore:
                     added = True
             if added:
                 reqs.append(st)
-        return batch
+
+    def _collect_one(self, sts: Sequence[RequestState], batch: StoreBatch, pick: bool) -> None:
+        """``_collect_groups`` for one KV cache group (most models), its group loop unrolled:
+        it runs once per request with a completed block, on every store. The property test
+        ``test_one_group_collect_equals_the_general_one`` holds the two to the same result."""
+        bs = self._geo.block_sizes[0]
+        slot = self._geo.slot[0]
+        in_cpu = self._cpu[0].cached_hashes
+        in_flight = self._storing[0]
+        picked = batch.blocks[0]
+        owners = batch.owners[0]
+        reqs = batch.reqs
+        null = self._null
+        for st in sts:
+            confirmed = st.confirmed
+            if st.hashing:
+                tokens = st.request.all_token_ids
+                for hasher in st.hashing:
+                    hasher.extend_to(tokens, confirmed)
+            done = confirmed // bs
+            st.next_boundary = (done + 1) * bs
+            cursor = st.cursor
+            cur = cursor[0]
+            if done <= cur:
+                continue
+            cursor[0] = done
+            if not pick:
+                continue
+            ids = st.table[0]
+            hs = st.hash_lists[slot]
+            added = False
+            for i in range(cur, done):
+                b, h = ids[i], hs[i]
+                if b == null or h in in_flight or h in picked or h in in_cpu:
+                    continue
+                picked[h] = b
+                owners.append(st)
+                added = True
+            if added:
+                reqs.append(st)
 
     def defer(self, st: RequestState, confirmed: int) -> None:
         """Skip the request until its next block completes, as if collected (its cursors stay

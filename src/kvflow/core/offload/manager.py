@@ -290,8 +290,11 @@ class OffloadManager:
                     continue  # the steady state: no block completed, none allocated
                 if not c.resumed_from_preemption:
                     # Only new blocks (vLLM-like engines pass every allocation at once): inline,
-                    # as the common case of a step where many requests cross into a new block.
-                    confirmed = confirmed_tokens(st, end)
+                    # as the common case of a step where many requests cross into a new block
+                    # (``confirmed_tokens`` inlined too: a call per request here is measurable,
+                    # docs/benchmarks.md, issue 19).
+                    num_tokens = len(st.request.all_token_ids)
+                    confirmed = end if end < num_tokens else num_tokens
                     if confirmed >= st.confirmed and len(ids) == num_groups:
                         dirty.append((st, confirmed, ids, False))
                         continue
@@ -310,7 +313,8 @@ class OffloadManager:
             end = computed + 1
             if end < st.next_boundary and ids == no_new:
                 continue
-            confirmed = confirmed_tokens(st, end)
+            num_tokens = len(st.request.all_token_ids)  # ``confirmed_tokens``, inlined as above
+            confirmed = end if end < num_tokens else num_tokens
             have = st.table
             if len(ids) != num_groups:
                 check(st, end, confirmed, ids, False)
