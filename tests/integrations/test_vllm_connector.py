@@ -51,7 +51,7 @@ class Rig:
             **config,
         )
         assert isinstance(self.h.connector, KVFlowConnector)
-        manager = self.h.connector.manager
+        manager = self.h.connector.scheduler_role
         assert isinstance(manager, ScriptedManager)
         self.manager = manager
         self.worker = worker_connector(self.h.connector)

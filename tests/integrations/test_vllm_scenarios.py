@@ -46,7 +46,8 @@ class Rig:
             **config,
         )
         assert isinstance(self.h.connector, KVFlowConnector)
-        self.manager: Any = self.h.connector.manager
+        scheduler: Any = self.h.connector.scheduler_role  # kvflow's OffloadScheduler
+        self.manager: Any = scheduler.manager
         self.worker = worker_connector(self.h.connector)
         runtime = self.worker.worker
         assert isinstance(runtime, ScriptedRuntime)

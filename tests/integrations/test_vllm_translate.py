@@ -14,14 +14,13 @@ from kvflow.core.protocol import StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import (
-    KVFlowOptions,
     KVFlowWorkerMetadata,
     OutcomeRelay,
     RequestViews,
     VLLMGpuCacheView,
     VLLMRequestView,
     kv_cache_geometry,
-    num_cpu_blocks,
+    offload_config,
     request_extra_keys,
     translate_scheduler_output,
 )
@@ -164,34 +163,51 @@ def test_preemption_and_resumption_translate() -> None:
 
 def test_geometry_and_cpu_block_count_follow_the_kv_cache_config() -> None:
     """Bytes per block cover every layer of the group; the CPU budget is split into whole blocks."""
-    (group,) = kv_cache_geometry(make_kv_cache_config(num_blocks=32, block_size=BS))
+    (group,) = kv_cache_geometry(make_kv_cache_config(num_blocks=32, block_size=BS)).groups
     assert group.block_size == BS
     assert group.block_bytes == page_bytes(BS) * len(LAYERS)
     assert group.layer_names == LAYERS
-    assert num_cpu_blocks([group], 10 * group.block_bytes + 5) == 10
+    config = offload_config({"cpu_bytes_to_use": 10 * group.block_bytes + 5}, world_size=1)
+    assert config.cpu_blocks_per_group([group.block_bytes]) == (10,)
     with pytest.raises(ConfigError, match="holds no block"):
-        num_cpu_blocks([group], group.block_bytes - 1)
+        offload_config({"cpu_bytes_to_use": group.block_bytes - 1}, 1).cpu_blocks_per_group(
+            [group.block_bytes]
+        )
 
 
 def test_options_are_validated_by_name() -> None:
-    """Unknown keys and bad values raise ConfigError naming the key; numbers from JSON are accepted."""
-    opts = KVFlowOptions.from_extra_config(
-        {"cpu_bytes_to_use": 1e9, "store_policy": "lazy", "lazy_watermark": 8}
+    """Unknown keys and bad values raise ConfigError naming the key; numbers from JSON are
+    accepted; vLLM's CPU tier size is split over the ranks unless given per rank."""
+    config = offload_config(
+        {"cpu_bytes_to_use": 1e9, "store_policy": "lazy", "lazy_watermark": 8.0}, world_size=4
     )
-    assert (opts.cpu_bytes_to_use, opts.store_policy, opts.lazy_watermark) == (10**9, "lazy", 8)
-    assert opts.cpu_bytes_per_rank(4) == 250_000_000
-    assert KVFlowOptions.from_extra_config(None) == KVFlowOptions()
+    assert (config.cpu_bytes, config.store_policy, config.lazy_watermark) == (
+        250_000_000,
+        "lazy",
+        8,
+    )
+    assert config.world_size == 4
+    assert offload_config({"cpu_bytes_to_use_per_rank": 1000}, 4).cpu_bytes == 1000
+    default = offload_config(None, 1)
+    assert (default.cpu_bytes, default.worker_loop, default.eager_store_interval) == (
+        4 << 30,
+        "thread",
+        4,
+    )
+    assert offload_config({"worker_loop": "inline"}, 1).worker_loop == "inline"
     with pytest.raises(ConfigError, match="cpu_byte_to_use"):
-        KVFlowOptions.from_extra_config({"cpu_byte_to_use": 1})
+        offload_config({"cpu_byte_to_use": 1}, 1)
     with pytest.raises(ConfigError, match="store_policy"):
-        KVFlowOptions.from_extra_config({"store_policy": "sometimes"})
+        offload_config({"store_policy": "sometimes"}, 1)
     with pytest.raises(ConfigError, match="lazy_watermark"):
-        KVFlowOptions.from_extra_config({"lazy_watermark": 0})
-    assert KVFlowOptions.from_extra_config({"eager_store_interval": 1}).eager_store_interval == 1
+        offload_config({"lazy_watermark": 0}, 1)
+    assert offload_config({"eager_store_interval": 1}, 1).eager_store_interval == 1
     with pytest.raises(ConfigError, match="eager_store_interval"):
-        KVFlowOptions.from_extra_config({"eager_store_interval": 0})
+        offload_config({"eager_store_interval": 0}, 1)
     with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
-        KVFlowOptions.from_extra_config({"cpu_bytes_to_use": True})
+        offload_config({"cpu_bytes_to_use": True}, 1)
+    with pytest.raises(ConfigError, match="worker_loop"):
+        offload_config({"worker_loop": "fiber"}, 1)
 
 
 def test_gpu_cache_view_walks_vllms_free_queue_in_eviction_order() -> None:

@@ -103,7 +103,7 @@ def test_end_to_end_repeated_prompt_gets_its_exact_kv_back_from_the_cpu_tier() -
         for name in LAYERS
     }
     worker.register_kv_caches(caches)
-    manager = h.connector.manager
+    manager = h.connector._scheduler.manager
 
     def forward(so: object) -> None:
         """The model: write each scheduled token's KV into its slot of every layer."""

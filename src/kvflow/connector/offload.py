@@ -21,6 +21,7 @@ from kvflow.backends.base import Backend
 from kvflow.backends.select import make_backend
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig, WorkerLoop
+from kvflow.core.block_pool import PoolEvent
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
@@ -96,7 +97,7 @@ def group_specs(
         )
     return tuple(
         GroupSpec(
-            block_size=kv.block_size,
+            block_size=kv.group_block_size(g.group_id),
             num_cpu_blocks=n,
             sliding_window=g.sliding_window,
             block_bytes=b,
@@ -118,6 +119,8 @@ class OffloadScheduler:
         gpu_view: GpuCacheView | None = None,
         now: Callable[[], float] | None = None,
         null_block_id: int | None = NULL_BLOCK_ID,
+        enable_events: bool = False,
+        record_latencies: bool = False,
     ) -> None:
         self.config = config
         self.kv_cache_config = kv_cache_config
@@ -130,12 +133,15 @@ class OffloadScheduler:
                 lazy_watermark=config.lazy_watermark,
                 null_block_id=null_block_id,
                 eager_store_interval=config.eager_store_interval,
+                enable_events=enable_events,
             ),
             gpu_view=gpu_view,
         )
         self._now = now
         self._launched: dict[int, tuple[Direction, float]] = {}
         self._latency = {Direction.STORE: LatencyHistogram(), Direction.LOAD: LatencyHistogram()}
+        # Each latency as observed, for an engine's own histograms (``take_latencies``).
+        self._recent: list[tuple[Direction, float]] | None = [] if record_latencies else None
 
     # ---- the engine's calls ------------------------------------------------------------------
 
@@ -166,6 +172,8 @@ class OffloadScheduler:
                 launched = self._launched.pop(tid, None)
                 if launched is not None:
                     self._latency[launched[0]].observe(t - launched[1])
+                    if self._recent is not None:
+                        self._recent.append((launched[0], t - launched[1]))
             for tid in outcome.failed:
                 self._launched.pop(tid, None)
         return KVConnectorOutput(
@@ -184,6 +192,19 @@ class OffloadScheduler:
 
     def has_pending_push_work(self) -> bool:
         return self.manager.num_live_transfers() > 0
+
+    def take_events(self) -> list[tuple[int, PoolEvent]]:
+        """The CPU tier's cache events since the last call, as (group, event); none unless
+        built with ``enable_events``."""
+        return self.manager.take_events()
+
+    def take_latencies(self) -> list[tuple[Direction, float]]:
+        """Launch → commit latencies observed since the last call (``record_latencies``)."""
+        recent = self._recent
+        if not recent:
+            return []
+        self._recent = []
+        return recent
 
     def stats(self) -> ConnectorStats:
         st, ld = self._latency[Direction.STORE], self._latency[Direction.LOAD]

@@ -12,7 +12,7 @@ Every mutating call validates all its arguments before changing anything, so a m
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Iterator, Sequence
-from typing import NoReturn, cast
+from typing import NoReturn
 
 from attrs import define, frozen
 
@@ -348,13 +348,6 @@ class BlockPool:
         uncached), in one pass and without per-block checks. Returns how many were cached. The
         hashes must be distinct (a store's are): the pass caches in reverse order, so of two
         blocks with one hash the last would win."""
-        if self.enable_events:
-            keep = [i for i, h in enumerate(block_hashes) if h is not None]
-            n = self.cache(
-                [block_ids[i] for i in keep], [cast(BlockHash, block_hashes[i]) for i in keep]
-            ).count(True)
-            self.free_owned(block_ids[::-1])
-            return n
         if len(block_ids) != len(block_hashes):
             raise BlockPoolError(
                 f"{self.name}: {len(block_ids)} blocks but {len(block_hashes)} hashes"
@@ -397,6 +390,16 @@ class BlockPool:
         queue.num_free += appended
         for block in unhashed:
             queue.appendleft(block)
+        if n and self.enable_events:
+            # The blocks cached above, in block order (the pass ran in reverse).
+            stored = [
+                (b, h)
+                for b, h in zip(block_ids, block_hashes, strict=True)
+                if h is not None and cached.get(h) is blocks[b]
+            ]
+            self._events.append(
+                BlockStored(tuple(h for _, h in stored), tuple(b for b, _ in stored))
+            )
         return n
 
     def uncache(self, block_ids: Iterable[int]) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 from attrs import asdict, define, field, frozen
 
-from kvflow.core.block_pool import BlockPool
+from kvflow.core.block_pool import AllBlocksCleared, BlockPool, PoolEvent
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
@@ -118,7 +118,8 @@ class SchedulerConfig:
     (plan, launch, commit) is paid once for them all. A step with new or resumed requests stores
     at once, a finishing request's blocks are stored when it finishes and a preempted request's
     are dropped with its GPU blocks. With a sliding-window group it is 1: the engine may free a
-    block leaving the window before a later step would store it.
+    block leaving the window before a later step would store it. ``enable_events``: the CPU
+    pools record what enters and leaves the prefix cache, for ``OffloadManager.take_events``.
     """
 
     groups: tuple[GroupSpec, ...] = field(converter=_as_groups)
@@ -127,6 +128,7 @@ class SchedulerConfig:
     lazy_watermark: int = 64
     null_block_id: int | None = None
     eager_store_interval: int = 1
+    enable_events: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -293,7 +295,7 @@ class OffloadManager:
         self._full_groups = tuple(g for g, s in enumerate(groups) if s.sliding_window is None)
         self._window_groups = tuple(g for g, s in enumerate(groups) if s.sliding_window is not None)
         self._cpu = [
-            BlockPool(s.num_cpu_blocks, name=f"cpu[{g}]", enable_events=False)
+            BlockPool(s.num_cpu_blocks, name=f"cpu[{g}]", enable_events=config.enable_events)
             for g, s in enumerate(groups)
         ]
         self._null = config.null_block_id
@@ -378,6 +380,26 @@ class OffloadManager:
                     held[g].update(ids)
         return held
 
+    def take_events(self) -> list[tuple[int, PoolEvent]]:
+        """What entered and left the CPU prefix cache since the last call, as (group, event) in
+        the order it happened per group (empty unless ``SchedulerConfig.enable_events``)."""
+        if not self.config.enable_events:
+            return []
+        # Every pool is cleared by the same resets: the groups' events between two resets go
+        # out together, then one AllBlocksCleared (group 0), so nothing stored before a reset
+        # is reported after it.
+        segments: list[list[tuple[int, PoolEvent]]] = [[]]
+        for g, pool in enumerate(self._cpu):
+            k = 0
+            for e in pool.take_events():
+                if isinstance(e, AllBlocksCleared):
+                    k += 1
+                    if k == len(segments):
+                        segments.append([(0, e)])
+                    continue
+                segments[k].append((g, e))
+        return [item for segment in segments for item in segment]
+
     def stats(self) -> OffloadStats:
         """A frozen snapshot of the counters and of the CPU tier's occupancy."""
         return OffloadStats(
@@ -417,7 +439,9 @@ class OffloadManager:
                 st.hashing = _own(st.hashers)
                 st.hash_lists = tuple(h.hashes for h in st.hashers)
             self._drop_match(st)
-        if self._reset_pending:
+        # issue 18: a request that must not read cached KV (vLLM: prompt logprobs) gets no hit
+        # and takes no pin; it is still known here, so its blocks are stored.
+        if self._reset_pending or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         tokens = request.all_token_ids
         num_tokens = len(tokens)
