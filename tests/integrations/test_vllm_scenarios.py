@@ -15,6 +15,7 @@ pytest.importorskip("kvflow.core.scheduler")
 from typing import Any
 
 from kvflow.core.transfer import Direction
+from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import KVFlowConnector
 from tests.integrations.vllm_fakes import (
     FAKES_MODULE,
@@ -108,6 +109,54 @@ def test_hybrid_model_repeated_prompt_hits_the_cpu_tier() -> None:
     assert len(load.gpu_block_ids) == 2
     assert len(load.gpu_block_ids[1]) < len(load.gpu_block_ids[0])
     rig.run()
+
+
+def test_group_vllm_does_not_prefix_cache_is_never_stored_or_loaded() -> None:
+    """A CircularBufferSpec ring group (one block per request, not prefix-cached by vLLM) beside
+    full attention: vLLM's real scheduler steps, only the full-attention group is stored and
+    loaded, and the repeated prompt still loads 4 blocks and computes the 6-token tail."""
+    rig = Rig(extra_group="ring")
+    assert [g.vllm_group for g in rig.h.connector.geometry.groups] == [0]
+    assert rig.h.connector.geometry.skipped == ((1, "CircularBufferSpec"),)
+    rig.store_prompt_and_evict_gpu()
+    request = rig.h.add(PROMPT, max_tokens=2)
+    for _ in range(5):
+        so, _ = rig.step()
+        if request.request_id in so.num_scheduled_tokens:
+            break
+    assert so.num_scheduled_tokens == {request.request_id: 6}
+    ring_block = rig.h.block_ids(request)[1]
+    assert len(ring_block) == 1
+    transfers = [t for p in rig.runtime.plans for t in (*p.stores, *p.loads)]
+    assert transfers
+    assert all(len(t.gpu_block_ids) == 1 for t in transfers)  # kvflow's one offloaded group
+    (load,) = [t for p in rig.runtime.plans for t in p.loads]
+    assert list(load.gpu_block_ids[0]) == rig.h.block_ids(request)[0][:4]
+    rig.run()
+
+
+def test_a_group_kind_kvflow_cannot_offload_is_refused_at_start_up() -> None:
+    """A Mamba group stops vLLM while it builds its scheduler, with a ConfigError naming the
+    group and its kind, never at the first step."""
+    with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec"):
+        Rig(extra_group="mamba")
+
+
+def test_prompt_logprobs_requests_get_no_cpu_hit_and_take_no_pin() -> None:
+    """A request with prompt logprobs (vLLM's skip_reading_prefix_cache) on a prompt the CPU
+    tier holds: no hit counted, no CPU block pinned, vLLM computes the whole prompt, and its
+    blocks are still stored."""
+    rig = Rig()
+    rig.store_prompt_and_evict_gpu()
+    hits = rig.manager.stats().hits
+    request = rig.h.add(PROMPT, max_tokens=2, prompt_logprobs=1)
+    assert request.skip_reading_prefix_cache
+    so, _ = rig.step()
+    assert so.num_scheduled_tokens == {request.request_id: len(PROMPT)}
+    assert rig.manager.stats().hits == hits
+    assert all(not refs for refs in rig.manager.cpu_refs())
+    rig.run()
+    assert not any(p.loads for p in rig.runtime.plans[-5:])
 
 
 def test_request_waits_for_its_load_and_runs_after_finished_recving() -> None:
