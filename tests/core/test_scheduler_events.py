@@ -18,7 +18,8 @@ TWO_GROUPS = [
 
 def test_committed_store_is_one_stored_event_with_the_blocks_hashes(make_sim: MakeSim) -> None:
     """A store reports nothing until every rank reported it, then one BlockStored with its
-    hashes in block order and the CPU blocks that hold them."""
+    hashes in block order, the CPU blocks that hold them, and each block's parent hash, tokens
+    and request."""
     sim = make_sim(ONE_GROUP, enable_events=True, world_size=2)
     a = sim.add("a", range(10))
     sim.match(a)
@@ -33,6 +34,10 @@ def test_committed_store_is_one_stored_event_with_the_blocks_hashes(make_sim: Ma
     assert list(event.block_hashes) == sim.hashes(a, 0)
     pool = sim.mgr.cpu_pools[0]
     assert [pool.get_cached_block(h) for h in event.block_hashes] == list(event.block_ids)
+    hashes = sim.hashes(a, 0)
+    assert [i.parent_hash for i in event.infos] == [None, hashes[0]]
+    assert [i.token_ids for i in event.infos] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert all(i.request is a for i in event.infos)
     assert sim.mgr.take_events() == [], "drained"
 
 

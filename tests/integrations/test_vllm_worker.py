@@ -45,7 +45,8 @@ def run_step(worker: KVFlowConnector, plan: StepPlan) -> tuple[int, ...]:
 
 def test_store_evict_load_round_trip_is_byte_exact_in_vllms_layout() -> None:
     """Blocks 3 and 5 stored to the CPU tier, overwritten on the GPU side, then loaded into blocks
-    7 and 9 come back identical in every layer, K and V; no other block changes."""
+    7 and 9 come back identical in every layer, K and V; no other block changes; the worker's
+    stats carry the bytes it copied."""
     config = make_vllm_config(
         connector="KVFlowConnector",
         module_path=KVFLOW_MODULE,
@@ -63,6 +64,11 @@ def test_store_evict_load_round_trip_is_byte_exact_in_vllms_layout() -> None:
         worker.register_kv_caches(caches)
         store = TransferSpec(1, "r", Direction.STORE, ((3, 5),), ((0, 1),))
         assert run_step(worker, StepPlan(0, stores=(store,))) == (1,)
+        stats = worker.get_kv_connector_stats()  # this rank's copies, for vLLM's aggregator
+        assert stats is not None
+        assert stats.counters["copy_bytes_store"] == 2 * 2 * BS * NUM_KV_HEADS * HEAD_SIZE * 2 * 2
+        assert stats.counters["copy_seconds_store"] > 0
+        assert worker.get_kv_connector_stats() is None, "nothing copied since"
         for t in caches.values():
             t[:, [3, 5]] = torch.randn(2, 2, BS, NUM_KV_HEADS, HEAD_SIZE, generator=gen).half()
         load = TransferSpec(2, "r", Direction.LOAD, ((7, 9),), ((0, 1),))
@@ -152,10 +158,10 @@ def test_end_to_end_repeated_prompt_gets_its_exact_kv_back_from_the_cpu_tier(
             invalid |= worker.get_block_ids_with_load_errors()
             metas.append(worker.build_connector_worker_meta())
             worker.clear_connector_metadata()
-        reports = [m for m in metas if m is not None]
-        merged = reports[0] if reports else None
-        for m in reports[1:]:
-            merged = merged.aggregate(m)
+        merged = None
+        for m in metas:
+            if m is not None:
+                merged = m if merged is None else merged.aggregate(m)
         output = KVConnectorOutput(invalid_block_ids=invalid, kv_connector_worker_meta=merged)
         h.finish(so, None if output.is_empty() else output)
         return so

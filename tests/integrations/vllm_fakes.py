@@ -31,8 +31,10 @@ from kvflow.integrations.vllm import (
     VLLMGpuCacheView,
     WorkerRole,
 )
+from tests.integrations.vllm_harness import VLLMHarness
 
 FAKES_MODULE = "tests.integrations.vllm_fakes"
+PROMPT = [(i * 37) % 30000 + 10 for i in range(70)]  # 4 full blocks of 16 tokens + 6 tokens
 
 
 @frozen
@@ -253,6 +255,54 @@ class RealManagerConnector(KVFlowConnector):
         return ScriptedRuntime(self.kvflow_cache_config(), list(self.cpu_blocks))
 
 
+class ManagerRig:
+    """vLLM's scheduler with kvflow's real scheduler role and a scripted worker twin."""
+
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        policy: str = "eager",
+        extra: dict[str, Any] | None = None,
+        **config: Any,
+    ) -> None:
+        self.h = VLLMHarness.build(
+            num_blocks=num_blocks,
+            connector="RealManagerConnector",
+            module_path=FAKES_MODULE,
+            extra_config={"cpu_bytes_to_use": 1 << 20, "store_policy": policy, **(extra or {})},
+            **config,
+        )
+        assert isinstance(self.h.connector, KVFlowConnector)
+        scheduler: Any = self.h.connector.scheduler_role  # kvflow's OffloadScheduler
+        self.manager: Any = scheduler.manager
+        self.worker = worker_connector(self.h.connector)
+        runtime = self.worker.worker
+        assert isinstance(runtime, ScriptedRuntime)
+        self.runtime = runtime
+
+    def step(self) -> tuple[Any, set[str]]:
+        so = self.h.schedule()
+        return so, self.h.finish(so, worker_pass(self.worker, so))
+
+    def run(self, max_steps: int = 50) -> None:
+        """Step until vLLM holds no request and every transfer settled."""
+        for _ in range(max_steps):
+            self.step()
+            if not self.h.scheduler.requests and self.manager.num_live_transfers() == 0:
+                return
+        raise AssertionError("scheduler or transfers did not settle")
+
+    def store_prompt_and_evict_gpu(self) -> None:
+        """Serve PROMPT once, let its blocks reach the CPU tier, then empty vLLM's GPU cache."""
+        self.h.add(PROMPT, max_tokens=1)
+        self.run()
+        # The lazy policy stores free blocks on the steps after they were freed (as the engine
+        # keeps stepping for other requests); then let those stores settle.
+        self.step()
+        self.run()
+        assert self.h.scheduler.kv_cache_manager.reset_prefix_cache()
+
+
 def worker_connector(scheduler_connector: KVFlowConnector) -> KVFlowConnector:
     """The worker-role twin of a scheduler-role connector, as vLLM builds one in each worker."""
     cls = type(scheduler_connector)
@@ -285,6 +335,8 @@ def worker_pass(worker: KVFlowConnector, scheduler_output: Any) -> KVConnectorOu
 
 __all__ = [
     "FAKES_MODULE",
+    "PROMPT",
+    "ManagerRig",
     "Outcome",
     "RealManagerConnector",
     "ScriptedConnector",

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 from attrs import asdict, define, field, frozen
 
-from kvflow.core.block_pool import AllBlocksCleared, BlockPool, PoolEvent
+from kvflow.core.block_pool import AllBlocksCleared, BlockPool, PoolEvent, StoredBlockInfo
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
@@ -142,6 +142,7 @@ class SchedulerConfig:
 
 
 _NOTHING: frozenset[Any] = frozenset()
+_UNDESCRIBED = StoredBlockInfo(None, ())
 
 
 def _all_ids(ids: GroupBlockIds) -> Sequence[int]:
@@ -1328,6 +1329,36 @@ class OffloadManager:
         self._invalid |= mine or ids
         self._finished_recving.add(x.transfer.request_id)
 
+    def _describe(
+        self, g: int, hashes: Sequence[BlockHash], owners: Sequence[_Request | None]
+    ) -> list[StoredBlockInfo]:
+        """Per stored block of group ``g``: its parent hash, tokens and request, for the cache
+        events (issue 18; only with ``enable_events``). A lazy store's blocks have no owner."""
+        bs, slot = self._block_sizes[g], self._slot[g]
+        hint: dict[_Request, int] = {}
+        out: list[StoredBlockInfo] = []
+        for h, st in zip(hashes, owners, strict=True):
+            i = -1
+            if st is not None:
+                hs = st.hash_lists[slot]
+                # A store picks each request's blocks in order: search on from the last one.
+                try:
+                    i = hs.index(h, hint.get(st, 0))
+                except ValueError:
+                    i = hs.index(h) if h in hs else -1
+            if st is None or i < 0:
+                out.append(_UNDESCRIBED)
+                continue
+            hint[st] = i + 1
+            out.append(
+                StoredBlockInfo(
+                    hs[i - 1] if i else None,
+                    tuple(st.request.all_token_ids[i * bs : (i + 1) * bs]),
+                    st.request,
+                )
+            )
+        return out
+
     def _release(self, x: _Xfer, *, commit: bool) -> None:
         """Drop every ref the transfer holds; a committed store's blocks enter the prefix cache."""
         spec = x.spec
@@ -1361,7 +1392,11 @@ class OffloadManager:
                             for h, o in zip(hs, x.owners[g], strict=True)
                         ]
                     # Cached, then freed in reverse: a request's tail blocks are evicted first.
-                    n = pool.release_owned(cpu_ids, keep)
+                    n = pool.release_owned(
+                        cpu_ids,
+                        keep,
+                        self._describe(g, hs, x.owners[g]) if self.config.enable_events else None,
+                    )
                     nblocks += n
                     nbytes += n * groups[g].block_bytes
                     continue

@@ -63,33 +63,47 @@ GAUGES = ("cpu_blocks_used", "cpu_blocks_cached", "cpu_blocks_total", "transfers
 LATENCIES = ("store", "load")
 
 _COUNTERS_KEY, _GAUGES_KEY, _LATENCY_KEY = "counters", "gauges", "latency_s"
+_UNDESCRIBED = block_pool.StoredBlockInfo(None, ())
+
+
+def _lora(info: block_pool.StoredBlockInfo) -> tuple[int | None, str | None]:
+    request = getattr(info.request, "request", None)  # a VLLMRequestView's vLLM Request
+    lora = None if request is None else getattr(request, "lora_request", None)
+    return (None, None) if lora is None else (int(lora.lora_int_id), str(lora.lora_name))
 
 
 def kv_cache_events(
     events: Sequence[tuple[int, block_pool.PoolEvent]], geometry: KVGeometry
 ) -> list[KVCacheEvent]:
-    """The manager's (group, pool event) pairs as vLLM's KV cache events for the CPU tier."""
+    """The manager's (group, pool event) pairs as vLLM's KV cache events for the CPU tier: one
+    ``BlockStored`` per block (parent hash, tokens, LoRA where the manager knew them), as vLLM's
+    own CPU offload connector publishes them."""
     out: list[KVCacheEvent] = []
     for g, event in events:
         group = geometry.groups[g]
         if isinstance(event, block_pool.BlockStored):
-            out.append(
-                BlockStored(
-                    block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=group.block_size,
-                    lora_id=None,
-                    medium=KV_EVENT_MEDIUM,
-                    lora_name=None,
-                    group_idx=group.vllm_group,
-                    kv_cache_spec_kind=(
-                        "sliding_window" if group.sliding_window is not None else "full_attention"
-                    ),
-                    kv_cache_spec_sliding_window=group.sliding_window,
-                    locality="LOCAL",
+            kind = "sliding_window" if group.sliding_window is not None else "full_attention"
+            infos = event.infos or (_UNDESCRIBED,) * len(event.block_hashes)
+            for h, info in zip(event.block_hashes, infos, strict=True):
+                lora_id, lora_name = _lora(info)
+                parent = info.parent_hash
+                out.append(
+                    BlockStored(
+                        block_hashes=[maybe_convert_block_hash(h)],
+                        parent_block_hash=None
+                        if parent is None
+                        else maybe_convert_block_hash(parent),
+                        token_ids=list(info.token_ids),
+                        block_size=group.block_size,
+                        lora_id=lora_id,
+                        medium=KV_EVENT_MEDIUM,
+                        lora_name=lora_name,
+                        group_idx=group.vllm_group,
+                        kv_cache_spec_kind=kind,
+                        kv_cache_spec_sliding_window=group.sliding_window,
+                        locality="LOCAL",
+                    )
                 )
-            )
         elif isinstance(event, block_pool.BlockRemoved):
             out.append(
                 BlockRemoved(
