@@ -191,6 +191,29 @@ def test_reset_cache_forgets_the_cpu_tier() -> None:
     assert so.num_scheduled_tokens == {request.request_id: len(PROMPT)}
 
 
+def test_reset_with_a_store_in_flight_answers_true_and_serves_nothing_from_before() -> None:
+    """vLLM's connector reset (what reset_prefix_cache(reset_connector=True) calls) with a store
+    still on the device: kvflow answers True at once (vLLM's pause with clear_cache raises on
+    False), the store is abandoned and its blocks never enter the CPU tier, so the repeated
+    prompt is computed in full."""
+    rig = Rig()
+    rig.runtime.hold_directions = {Direction.STORE}
+    rig.h.add(PROMPT, max_tokens=1)
+    for _ in range(3):
+        rig.step()
+    assert rig.manager.num_live_transfers() == 1
+    assert rig.h.scheduler.reset_connector_cache()
+    assert rig.manager.reset_pending
+    rig.runtime.hold_directions = set()
+    rig.run()
+    assert rig.manager.stats().cpu_blocks_cached == 0
+    assert rig.manager.stats().abandoned_transfers == 1
+    assert rig.h.scheduler.kv_cache_manager.reset_prefix_cache()
+    request = rig.h.add(PROMPT, max_tokens=1)
+    so, _ = rig.step()
+    assert so.num_scheduled_tokens == {request.request_id: len(PROMPT)}
+
+
 def test_vllm_keeps_stepping_while_transfers_are_live() -> None:
     """With a store still in flight and no request left, vLLM's has_requests() stays true, so an
     idle engine keeps stepping until the store is committed and the next request can hit it."""
