@@ -19,11 +19,10 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.api import KVConnectorOutput as KVFlowOutput
-from kvflow.connector.offload import ConnectorStats
 from kvflow.core.block_pool import PoolEvent
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import RequestLike, SchedulerOutput
-from kvflow.core.scheduler import OffloadStats
+from kvflow.core.scheduler import GroupSpec, OffloadManager, SchedulerConfig
 from kvflow.core.transfer import Direction
 from kvflow.integrations.vllm import (
     KVFlowConnector,
@@ -44,6 +43,9 @@ class Outcome:
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
     invalid_block_ids: frozenset[int] = frozenset()
+
+
+_IDLE_MANAGER = OffloadManager(SchedulerConfig(groups=[GroupSpec(block_size=16, num_cpu_blocks=1)]))
 
 
 @define
@@ -146,8 +148,10 @@ class ScriptedManager:
     def has_pending_push_work(self) -> bool:
         return self.num_live_transfers() > 0
 
-    def stats(self) -> ConnectorStats:
-        return ConnectorStats(OffloadStats(), ((), 0.0), ((), 0.0))
+    @property
+    def manager(self) -> OffloadManager:
+        """An idle manager: the scripted one counts nothing for the connector's stats."""
+        return _IDLE_MANAGER
 
     def take_events(self) -> list[tuple[int, PoolEvent]]:
         return []

@@ -401,6 +401,12 @@ class OffloadManager:
                 segments[k].append((g, e))
         return [item for segment in segments for item in segment]
 
+    @property
+    def counters(self) -> _Counters:
+        """The live monotonic counters (read-only use): what ``stats`` copies, for an engine's
+        metrics that look at them every step (issue 18)."""
+        return self._n
+
     def stats(self) -> OffloadStats:
         """A frozen snapshot of the counters and of the CPU tier's occupancy."""
         return OffloadStats(

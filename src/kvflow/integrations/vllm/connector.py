@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kvflow.connector.offload import ConnectorStats
+    from kvflow.core.scheduler import OffloadManager
     from kvflow.runtime.clock import Clock
 
 log = structlog.get_logger("kvflow.integrations.vllm")
@@ -96,7 +96,8 @@ class SchedulerRole(Protocol):
     ) -> tuple[bool, dict[str, Any] | None]: ...
     def reset_cache(self) -> bool: ...
     def has_pending_push_work(self) -> bool: ...
-    def stats(self) -> ConnectorStats: ...
+    @property
+    def manager(self) -> OffloadManager: ...
     def take_events(self) -> list[tuple[int, PoolEvent]]: ...
     def take_latencies(self) -> list[tuple[Direction, float]]: ...
 
@@ -369,9 +370,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             if not self._stats_dirty or self._stats is None:
                 return None
             self._stats_dirty = False
-            return self._stats.take(
-                self._scheduler.stats().manager, self._scheduler.take_latencies()
-            )
+            return self._stats.take(self._scheduler.manager, self._scheduler.take_latencies())
         if self._worker is None or not self._copies_dirty:
             return None
         self._copies_dirty = False

@@ -31,7 +31,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvflow.connector.offload import LATENCY_BUCKETS_S
 from kvflow.core import block_pool
-from kvflow.core.scheduler import OffloadStats
+from kvflow.core.scheduler import OffloadManager
 from kvflow.core.transfer import Direction
 
 if TYPE_CHECKING:
@@ -61,6 +61,8 @@ COUNTERS = (
 )
 GAUGES = ("cpu_blocks_used", "cpu_blocks_cached", "cpu_blocks_total", "transfers_in_flight")
 LATENCIES = ("store", "load")
+MANAGER_COUNTERS = COUNTERS[:10]
+"""The counters the scheduler role's manager keeps (the others are the workers')."""
 
 _COUNTERS_KEY, _GAUGES_KEY, _LATENCY_KEY = "counters", "gauges", "latency_s"
 _UNDESCRIBED = block_pool.StoredBlockInfo(None, ())
@@ -190,42 +192,49 @@ class KVFlowConnectorStats(KVConnectorStats):
 
 
 class StatsDelta:
-    """The scheduler role's counters since the previous interval, read cheaply each step: a new
-    payload only when a counter moved (vLLM asks every step, most steps change nothing)."""
+    """The scheduler role's counters since the previous interval, read cheaply each step from the
+    manager's live counters: a payload only when something moved (vLLM asks every step)."""
 
-    __slots__ = ("_last", "_total_blocks")
+    __slots__ = ("_last", "_last_gauges", "_total_blocks")
 
     def __init__(self, total_cpu_blocks: int) -> None:
-        self._last: OffloadStats | None = None
+        self._last: tuple[int, ...] = (0,) * len(MANAGER_COUNTERS)
+        self._last_gauges: tuple[int, int, int] | None = None
         self._total_blocks = total_cpu_blocks
 
     def take(
-        self, now: OffloadStats, latencies: Sequence[tuple[Direction, float]]
+        self, manager: OffloadManager, latencies: Sequence[tuple[Direction, float]]
     ) -> KVFlowConnectorStats | None:
-        last = self._last
-        stats = KVFlowConnectorStats()
-        for name in COUNTERS[:10]:
-            value = getattr(now, name)
-            stats.add(name, value - (0 if last is None else getattr(last, name)))
-        for direction, seconds in latencies:
-            stats.latencies.setdefault(direction.value, []).append(seconds)
-        if last is not None and stats.is_empty() and _same_gauges(last, now):
+        n = manager.counters
+        now = tuple([getattr(n, name) for name in MANAGER_COUNTERS])
+        used = cached = 0
+        for pool in manager.cpu_pools:
+            used += pool.num_blocks - pool.num_free_blocks
+            cached += pool.num_cached_blocks
+        gauges = (used, cached, manager.num_live_transfers())
+        if now == self._last and gauges == self._last_gauges and not latencies:
             return None
-        self._last = now
-        gauges = stats.gauges
-        gauges["cpu_blocks_used"] = now.cpu_blocks_used
-        gauges["cpu_blocks_cached"] = now.cpu_blocks_cached
-        gauges["cpu_blocks_total"] = self._total_blocks
-        gauges["transfers_in_flight"] = now.transfers_in_flight
-        return stats
-
-
-def _same_gauges(a: OffloadStats, b: OffloadStats) -> bool:
-    return (a.cpu_blocks_used, a.cpu_blocks_cached, a.transfers_in_flight) == (
-        b.cpu_blocks_used,
-        b.cpu_blocks_cached,
-        b.transfers_in_flight,
-    )
+        counters = {
+            name: v - last
+            for name, v, last in zip(MANAGER_COUNTERS, now, self._last, strict=True)
+            if v != last
+        }
+        self._last, self._last_gauges = now, gauges
+        observed: dict[str, list[float]] = {}
+        for direction, seconds in latencies:
+            observed.setdefault(direction.value, []).append(seconds)
+        return KVFlowConnectorStats(
+            data={
+                _COUNTERS_KEY: counters,
+                _GAUGES_KEY: {
+                    "cpu_blocks_used": used,
+                    "cpu_blocks_cached": cached,
+                    "cpu_blocks_total": self._total_blocks,
+                    "transfers_in_flight": gauges[2],
+                },
+                _LATENCY_KEY: observed,
+            }
+        )
 
 
 _DOC = {
