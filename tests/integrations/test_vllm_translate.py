@@ -97,23 +97,24 @@ def test_new_request_translates_with_block_ids_per_group() -> None:
 
 
 def test_running_request_translates_with_tokens_computed_before_the_step() -> None:
-    """Decode steps become CachedRequests; a new block appears only when a block boundary is crossed."""
+    """Decode steps become DecodeRequests columns (one token each, tokens computed before the
+    step); a new block appears only when a block boundary is crossed."""
     h = VLLMHarness.build(num_blocks=64)
     request = h.add(prompt(47), max_tokens=4)
     h.step()  # prefill
-    so = h.schedule()  # decodes token 48: still in block 3
+    so = h.schedule()  # decodes token 48: completes block 3
     out = translate_scheduler_output(so, step=1, num_groups=1)
-    (cached,) = out.cached_requests
-    assert cached.request_id == request.request_id
-    assert (cached.num_computed_tokens, cached.num_scheduled_tokens) == (47, 1)
-    assert cached.new_block_ids == ((),)
-    assert not cached.resumed_from_preemption
+    assert out.cached_requests == ()
+    decode = out.decode_requests
+    assert decode.request_ids == (request.request_id,)
+    assert decode.num_computed_tokens == (47,)
+    assert decode.new_block_ids == (((),),)
     h.finish(so)
     so = h.schedule()  # token 49 opens block 4
-    (cached,) = translate_scheduler_output(so, step=2, num_groups=1).cached_requests
-    assert cached.num_computed_tokens == 48
-    assert len(cached.new_block_ids[0]) == 1
-    assert cached.new_block_ids[0][0] == h.block_ids(request)[0][-1]
+    decode = translate_scheduler_output(so, step=2, num_groups=1).decode_requests
+    assert decode.num_computed_tokens == (48,)
+    ((new_ids,),) = decode.new_block_ids
+    assert new_ids == (h.block_ids(request)[0][-1],)
 
 
 def test_gpu_prefix_hit_shows_as_computed_tokens_of_the_new_request() -> None:

@@ -250,6 +250,36 @@ class HeldBlockIds:
 _NO_IDS: frozenset[str] = frozenset()
 
 
+def decode_columns(
+    req_ids: Sequence[str],
+    new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+    num_computed: Sequence[int],
+    boundary: int,
+    no_blocks: GroupBlockIds,
+) -> DecodeRequests:
+    """One steady-decode step (one token per request) as ``DecodeRequests`` columns of the
+    requests with news: new blocks (all passed at once: the lazy policy tracks every
+    allocation), or a token completing a multiple of ``boundary``. No object per request."""
+    last = boundary - 1
+    rids: list[str] = []
+    counts: list[int] = []
+    news: list[GroupBlockIds] = []
+    for i, computed in enumerate(num_computed):
+        ids = new_block_ids[i]
+        if ids is not None and any(ids):
+            news.append((tuple(ids[0]),) if len(ids) == 1 else group_block_ids(ids))
+        elif computed % boundary == last:
+            news.append(no_blocks)
+        else:
+            continue
+        rids.append(req_ids[i])
+        counts.append(computed)
+    if not rids:
+        return NO_DECODE_REQUESTS
+    # vLLM's str ids and int counts, tuples of tuples of ints: valid columns by construction.
+    return DecodeRequests.trusted(rids, counts, news)
+
+
 def translate_scheduler_output(
     scheduler_output: VLLMSchedulerOutput,
     step: int,
@@ -308,7 +338,6 @@ def translate_scheduler_output(
         new_block_ids = [None if ids is None else select(ids) for ids in new_block_ids]
     num_computed = cached_data.num_computed_tokens
     no_blocks: GroupBlockIds = ((),) * num_groups
-    last = boundary - 1
     cached: list[CachedRequest] = []
     decode = NO_DECODE_REQUESTS
     # Every count is 1: the counts are positive ints and vLLM's total is their sum, so they all
@@ -322,16 +351,7 @@ def translate_scheduler_output(
         # Steady decode: one token per request, nothing resumed or speculative. A request has
         # news only if it got blocks or its one token completes a multiple of ``boundary``.
         if held is None:
-            cached = [
-                CachedRequest(
-                    req_ids[i],
-                    new_block_ids[i] if _has_blocks(new_block_ids[i]) else no_blocks,
-                    num_computed[i],
-                    1,
-                )
-                for i, (ids, computed) in enumerate(zip(new_block_ids, num_computed, strict=True))
-                if ids is not None or computed % boundary == last
-            ]
+            decode = decode_columns(req_ids, new_block_ids, num_computed, boundary, no_blocks)
         else:
             decode = held.decode_step(req_ids, new_block_ids, num_computed, boundary)
     else:
@@ -369,6 +389,7 @@ __all__ = [
     "HeldBlockIds",
     "RequestViews",
     "VLLMRequestView",
+    "decode_columns",
     "group_block_ids",
     "request_extra_keys",
     "translate_scheduler_output",
