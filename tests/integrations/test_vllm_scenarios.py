@@ -28,14 +28,8 @@ def test_repeated_prompt_hits_the_cpu_tier_and_vllm_computes_only_the_tail(polic
     (lazy: the blocks were stored because they sat at the eviction end of vLLM's free queue)."""
     rig = Rig(policy=policy)
     rig.store_prompt_and_evict_gpu()
-    request = rig.h.add(PROMPT, max_tokens=2)
-    scheduled: dict[str, int] = {}
-    for _ in range(5):
-        so, _ = rig.step()
-        if request.request_id in so.num_scheduled_tokens:
-            scheduled = dict(so.num_scheduled_tokens)
-            break
-    assert scheduled == {request.request_id: 6}
+    request, so = rig.serve_again()
+    assert so.num_scheduled_tokens == {request.request_id: 6}
     assert any(p.loads for p in rig.runtime.plans)
 
 
@@ -44,11 +38,7 @@ def test_hybrid_model_repeated_prompt_hits_the_cpu_tier() -> None:
     (the window group only inside its window) and vLLM schedules the 6-token tail."""
     rig = Rig(sliding_window=32)
     rig.store_prompt_and_evict_gpu()
-    request = rig.h.add(PROMPT, max_tokens=2)
-    for _ in range(5):
-        so, _ = rig.step()
-        if request.request_id in so.num_scheduled_tokens:
-            break
+    request, so = rig.serve_again()
     assert so.num_scheduled_tokens == {request.request_id: 6}
     (load,) = [t for p in rig.runtime.plans for t in p.loads]
     assert len(load.gpu_block_ids) == 2
@@ -64,11 +54,7 @@ def test_group_vllm_does_not_prefix_cache_is_never_stored_or_loaded() -> None:
     assert [g.vllm_group for g in rig.h.connector.geometry.groups] == [0]
     assert rig.h.connector.geometry.skipped == ((1, "CircularBufferSpec"),)
     rig.store_prompt_and_evict_gpu()
-    request = rig.h.add(PROMPT, max_tokens=2)
-    for _ in range(5):
-        so, _ = rig.step()
-        if request.request_id in so.num_scheduled_tokens:
-            break
+    request, so = rig.serve_again()
     assert so.num_scheduled_tokens == {request.request_id: 6}
     ring_block = rig.h.block_ids(request)[1]
     assert len(ring_block) == 1

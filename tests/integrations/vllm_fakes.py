@@ -16,6 +16,7 @@ from typing import Any
 from attrs import define, field, frozen
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
 
 from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.api import KVConnectorOutput as KVFlowOutput
@@ -260,18 +261,20 @@ class RealManagerConnector(KVFlowConnector):
 
 
 class ManagerRig:
-    """vLLM's scheduler with kvflow's real scheduler role and a scripted worker twin."""
+    """vLLM's scheduler with kvflow's real scheduler role (or ``connector``'s) and a scripted
+    worker twin."""
 
     def __init__(
         self,
         num_blocks: int = 64,
         policy: str = "eager",
         extra: dict[str, Any] | None = None,
+        connector: str = "RealManagerConnector",
         **config: Any,
     ) -> None:
         self.h = VLLMHarness.build(
             num_blocks=num_blocks,
-            connector="RealManagerConnector",
+            connector=connector,
             module_path=FAKES_MODULE,
             extra_config={"cpu_bytes_to_use": 1 << 20, "store_policy": policy, **(extra or {})},
             **config,
@@ -283,6 +286,15 @@ class ManagerRig:
         runtime = self.worker.worker
         assert isinstance(runtime, ScriptedRuntime)
         self.runtime = runtime
+
+    def serve_again(self, max_tokens: int = 2) -> tuple[Request, Any]:
+        """Add PROMPT again and step until vLLM schedules it; the request and that step."""
+        request = self.h.add(PROMPT, max_tokens=max_tokens)
+        for _ in range(5):
+            so, _ = self.step()
+            if request.request_id in so.num_scheduled_tokens:
+                break
+        return request, so
 
     def step(self) -> tuple[Any, set[str]]:
         so = self.h.schedule()
