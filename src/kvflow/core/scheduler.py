@@ -32,6 +32,7 @@ from attrs import asdict, define, field, frozen
 from kvflow.core.block_pool import AllBlocksCleared, BlockPool, PoolEvent, StoredBlockInfo
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
+from kvflow.core.logs import debug_enabled
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
@@ -474,12 +475,13 @@ class OffloadManager:
         st.match = _Match(num_computed_tokens, num_external, tuple(first), tuple(pinned))
         self._n.hits += 1
         self._n.hit_tokens += num_external
-        log.debug(
-            "offload_hit",
-            request_id=rid,
-            num_computed_tokens=num_computed_tokens,
-            num_external_tokens=num_external,
-        )
+        if debug_enabled():
+            log.debug(
+                "offload_hit",
+                request_id=rid,
+                num_computed_tokens=num_computed_tokens,
+                num_external_tokens=num_external,
+            )
         return num_external, True
 
     def _needed_blocks(self, g: int, num_computed: int, hit: int) -> tuple[int, int]:
@@ -732,12 +734,13 @@ class OffloadManager:
             used = set(cpu[g])
             self._cpu[g].free(reversed([b for b in pinned if b not in used]))
         xfer = self._new_xfer(_LOAD, st.request.request_id, [st], gpu, cpu)
-        log.debug(
-            "offload_load_planned",
-            request_id=st.request.request_id,
-            transfer_id=xfer.transfer.transfer_id,
-            num_blocks=xfer.spec.num_blocks,
-        )
+        if debug_enabled():
+            log.debug(
+                "offload_load_planned",
+                request_id=st.request.request_id,
+                transfer_id=xfer.transfer.transfer_id,
+                num_blocks=xfer.spec.num_blocks,
+            )
 
     @staticmethod
     def _confirmed(st: _Request, end: int) -> int:
@@ -997,7 +1000,7 @@ class OffloadManager:
         return xfer
 
     def _lazy_reset(self, cause: str) -> None:
-        if self._cursor is not None or self._ahead:
+        if (self._cursor is not None or self._ahead) and debug_enabled():
             log.debug("offload_lazy_cursor_reset", cause=cause, covered=len(self._ahead))
         self._cursor = None
         self._cursor_hash = None
@@ -1158,7 +1161,8 @@ class OffloadManager:
         st.cursor = [0] * self._num_groups
         st.confirmed = 0
         st.next_boundary = 0
-        log.debug("offload_request_preempted", request_id=st.request.request_id)
+        if debug_enabled():
+            log.debug("offload_request_preempted", request_id=st.request.request_id)
 
     def request_finished(
         self, request: RequestLike, block_ids: Sequence[Sequence[int]] | None = None
@@ -1207,7 +1211,8 @@ class OffloadManager:
         else:
             self._waiting.pop(st, None)
             del self._requests[rid]
-        log.debug("offload_request_finished", request_id=rid, delay_free=st.delay_free)
+        if debug_enabled():
+            log.debug("offload_request_finished", request_id=rid, delay_free=st.delay_free)
         return st.delay_free
 
     def _cancel(self, x: _Xfer) -> None:
