@@ -19,7 +19,6 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvflow.connector.api import KVCacheConfig
-from kvflow.connector.api import KVConnectorOutput as KVFlowOutput
 from kvflow.core.block_pool import PoolEvent
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import RequestLike, SchedulerOutput
@@ -105,12 +104,12 @@ class ScriptedManager:
             flush=bool(scheduler_output.preempted_request_ids),
         )
 
-    def update_connector_output(self, output: KVFlowOutput) -> Outcome:
+    def update_from_reports(self, reports: Sequence[StepReport]) -> Outcome:
         sending: set[str] = set()
         recving: set[str] = set()
         invalid: set[int] = set(self.extra_invalid)
         self.extra_invalid = set()
-        for report in output.reports:
+        for report in reports:
             for tid in (*report.completed, *report.failed):
                 spec = self._live.pop(tid)
                 if spec.direction is Direction.LOAD:

@@ -31,6 +31,7 @@ from kvflow.core.scheduler import (
     OffloadStats,
     ResetStatus,
     SchedulerConfig,
+    StepOutcome,
 )
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
@@ -163,9 +164,10 @@ class OffloadScheduler:
                 self._launched[spec.transfer_id] = (spec.direction, t)
         return plan
 
-    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput:
-        """Apply the workers' reports; return what the engine must act on (all ranks agreed)."""
-        outcome = self.manager.update_from_reports(output.reports)
+    def update_from_reports(self, reports: Sequence[StepReport]) -> StepOutcome:
+        """Apply the workers' reports (timing every transfer that settled); the manager's
+        outcome, for an adapter that builds its engine's output itself."""
+        outcome = self.manager.update_from_reports(reports)
         if self._now is not None and (outcome.committed or outcome.failed):
             t = self._now()
             for tid in outcome.committed:
@@ -176,6 +178,11 @@ class OffloadScheduler:
                         self._recent.append((launched[0], t - launched[1]))
             for tid in outcome.failed:
                 self._launched.pop(tid, None)
+        return outcome
+
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput:
+        """Apply the workers' reports; return what the engine must act on (all ranks agreed)."""
+        outcome = self.update_from_reports(output.reports)
         return KVConnectorOutput(
             finished_sending=outcome.finished_sending,
             finished_recving=outcome.finished_recving,

@@ -25,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvflow.connector.api import KVCacheConfig
-from kvflow.connector.api import KVConnectorOutput as KVFlowOutput
 from kvflow.connector.config import OffloadConfig
 from kvflow.core.block_pool import PoolEvent
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
@@ -90,7 +89,7 @@ class SchedulerRole(Protocol):
         self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
     ) -> None: ...
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan: ...
-    def update_connector_output(self, output: KVFlowOutput) -> OutcomeLike: ...
+    def update_from_reports(self, reports: Sequence[StepReport]) -> OutcomeLike: ...
     def request_finished(
         self, request: RequestLike, block_ids: GroupBlockIds
     ) -> tuple[bool, dict[str, Any] | None]: ...
@@ -312,9 +311,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         outcome = None
         if isinstance(meta, KVFlowWorkerMetadata) and meta.reports:
-            outcome = self.scheduler_role.update_connector_output(
-                KVFlowOutput(reports=meta.reports)
-            )
+            outcome = self.scheduler_role.update_from_reports(meta.reports)
             self._stats_dirty = True
         self._relay.apply(connector_output, outcome)
 
