@@ -43,16 +43,18 @@ def run_step(worker: KVFlowConnector, plan: StepPlan) -> tuple[int, ...]:
     return () if out is None else tuple(t for r in out.reports for t in r.completed)
 
 
-def test_store_evict_load_round_trip_is_byte_exact_in_vllms_layout() -> None:
+@pytest.mark.parametrize("worker_loop", ["thread", "inline"])
+def test_store_evict_load_round_trip_is_byte_exact_in_vllms_layout(worker_loop: str) -> None:
     """Blocks 3 and 5 stored to the CPU tier, overwritten on the GPU side, then loaded into blocks
     7 and 9 come back identical in every layer, K and V; no other block changes; the worker's
-    stats carry the bytes it copied."""
+    stats carry the bytes it copied. With either ``worker_loop``."""
     config = make_vllm_config(
         connector="KVFlowConnector",
         module_path=KVFLOW_MODULE,
-        extra_config={"cpu_bytes_to_use": 1 << 20, "backend": "host"},
+        extra_config={"cpu_bytes_to_use": 1 << 20, "backend": "host", "worker_loop": worker_loop},
     )
     worker = KVFlowConnector(config, KVConnectorRole.WORKER, make_kv_cache_config(NUM_BLOCKS, BS))
+    assert worker.worker.config.worker_loop == worker_loop  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(0)
     # vLLM's attention layout: (K/V, num_blocks, block_size, num_kv_heads, head_size) per layer.
     caches = {
