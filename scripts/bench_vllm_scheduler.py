@@ -63,6 +63,8 @@ MANAGER_CALLS = (
     "build_step_plan",
     "update_from_reports",
     "request_finished",
+    "take_events",
+    "stats",
 )
 
 
@@ -154,8 +156,9 @@ class Rig:
         if instance is not None:
             time_hooks(instance, self.hook_ns)
             # kvflow: split the hooks' time into the adapter's and the manager's share.
-            if getattr(instance, "_manager", None) is not None:
-                time_hooks(instance._manager, self.manager_ns, MANAGER_CALLS)
+            scheduler_role = getattr(instance, "_scheduler", None)
+            if scheduler_role is not None:
+                time_hooks(scheduler_role.manager, self.manager_ns, MANAGER_CALLS)
         for i in range(args.requests):
             # Distinct prompts: no GPU prefix hits, every block is new (the offloaders' worst case).
             tokens = [(i * 131 + j * 7) % 30000 + 10 for j in range(args.prompt)]

@@ -56,3 +56,21 @@ def test_from_mapping_takes_every_field() -> None:
         eager_store_interval=1,
         worker_loop=WorkerLoop.INLINE,
     )
+
+
+def test_groups_may_name_their_own_block_size() -> None:
+    """A KV cache group's own block size reaches the scheduler role's manager; groups naming
+    none take the config's; a bad one is refused naming the group."""
+    from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec
+    from kvflow.connector.offload import OffloadScheduler
+
+    kv = KVCacheConfig(
+        block_size=16,
+        num_blocks=8,
+        groups=[KVCacheGroupSpec(0, ["a"]), KVCacheGroupSpec(1, ["b"], block_size=32)],
+    )
+    assert (kv.group_block_size(0), kv.group_block_size(1)) == (16, 32)
+    scheduler = OffloadScheduler(OffloadConfig(cpu_bytes=1 << 20), kv, [1024, 2048])
+    assert [g.block_size for g in scheduler.manager.config.groups] == [16, 32]
+    with pytest.raises(ConfigError, match="group 0: block_size"):
+        KVCacheConfig(16, 8, [KVCacheGroupSpec(0, ["a"], block_size=0)])

@@ -75,6 +75,7 @@ class Sim:
         wrap_view: Callable[[GpuCacheView], GpuCacheView] | None = None,
         decode_columns: bool = False,
         eager_store_interval: int = 1,
+        enable_events: bool = False,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks, name="gpu")
         # Pass one-token, non-speculative running requests as DecodeRequests columns.
@@ -89,6 +90,7 @@ class Sim:
             lazy_watermark=lazy_watermark,
             null_block_id=self.null,
             eager_store_interval=eager_store_interval,
+            enable_events=enable_events,
         )
         view: GpuCacheView = BlockPoolGpuView(self.gpu)
         self.mgr = OffloadManager(

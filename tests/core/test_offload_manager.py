@@ -180,6 +180,26 @@ def test_cpu_eviction_is_lru(make_sim: MakeSim) -> None:
     assert sim.on_cpu(c) == [True, True]
 
 
+def test_lru_order_inside_one_store_of_several_requests(make_sim: MakeSim) -> None:
+    """One step's store carries a's and b's blocks: evictions take b's tail first, then b's
+    head, then a's tail; a's first block goes last (each request's blocks freed in reverse,
+    the requests in reverse order of the step), as docs/vllm.md states."""
+    sim = make_sim([GroupSpec(block_size=BS, num_cpu_blocks=4)])
+    a, b = sim.add("a", range(8)), sim.add("b", range(100, 108))
+    sim.match(a)
+    sim.match(b)
+    assert len(sim.step(new=[(a, 8), (b, 8)]).stores) == 1
+    sim.complete()
+    assert sim.on_cpu(a) == [True, True]
+    assert sim.on_cpu(b) == [True, True]
+    sim.stored("c", range(200, 204))
+    assert (sim.on_cpu(a), sim.on_cpu(b)) == ([True, True], [True, False])
+    sim.stored("d", range(300, 304))
+    assert (sim.on_cpu(a), sim.on_cpu(b)) == ([True, True], [False, False])
+    sim.stored("e", range(400, 404))
+    assert (sim.on_cpu(a), sim.on_cpu(b)) == ([True, False], [False, False])
+
+
 def test_pinned_hit_survives_eviction_between_match_and_load(make_sim: MakeSim) -> None:
     """Blocks matched but not yet loaded are pinned: a store needing space evicts others or skips."""
     sim = make_sim([GroupSpec(block_size=BS, num_cpu_blocks=4)])

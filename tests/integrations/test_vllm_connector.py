@@ -19,12 +19,11 @@ import torch
 
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm import KVFlowConnector, KVFlowConnectorMetadata
+from kvflow.integrations.vllm import KVFlowConnectorMetadata
 from tests.integrations.vllm_fakes import (
     FAKES_MODULE,
+    ManagerRig,
     ScriptedManager,
-    ScriptedRuntime,
-    worker_connector,
     worker_pass,
 )
 from tests.integrations.vllm_harness import HEAD_SIZE, LAYERS, NUM_KV_HEADS, VLLMHarness
@@ -36,32 +35,14 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return [(seed * 7919 + i) % 30000 + 10 for i in range(n)]
 
 
-class Rig:
-    """vLLM's scheduler with a scripted-delegate KVFlowConnector and its worker twin."""
+class Rig(ManagerRig):
+    """vLLM's scheduler with a scripted-role KVFlowConnector and its worker twin."""
 
-    def __init__(
-        self, num_blocks: int = 64, sliding_window: int | None = None, **config: Any
-    ) -> None:
-        self.h = VLLMHarness.build(
-            num_blocks=num_blocks,
-            sliding_window=sliding_window,
-            connector="ScriptedConnector",
-            module_path=FAKES_MODULE,
-            extra_config={"cpu_bytes_to_use": 1 << 20},
-            **config,
-        )
-        assert isinstance(self.h.connector, KVFlowConnector)
-        manager = self.h.connector.manager
+    def __init__(self, num_blocks: int = 64, **config: Any) -> None:
+        super().__init__(num_blocks, connector="ScriptedConnector", **config)
+        manager = self.h.connector.scheduler_role
         assert isinstance(manager, ScriptedManager)
         self.manager = manager
-        self.worker = worker_connector(self.h.connector)
-        runtime = self.worker.worker
-        assert isinstance(runtime, ScriptedRuntime)
-        self.runtime = runtime
-
-    def step(self) -> tuple[Any, set[str]]:
-        so = self.h.schedule()
-        return so, self.h.finish(so, worker_pass(self.worker, so))
 
 
 def test_vllm_factory_builds_the_connector_from_the_module_path() -> None:

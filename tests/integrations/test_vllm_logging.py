@@ -14,7 +14,8 @@ pytest.importorskip("vllm")
 import logging
 from collections.abc import Iterator
 
-from tests.integrations.test_vllm_scenarios import PROMPT, Rig
+from tests.integrations.vllm_fakes import PROMPT
+from tests.integrations.vllm_fakes import ManagerRig as Rig
 from tests.logging_setup import Records, fresh_logging, no_root_handlers
 
 

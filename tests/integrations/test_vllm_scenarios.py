@@ -15,64 +15,11 @@ pytest.importorskip("kvflow.core.offload")
 from typing import Any
 
 from kvflow.core.transfer import Direction
-from kvflow.integrations.vllm import KVFlowConnector
-from tests.integrations.vllm_fakes import (
-    FAKES_MODULE,
-    ScriptedRuntime,
-    worker_connector,
-    worker_pass,
-)
-from tests.integrations.vllm_harness import VLLMHarness
+from kvflow.errors import ConfigError
+from tests.integrations.vllm_fakes import PROMPT
+from tests.integrations.vllm_fakes import ManagerRig as Rig
 
 BS = 16
-PROMPT = [(i * 37) % 30000 + 10 for i in range(70)]  # 4 full blocks + 6 tokens
-
-
-class Rig:
-    """vLLM's scheduler with kvflow's manager and a scripted worker twin."""
-
-    def __init__(
-        self,
-        num_blocks: int = 64,
-        policy: str = "eager",
-        extra: dict[str, Any] | None = None,
-        **config: Any,
-    ) -> None:
-        self.h = VLLMHarness.build(
-            num_blocks=num_blocks,
-            connector="RealManagerConnector",
-            module_path=FAKES_MODULE,
-            extra_config={"cpu_bytes_to_use": 1 << 20, "store_policy": policy, **(extra or {})},
-            **config,
-        )
-        assert isinstance(self.h.connector, KVFlowConnector)
-        self.manager: Any = self.h.connector.manager
-        self.worker = worker_connector(self.h.connector)
-        runtime = self.worker.worker
-        assert isinstance(runtime, ScriptedRuntime)
-        self.runtime = runtime
-
-    def step(self) -> tuple[Any, set[str]]:
-        so = self.h.schedule()
-        return so, self.h.finish(so, worker_pass(self.worker, so))
-
-    def run(self, max_steps: int = 50) -> None:
-        """Step until vLLM holds no request and every transfer settled."""
-        for _ in range(max_steps):
-            self.step()
-            if not self.h.scheduler.requests and self.manager.num_live_transfers() == 0:
-                return
-        raise AssertionError("scheduler or transfers did not settle")
-
-    def store_prompt_and_evict_gpu(self) -> None:
-        """Serve PROMPT once, let its blocks reach the CPU tier, then empty vLLM's GPU cache."""
-        self.h.add(PROMPT, max_tokens=1)
-        self.run()
-        # The lazy policy stores free blocks on the steps after they were freed (as the engine
-        # keeps stepping for other requests); then let those stores settle.
-        self.step()
-        self.run()
-        assert self.h.scheduler.kv_cache_manager.reset_prefix_cache()
 
 
 @pytest.mark.parametrize("policy", ["eager", "lazy"])
@@ -81,14 +28,8 @@ def test_repeated_prompt_hits_the_cpu_tier_and_vllm_computes_only_the_tail(polic
     (lazy: the blocks were stored because they sat at the eviction end of vLLM's free queue)."""
     rig = Rig(policy=policy)
     rig.store_prompt_and_evict_gpu()
-    request = rig.h.add(PROMPT, max_tokens=2)
-    scheduled: dict[str, int] = {}
-    for _ in range(5):
-        so, _ = rig.step()
-        if request.request_id in so.num_scheduled_tokens:
-            scheduled = dict(so.num_scheduled_tokens)
-            break
-    assert scheduled == {request.request_id: 6}
+    request, so = rig.serve_again()
+    assert so.num_scheduled_tokens == {request.request_id: 6}
     assert any(p.loads for p in rig.runtime.plans)
 
 
@@ -97,16 +38,56 @@ def test_hybrid_model_repeated_prompt_hits_the_cpu_tier() -> None:
     (the window group only inside its window) and vLLM schedules the 6-token tail."""
     rig = Rig(sliding_window=32)
     rig.store_prompt_and_evict_gpu()
-    request = rig.h.add(PROMPT, max_tokens=2)
-    for _ in range(5):
-        so, _ = rig.step()
-        if request.request_id in so.num_scheduled_tokens:
-            break
+    request, so = rig.serve_again()
     assert so.num_scheduled_tokens == {request.request_id: 6}
     (load,) = [t for p in rig.runtime.plans for t in p.loads]
     assert len(load.gpu_block_ids) == 2
     assert len(load.gpu_block_ids[1]) < len(load.gpu_block_ids[0])
     rig.run()
+
+
+def test_group_vllm_does_not_prefix_cache_is_never_stored_or_loaded() -> None:
+    """A CircularBufferSpec ring group (one block per request, not prefix-cached by vLLM) beside
+    full attention: vLLM's real scheduler steps, only the full-attention group is stored and
+    loaded, and the repeated prompt still loads 4 blocks and computes the 6-token tail."""
+    rig = Rig(extra_group="ring")
+    assert [g.vllm_group for g in rig.h.connector.geometry.groups] == [0]
+    assert rig.h.connector.geometry.skipped == ((1, "CircularBufferSpec"),)
+    rig.store_prompt_and_evict_gpu()
+    request, so = rig.serve_again()
+    assert so.num_scheduled_tokens == {request.request_id: 6}
+    ring_block = rig.h.block_ids(request)[1]
+    assert len(ring_block) == 1
+    transfers = [t for p in rig.runtime.plans for t in (*p.stores, *p.loads)]
+    assert transfers
+    assert all(len(t.gpu_block_ids) == 1 for t in transfers)  # kvflow's one offloaded group
+    (load,) = [t for p in rig.runtime.plans for t in p.loads]
+    assert list(load.gpu_block_ids[0]) == rig.h.block_ids(request)[0][:4]
+    rig.run()
+
+
+def test_a_group_kind_kvflow_cannot_offload_is_refused_at_start_up() -> None:
+    """A Mamba group stops vLLM while it builds its scheduler, with a ConfigError naming the
+    group and its kind, never at the first step."""
+    with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec"):
+        Rig(extra_group="mamba")
+
+
+def test_prompt_logprobs_requests_get_no_cpu_hit_and_take_no_pin() -> None:
+    """A request with prompt logprobs (vLLM's skip_reading_prefix_cache) on a prompt the CPU
+    tier holds: no hit counted, no CPU block pinned, vLLM computes the whole prompt, and its
+    blocks are still stored."""
+    rig = Rig()
+    rig.store_prompt_and_evict_gpu()
+    hits = rig.manager.stats().hits
+    request = rig.h.add(PROMPT, max_tokens=2, prompt_logprobs=1)
+    assert request.skip_reading_prefix_cache
+    so, _ = rig.step()
+    assert so.num_scheduled_tokens == {request.request_id: len(PROMPT)}
+    assert rig.manager.stats().hits == hits
+    assert all(not refs for refs in rig.manager.cpu_refs())
+    rig.run()
+    assert not any(p.loads for p in rig.runtime.plans[-5:])
 
 
 def test_request_waits_for_its_load_and_runs_after_finished_recving() -> None:
@@ -191,6 +172,29 @@ def test_reset_cache_forgets_the_cpu_tier() -> None:
     rig = Rig()
     rig.store_prompt_and_evict_gpu()
     assert rig.h.scheduler.reset_prefix_cache(reset_connector=True)
+    request = rig.h.add(PROMPT, max_tokens=1)
+    so, _ = rig.step()
+    assert so.num_scheduled_tokens == {request.request_id: len(PROMPT)}
+
+
+def test_reset_with_a_store_in_flight_answers_true_and_serves_nothing_from_before() -> None:
+    """vLLM's connector reset (what reset_prefix_cache(reset_connector=True) calls) with a store
+    still on the device: kvflow answers True at once (vLLM's pause with clear_cache raises on
+    False), the store is abandoned and its blocks never enter the CPU tier, so the repeated
+    prompt is computed in full."""
+    rig = Rig()
+    rig.runtime.hold_directions = {Direction.STORE}
+    rig.h.add(PROMPT, max_tokens=1)
+    for _ in range(3):
+        rig.step()
+    assert rig.manager.num_live_transfers() == 1
+    assert rig.h.scheduler.reset_connector_cache()
+    assert rig.manager.reset_pending
+    rig.runtime.hold_directions = set()
+    rig.run()
+    assert rig.manager.stats().cpu_blocks_cached == 0
+    assert rig.manager.stats().abandoned_transfers == 1
+    assert rig.h.scheduler.kv_cache_manager.reset_prefix_cache()
     request = rig.h.add(PROMPT, max_tokens=1)
     so, _ = rig.step()
     assert so.num_scheduled_tokens == {request.request_id: len(PROMPT)}

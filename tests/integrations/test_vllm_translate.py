@@ -14,14 +14,13 @@ from kvflow.core.protocol import StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import (
-    KVFlowOptions,
     KVFlowWorkerMetadata,
     OutcomeRelay,
     RequestViews,
     VLLMGpuCacheView,
     VLLMRequestView,
     kv_cache_geometry,
-    num_cpu_blocks,
+    offload_config,
     request_extra_keys,
     translate_scheduler_output,
 )
@@ -98,23 +97,24 @@ def test_new_request_translates_with_block_ids_per_group() -> None:
 
 
 def test_running_request_translates_with_tokens_computed_before_the_step() -> None:
-    """Decode steps become CachedRequests; a new block appears only when a block boundary is crossed."""
+    """Decode steps become DecodeRequests columns (one token each, tokens computed before the
+    step); a new block appears only when a block boundary is crossed."""
     h = VLLMHarness.build(num_blocks=64)
     request = h.add(prompt(47), max_tokens=4)
     h.step()  # prefill
-    so = h.schedule()  # decodes token 48: still in block 3
+    so = h.schedule()  # decodes token 48: completes block 3
     out = translate_scheduler_output(so, step=1, num_groups=1)
-    (cached,) = out.cached_requests
-    assert cached.request_id == request.request_id
-    assert (cached.num_computed_tokens, cached.num_scheduled_tokens) == (47, 1)
-    assert cached.new_block_ids == ((),)
-    assert not cached.resumed_from_preemption
+    assert out.cached_requests == ()
+    decode = out.decode_requests
+    assert decode.request_ids == (request.request_id,)
+    assert decode.num_computed_tokens == (47,)
+    assert decode.new_block_ids == (((),),)
     h.finish(so)
     so = h.schedule()  # token 49 opens block 4
-    (cached,) = translate_scheduler_output(so, step=2, num_groups=1).cached_requests
-    assert cached.num_computed_tokens == 48
-    assert len(cached.new_block_ids[0]) == 1
-    assert cached.new_block_ids[0][0] == h.block_ids(request)[0][-1]
+    decode = translate_scheduler_output(so, step=2, num_groups=1).decode_requests
+    assert decode.num_computed_tokens == (48,)
+    ((new_ids,),) = decode.new_block_ids
+    assert new_ids == (h.block_ids(request)[0][-1],)
 
 
 def test_gpu_prefix_hit_shows_as_computed_tokens_of_the_new_request() -> None:
@@ -164,34 +164,51 @@ def test_preemption_and_resumption_translate() -> None:
 
 def test_geometry_and_cpu_block_count_follow_the_kv_cache_config() -> None:
     """Bytes per block cover every layer of the group; the CPU budget is split into whole blocks."""
-    (group,) = kv_cache_geometry(make_kv_cache_config(num_blocks=32, block_size=BS))
+    (group,) = kv_cache_geometry(make_kv_cache_config(num_blocks=32, block_size=BS)).groups
     assert group.block_size == BS
     assert group.block_bytes == page_bytes(BS) * len(LAYERS)
     assert group.layer_names == LAYERS
-    assert num_cpu_blocks([group], 10 * group.block_bytes + 5) == 10
+    config = offload_config({"cpu_bytes_to_use": 10 * group.block_bytes + 5}, world_size=1)
+    assert config.cpu_blocks_per_group([group.block_bytes]) == (10,)
     with pytest.raises(ConfigError, match="holds no block"):
-        num_cpu_blocks([group], group.block_bytes - 1)
+        offload_config({"cpu_bytes_to_use": group.block_bytes - 1}, 1).cpu_blocks_per_group(
+            [group.block_bytes]
+        )
 
 
 def test_options_are_validated_by_name() -> None:
-    """Unknown keys and bad values raise ConfigError naming the key; numbers from JSON are accepted."""
-    opts = KVFlowOptions.from_extra_config(
-        {"cpu_bytes_to_use": 1e9, "store_policy": "lazy", "lazy_watermark": 8}
+    """Unknown keys and bad values raise ConfigError naming the key; numbers from JSON are
+    accepted; vLLM's CPU tier size is split over the ranks unless given per rank."""
+    config = offload_config(
+        {"cpu_bytes_to_use": 1e9, "store_policy": "lazy", "lazy_watermark": 8.0}, world_size=4
     )
-    assert (opts.cpu_bytes_to_use, opts.store_policy, opts.lazy_watermark) == (10**9, "lazy", 8)
-    assert opts.cpu_bytes_per_rank(4) == 250_000_000
-    assert KVFlowOptions.from_extra_config(None) == KVFlowOptions()
+    assert (config.cpu_bytes, config.store_policy, config.lazy_watermark) == (
+        250_000_000,
+        "lazy",
+        8,
+    )
+    assert config.world_size == 4
+    assert offload_config({"cpu_bytes_to_use_per_rank": 1000}, 4).cpu_bytes == 1000
+    default = offload_config(None, 1)
+    assert (default.cpu_bytes, default.worker_loop, default.eager_store_interval) == (
+        4 << 30,
+        "thread",
+        4,
+    )
+    assert offload_config({"worker_loop": "inline"}, 1).worker_loop == "inline"
     with pytest.raises(ConfigError, match="cpu_byte_to_use"):
-        KVFlowOptions.from_extra_config({"cpu_byte_to_use": 1})
+        offload_config({"cpu_byte_to_use": 1}, 1)
     with pytest.raises(ConfigError, match="store_policy"):
-        KVFlowOptions.from_extra_config({"store_policy": "sometimes"})
+        offload_config({"store_policy": "sometimes"}, 1)
     with pytest.raises(ConfigError, match="lazy_watermark"):
-        KVFlowOptions.from_extra_config({"lazy_watermark": 0})
-    assert KVFlowOptions.from_extra_config({"eager_store_interval": 1}).eager_store_interval == 1
+        offload_config({"lazy_watermark": 0}, 1)
+    assert offload_config({"eager_store_interval": 1}, 1).eager_store_interval == 1
     with pytest.raises(ConfigError, match="eager_store_interval"):
-        KVFlowOptions.from_extra_config({"eager_store_interval": 0})
+        offload_config({"eager_store_interval": 0}, 1)
     with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
-        KVFlowOptions.from_extra_config({"cpu_bytes_to_use": True})
+        offload_config({"cpu_bytes_to_use": True}, 1)
+    with pytest.raises(ConfigError, match="worker_loop"):
+        offload_config({"worker_loop": "fiber"}, 1)
 
 
 def test_gpu_cache_view_walks_vllms_free_queue_in_eviction_order() -> None:

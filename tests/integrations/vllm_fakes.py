@@ -1,8 +1,8 @@
 """Scripted stand-ins for kvflow's manager and worker runtime, to test the vLLM adapter's wiring.
 
-``ScriptedManager`` plays ``OffloadManager`` with hits and failures a test sets; ``ScriptedRuntime``
-plays the worker runtime, reporting each planned transfer as done unless a test holds or fails
-it. ``worker_pass`` runs a worker-role connector through one step exactly in the order vLLM's
+``ScriptedManager`` plays kvflow's scheduler role (``OffloadScheduler``) with hits and failures a
+test sets; ``ScriptedRuntime`` plays its worker role (``OffloadWorker``), reporting each planned
+transfer as done unless a test holds or fails it. ``worker_pass`` runs a worker-role connector through one step exactly in the order vLLM's
 model runner does (``kv_connector_model_runner_mixin``). The connector classes here are loaded by
 vLLM's own factory through ``kv_connector_module_path``.
 """
@@ -10,24 +10,30 @@ vLLM's own factory through ``kv_connector_module_path``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attrs import define, field, frozen
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
 
+from kvflow.connector.api import KVCacheConfig
+from kvflow.core.block_pool import PoolEvent
+from kvflow.core.offload import GroupSpec, OffloadManager, OffloadManagerConfig
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.integrations.vllm import (
     KVFlowConnector,
-    SchedulerDelegate,
+    SchedulerRole,
     VLLMGpuCacheView,
-    WorkerDelegate,
+    WorkerRole,
 )
+from tests.integrations.vllm_harness import VLLMHarness
 
 FAKES_MODULE = "tests.integrations.vllm_fakes"
+PROMPT = [(i * 37) % 30000 + 10 for i in range(70)]  # 4 full blocks of 16 tokens + 6 tokens
 
 
 @frozen
@@ -37,6 +43,11 @@ class Outcome:
     finished_sending: frozenset[str] = frozenset()
     finished_recving: frozenset[str] = frozenset()
     invalid_block_ids: frozenset[int] = frozenset()
+
+
+_IDLE_MANAGER = OffloadManager(
+    OffloadManagerConfig(groups=[GroupSpec(block_size=16, num_cpu_blocks=1)])
+)
 
 
 @define
@@ -82,7 +93,7 @@ class ScriptedManager:
             TransferSpec(next(self._ids), request.request_id, Direction.LOAD, gpu, cpu)
         )
 
-    def build_step_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         self.outputs.append(scheduler_output)
         stores = tuple(t for t in self._pending if t.direction is Direction.STORE)
         loads = tuple(t for t in self._pending if t.direction is Direction.LOAD)
@@ -95,7 +106,7 @@ class ScriptedManager:
             flush=bool(scheduler_output.preempted_request_ids),
         )
 
-    def update_from_reports(self, reports: Iterable[StepReport]) -> Outcome:
+    def update_from_reports(self, reports: Sequence[StepReport]) -> Outcome:
         sending: set[str] = set()
         recving: set[str] = set()
         invalid: set[int] = set(self.extra_invalid)
@@ -129,19 +140,35 @@ class ScriptedManager:
         )
         return True, None
 
-    def reset_cache(self) -> str:
+    def reset_cache(self) -> bool:
         self.resets += 1
-        return "complete"
+        return True
 
     def num_live_transfers(self, request_id: str | None = None) -> int:
         return len(self._pending) + len(self._live)
 
+    def has_pending_push_work(self) -> bool:
+        return self.num_live_transfers() > 0
+
+    @property
+    def manager(self) -> OffloadManager:
+        """An idle manager: the scripted one counts nothing for the connector's stats."""
+        return _IDLE_MANAGER
+
+    def take_events(self) -> list[tuple[int, PoolEvent]]:
+        return []
+
+    def take_latencies(self) -> list[tuple[Direction, float]]:
+        return []
+
 
 @define
 class ScriptedRuntime:
-    """A worker runtime stand-in: every bound transfer completes at the next report, except held
+    """A worker role stand-in: every bound transfer completes at the next report, except held
     ones (still in flight) and failed ones (reported failed; a failed load's GPU blocks invalid)."""
 
+    kv_cache_config: KVCacheConfig | None = None
+    cpu_blocks: list[int] = field(factory=list)
     rank: int = 0
     hold: set[int] = field(factory=set)
     fail: set[int] = field(factory=set)
@@ -150,23 +177,20 @@ class ScriptedRuntime:
     plans: list[StepPlan] = field(factory=list)
     calls: list[str] = field(factory=list)
     registered: dict[str, Any] = field(factory=dict)
-    cpu_blocks: list[int] = field(factory=list)
     _in_flight: dict[int, TransferSpec] = field(factory=dict)
     _errors: set[int] = field(factory=set)
 
-    def register_kv_caches(
-        self,
-        kv_caches: Mapping[str, object],
-        num_blocks: int | Mapping[int, int],
-        groups: Mapping[str, int] | None = None,
-    ) -> object:
-        self.registered = {"caches": dict(kv_caches), "num_blocks": num_blocks, "groups": groups}
-        return None
+    def register_kv_caches(self, kv_caches: Mapping[str, object]) -> None:
+        kv = self.kv_cache_config
+        assert kv is not None
+        self.registered = {
+            "caches": dict(kv_caches),
+            "num_blocks": kv.num_blocks,
+            "groups": dict(kv.tensor_groups),
+        }
 
-    def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
-        self.cpu_blocks = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
-
-    def bind_connector_metadata(self, plan: StepPlan) -> None:
+    def bind_connector_metadata(self, plan: object) -> None:
+        assert isinstance(plan, StepPlan)
         self.plans.append(plan)
         self._in_flight.update((t.transfer_id, t) for t in (*plan.stores, *plan.loads))
 
@@ -176,7 +200,13 @@ class ScriptedRuntime:
     def wait_for_save(self) -> None:
         self.calls.append("wait_for_save")
 
-    def build_report(self) -> StepReport:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
+        return {}
+
+    def build_worker_report(self) -> StepReport:
         flight = self._in_flight
         done = [
             t
@@ -207,7 +237,7 @@ class ScriptedRuntime:
         """Transfers handed over and not reported yet."""
         return list(self._in_flight.values())
 
-    def handle_preemptions(self, plan: StepPlan) -> None:
+    def handle_preemptions(self, plan: object) -> None:
         self.calls.append("handle_preemptions")
 
     def shutdown(self) -> None:
@@ -217,18 +247,77 @@ class ScriptedRuntime:
 class ScriptedConnector(KVFlowConnector):
     """``KVFlowConnector`` over the scripted manager and runtime."""
 
-    def make_scheduler_delegate(self, gpu_view: VLLMGpuCacheView) -> SchedulerDelegate:
-        return ScriptedManager(self.geometry[0].block_size)
+    def make_scheduler_role(self, gpu_view: VLLMGpuCacheView) -> SchedulerRole:
+        return ScriptedManager(self.geometry.groups[0].block_size)
 
-    def make_worker_delegate(self) -> WorkerDelegate:
-        return ScriptedRuntime()
+    def make_worker_role(self) -> WorkerRole:
+        return ScriptedRuntime(self.kvflow_cache_config(), list(self.cpu_blocks))
 
 
 class RealManagerConnector(KVFlowConnector):
-    """``KVFlowConnector`` with kvflow's real manager and the scripted worker runtime."""
+    """``KVFlowConnector`` with kvflow's real scheduler role and the scripted worker role."""
 
-    def make_worker_delegate(self) -> WorkerDelegate:
-        return ScriptedRuntime()
+    def make_worker_role(self) -> WorkerRole:
+        return ScriptedRuntime(self.kvflow_cache_config(), list(self.cpu_blocks))
+
+
+class ManagerRig:
+    """vLLM's scheduler with kvflow's real scheduler role (or ``connector``'s) and a scripted
+    worker twin."""
+
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        policy: str = "eager",
+        extra: dict[str, Any] | None = None,
+        connector: str = "RealManagerConnector",
+        **config: Any,
+    ) -> None:
+        self.h = VLLMHarness.build(
+            num_blocks=num_blocks,
+            connector=connector,
+            module_path=FAKES_MODULE,
+            extra_config={"cpu_bytes_to_use": 1 << 20, "store_policy": policy, **(extra or {})},
+            **config,
+        )
+        assert isinstance(self.h.connector, KVFlowConnector)
+        scheduler: Any = self.h.connector.scheduler_role  # kvflow's OffloadScheduler
+        self.manager: Any = scheduler.manager
+        self.worker = worker_connector(self.h.connector)
+        runtime = self.worker.worker
+        assert isinstance(runtime, ScriptedRuntime)
+        self.runtime = runtime
+
+    def serve_again(self, max_tokens: int = 2) -> tuple[Request, Any]:
+        """Add PROMPT again and step until vLLM schedules it; the request and that step."""
+        request = self.h.add(PROMPT, max_tokens=max_tokens)
+        for _ in range(5):
+            so, _ = self.step()
+            if request.request_id in so.num_scheduled_tokens:
+                break
+        return request, so
+
+    def step(self) -> tuple[Any, set[str]]:
+        so = self.h.schedule()
+        return so, self.h.finish(so, worker_pass(self.worker, so))
+
+    def run(self, max_steps: int = 50) -> None:
+        """Step until vLLM holds no request and every transfer settled."""
+        for _ in range(max_steps):
+            self.step()
+            if not self.h.scheduler.requests and self.manager.num_live_transfers() == 0:
+                return
+        raise AssertionError("scheduler or transfers did not settle")
+
+    def store_prompt_and_evict_gpu(self) -> None:
+        """Serve PROMPT once, let its blocks reach the CPU tier, then empty vLLM's GPU cache."""
+        self.h.add(PROMPT, max_tokens=1)
+        self.run()
+        # The lazy policy stores free blocks on the steps after they were freed (as the engine
+        # keeps stepping for other requests); then let those stores settle.
+        self.step()
+        self.run()
+        assert self.h.scheduler.kv_cache_manager.reset_prefix_cache()
 
 
 def worker_connector(scheduler_connector: KVFlowConnector) -> KVFlowConnector:
@@ -263,6 +352,8 @@ def worker_pass(worker: KVFlowConnector, scheduler_output: Any) -> KVConnectorOu
 
 __all__ = [
     "FAKES_MODULE",
+    "PROMPT",
+    "ManagerRig",
     "Outcome",
     "RealManagerConnector",
     "ScriptedConnector",

@@ -23,6 +23,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -33,10 +34,12 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -61,6 +64,7 @@ TINY_LLAMA = {
 NUM_KV_HEADS = 2
 HEAD_SIZE = 16
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+RING_LAYER = "model.layers.1.self_attn.compressor"
 KVFLOW_MODULE = "kvflow.integrations.vllm"
 
 _model_dir: Path | None = None
@@ -89,8 +93,12 @@ def make_vllm_config(
     max_model_len: int = 8192,
     kv_load_failure_policy: str = "recompute",
     kv_role: str = "kv_both",
+    dcp: int = 1,
+    kv_events: bool = False,
 ) -> VllmConfig:
-    """A CPU ``VllmConfig`` with prefix caching on and, if ``connector`` is named, a KV connector."""
+    """A CPU ``VllmConfig`` with prefix caching on and, if ``connector`` is named, a KV connector.
+    ``dcp``: decode context parallel ranks (as many tensor-parallel ranks; each vLLM block then
+    spans ``block_size × dcp`` tokens). ``kv_events``: vLLM's KV cache events on (no publisher)."""
     model_config = ModelConfig(
         model=str(tiny_model_dir()),
         skip_tokenizer_init=True,
@@ -122,13 +130,23 @@ def make_vllm_config(
             kv_load_failure_policy=kv_load_failure_policy,
         )
     )
-    return VllmConfig(
+    config = VllmConfig(
         scheduler_config=scheduler_config,
         model_config=model_config,
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if kv_events
+        else None,
     )
+    if dcp > 1:
+        # As a server with tensor_parallel_size = decode_context_parallel_size = dcp sets it up
+        # (set after construction: the CPU platform refuses tensor parallelism when validating).
+        config.parallel_config.decode_context_parallel_size = dcp
+        config.parallel_config.tensor_parallel_size = dcp
+        config.parallel_config.world_size = dcp
+    return config
 
 
 def page_bytes(block_size: int) -> int:
@@ -137,10 +155,18 @@ def page_bytes(block_size: int) -> int:
 
 
 def make_kv_cache_config(
-    num_blocks: int, block_size: int = 16, sliding_window: int | None = None
+    num_blocks: int,
+    block_size: int = 16,
+    sliding_window: int | None = None,
+    extra_group: str | None = None,
+    dcp: int = 1,
 ) -> KVCacheConfig:
     """One full-attention group over the tiny model's layers, layer-outermost tensors; with
-    ``sliding_window``, a hybrid model instead: layer 0 full attention, layer 1 sliding window."""
+    ``sliding_window``, a hybrid model instead: layer 0 full attention, layer 1 sliding window.
+    ``extra_group``: one more group over layer ``RING_LAYER``: ``"ring"`` a ``CircularBufferSpec``
+    (one block per request, not prefix-cached by vLLM), ``"mamba"`` a ``MambaSpec``.
+    ``dcp``: vLLM hashes blocks of ``block_size × dcp`` tokens (each rank's block holds
+    ``block_size`` of them)."""
     page = page_bytes(block_size)
     spec = {"block_size": block_size, "num_kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE}
     groups = (
@@ -154,6 +180,24 @@ def make_kv_cache_config(
             ),
         ]
     )
+    layers = list(LAYERS)
+    if extra_group == "ring":
+        groups.append(
+            KVCacheGroupSpec([RING_LAYER], CircularBufferSpec(dtype=torch.float16, **spec))
+        )
+        layers.append(RING_LAYER)
+    elif extra_group == "mamba":
+        groups.append(
+            KVCacheGroupSpec(
+                [RING_LAYER],
+                MambaSpec(
+                    block_size=block_size,
+                    shapes=((NUM_KV_HEADS, HEAD_SIZE * block_size * 2),),
+                    dtypes=(torch.float16,),
+                ),
+            )
+        )
+        layers.append(RING_LAYER)
     config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
@@ -163,26 +207,34 @@ def make_kv_cache_config(
                 layer_stride=page * num_blocks,
                 block_stride=page,
             )
-            for layer in LAYERS
+            for layer in layers
         ],
         kv_cache_groups=groups,
     )
     # As vLLM's engine core does before it builds the scheduler (and with it the connector).
-    config.hash_block_size = block_size
+    config.hash_block_size = block_size * dcp
     return config
 
 
 def make_scheduler(
-    vllm_config: VllmConfig, num_blocks: int, sliding_window: int | None = None
+    vllm_config: VllmConfig,
+    num_blocks: int,
+    sliding_window: int | None = None,
+    extra_group: str | None = None,
 ) -> Scheduler:
-    """vLLM's real v1 scheduler (and its connector, if the config names one) on CPU."""
+    """vLLM's real v1 scheduler (and its connector, if the config names one) on CPU, with the
+    scheduler and hash block sizes vLLM's engine core resolves (``block_size × dcp``)."""
     block_size = vllm_config.cache_config.block_size
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=vllm_config,
-        kv_cache_config=make_kv_cache_config(num_blocks, block_size, sliding_window),
+        kv_cache_config=make_kv_cache_config(
+            num_blocks, block_size, sliding_window, extra_group, dcp
+        ),
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
+        block_size=block_size * dcp,
+        hash_block_size=block_size * dcp,
         log_stats=True,
     )
 
@@ -193,13 +245,15 @@ def make_request(
     max_tokens: int = 8,
     block_size: int = 16,
     request_id: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Request:
-    """A vLLM ``Request`` with vLLM's own block hasher, as the engine core builds one."""
+    """A vLLM ``Request`` with vLLM's own block hasher (over ``block_size``-token blocks), as
+    the engine core builds one; ``prompt_logprobs`` makes vLLM read no cached KV for it."""
     global _hash_ready
     if not _hash_ready:
         init_none_hash(sha256)
         _hash_ready = True
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     return Request(
         request_id=request_id or f"req-{next(_request_ids)}",
@@ -254,21 +308,35 @@ class VLLMHarness:
 
     @classmethod
     def build(
-        cls, num_blocks: int = 256, sliding_window: int | None = None, **config: Any
+        cls,
+        num_blocks: int = 256,
+        sliding_window: int | None = None,
+        extra_group: str | None = None,
+        **config: Any,
     ) -> VLLMHarness:
         vllm_config = make_vllm_config(**config)
-        scheduler = make_scheduler(vllm_config, num_blocks, sliding_window)
-        return cls(scheduler, vllm_config.cache_config.block_size)
+        scheduler = make_scheduler(vllm_config, num_blocks, sliding_window, extra_group)
+        dcp = vllm_config.parallel_config.decode_context_parallel_size
+        return cls(scheduler, vllm_config.cache_config.block_size * dcp)
 
     @property
     def connector(self) -> Any:
         return self.scheduler.connector
 
     def add(
-        self, prompt: list[int], *, max_tokens: int = 8, request_id: str | None = None
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int = 8,
+        request_id: str | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Request:
         request = make_request(
-            prompt, max_tokens=max_tokens, block_size=self.block_size, request_id=request_id
+            prompt,
+            max_tokens=max_tokens,
+            block_size=self.block_size,
+            request_id=request_id,
+            prompt_logprobs=prompt_logprobs,
         )
         self.scheduler.add_request(request)
         return request
@@ -324,6 +392,7 @@ __all__ = [
     "EOS_TOKEN_ID",
     "KVFLOW_MODULE",
     "LAYERS",
+    "RING_LAYER",
     "StepResult",
     "VLLMHarness",
     "make_kv_cache_config",

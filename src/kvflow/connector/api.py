@@ -50,6 +50,7 @@ class KVCacheGroupSpec:
     group_id: int
     layer_names: tuple[str, ...] = field(converter=_str_tuple)
     sliding_window: int | None = None  # in tokens; None means full attention
+    block_size: int | None = None  # tokens per block of this group; None: the config's
 
 
 def _group_tuple(values: Iterable[KVCacheGroupSpec]) -> tuple[KVCacheGroupSpec, ...]:
@@ -60,7 +61,7 @@ def _group_tuple(values: Iterable[KVCacheGroupSpec]) -> tuple[KVCacheGroupSpec, 
 class KVCacheConfig:
     """The engine's GPU KV cache as a connector needs to know it before any tensor exists."""
 
-    block_size: int  # tokens per block, equal in every group
+    block_size: int  # tokens per block of every group that names none
     num_blocks: int  # per group, block NULL_BLOCK_ID included
     groups: tuple[KVCacheGroupSpec, ...] = field(converter=_group_tuple)
     device: str = "cpu"
@@ -74,6 +75,16 @@ class KVCacheConfig:
             )
         if [g.group_id for g in self.groups] != list(range(len(self.groups))):
             raise ConfigError("KV cache groups must be numbered 0..n-1 in order")
+        for g in self.groups:
+            if g.block_size is not None and (type(g.block_size) is not int or g.block_size <= 0):
+                raise ConfigError(
+                    f"KV cache group {g.group_id}: block_size must be positive, got {g.block_size}"
+                )
+
+    def group_block_size(self, group_id: int) -> int:
+        """Tokens per block of one group."""
+        size = self.groups[group_id].block_size
+        return self.block_size if size is None else size
 
     @property
     def tensor_groups(self) -> Mapping[str, int]:

@@ -52,7 +52,7 @@ def _worker_loop(value: object) -> WorkerLoop:
     return _choice(WorkerLoop, "worker_loop", value)
 
 
-def _size(value: object) -> int:
+def parse_size(value: object) -> int:
     """Bytes as an int, or a string with a binary suffix: "512MiB", "4GiB"."""
     if isinstance(value, bool):
         raise ConfigError("cpu_bytes must be a size, not a bool")
@@ -98,7 +98,7 @@ class OffloadConfig:
       docs/architecture.md, "Where the worker runtime's loop runs".
     """
 
-    cpu_bytes: int = field(converter=_size)
+    cpu_bytes: int = field(converter=parse_size)
     store_policy: StorePolicy = field(default=StorePolicy.EAGER, converter=_store_policy)
     lazy_watermark: int = 64
     backend: BackendKind = field(default=BackendKind.AUTO, converter=_backend)
@@ -131,9 +131,14 @@ class OffloadConfig:
             raise ConfigError(f"invalid kvflow option: {exc}") from exc
 
     def manager_config(
-        self, groups: Sequence[GroupSpec], *, null_block_id: int | None
+        self,
+        groups: Sequence[GroupSpec],
+        *,
+        null_block_id: int | None,
+        enable_events: bool = False,
     ) -> OffloadManagerConfig:
-        """The scheduler-side manager's spec: these options over the engine's KV cache groups."""
+        """The scheduler-side manager's spec: these options over the engine's KV cache groups
+        (``enable_events``: the CPU pools record cache events, for KV-aware routers)."""
         return OffloadManagerConfig(
             groups=groups,
             world_size=self.world_size,
@@ -141,6 +146,7 @@ class OffloadConfig:
             lazy_watermark=self.lazy_watermark,
             null_block_id=null_block_id,
             eager_store_interval=self.eager_store_interval,
+            enable_events=enable_events,
         )
 
     def worker_options(self, rank: int) -> WorkerOptions:
@@ -166,4 +172,4 @@ class OffloadConfig:
         return (n,) * len(block_bytes)
 
 
-__all__ = ["BackendKind", "OffloadConfig", "WorkerLoop"]
+__all__ = ["EAGER_STORE_INTERVAL", "BackendKind", "OffloadConfig", "WorkerLoop", "parse_size"]

@@ -20,6 +20,7 @@ from kvflow.backends.base import Backend
 from kvflow.backends.select import make_backend
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig, WorkerLoop
+from kvflow.core.block_pool import PoolEvent
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.logs import get_logger
 from kvflow.core.offload import (
@@ -27,6 +28,7 @@ from kvflow.core.offload import (
     OffloadManager,
     OffloadStats,
     ResetStatus,
+    StepOutcome,
 )
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
@@ -94,7 +96,7 @@ def group_specs(
         )
     return tuple(
         GroupSpec(
-            block_size=kv.block_size,
+            block_size=kv.group_block_size(g.group_id),
             num_cpu_blocks=n,
             sliding_window=g.sliding_window,
             block_bytes=b,
@@ -116,6 +118,8 @@ class OffloadScheduler:
         gpu_view: GpuCacheView | None = None,
         now: Callable[[], float] | None = None,
         null_block_id: int | None = NULL_BLOCK_ID,
+        enable_events: bool = False,
+        record_latencies: bool = False,
     ) -> None:
         self.config = config
         self.kv_cache_config = kv_cache_config
@@ -124,12 +128,15 @@ class OffloadScheduler:
             config.manager_config(
                 group_specs(kv_cache_config, block_bytes, self.cpu_blocks),
                 null_block_id=null_block_id,
+                enable_events=enable_events,
             ),
             gpu_view=gpu_view,
         )
         self._now = now
         self._launched: dict[int, tuple[Direction, float]] = {}
         self._latency = {Direction.STORE: LatencyHistogram(), Direction.LOAD: LatencyHistogram()}
+        # Each latency as observed, for an engine's own histograms (``take_latencies``).
+        self._recent: list[tuple[Direction, float]] | None = [] if record_latencies else None
 
     # ---- the engine's calls ------------------------------------------------------------------
 
@@ -151,17 +158,25 @@ class OffloadScheduler:
                 self._launched[spec.transfer_id] = (spec.direction, t)
         return plan
 
-    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput:
-        """Apply the workers' reports; return what the engine must act on (all ranks agreed)."""
-        outcome = self.manager.update_from_reports(output.reports)
+    def update_from_reports(self, reports: Sequence[StepReport]) -> StepOutcome:
+        """Apply the workers' reports (timing every transfer that settled); the manager's
+        outcome, for an adapter that builds its engine's output itself."""
+        outcome = self.manager.update_from_reports(reports)
         if self._now is not None and (outcome.committed or outcome.failed):
             t = self._now()
             for tid in outcome.committed:
                 launched = self._launched.pop(tid, None)
                 if launched is not None:
                     self._latency[launched[0]].observe(t - launched[1])
+                    if self._recent is not None:
+                        self._recent.append((launched[0], t - launched[1]))
             for tid in outcome.failed:
                 self._launched.pop(tid, None)
+        return outcome
+
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput:
+        """Apply the workers' reports; return what the engine must act on (all ranks agreed)."""
+        outcome = self.update_from_reports(output.reports)
         return KVConnectorOutput(
             finished_sending=outcome.finished_sending,
             finished_recving=outcome.finished_recving,
@@ -178,6 +193,19 @@ class OffloadScheduler:
 
     def has_pending_push_work(self) -> bool:
         return self.manager.num_live_transfers() > 0
+
+    def take_events(self) -> list[tuple[int, PoolEvent]]:
+        """The CPU tier's cache events since the last call, as (group, event); none unless
+        built with ``enable_events``."""
+        return self.manager.take_events()
+
+    def take_latencies(self) -> list[tuple[Direction, float]]:
+        """Launch → commit latencies observed since the last call (``record_latencies``)."""
+        recent = self._recent
+        if not recent:
+            return []
+        self._recent = []
+        return recent
 
     def stats(self) -> ConnectorStats:
         st, ld = self._latency[Direction.STORE], self._latency[Direction.LOAD]

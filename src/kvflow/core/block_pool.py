@@ -12,7 +12,7 @@ Every mutating call validates all its arguments before changing anything, so a m
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import NoReturn, cast
+from typing import NoReturn
 
 from attrs import define, frozen
 
@@ -187,11 +187,23 @@ class FreeBlockQueue:
 
 
 @frozen
+class StoredBlockInfo:
+    """What a caller knows of a block it caches: its parent's hash (None for a first block), its
+    tokens and whose block it was (an opaque request object), for KV-aware routers."""
+
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    request: object | None = None
+
+
+@frozen
 class BlockStored:
-    """Blocks entered the prefix cache (one event per ``cache`` call)."""
+    """Blocks entered the prefix cache (one event per ``cache`` or ``release_owned`` call);
+    ``infos``: per block, what the caller described (empty when it described nothing)."""
 
     block_hashes: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
+    infos: tuple[StoredBlockInfo, ...] = ()
 
 
 @frozen
@@ -403,27 +415,41 @@ class BlockPool:
         return done
 
     def release_owned(
-        self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash | None]
+        self,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash | None],
+        infos: Sequence[StoredBlockInfo] | None = None,
     ) -> int:
         """``cache`` of the blocks whose hash is not None, then ``free_owned`` of all of them in
         reverse order (a committed store's CPU blocks, fresh from ``get_new_blocks``: in use and
         uncached), in one pass and without per-block checks. Returns how many were cached. The
         hashes must be distinct (a store's are): the pass caches in reverse order, so of two
-        blocks with one hash the last would win."""
-        if self.enable_events:
-            keep = [i for i, h in enumerate(block_hashes) if h is not None]
-            n = self.cache(
-                [block_ids[i] for i in keep], [cast(BlockHash, block_hashes[i]) for i in keep]
-            ).count(True)
-            self.free_owned(block_ids[::-1])
-            return n
+        blocks with one hash the last would win. ``infos`` (per block) go into the event."""
         if len(block_ids) != len(block_hashes):
             raise BlockPoolError(
                 f"{self.name}: {len(block_ids)} blocks but {len(block_hashes)} hashes"
             )
-        return self.free_queue.release_owned(
-            self.blocks, block_ids, block_hashes, self._cached, self._double_free_one
+        blocks = self.blocks
+        cached = self._cached
+        n = self.free_queue.release_owned(
+            blocks, block_ids, block_hashes, cached, self._double_free_one
         )
+        if n and self.enable_events:
+            # The blocks cached above, in block order (the pass ran in reverse).
+            picked: list[int] = []
+            hashes: list[BlockHash] = []
+            for i, (b, h) in enumerate(zip(block_ids, block_hashes, strict=True)):
+                if h is not None and cached.get(h) is blocks[b]:
+                    picked.append(i)
+                    hashes.append(h)
+            self._events.append(
+                BlockStored(
+                    tuple(hashes),
+                    tuple(block_ids[i] for i in picked),
+                    () if infos is None else tuple(infos[i] for i in picked),
+                )
+            )
+        return n
 
     def uncache(self, block_ids: Iterable[int]) -> None:
         """Drop the cached hash of each listed block (e.g. its data turned out invalid)."""
@@ -468,4 +494,5 @@ __all__ = [
     "BlockStored",
     "FreeBlockQueue",
     "PoolEvent",
+    "StoredBlockInfo",
 ]

@@ -58,6 +58,9 @@ class KVRequest:
     all_token_ids: list[int]
     num_prompt_tokens: int
     extra_keys: tuple[ExtraKey, ...] = ()
+    # The engine reads no cached KV for it (vLLM: prompt logprobs): no CPU hit, no pin; the
+    # manager reads the attribute of any request that has it.
+    skip_reading_prefix_cache: bool = False
 
     @classmethod
     def from_prompt(

@@ -86,7 +86,8 @@ class OffloadManagerConfig:
     (plan, launch, commit) is paid once for them all. A step with new or resumed requests stores
     at once, a finishing request's blocks are stored when it finishes and a preempted request's
     are dropped with its GPU blocks. With a sliding-window group it is 1: the engine may free a
-    block leaving the window before a later step would store it.
+    block leaving the window before a later step would store it. ``enable_events``: the CPU
+    pools record what enters and leaves the prefix cache, for ``OffloadManager.take_events``.
     """
 
     groups: tuple[GroupSpec, ...] = field(converter=_as_groups)
@@ -95,6 +96,7 @@ class OffloadManagerConfig:
     lazy_watermark: int = 64
     null_block_id: int | None = None
     eager_store_interval: int = 1
+    enable_events: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:

@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash
-from kvflow.core.logs import get_logger
+from kvflow.core.logs import debug_enabled, get_logger
 from kvflow.core.offload.config import Geometry
 from kvflow.core.offload.state import RequestState, StoreBatch, next_boundary
 
@@ -83,7 +83,7 @@ class LazyCursor:
 
     def reset(self, cause: str) -> None:
         """Nothing is covered any more: the next walk starts from the queue head."""
-        if self._cursor is not None or self._ahead:
+        if (self._cursor is not None or self._ahead) and debug_enabled():
             log.debug("offload_lazy_cursor_reset", cause=cause, covered=len(self._ahead))
         self._cursor = None
         self._cursor_hash = None

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from kvflow.core.block_pool import BlockPool
+from kvflow.core.block_pool import BlockPool, StoredBlockInfo
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash
-from kvflow.core.logs import get_logger
-from kvflow.core.offload.config import STEP_STORE_ID, OffloadManagerConfig, StorePolicy
+from kvflow.core.logs import debug_enabled, get_logger
+from kvflow.core.offload.config import STEP_STORE_ID, Geometry, OffloadManagerConfig, StorePolicy
 from kvflow.core.offload.state import LiveTransfer, PinnedHit, RequestState, StoreBatch, all_ids
 from kvflow.core.offload.stats import Counters
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
@@ -25,6 +25,9 @@ from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferSta
 from kvflow.errors import ReportError
 
 log = get_logger("kvflow.scheduler")
+
+
+_UNDESCRIBED = StoredBlockInfo(None, ())
 
 
 def _transfer_id(x: LiveTransfer) -> int:
@@ -48,8 +51,10 @@ class TransferLedger:
     ) -> None:
         groups = config.groups
         self.groups = groups
+        self.events = config.enable_events
+        self._geo = Geometry.of(config)
         self.cpu = [
-            BlockPool(s.num_cpu_blocks, name=f"cpu[{g}]", enable_events=False)
+            BlockPool(s.num_cpu_blocks, name=f"cpu[{g}]", enable_events=config.enable_events)
             for g, s in enumerate(groups)
         ]
         self.gpu = gpu_view
@@ -125,12 +130,13 @@ class TransferLedger:
             used = set(cpu[g])
             self.cpu[g].free(reversed([b for b in pinned if b not in used]))
         xfer = self._new(Direction.LOAD, st.request.request_id, [st], gpu, cpu)
-        log.debug(
-            "offload_load_planned",
-            request_id=st.request.request_id,
-            transfer_id=xfer.transfer.transfer_id,
-            num_blocks=xfer.spec.num_blocks,
-        )
+        if debug_enabled():
+            log.debug(
+                "offload_load_planned",
+                request_id=st.request.request_id,
+                transfer_id=xfer.transfer.transfer_id,
+                num_blocks=xfer.spec.num_blocks,
+            )
 
     # ---- creating and launching ---------------------------------------------------------------
 
@@ -348,6 +354,36 @@ class TransferLedger:
         self.invalid |= mine or ids
         self.finished_recving.add(x.transfer.request_id)
 
+    def _describe(
+        self, g: int, hashes: Sequence[BlockHash], owners: Sequence[RequestState | None]
+    ) -> list[StoredBlockInfo]:
+        """Per stored block of group ``g``: its parent hash, tokens and request, for the cache
+        events (only with ``enable_events``). A lazy store's blocks have no owner."""
+        bs, slot = self._geo.block_sizes[g], self._geo.slot[g]
+        hint: dict[RequestState, int] = {}
+        out: list[StoredBlockInfo] = []
+        for h, st in zip(hashes, owners, strict=True):
+            i = -1
+            if st is not None:
+                hs = st.hash_lists[slot]
+                # A store picks each request's blocks in order: search on from the last one.
+                try:
+                    i = hs.index(h, hint.get(st, 0))
+                except ValueError:
+                    i = hs.index(h) if h in hs else -1
+            if st is None or i < 0:
+                out.append(_UNDESCRIBED)
+                continue
+            hint[st] = i + 1
+            out.append(
+                StoredBlockInfo(
+                    hs[i - 1] if i else None,
+                    tuple(st.request.all_token_ids[i * bs : (i + 1) * bs]),
+                    st.request,
+                )
+            )
+        return out
+
     def release(self, x: LiveTransfer, *, commit: bool) -> None:
         """Drop every ref the transfer holds; a committed store's blocks enter the prefix cache."""
         spec = x.spec
@@ -381,7 +417,9 @@ class TransferLedger:
                             for h, o in zip(hs, x.owners[g], strict=True)
                         ]
                     # Cached, then freed in reverse: a request's tail blocks are evicted first.
-                    n = pool.release_owned(cpu_ids, keep)
+                    n = pool.release_owned(
+                        cpu_ids, keep, self._describe(g, hs, x.owners[g]) if self.events else None
+                    )
                     nblocks += n
                     nbytes += n * groups[g].block_bytes
                     continue

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from attrs import asdict
 
-from kvflow.core.block_pool import BlockPool
+from kvflow.core.block_pool import AllBlocksCleared, BlockPool, PoolEvent
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
-from kvflow.core.logs import get_logger
+from kvflow.core.logs import debug_enabled, get_logger
 from kvflow.core.offload.config import (
     LAZY_REQUEST_ID,
     STEP_STORE_ID,
@@ -135,6 +135,32 @@ class OffloadManager:
         pinned hits): for consistency checks, it must equal the pools' ref counts."""
         return self._ledger.cpu_refs()
 
+    def take_events(self) -> list[tuple[int, PoolEvent]]:
+        """What entered and left the CPU prefix cache since the last call, as (group, event) in
+        the order it happened per group (empty unless ``OffloadManagerConfig.enable_events``)."""
+        if not self.config.enable_events:
+            return []
+        # Every pool is cleared by the same resets: the groups' events between two resets go
+        # out together, then one AllBlocksCleared (group 0), so nothing stored before a reset
+        # is reported after it.
+        segments: list[list[tuple[int, PoolEvent]]] = [[]]
+        for g, pool in enumerate(self._cpu):
+            k = 0
+            for e in pool.take_events():
+                if isinstance(e, AllBlocksCleared):
+                    k += 1
+                    if k == len(segments):
+                        segments.append([(0, e)])
+                    continue
+                segments[k].append((g, e))
+        return [item for segment in segments for item in segment]
+
+    @property
+    def counters(self) -> Counters:
+        """The live monotonic counters (read-only use): what ``stats`` copies, for an engine's
+        metrics that look at them every step."""
+        return self._n
+
     def stats(self) -> OffloadStats:
         """A frozen snapshot of the counters and of the CPU tier's occupancy."""
         return OffloadStats(
@@ -171,7 +197,9 @@ class OffloadManager:
                 # waiting queue): hash from it, and an engine's hashes live on the new object.
                 st.set_request(request, self._hashers(request))
             self._drop_match(st)
-        if self._reset_pending:
+        # A request that must not read cached KV (vLLM: prompt logprobs) gets no hit and takes
+        # no pin; it is still known here, so its blocks are stored.
+        if self._reset_pending or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         tokens = request.all_token_ids
         num_tokens = len(tokens)
@@ -194,12 +222,13 @@ class OffloadManager:
         st.match = PinnedHit(num_computed_tokens, num_external, tuple(first), tuple(pinned))
         self._n.hits += 1
         self._n.hit_tokens += num_external
-        log.debug(
-            "offload_hit",
-            request_id=rid,
-            num_computed_tokens=num_computed_tokens,
-            num_external_tokens=num_external,
-        )
+        if debug_enabled():
+            log.debug(
+                "offload_hit",
+                request_id=rid,
+                num_computed_tokens=num_computed_tokens,
+                num_external_tokens=num_external,
+            )
         return num_external, True
 
     def update_state_after_alloc(
@@ -484,7 +513,8 @@ class OffloadManager:
         # Its GPU blocks are gone: completed blocks not stored yet are lost with them.
         self._store.deferred.pop(st, None)
         st.forget_blocks(self._num_groups)
-        log.debug("offload_request_preempted", request_id=st.request.request_id)
+        if debug_enabled():
+            log.debug("offload_request_preempted", request_id=st.request.request_id)
 
     def request_finished(
         self, request: RequestLike, block_ids: Sequence[Sequence[int]] | None = None
@@ -532,7 +562,8 @@ class OffloadManager:
         else:
             ledger.waiting.pop(st, None)
             del self._requests[rid]
-        log.debug("offload_request_finished", request_id=rid, delay_free=st.delay_free)
+        if debug_enabled():
+            log.debug("offload_request_finished", request_id=rid, delay_free=st.delay_free)
         return st.delay_free
 
     def reset_cache(self) -> ResetStatus:

@@ -1,0 +1,198 @@
+"""vLLM's configuration as kvflow's connector takes it: options and the KV cache groups.
+
+``offload_config`` maps ``kv_connector_extra_config`` onto ``kvflow.connector.OffloadConfig``,
+which parses and validates every option (vLLM's ``cpu_bytes_to_use`` / ``_per_rank`` become its
+``cpu_bytes``). ``kv_cache_geometry`` reads vLLM's ``KVCacheConfig``: which groups kvflow offloads
+(vLLM's prefix-cacheable ones: a ring or scratch group that vLLM does not prefix-cache is never
+stored or loaded, as vLLM's own CPU offload connector does), each group's block size in tokens as
+vLLM's scheduler counts it (``block_size × dcp`` for a DCP-sharded group), and its bytes per block.
+A group kind kvflow cannot offload (Mamba state, chunked local attention, ...) is refused here,
+at start-up, by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from attrs import fields, frozen
+from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec
+from kvflow.connector.config import OffloadConfig, WorkerLoop, parse_size
+from kvflow.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig as VLLMKVCacheConfig
+
+DEFAULT_CPU_BYTES = 4 << 30
+"""``cpu_bytes_to_use`` when the extra config names none: the whole server's CPU tier."""
+
+VLLM_SIZE_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank")
+"""vLLM's offload connectors' names for the CPU tier's size (kvflow's ``cpu_bytes``)."""
+
+VLLM_DEFAULTS: Mapping[str, object] = {"worker_loop": WorkerLoop.THREAD.value}
+"""Defaults that differ in vLLM: its workers make their own threads and process layout, and the
+scheduler's calls live in another process, so the runtime's loop gets a thread of its own."""
+
+OFFLOADED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec)
+"""The KV cache spec types kvflow offloads (exact types: a subclass may change what a block
+holds)."""
+
+
+def _passthrough_keys() -> frozenset[str]:
+    return frozenset(f.name for f in fields(OffloadConfig)) - {"cpu_bytes", "world_size"}
+
+
+def valid_keys() -> list[str]:
+    """Every key ``kv_connector_extra_config`` may hold."""
+    return sorted(_passthrough_keys() | set(VLLM_SIZE_KEYS))
+
+
+def _size_option(extra: Mapping[str, Any], key: str) -> int:
+    try:
+        size = parse_size(extra[key])
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}]: {exc}") from None
+    if size <= 0:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be positive, got {size}")
+    return size
+
+
+def offload_config(extra: Mapping[str, Any] | None, world_size: int) -> OffloadConfig:
+    """kvflow's ``OffloadConfig`` for one rank of a vLLM server of ``world_size`` ranks.
+
+    ``cpu_bytes_to_use`` is the whole server's tier, split evenly over the ranks, unless
+    ``cpu_bytes_to_use_per_rank`` sets each rank's. Every other key is an ``OffloadConfig``
+    field, parsed and validated there; an unknown key raises ``ConfigError`` naming it.
+    """
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - _passthrough_keys() - set(VLLM_SIZE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"unknown kvflow option(s) {unknown} in kv_connector_extra_config; "
+            f"valid: {valid_keys()}"
+        )
+    if "cpu_bytes_to_use_per_rank" in extra:
+        cpu_bytes = _size_option(extra, "cpu_bytes_to_use_per_rank")
+        if "cpu_bytes_to_use" in extra:
+            _size_option(extra, "cpu_bytes_to_use")  # still checked: a typo is an error
+    else:
+        total = _size_option(extra, "cpu_bytes_to_use") if "cpu_bytes_to_use" in extra else None
+        cpu_bytes = (DEFAULT_CPU_BYTES if total is None else total) // max(1, world_size)
+    options = {**VLLM_DEFAULTS, **{k: v for k, v in extra.items() if k not in VLLM_SIZE_KEYS}}
+    # JSON numbers come as floats: integral ones are the ints they spell.
+    for key, value in options.items():
+        if isinstance(value, float) and value.is_integer():
+            options[key] = int(value)
+    try:
+        return OffloadConfig.from_mapping(
+            {**options, "cpu_bytes": max(1, cpu_bytes), "world_size": world_size}
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+
+
+@frozen
+class GroupGeometry:
+    """One vLLM KV cache group kvflow offloads, as kvflow sizes it."""
+
+    vllm_group: int  # its index among vLLM's groups
+    kind: str  # vLLM's spec type name
+    block_size: int  # tokens per block as vLLM's scheduler counts them (× dcp if DCP-sharded)
+    block_bytes: int  # bytes of one block over all the group's layers, on one rank
+    sliding_window: int | None
+    layer_names: tuple[str, ...]
+
+
+@frozen
+class KVGeometry:
+    """The groups kvflow offloads, in vLLM's order, and those it leaves alone."""
+
+    groups: tuple[GroupGeometry, ...]
+    num_vllm_groups: int
+    skipped: tuple[tuple[int, str], ...] = ()  # (vLLM group, spec type) never stored or loaded
+
+    @property
+    def offloads_every_group(self) -> bool:
+        return not self.skipped
+
+    def select(self, block_ids: Sequence[Sequence[int]]) -> tuple[Sequence[int], ...]:
+        """vLLM's per-group block ids → those of the offloaded groups, in kvflow's order."""
+        return tuple(block_ids[g.vllm_group] for g in self.groups)
+
+    @property
+    def layer_groups(self) -> dict[str, int]:
+        """Layer name → kvflow group, for the offloaded groups' layers only."""
+        return {name: k for k, g in enumerate(self.groups) for name in g.layer_names}
+
+    def kvflow_cache_config(self, num_blocks: int, device: str = "cpu") -> KVCacheConfig:
+        """kvflow's connector ``KVCacheConfig`` of the offloaded groups."""
+        return KVCacheConfig(
+            block_size=self.groups[0].block_size,
+            num_blocks=num_blocks,
+            groups=[
+                KVCacheGroupSpec(
+                    group_id=k,
+                    layer_names=g.layer_names,
+                    sliding_window=g.sliding_window,
+                    block_size=g.block_size,
+                )
+                for k, g in enumerate(self.groups)
+            ],
+            device=device,
+        )
+
+
+def kv_cache_geometry(kv_cache_config: VLLMKVCacheConfig, dcp_world_size: int = 1) -> KVGeometry:
+    """The groups of vLLM's ``KVCacheConfig`` kvflow offloads; raises ``ConfigError`` naming the
+    first group whose kind it cannot offload, or when no group is left to offload."""
+    groups: list[GroupGeometry] = []
+    skipped: list[tuple[int, str]] = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if not getattr(group, "enable_kv_transfer", True) or not spec.prefix_cacheable:
+            skipped.append((g, kind))
+            continue
+        if type(spec) not in OFFLOADED_SPECS:
+            raise ConfigError(
+                f"KV cache group {g} ({kind}, layers {list(group.layer_names)[:3]}...) cannot be "
+                f"offloaded: kvflow offloads {', '.join(t.__name__ for t in OFFLOADED_SPECS)} "
+                "groups only (Mamba state and other kinds are refused)"
+            )
+        groups.append(
+            GroupGeometry(
+                vllm_group=g,
+                kind=kind,
+                block_size=int(resolve_dcp_kv_block_size(spec, dcp_world_size)),
+                block_bytes=int(spec.page_size_bytes) * len(group.layer_names),
+                sliding_window=getattr(spec, "sliding_window", None),
+                layer_names=tuple(group.layer_names),
+            )
+        )
+    if not groups:
+        raise ConfigError(
+            f"no KV cache group kvflow can offload: {[k for _, k in skipped]} are not "
+            "prefix-cached by vLLM"
+        )
+    return KVGeometry(tuple(groups), len(kv_cache_config.kv_cache_groups), tuple(skipped))
+
+
+__all__ = [
+    "DEFAULT_CPU_BYTES",
+    "OFFLOADED_SPECS",
+    "VLLM_DEFAULTS",
+    "VLLM_SIZE_KEYS",
+    "GroupGeometry",
+    "KVGeometry",
+    "kv_cache_geometry",
+    "offload_config",
+    "valid_keys",
+]

@@ -1,0 +1,497 @@
+"""``KVFlowConnector``: vLLM's KV connector API over kvflow's connector (``kvflow.connector``).
+
+The scheduler-role instance holds kvflow's ``OffloadScheduler`` (built once vLLM binds its GPU
+block pool), the worker-role instance an ``OffloadWorker``; both are built from one
+``OffloadConfig`` (``config.offload_config``), so every option is parsed and validated there.
+This class only translates: requests and scheduler outputs (``requests``), block ids of the groups
+kvflow offloads, the plan and reports through vLLM's metadata (``relay``), events and stats
+(``telemetry``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvflow.connector.api import KVCacheConfig
+from kvflow.connector.config import OffloadConfig
+from kvflow.core.block_pool import PoolEvent
+from kvflow.core.logs import follow_host_logging, get_logger
+from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
+from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.transfer import Direction
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.config import KVGeometry, kv_cache_geometry, offload_config
+from kvflow.integrations.vllm.gpu_view import VLLMGpuCacheView
+from kvflow.integrations.vllm.relay import (
+    KVFlowConnectorMetadata,
+    KVFlowWorkerMetadata,
+    OutcomeLike,
+    OutcomeRelay,
+    report_has_news,
+)
+from kvflow.integrations.vllm.requests import (
+    GroupSelect,
+    HeldBlockIds,
+    RequestViews,
+    group_block_ids,
+    translate_scheduler_output,
+)
+from kvflow.integrations.vllm.telemetry import (
+    KVFlowConnectorStats,
+    KVFlowPromMetrics,
+    StatsDelta,
+    kv_cache_events,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput as VLLMSchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig as VLLMKVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvflow.core.offload import OffloadManager
+    from kvflow.runtime.clock import Clock
+
+log = get_logger("kvflow.integrations.vllm")
+
+VLLM_VERSION_TESTED = "0.32.0"
+
+
+class SchedulerRole(Protocol):
+    """The calls the adapter makes of ``kvflow.connector.OffloadScheduler``."""
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]: ...
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
+    ) -> None: ...
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan: ...
+    def update_from_reports(self, reports: Sequence[StepReport]) -> OutcomeLike: ...
+    def request_finished(
+        self, request: RequestLike, block_ids: GroupBlockIds
+    ) -> tuple[bool, dict[str, Any] | None]: ...
+    def reset_cache(self) -> bool: ...
+    def has_pending_push_work(self) -> bool: ...
+    @property
+    def manager(self) -> OffloadManager: ...
+    def take_events(self) -> list[tuple[int, PoolEvent]]: ...
+    def take_latencies(self) -> list[tuple[Direction, float]]: ...
+
+
+class WorkerRole(Protocol):
+    """The calls the adapter makes of ``kvflow.connector.OffloadWorker``."""
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None: ...
+    def bind_connector_metadata(self, meta: object) -> None: ...
+    def handle_preemptions(self, meta: object) -> None: ...
+    def start_load_kv(self) -> None: ...
+    def wait_for_save(self) -> None: ...
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]: ...
+    def build_worker_report(self) -> StepReport: ...
+    def get_block_ids_with_load_errors(self) -> set[int]: ...
+    def copy_throughput(self) -> dict[Direction, tuple[int, float]]: ...
+    def shutdown(self) -> None: ...
+
+
+def _world_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return int(parallel_state.get_world_group().rank_in_group)
+
+
+def _events_enabled(vllm_config: VllmConfig) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
+class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector interface over kvflow's ``OffloadScheduler`` and ``OffloadWorker``.
+
+    Both are built by ``make_scheduler_role`` / ``make_worker_role``, which a subclass may
+    override (tests inject scripted stand-ins that way).
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    @staticmethod
+    def clock() -> Clock:
+        """The clock transfer latencies are read from (tests override it with a FakeClock)."""
+        from kvflow.runtime.clock import SystemClock
+
+        return SystemClock()
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: VLLMKVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        # kvflow's events (stdlib logging unless structlog is configured) take vLLM's handler,
+        # format and VLLM_LOGGING_LEVEL, unless the application set the kvflow logger up itself.
+        follow_host_logging(logging.getLogger("vllm"))
+        if self._kv_transfer_config.kv_role != "kv_both":
+            raise ConfigError(
+                f"KVFlowConnector needs kv_role='kv_both' (it stores to and loads from its own CPU "
+                f"tier), got {self._kv_transfer_config.kv_role!r}"
+            )
+        if kv_cache_config is None:
+            raise ConfigError("KVFlowConnector needs vLLM's KVCacheConfig (vLLM >= 0.11)")
+        parallel = vllm_config.parallel_config
+        self.world_size = int(parallel.world_size)
+        self.config: OffloadConfig = offload_config(
+            self._kv_transfer_config.kv_connector_extra_config, self.world_size
+        )
+        # Every group kind is checked here, at start-up, in both roles.
+        self.geometry: KVGeometry = kv_cache_geometry(
+            kv_cache_config, int(parallel.decode_context_parallel_size)
+        )
+        groups = self.geometry.groups
+        self.cpu_blocks = self.config.cpu_blocks_per_group([g.block_bytes for g in groups])
+        self.num_cpu_blocks = self.cpu_blocks[0]
+        self._num_groups = len(groups)
+        self._select: GroupSelect | None = (
+            None if self.geometry.offloads_every_group else self.geometry.select
+        )
+        self._boundary = math.gcd(*(g.block_size for g in groups))
+        # vLLM sets hash_block_size on the config it hands connectors (None in older versions).
+        hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+        self._views = RequestViews(None if hash_block_size is None else int(hash_block_size))
+        self._held = HeldBlockIds(self._num_groups) if self.config.store_policy == "eager" else None
+        # vLLM maps failed block ids back to requests only with a single KV cache group.
+        self._per_request_failures = self.geometry.num_vllm_groups > 1
+        self._relay = OutcomeRelay(per_request=self._per_request_failures)
+        self._events = _events_enabled(vllm_config)
+        self._step = 0
+        self._scheduler: SchedulerRole | None = None
+        self._worker: WorkerRole | None = None
+        self._stats: StatsDelta | None = None
+        self._stats_dirty = False
+        self._report: StepReport | None = None
+        self._copies: dict[Direction, tuple[int, float]] = {}
+        self._copies_dirty = False
+        self._echo: frozenset[int] = frozenset()
+        self._echo_failed: frozenset[str] = frozenset()
+        self._load_requests: dict[int, str] = {}  # worker: live load transfer → its request
+        self._failed_requests: set[str] = set()  # worker: requests of loads that failed
+        # The scheduler role is built in bind_gpu_block_pool, which vLLM's Scheduler calls
+        # right after this: with a view of vLLM's GPU pool, loads, lazy stores and stores of
+        # sliding-window models hold references on their GPU blocks.
+        if role == KVConnectorRole.WORKER:
+            self._worker = self.make_worker_role()
+        log.info(
+            "vllm_connector_created",
+            role=role.name,
+            groups=self._num_groups,
+            skipped_groups=[g for g, _ in self.geometry.skipped],
+            cpu_blocks=self.num_cpu_blocks,
+            store_policy=self.config.store_policy.value,
+            worker_loop=self.config.worker_loop.value,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a store dropped by preemption is a later cache miss, not an error.
+        return False
+
+    # -- role construction (overridable) ----------------------------------------------------------
+
+    def kvflow_cache_config(self, device: str = "cpu") -> KVCacheConfig:
+        """kvflow's view of vLLM's KV cache: the offloaded groups, vLLM's block count."""
+        return self.geometry.kvflow_cache_config(int(self._kv_cache_config.num_blocks), device)
+
+    def make_scheduler_role(self, gpu_view: VLLMGpuCacheView) -> SchedulerRole:
+        """kvflow's ``OffloadScheduler`` over vLLM's GPU block pool."""
+        from kvflow.connector.offload import OffloadScheduler
+
+        return OffloadScheduler(
+            self.config,
+            self.kvflow_cache_config(),
+            [g.block_bytes for g in self.geometry.groups],
+            gpu_view=gpu_view,
+            now=self.clock().now,
+            enable_events=self._events,
+            record_latencies=True,
+        )
+
+    def make_worker_role(self) -> WorkerRole:
+        """kvflow's ``OffloadWorker`` for this worker's device, its runtime's loop as
+        ``worker_loop`` says (``auto`` backend: CUDA for a CUDA worker with a driver, else host)."""
+        # Imported here: the scheduler process never needs the runtime's event loop.
+        from kvflow.connector.offload import OffloadWorker
+
+        device = "cpu"
+        if str(self._vllm_config.device_config.device_type) == "cuda":
+            import torch
+
+            device = f"cuda:{torch.cuda.current_device()}"
+        return OffloadWorker(
+            self.config, self.kvflow_cache_config(device), self.cpu_blocks, rank=_world_rank()
+        )
+
+    @property
+    def scheduler_role(self) -> SchedulerRole:
+        if self._scheduler is None:
+            raise ConfigError(
+                "kvflow's scheduler side is not ready: vLLM binds its GPU block pool "
+                "(bind_gpu_block_pool) first, and worker-role connectors have none"
+            )
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerRole:
+        if self._worker is None:
+            raise ConfigError("worker-side call on a scheduler-role KVFlowConnector")
+        return self._worker
+
+    def _ids(self, block_ids: Sequence[Sequence[int]]) -> GroupBlockIds:
+        return group_block_ids(block_ids if self._select is None else self._select(block_ids))
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self._scheduler is None and self.role == KVConnectorRole.SCHEDULER:
+            self._scheduler = self.make_scheduler_role(VLLMGpuCacheView(gpu_block_pool))
+            self._stats = StatsDelta(sum(self.cpu_blocks))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._stats_dirty = True
+        return self.scheduler_role.get_num_new_matched_tokens(
+            self._views.get(request), num_computed_tokens
+        )
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_role.update_state_after_alloc(
+            self._views.get(request), self._ids(blocks.get_block_ids()), num_external_tokens
+        )
+
+    def build_connector_meta(
+        self, scheduler_output: VLLMSchedulerOutput
+    ) -> KVFlowConnectorMetadata:
+        step = self._step
+        self._step += 1
+        plan = self.scheduler_role.build_connector_meta(
+            translate_scheduler_output(
+                scheduler_output, step, self._num_groups, self._boundary, self._held, self._select
+            )
+        )
+        if plan.stores or plan.loads or plan.abandoned:
+            self._stats_dirty = True
+        return KVFlowConnectorMetadata(plan, *self._relay.take_echo())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        outcome = None
+        if isinstance(meta, KVFlowWorkerMetadata) and meta.reports:
+            outcome = self.scheduler_role.update_from_reports(meta.reports)
+            self._stats_dirty = True
+        self._relay.apply(connector_output, outcome)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._held is not None:
+            self._held.drop(request.request_id)
+        delay_free, params = self.scheduler_role.request_finished(
+            self._views.pop(request), self._ids(block_ids)
+        )
+        return delay_free, None if params is None else dict(params)
+
+    def reset_cache(self) -> bool | None:
+        """Empty the CPU tier; True at once, even with transfers in flight (docs/vllm.md).
+
+        From this call on no request is offered a CPU hit until the reset completes, and every
+        transfer in flight is abandoned: its result is dropped when it settles, never cached. So
+        the cache vLLM asked to reset serves nothing from before the reset, which is what
+        vLLM's callers need (a weight update raises on False).
+        """
+        complete = self.scheduler_role.reset_cache()
+        self._stats_dirty = True
+        log.info("vllm_connector_reset_cache", complete=complete)
+        return True
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps vLLM's engine loop stepping until every transfer reported and held completions
+        # went through their echo: an idle engine would otherwise leave finished stores
+        # uncommitted, and the next request would miss them.
+        return self._relay.pending or (
+            self._scheduler is not None and self._scheduler.has_pending_push_work()
+        )
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The CPU tier's KV cache events since the last call (with vLLM's KV events on)."""
+        if not self._events or self._scheduler is None:
+            return ()
+        events = self._scheduler.take_events()
+        return kv_cache_events(events, self.geometry) if events else ()
+
+    # -- stats (both roles) -------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This interval's stats: the scheduler role's counters, occupancy and latencies, or a
+        worker's copy bytes and seconds; None when nothing changed (most steps)."""
+        if self._scheduler is not None:
+            if not self._stats_dirty or self._stats is None:
+                return None
+            self._stats_dirty = False
+            return self._stats.take(self._scheduler.manager, self._scheduler.take_latencies())
+        if self._worker is None or not self._copies_dirty:
+            return None
+        self._copies_dirty = False
+        now = self._worker.copy_throughput()
+        stats = KVFlowConnectorStats()
+        for direction, (moved, busy) in now.items():
+            last_moved, last_busy = self._copies.get(direction, (0, 0.0))
+            stats.add(f"copy_bytes_{direction.value}", moved - last_moved)
+            stats.add(f"copy_seconds_{direction.value}", busy - last_busy)
+        self._copies = dict(now)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVFlowConnectorStats() if data is None else KVFlowConnectorStats(data=data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVFlowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        # Only the offloaded groups' layers: a group vLLM does not prefix-cache is never copied.
+        layers = self.geometry.layer_groups
+        self.worker.register_kv_caches({n: t for n, t in kv_caches.items() if n in layers})
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        if not isinstance(connector_metadata, KVFlowConnectorMetadata):
+            raise ConfigError(
+                f"KVFlowConnector got {type(connector_metadata).__name__}, "
+                "not KVFlowConnectorMetadata"
+            )
+        super().bind_connector_metadata(connector_metadata)
+        self._echo |= connector_metadata.echo_invalid_block_ids
+        self._echo_failed |= connector_metadata.echo_failed_request_ids
+        plan = connector_metadata.plan
+        if plan.loads:
+            self._load_requests.update((t.transfer_id, t.request_id) for t in plan.loads)
+        self.worker.bind_connector_metadata(plan)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if (
+            isinstance(kv_connector_metadata, KVFlowConnectorMetadata)
+            and kv_connector_metadata.plan.flush
+        ):
+            self.worker.handle_preemptions(kv_connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request, fenced before the step's forward: nothing to wait for here."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Stores are planned per step and launched in ``wait_for_save``, not per layer."""
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def _collect_report(self) -> None:
+        if self._report is not None:
+            return
+        worker = self.worker
+        worker.get_finished(set())
+        report = self._report = worker.build_worker_report()
+        if report.completed or report.failed:
+            self._copies_dirty = True
+            loads = self._load_requests
+            if loads:
+                for tid in report.completed:
+                    loads.pop(tid, None)
+                for tid in report.failed:
+                    rid = loads.pop(tid, None)
+                    if rid is not None:
+                        self._failed_requests.add(rid)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Request completion is decided by the scheduler role once all ranks reported.
+        self._collect_report()
+        return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """No completions (the scheduler role decides them); with several KV cache groups, the
+        requests whose loads failed, as vLLM needs them there."""
+        self._collect_report()
+        failed: set[str] = set()
+        if self._per_request_failures:
+            failed = self._failed_requests | self._echo_failed
+            self._echo_failed = frozenset()
+        self._failed_requests = set()
+        return KVConnectorTransferResults(failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._collect_report()
+        errors = set(self.worker.get_block_ids_with_load_errors()) | self._echo
+        self._echo = frozenset()
+        # Several groups: vLLM rejects block ids it cannot map back; failed_recving carries them.
+        return set() if self._per_request_failures else errors
+
+    def build_connector_worker_meta(self) -> KVFlowWorkerMetadata | None:
+        self._collect_report()
+        report, self._report = self._report, None
+        if report is None or not report_has_news(report):
+            return None
+        return KVFlowWorkerMetadata((report,))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+__all__ = ["VLLM_VERSION_TESTED", "KVFlowConnector", "SchedulerRole", "WorkerRole"]
