@@ -43,6 +43,11 @@ class BackendError(KVFlowError):
     """A device backend failed or is unavailable (no CUDA, driver too old, copy failed)."""
 
 
+class DeadlineError(BackendError, TimeoutError):
+    """A wait ran past its deadline (a copy, a drain, a flush, pinning, another rank); the
+    message names what was waited for and for how long."""
+
+
 class ClosedError(KVFlowError):
     """The runtime, executor or reactor was used after it was closed."""
 
@@ -52,6 +57,7 @@ __all__ = [
     "BlockPoolError",
     "ClosedError",
     "ConfigError",
+    "DeadlineError",
     "KVFlowError",
     "LayoutError",
     "ProtocolError",

@@ -27,7 +27,7 @@ from kvflow.core.scheduler import (
     StorePolicy,
 )
 from kvflow.core.transfer import Direction, TransferState
-from kvflow.errors import ConfigError, ReportError
+from kvflow.errors import ConfigError, ProtocolError, ReportError
 from tests.core.conftest import MakeSim
 from tests.core.scheduler_harness import Sim
 
@@ -741,10 +741,10 @@ def test_update_state_after_alloc_called_again_replaces_the_load(make_sim: MakeS
 
 
 def test_bad_calls_raise_typed_errors_and_change_nothing(make_sim: MakeSim) -> None:
-    """Misuse raises ConfigError or ReportError naming the problem, leaving the manager usable."""
+    """Misuse raises ConfigError, ProtocolError or ReportError naming the problem, leaving the manager usable."""
     sim = make_sim(ONE_GROUP)
     a = sim.add("a", range(8))
-    with pytest.raises(ConfigError, match="no pinned CPU hit"):
+    with pytest.raises(ProtocolError, match="no pinned CPU hit"):
         sim.mgr.update_state_after_alloc(a, [[1, 2]], 4)
     with pytest.raises(ConfigError, match="num_computed_tokens"):
         sim.mgr.get_num_new_matched_tokens(a, -1)
@@ -818,7 +818,7 @@ def test_invalid_step_or_report_is_rejected_whole(make_sim: MakeSim) -> None:
         cached_requests=(CachedRequest("a", [[]], 8, 1), CachedRequest("ghost", [[]], 0, 1)),
         preempted_request_ids=frozenset({"a"}),
     )
-    with pytest.raises(ConfigError, match="ghost"):
+    with pytest.raises(ProtocolError, match="ghost"):
         sim.mgr.build_step_plan(bad)
     a.all_token_ids.extend(range(8, 16))
     short = SchedulerOutput(99, cached_requests=(CachedRequest("a", [[]], 8, 8),))

@@ -29,13 +29,14 @@ from typing import Any
 import structlog
 from attrs import asdict, define, field, frozen
 
+from kvflow.core import validate
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
-from kvflow.errors import ConfigError, ReportError
+from kvflow.errors import ConfigError, ProtocolError, ReportError
 
 log = structlog.get_logger("kvflow.scheduler")
 
@@ -127,8 +128,14 @@ class SchedulerConfig:
     lazy_watermark: int = 64
     null_block_id: int | None = None
     eager_store_interval: int = 1
+    num_gpu_blocks: int | None = None
+    """GPU blocks per group, block ``null_block_id`` included: when given, every GPU block id an
+    engine hands the manager is checked to be in range (an unknown id must never reach a pool or
+    a device)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.num_gpu_blocks is not None:
+            _positive("num_gpu_blocks", self.num_gpu_blocks)
         if not self.groups:
             raise ConfigError("SchedulerConfig needs at least one KV cache group")
         for g, spec in enumerate(self.groups):
@@ -510,6 +517,14 @@ class OffloadManager:
         loads fewer blocks. Until the next ``build_step_plan`` a new call replaces the previous one.
         """
         rid = request.request_id
+        # -- boundary check (kvflow.core.validate): the whole table, before anything changes --
+        table = (
+            validate.group_ids(
+                rid, gpu_block_ids, self._num_groups, self.config.num_gpu_blocks, self._null
+            )
+            if num_external_tokens or len(gpu_block_ids)
+            else ()
+        )
         st = self._requests.get(rid)
         if type(num_external_tokens) is not int or num_external_tokens < 0:
             raise ConfigError(f"{rid}: num_external_tokens must be an int >= 0")
@@ -519,15 +534,14 @@ class OffloadManager:
             return
         m = None if st is None else st.match
         if st is None or m is None:
-            raise ConfigError(f"{rid}: {num_external_tokens} external tokens but no pinned CPU hit")
+            raise ProtocolError(
+                f"{rid}: {num_external_tokens} external tokens but no pinned CPU hit"
+            )
         if num_external_tokens > m.num_external_tokens:
             raise ConfigError(
                 f"{rid}: {num_external_tokens} external tokens allocated, "
                 f"only {m.num_external_tokens} matched"
             )
-        table = [tuple(int(b) for b in group) for group in gpu_block_ids]
-        if len(table) != self._num_groups:
-            raise ConfigError(f"{rid}: {len(table)} block groups, expected {self._num_groups}")
         last_token = m.num_computed_tokens + num_external_tokens
         gpu: list[tuple[int, ...]] = []
         cpu: list[tuple[int, ...]] = []
@@ -556,6 +570,8 @@ class OffloadManager:
     def build_step_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """Every load and store of this step (all PENDING transfers are launched). Pure w.r.t. input."""
         so = scheduler_output
+        # -- boundary check (kvflow.core.validate): counts, duplicates, new tables --
+        validate.scheduler_output(so, self._num_groups, self.config.num_gpu_blocks, self._null)
         requests = self._requests
         check = self._check_table
         num_groups = self._num_groups
@@ -564,7 +580,7 @@ class OffloadManager:
         for new in so.new_requests:
             st = requests.get(new.request_id)
             if st is None:
-                raise ConfigError(
+                raise ProtocolError(
                     f"unknown new request {new.request_id!r}: match or alloc it first"
                 )
             end = new.num_computed_tokens + new.num_scheduled_tokens - new.num_spec_tokens
@@ -575,7 +591,7 @@ class OffloadManager:
         for c in so.cached_requests:
             st = requests.get(c.request_id)
             if st is None:
-                raise ConfigError(f"unknown running request {c.request_id!r}")
+                raise ProtocolError(f"unknown running request {c.request_id!r}")
             end = c.num_computed_tokens + c.num_scheduled_tokens - c.num_spec_tokens
             ids = c.new_block_ids
             boundary = st.next_boundary
@@ -601,7 +617,7 @@ class OffloadManager:
         ):
             st = requests.get(rid)
             if st is None:
-                raise ConfigError(f"unknown running request {rid!r}")
+                raise ProtocolError(f"unknown running request {rid!r}")
             end = computed + 1
             if end < st.next_boundary and ids == no_new:
                 continue
@@ -614,6 +630,13 @@ class OffloadManager:
                 if len(have[g]) + len(ids[g]) < confirmed // bs:
                     check(st, end, confirmed, ids, False)
             dirty.append((st, confirmed, ids, False))
+        # -- boundary check (kvflow.core.validate): the ids of every entry with news --
+        validate.new_block_ids(
+            ((st.request.request_id, ids) for st, _, ids, _ in dirty),
+            num_groups,
+            self.config.num_gpu_blocks,
+            self._null,
+        )
         # Every table is checked: from here on nothing raises on bad input.
 
         flush = False
@@ -1137,6 +1160,15 @@ class OffloadManager:
 
         Eager: any full computed block not yet stored is stored now (from ``block_ids``).
         """
+        # -- boundary check (kvflow.core.validate): the table, before anything changes --
+        if block_ids is not None:
+            block_ids = validate.group_ids(
+                request.request_id,
+                block_ids,
+                self._num_groups,
+                self.config.num_gpu_blocks,
+                self._null,
+            )
         st = self._requests.get(request.request_id)
         if st is None:
             return False, None
@@ -1284,6 +1316,8 @@ class OffloadManager:
             if not is_load and not self._eager:
                 # Blocks ahead of the lazy cursor may have counted on this store.
                 self._lazy_reset("store_failed")
+            elif not is_load:
+                self._rearm_failed_store(x)
             log.warning(
                 "offload_transfer_failed",
                 transfer_id=t.transfer_id,
@@ -1297,6 +1331,33 @@ class OffloadManager:
         apply(t, _RELEASE, cause="settled")
         self._release(x, commit=ok)
         return ok
+
+    def _rearm_failed_store(self, x: _Xfer) -> None:
+        """An eager store failed: its blocks become eligible again for every running request that
+        still holds one (its own, or one skipped as a duplicate of it), so a later step or
+        ``request_finished`` stores them. The request's cursor moves back to its first such
+        block; full-attention groups only (a sliding window may have freed its old blocks)."""
+        failed = [frozenset(hs) for hs in x.hashes]
+        rearmed = 0
+        for st in self._requests.values():
+            if st.finishing:
+                continue
+            moved = False
+            for g in self._full_groups:
+                lost = failed[g] if g < len(failed) else frozenset()
+                if not lost:
+                    continue
+                hs = st.hash_lists[self._slot[g]]
+                for i in range(st.cursor[g]):
+                    if hs[i] in lost:
+                        st.cursor[g] = i
+                        moved = True
+                        break
+            if moved:
+                st.next_boundary = 0  # the next step advances it, even without a new block
+                rearmed += 1
+        if rearmed:
+            log.info("offload_store_rearmed", transfer_id=x.transfer.transfer_id, requests=rearmed)
 
     def _load_invalid(self, x: _Xfer, reported: frozenset[int]) -> None:
         ids = {b for g in x.spec.gpu_block_ids for b in g}

@@ -15,6 +15,7 @@ from typing import Any, Self, TypeVar
 from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
+from kvflow.runtime.gate import PlanGate
 from kvflow.runtime.worker import WorkerRuntime
 
 T = TypeVar("T")
@@ -26,6 +27,7 @@ class WorkerFacade(abc.ABC):
 
     _rt: WorkerRuntime
     _load_errors: set[int]
+    _gate: PlanGate  # the boundary checks on the engine's thread (kvflow.runtime.gate)
 
     @abc.abstractmethod
     def _on_loop(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -92,6 +94,7 @@ class WorkerFacade(abc.ABC):
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Abandon what ``plan`` abandons and, if it asks to flush, wait for every copy."""
+        self._gate.require("handle_preemptions")  # boundary check
         self._on_loop(self._rt.handle_preemptions, plan)
 
     def flush(self) -> None:

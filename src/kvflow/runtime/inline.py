@@ -30,12 +30,15 @@ import anyio
 import structlog
 
 from kvflow.backends.base import Backend, FenceStatus
+from kvflow.core import validate
 from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
 from kvflow.runtime.clock import Clock
+from kvflow.runtime.deadline import Timeouts, wait_or_timeout
 from kvflow.runtime.facade import WorkerFacade
+from kvflow.runtime.gate import PlanGate
 from kvflow.runtime.worker import WorkerRuntime
 
 log = structlog.get_logger("kvflow.inline")
@@ -59,6 +62,7 @@ class InlineWorkerRuntime(WorkerFacade):
         coalesce: bool = True,
         min_backoff: float = 20e-6,
         max_backoff: float = 1e-3,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self._backend = backend
         self._loop = asyncio.new_event_loop()
@@ -75,6 +79,7 @@ class InlineWorkerRuntime(WorkerFacade):
                 coalesce=coalesce,
                 min_backoff=min_backoff,
                 max_backoff=max_backoff,
+                timeouts=timeouts,
             ) as rt:
                 self._stop = anyio.Event()
                 ready.set_result(rt)
@@ -96,6 +101,7 @@ class InlineWorkerRuntime(WorkerFacade):
         self._progress: anyio.Event | None = None
         self._load_errors: set[int] = set()
         self._bound: StepPlan | None = None
+        self._gate = PlanGate()
         log.info("inline_worker_runtime_started", rank=rank, backend=backend.name)
 
     # -- driving the loop -------------------------------------------------------------------------
@@ -167,21 +173,27 @@ class InlineWorkerRuntime(WorkerFacade):
         groups: Mapping[str, int] | None = None,
     ) -> KVLayout:
         self._check_open()
-        return self._rt.register_kv_caches(kv_caches, num_blocks, groups)
+        layout = self._rt.register_kv_caches(kv_caches, num_blocks, groups)
+        self._gate.registered(layout)
+        return layout
 
     def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
         self._check_open()
         self._rt.allocate_cpu_tier(num_blocks)
+        self._gate.allocated(num_blocks)
 
     def bind_connector_metadata(self, plan: StepPlan) -> None:
-        """``WorkerRuntime.bind(plan)``, at once."""
+        """``WorkerRuntime.bind(plan)``, at once, once ``PlanGate`` let the plan through."""
         self._check_open()
+        self._gate.check(plan)  # boundary check
         self._rt.bind(plan)
+        self._gate.record(plan)
         self._bound = plan
 
     def start_load_kv(self) -> None:
         """Launch the bound plan's loads (their copies are submitted before this returns)."""
         self._check_open()
+        self._gate.require("start_load_kv")  # boundary check
         plan = self._bound
         if plan is None or plan.loads:
             self._rt.start_load_kv()
@@ -190,6 +202,7 @@ class InlineWorkerRuntime(WorkerFacade):
     def wait_for_save(self) -> None:
         """Launch the bound plan's stores, fenced on a compute fence recorded now."""
         self._check_open()
+        self._gate.require("wait_for_save")  # boundary check
         plan = self._bound
         if plan is None or plan.stores:
             self._rt.wait_for_save(self._backend.compute_fence())
@@ -226,6 +239,7 @@ class InlineWorkerRuntime(WorkerFacade):
         """Block up to ``timeout`` seconds (real time: the reactor polls with back-off) until
         some copy settles; at once if none is in flight. Returns whether a copy settled."""
         self._check_open()
+        timeout = validate.timeout_s("wait_for_progress timeout", timeout)  # boundary check
         self._step_loop()
         if not self._settled and self._rt.in_flight:
             self._on_loop(self._await_progress, timeout)
@@ -235,8 +249,7 @@ class InlineWorkerRuntime(WorkerFacade):
     async def _await_progress(self, timeout: float) -> None:
         self._progress = anyio.Event()
         try:
-            with anyio.move_on_after(timeout):
-                await self._progress.wait()
+            await wait_or_timeout(self._rt.clock, timeout, self._progress.wait)
         finally:
             self._progress = None
 

@@ -33,12 +33,15 @@ import structlog
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kvflow.backends.base import Backend
+from kvflow.core import validate
 from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
 from kvflow.runtime.clock import Clock
+from kvflow.runtime.deadline import Timeouts
 from kvflow.runtime.facade import WorkerFacade
+from kvflow.runtime.gate import PlanGate
 from kvflow.runtime.worker import WorkerRuntime
 
 log = structlog.get_logger("kvflow.portal")
@@ -62,6 +65,7 @@ class SyncWorkerRuntime(WorkerFacade):
         coalesce: bool = True,
         min_backoff: float = 20e-6,
         max_backoff: float = 1e-3,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self._backend = backend
         self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal("asyncio")
@@ -75,6 +79,7 @@ class SyncWorkerRuntime(WorkerFacade):
                     coalesce=coalesce,
                     min_backoff=min_backoff,
                     max_backoff=max_backoff,
+                    timeouts=timeouts,
                 )
             )
             self._rt: WorkerRuntime = self._rt_cm.__enter__()
@@ -95,6 +100,7 @@ class SyncWorkerRuntime(WorkerFacade):
         self._load_errors: set[int] = set()
         self._pending: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
         self._bound: StepPlan | None = None
+        self._gate = PlanGate()
 
     # -- plumbing ------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -219,19 +225,28 @@ class SyncWorkerRuntime(WorkerFacade):
         num_blocks: int | Mapping[int, int],
         groups: Mapping[str, int] | None = None,
     ) -> KVLayout:
-        return self._call(self._rt.register_kv_caches, kv_caches, num_blocks, groups)
+        layout = self._call(self._rt.register_kv_caches, kv_caches, num_blocks, groups)
+        self._gate.registered(layout)
+        return layout
 
     def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
         self._call(self._rt.allocate_cpu_tier, num_blocks)
+        self._gate.allocated(num_blocks)
 
     def bind_connector_metadata(self, plan: StepPlan) -> None:
-        """Posted: ``WorkerRuntime.bind(plan)``; runs with the step's first wake-up."""
+        """Posted: ``WorkerRuntime.bind(plan)``; runs with the step's first wake-up. The plan is
+        checked here first (``PlanGate``): a bad or replayed one raises at once, posting nothing."""
+        self._check_open()
+        self._gate.check(plan)  # boundary check
         self._bound = plan
         self._post(self._rt.bind, plan, wake=False)
+        self._gate.record(plan)
 
     def start_load_kv(self) -> None:
         """Posted when the bound plan has loads, waking the loop so they start before the
         engine's forward rather than after it."""
+        self._check_open()
+        self._gate.require("start_load_kv")  # boundary check
         plan = self._bound
         if plan is None or plan.loads:
             self._post(self._rt.start_load_kv)
@@ -240,6 +255,7 @@ class SyncWorkerRuntime(WorkerFacade):
         """Posted when the bound plan has stores: launch them, fenced on a compute fence recorded
         here (so a GPU backend fences after the engine's own stream), waking the loop."""
         self._check_open()
+        self._gate.require("wait_for_save")  # boundary check
         plan = self._bound
         if plan is None or plan.stores:
             self._post(self._rt.wait_for_save, self._backend.compute_fence())
@@ -280,6 +296,7 @@ class SyncWorkerRuntime(WorkerFacade):
         Returns whether a copy settled. (A real-time wait on the device, not a clock sleep.)
         """
         self._check_open()
+        timeout = validate.timeout_s("wait_for_progress timeout", timeout)  # boundary check
         if self._pending:
             self._sync()  # the queued calls may launch the very copies the engine waits for
         if self._rt.in_flight == 0 and not self._progress.is_set():
@@ -294,8 +311,12 @@ class SyncWorkerRuntime(WorkerFacade):
             return
         try:
             self._wake()
-            self._portal.call(lambda: self._rt.shutdown(drain=drain))
-            self._rt_cm.__exit__(None, None, None)
+            try:
+                # Bounded: a drain past ``Timeouts.drain_s`` raises DeadlineError, the runtime
+                # closed (what it still had in flight abandoned).
+                self._portal.call(lambda: self._rt.shutdown(drain=drain))
+            finally:
+                self._rt_cm.__exit__(None, None, None)
         finally:
             self._closed = True
             self._portal_cm.__exit__(None, None, None)

@@ -25,8 +25,9 @@ from kvflow.backends.base import Backend, Fence, FenceStatus
 from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
-from kvflow.errors import ClosedError, ConfigError
+from kvflow.errors import ClosedError, ConfigError, DeadlineError
 from kvflow.runtime.clock import Clock, SystemClock
+from kvflow.runtime.deadline import Timeouts, within
 from kvflow.runtime.executor import CopyOrder, DmaExecutor
 from kvflow.runtime.reactor import Reactor
 
@@ -50,6 +51,8 @@ class WorkerRuntime:
     min_backoff: float = 20e-6
     max_backoff: float = 1e-3
     layout: KVLayout | None = None
+    timeouts: Timeouts = field(factory=Timeouts)
+    """Bounds of the drain at shutdown and of a flush, on ``clock``."""
     progress_hooks: list[Callable[[], None]] = field(factory=list)
     """Called on the loop each time copies settle (the sync facade wakes an idle engine)."""
     reactor: Reactor = field(init=False)
@@ -87,8 +90,10 @@ class WorkerRuntime:
         coalesce: bool = True,
         min_backoff: float = 20e-6,
         max_backoff: float = 1e-3,
+        timeouts: Timeouts | None = None,
     ) -> AsyncIterator[WorkerRuntime]:
-        """Start the reactor and executor tasks; on exit drain (or, on error, cancel) and close."""
+        """Start the reactor and executor tasks; on exit drain (or, on error, cancel) and close.
+        A drain past its deadline raises its ``DeadlineError`` here, unwrapped."""
         rt = cls(
             backend,
             rank=rank,
@@ -96,7 +101,9 @@ class WorkerRuntime:
             coalesce=coalesce,
             min_backoff=min_backoff,
             max_backoff=max_backoff,
+            timeouts=timeouts if timeouts is not None else Timeouts(),
         )
+        late: DeadlineError | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(rt.reactor.run)
             tg.start_soon(rt.executor.run)
@@ -108,9 +115,14 @@ class WorkerRuntime:
                 tg.cancel_scope.cancel()
                 raise
             else:
-                await rt.shutdown()
+                try:
+                    await rt.shutdown()
+                except DeadlineError as exc:
+                    late = exc  # raised below: a task group would wrap it
             finally:
                 tg.cancel_scope.cancel()
+        if late is not None:
+            raise late
 
     async def shutdown(self, *, drain: bool = True) -> None:
         """Stop: ``drain`` submits and waits for everything queued; else queued copies fail
@@ -119,7 +131,13 @@ class WorkerRuntime:
         if self._closed:
             return
         if self._stopping:
-            await self._stopped.wait()  # another task is shutting down: wait for it
+            # Another task is shutting down: wait for it, as long as its drain may take.
+            await within(
+                self.clock,
+                self.timeouts.drain_s,
+                f"rank {self.rank}: another task's shutdown",
+                self._stopped.wait,
+            )
             return
         self._stopping = True
         log.info(
@@ -130,7 +148,18 @@ class WorkerRuntime:
             outstanding=self.executor.outstanding,
         )
         self.executor.close(drain=drain)
-        await self.executor.wait_closed()
+        what = (
+            f"rank {self.rank}: {'drain' if drain else 'cancel'} at shutdown "
+            f"({self.executor.queued} copy orders queued, {self.executor.outstanding} batches "
+            "on the device)"
+        )
+        try:
+            await within(self.clock, self.timeouts.drain_s, what, self.executor.wait_closed)
+        except DeadlineError:
+            # The device did not finish in time: abandon what is left, close, and say so.
+            log.error("worker_runtime_drain_timed_out", rank=self.rank, drain=drain)
+            self._abort()
+            raise
         self._close_rest()
 
     def _abort(self) -> None:
@@ -333,7 +362,12 @@ class WorkerRuntime:
     async def flush(self) -> None:
         """Wait for every copy handed over so far, including those not yet submitted."""
         self._check_open()
-        await self.executor.flush()
+        what = (
+            f"rank {self.rank}: flush of every copy handed over "
+            f"({self.executor.queued} copy orders queued, {self.executor.outstanding} batches "
+            "on the device)"
+        )
+        await within(self.clock, self.timeouts.flush_s, what, self.executor.flush)
 
     async def handle_preemptions(self, plan: StepPlan) -> None:
         """Before the engine reuses preempted requests' GPU blocks: abandon what ``plan``

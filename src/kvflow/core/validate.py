@@ -1,0 +1,247 @@
+"""Boundary checks: pure functions that validate what an engine hands kvflow, before any state
+changes.
+
+Every engine-facing call checks its whole input with these first and either applies all of it or
+raises: ``ConfigError`` for a bad value (an id out of range or given twice, a count that is not
+an int, a shape that does not match), ``ProtocolError`` for a call out of order (a plan replayed
+or bound before the KV caches were registered). Each error names the call, the request or
+transfer, the group and the value. The checks cost work proportional to the ids they are given:
+the decode hot path hands them only the entries that carry new block ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from kvflow.core.protocol import GroupBlockIds, StepPlan, TransferSpec
+from kvflow.core.requests import SchedulerOutput
+from kvflow.core.transfer import Direction
+from kvflow.errors import ConfigError, ProtocolError
+
+
+def strict_int(name: str, value: object, *, minimum: int = 0) -> int:
+    """``value`` if it is an int (not a bool) ``>= minimum``; else a ``ConfigError`` naming it."""
+    if type(value) is not int:
+        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def timeout_s(name: str, value: object) -> float:
+    """A timeout in seconds: a finite number >= 0 (inf or nan would make a wait unbounded)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"{name} must be finite and >= 0 seconds, got {value!r}")
+    return seconds
+
+
+def group_ids(
+    where: str,
+    ids: Iterable[Iterable[object]],
+    num_groups: int,
+    num_blocks: int | None,
+    null_block_id: int | None,
+) -> GroupBlockIds:
+    """``ids`` (one sequence of block ids per KV cache group) as a tuple of int tuples, checked:
+    one entry per group, every id an int in ``0 .. num_blocks - 1`` (when known), none but the
+    null block twice in a group."""
+    try:
+        groups = [list(g) for g in ids]
+    except TypeError:
+        raise ConfigError(f"{where}: block ids must be one sequence of ints per group") from None
+    if len(groups) != num_groups:
+        raise ConfigError(f"{where}: {len(groups)} block groups, expected {num_groups}")
+    out: list[tuple[int, ...]] = []
+    for g, group in enumerate(groups):
+        block_ids: list[int] = []
+        for b in group:
+            if type(b) is not int:
+                raise ConfigError(f"{where} group {g}: block id {b!r} is not an int")
+            block_ids.append(b)
+        check_ids(where, g, block_ids, num_blocks, null_block_id)
+        out.append(tuple(block_ids))
+    return tuple(out)
+
+
+def check_ids(
+    where: str,
+    group: int,
+    ids: Sequence[int],
+    num_blocks: int | None,
+    null_block_id: int | None,
+    *,
+    kind: str = "GPU",
+) -> None:
+    """Ids of one group: in range (when ``num_blocks`` is known) and unique but for the null
+    block."""
+    if not ids:
+        return
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or (num_blocks is not None and hi >= num_blocks):
+        bad = lo if lo < 0 else hi
+        limit = "" if num_blocks is None else f" 0..{num_blocks - 1}"
+        raise ConfigError(f"{where} group {group}: {kind} block id {bad} out of range{limit}")
+    real = [b for b in ids if b != null_block_id] if null_block_id is not None else ids
+    if len(set(real)) != len(real):
+        seen: set[int] = set()
+        twice = next(b for b in real if b in seen or seen.add(b))  # type: ignore[func-returns-value]
+        raise ConfigError(f"{where} group {group}: {kind} block id {twice} given twice")
+
+
+def scheduler_output(
+    so: SchedulerOutput, num_groups: int, num_blocks: int | None, null_block_id: int | None
+) -> None:
+    """The parts of a step that need no manager state: counts are ints in order, no request is
+    listed twice, new requests' block tables are well formed. (Running requests' new block ids
+    are checked with ``new_block_ids`` once the steady-state entries are skipped.)"""
+    strict_int("step", so.step)
+    rids: list[str] = []
+    for new in so.new_requests:
+        where = f"new request {new.request_id!r}"
+        _counts(where, new.num_computed_tokens, new.num_scheduled_tokens, new.num_spec_tokens)
+        group_ids(where, new.block_ids, num_groups, num_blocks, null_block_id)
+        rids.append(new.request_id)
+    for c in so.cached_requests:
+        where = f"running request {c.request_id!r}"
+        _counts(where, c.num_computed_tokens, c.num_scheduled_tokens, c.num_spec_tokens)
+        rids.append(c.request_id)
+    decode = so.decode_requests
+    # The decode columns are the hot path of a big batch: one C-level pass, no per-entry work.
+    if decode.request_ids and min(decode.num_computed_tokens) < 0:
+        raise ConfigError("decode requests: a negative num_computed_tokens")
+    if len(set(rids)) != len(rids):
+        seen: set[str] = set()
+        twice = next(r for r in rids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+        raise ConfigError(f"step {so.step}: request {twice!r} is scheduled twice")
+
+
+def _counts(where: str, computed: object, scheduled: object, spec: object) -> None:
+    strict_int(f"{where}: num_computed_tokens", computed)
+    n = strict_int(f"{where}: num_scheduled_tokens", scheduled)
+    if strict_int(f"{where}: num_spec_tokens", spec) > n:
+        raise ConfigError(f"{where}: {spec} speculative tokens among {n} scheduled")
+
+
+def new_block_ids(
+    entries: Iterable[tuple[str, GroupBlockIds]],
+    num_groups: int,
+    num_blocks: int | None,
+    null_block_id: int | None,
+) -> None:
+    """Block ids a step hands running requests (``(request id, ids)``): per group in range and
+    unique, one entry per group."""
+    for rid, ids in entries:
+        if len(ids) != num_groups:
+            raise ConfigError(f"{rid}: {len(ids)} block groups, expected {num_groups}")
+        for g, group in enumerate(ids):
+            if group:
+                check_ids(f"request {rid!r}", g, group, num_blocks, null_block_id)
+
+
+def plan(plan: StepPlan, gpu_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None:
+    """A step plan against the registered layout: every transfer's ids in range per group and
+    unique within it, no CPU block written by a store and touched by another transfer of the
+    plan, no GPU block written by two loads, no transfer id twice. (Two loads may read one CPU
+    block: requests sharing a cached prefix.)"""
+    strict_int("plan step", plan.step)
+    num_groups = len(gpu_blocks)
+    ids: set[int] = set()
+    stored: list[set[int]] = [set() for _ in range(num_groups)]  # CPU blocks stores write
+    read: list[set[int]] = [set() for _ in range(num_groups)]  # CPU blocks loads read
+    loaded: list[set[int]] = [set() for _ in range(num_groups)]  # GPU blocks loads write
+    for spec in (*plan.stores, *plan.loads):
+        tid = spec.transfer_id
+        if tid in ids:
+            raise ConfigError(f"step {plan.step} lists a transfer id twice ({tid})")
+        ids.add(tid)
+        where = f"step {plan.step} transfer {tid} ({spec.direction.value})"
+        _spec(where, spec, gpu_blocks, cpu_blocks)
+        is_load = spec.direction is Direction.LOAD
+        for g, (gpu, cpu) in enumerate(zip(spec.gpu_block_ids, spec.cpu_block_ids, strict=True)):
+            if not gpu:
+                continue
+            if is_load:
+                _disjoint(where, g, "GPU block", gpu, loaded[g], "loaded twice")
+                _disjoint(where, g, "CPU block", cpu, stored[g], "also written by a store")
+                read[g].update(cpu)
+            else:
+                _disjoint(where, g, "CPU block", cpu, stored[g], "written by two stores")
+                _disjoint(where, g, "CPU block", cpu, read[g], "also read by a load")
+            (loaded if is_load else stored)[g].update(gpu if is_load else cpu)
+
+
+def _disjoint(
+    where: str, group: int, kind: str, ids: Sequence[int], seen: set[int], what: str
+) -> None:
+    if not seen.isdisjoint(ids):
+        raise ConfigError(f"{where} group {group}: {kind} {min(seen.intersection(ids))} {what}")
+
+
+def _spec(
+    where: str, spec: TransferSpec, gpu_blocks: Sequence[int], cpu_blocks: Sequence[int]
+) -> None:
+    if len(spec.gpu_block_ids) != len(gpu_blocks) or len(spec.cpu_block_ids) != len(gpu_blocks):
+        raise ConfigError(
+            f"{where}: {len(spec.gpu_block_ids)} GPU / {len(spec.cpu_block_ids)} CPU block "
+            f"groups, the registered layout has {len(gpu_blocks)}"
+        )
+    for g, (gpu, cpu) in enumerate(zip(spec.gpu_block_ids, spec.cpu_block_ids, strict=True)):
+        if len(gpu) != len(cpu):
+            raise ConfigError(f"{where} group {g}: {len(gpu)} GPU blocks but {len(cpu)} CPU")
+        if gpu:
+            check_ids(where, g, gpu, gpu_blocks[g], None)
+            check_ids(where, g, cpu, cpu_blocks[g], None, kind="CPU")
+
+
+def plan_order(plan: StepPlan, last_step: int | None, last_transfer_id: int) -> None:
+    """A plan must be the next one: a later step than the last bound, and only transfers newer
+    than every one seen (the manager numbers them in order), so a replayed or stale plan can
+    never copy again into blocks that have been committed or reused since."""
+    if last_step is not None and plan.step <= last_step:
+        raise ProtocolError(
+            f"plan of step {plan.step} bound after step {last_step}: replayed or out of order"
+        )
+    old = [s.transfer_id for s in (*plan.stores, *plan.loads) if s.transfer_id <= last_transfer_id]
+    if old:
+        raise ProtocolError(
+            f"plan of step {plan.step} names transfer(s) {sorted(old)} not newer than transfer "
+            f"{last_transfer_id} already bound: replayed or out of order"
+        )
+
+
+def tier_budget(
+    declared: Sequence[int], registered: Sequence[int], cpu_blocks: Sequence[int], cpu_bytes: int
+) -> None:
+    """The registered tensors' bytes per block against those the CPU tier was sized with: a
+    larger block would allocate a tier past ``cpu_bytes``."""
+    if len(declared) != len(registered):
+        raise ConfigError(
+            f"the connector was sized for {len(declared)} KV cache groups, the registered "
+            f"tensors make {len(registered)}"
+        )
+    for g, (want, got) in enumerate(zip(declared, registered, strict=True)):
+        if got > want:
+            raise ConfigError(
+                f"group {g}: the registered KV tensors hold {got} bytes per block, the "
+                f"connector was sized for {want}: the CPU tier would exceed cpu_bytes"
+            )
+    total = sum(n * b for n, b in zip(cpu_blocks, registered, strict=True))
+    if total > cpu_bytes:
+        raise ConfigError(f"a CPU tier of {total} bytes exceeds cpu_bytes={cpu_bytes}")
+
+
+__all__ = [
+    "check_ids",
+    "group_ids",
+    "new_block_ids",
+    "plan",
+    "plan_order",
+    "scheduler_output",
+    "strict_int",
+    "tier_budget",
+    "timeout_s",
+]
