@@ -190,7 +190,8 @@ def test_out_of_range_gpu_id_in_alloc_is_refused_and_the_scheduler_goes_on(
     rig.step(NewRequest("b", ((3, 4, 5),), 0, 0))
     rig.settle()
     assert "b" in rig.recving
-    assert torch.equal(rig.page(3), want[0]) and torch.equal(rig.page(4), want[1])
+    assert torch.equal(rig.page(3), want[0])
+    assert torch.equal(rig.page(4), want[1])
     rig.sched.request_finished(b, ((3, 4, 5),))
     rig.settle()
     rig.assert_no_leaks()
@@ -242,7 +243,8 @@ def test_duplicate_gpu_ids_are_refused_and_never_corrupt_the_cache(rigs: list[Ri
     rig.sched.update_state_after_alloc(b, ((7, 8, 9),), 8)
     rig.step(NewRequest("b", ((7, 8, 9),), 0, 0))
     rig.settle()
-    assert torch.equal(rig.page(7), want[0]) and torch.equal(rig.page(8), want[1])
+    assert torch.equal(rig.page(7), want[0])
+    assert torch.equal(rig.page(8), want[1])
     rig.sched.request_finished(b, ((7, 8, 9),))
     rig.settle()
     rig.assert_no_leaks()
@@ -263,7 +265,8 @@ def test_a_replayed_plan_is_refused_and_committed_blocks_keep_their_kv(rigs: lis
         rig.worker.bind_connector_metadata(StepPlan(10_000, stores=stored.stores))
     rig.step()
     _reload(rig, "c", [*PROMPT, 7], ((3, 4, 5),))
-    assert torch.equal(rig.page(3), want[0]) and torch.equal(rig.page(4), want[1])
+    assert torch.equal(rig.page(3), want[0])
+    assert torch.equal(rig.page(4), want[1])
     rig.assert_no_leaks()
 
 
@@ -305,7 +308,8 @@ def test_a_failed_deduplicated_store_leaves_the_prefix_storable(rigs: list[Rig])
     assert "b" in rig.sending
     assert rig.sched.stats().manager.blocks_stored == 2
     _reload(rig, "c", [*PROMPT, 5], ((5, 6, 7),))
-    assert torch.equal(rig.page(5), want[0]) and torch.equal(rig.page(6), want[1])
+    assert torch.equal(rig.page(5), want[0])
+    assert torch.equal(rig.page(6), want[1])
     rig.assert_no_leaks()
 
 
