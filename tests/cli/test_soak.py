@@ -1,0 +1,58 @@
+"""The soak benchmark runs for 30 seconds with every fault kind injected and every bad input
+kind thrown at the connector, and finds no violation of kvflow's guarantees."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+from scripts import soak
+
+
+@pytest.fixture(autouse=True)
+def _keep_logging_config() -> Iterator[None]:
+    """The script sets structlog and torch's threads for its own process; the suite's come back."""
+    before = structlog.get_config()
+    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
+    yield
+    structlog.configure(**before)
+    sys.setswitchinterval(interval)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_soak_30_seconds_injects_every_fault_and_finds_no_violation(tmp_path: Path) -> None:
+    """30 s of random traffic over both store policies and both worker loops: exit status 0,
+    no violation, every fault and bad-input kind exercised, reloads and outputs checked."""
+    out = tmp_path / "soak.json"
+    assert soak.main(["--duration", "30", "--seed", "7", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["violations"] == []
+    assert set(figures["segments"]) == {
+        "eager/inline",
+        "eager/thread",
+        "lazy/inline",
+        "lazy/thread",
+    }
+    assert all(n > 0 for n in figures["segments"].values())
+    for fault in (
+        "store_failed_on_device",
+        "load_failed_on_device",
+        "copy_slowed",
+        "completion_reported_late",
+        "rank1_reported_late",
+        "rank1_reported_failure",
+        "resets_with_copies_in_flight",
+        "preemptions",
+    ):
+        assert figures["faults"].get(fault, 0) > 0, fault
+    assert len(figures["rejected"]) >= 9
+    assert figures["outputs_checked"] == figures["requests"] > 0
+    assert figures["transfers"]["blocks_loaded_committed"] > 0
+    assert figures["checks"]["blocks_reloaded_byte_identical"] > 0
+    assert figures["checks"]["transfers_held_for_late_rank"] > 0
