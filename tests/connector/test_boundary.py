@@ -16,10 +16,10 @@ from kvflow.backends.host import HostBackend, HostFence
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig, machine_memory_bytes
 from kvflow.connector.offload import OffloadConnector
-from kvflow.core.protocol import GroupBlockIds, StepPlan, TransferSpec
+from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import KVRequest, NewRequest, SchedulerOutput
 from kvflow.core.transfer import Direction
-from kvflow.errors import ConfigError, ProtocolError
+from kvflow.errors import ConfigError, ProtocolError, ReportError
 
 BLOCK = 4  # tokens per block
 GPU_BLOCKS = 16
@@ -377,8 +377,8 @@ def test_bad_ids_in_a_new_request_never_reach_the_device(
 
 def test_scheduler_refuses_unknown_requests_and_bad_counts(rigs: list[Rig]) -> None:
     """Bug 6: a step naming a request kvflow never saw is a ProtocolError, a request scheduled
-    twice or with speculative tokens beyond the scheduled ones a ConfigError; none changes
-    anything."""
+    twice or with speculative tokens beyond the scheduled ones a ConfigError, a report that is
+    not one or names an unknown transfer a ReportError; none changes anything."""
     rig = _rig(rigs)
     a = KVRequest.from_prompt("a", PROMPT)
     rig.sched.get_num_new_matched_tokens(a, 0)
@@ -395,6 +395,10 @@ def test_scheduler_refuses_unknown_requests_and_bad_counts(rigs: list[Rig]) -> N
         )
     with pytest.raises(ConfigError, match="block groups"):
         rig.sched.request_finished(a, ((1,), (2,)))
+    with pytest.raises(ReportError, match="must be a StepReport"):
+        rig.sched.update_connector_output(KVConnectorOutput(reports=("done",)))  # type: ignore[arg-type]
+    with pytest.raises(ReportError, match="unknown or settled transfer"):
+        rig.sched.update_connector_output(KVConnectorOutput(reports=(StepReport(0, (77,)),)))
     rig.step(new)
     rig.settle()
     rig.sched.request_finished(a, ((1, 2),))

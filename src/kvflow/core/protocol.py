@@ -181,6 +181,8 @@ def aggregate(reports: Iterable[StepReport], world_size: int) -> AggregatedRepor
     failed: dict[int, set[int]] = {}
     invalid: set[int] = set()
     for report in reports:
+        if not isinstance(report, StepReport):
+            raise ReportError(f"a report must be a StepReport, got {type(report).__name__}")
         if report.rank >= world_size:
             raise ReportError(f"report from rank {report.rank}, world size is {world_size}")
         for tid in report.completed:
