@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 import torch
 from scripts import bench_copy_contention, bench_decode_step, bench_engine_offload
-
-
-@pytest.fixture(autouse=True)
-def _keep_logging_config() -> Iterator[None]:
-    """The scripts set structlog, the GIL switch interval and torch's threads for their own
-    process; the suite's settings come back."""
-    before = structlog.get_config()
-    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
-    yield
-    structlog.configure(**before)
-    sys.setswitchinterval(interval)
-    torch.set_num_threads(threads)
 
 
 def test_decode_step_bench_times_every_shape_in_every_mode(tmp_path: Path) -> None:

@@ -4,25 +4,10 @@ kind thrown at the connector, and finds no violation of kvflow's guarantees."""
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import structlog
-import torch
 from scripts import soak
-
-
-@pytest.fixture(autouse=True)
-def _keep_logging_config() -> Iterator[None]:
-    """The script sets structlog and torch's threads for its own process; the suite's come back."""
-    before = structlog.get_config()
-    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
-    yield
-    structlog.configure(**before)
-    sys.setswitchinterval(interval)
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

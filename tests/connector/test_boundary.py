@@ -9,10 +9,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
-from attrs import define
 
-from kvflow.backends.base import CopyBatch, Fence, FenceStatus
-from kvflow.backends.host import HostBackend, HostFence
+from kvflow.backends.host import HostBackend
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig, machine_memory_bytes
 from kvflow.connector.offload import OffloadConnector
@@ -20,6 +18,7 @@ from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSp
 from kvflow.core.requests import KVRequest, NewRequest, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError, ProtocolError, ReportError
+from tests.connector.test_offload_end_to_end import FailingCopies
 
 BLOCK = 4  # tokens per block
 GPU_BLOCKS = 16
@@ -34,27 +33,6 @@ def _tensors(page_floats: int = 16) -> dict[str, torch.Tensor]:
 
 def _block_bytes(t: torch.Tensor) -> int:
     return 2 * t[0, 0].numel() * t.element_size()
-
-
-@define(eq=False)
-class FailingStores(HostBackend):
-    """The host backend, but the first ``fail`` store batches fail on the device."""
-
-    fail: int = 1
-    failed: int = 0
-
-    def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
-        if batch.direction is Direction.STORE and self.failed < self.fail:
-            self.failed += 1
-            fence = HostFence(-self.failed, FenceStatus.FAILED, error="injected store failure")
-            fence.finished.set()
-            return fence
-        return super().submit(batch, wait_for)
-
-    def query(self, fence: Fence) -> FenceStatus:
-        if isinstance(fence, HostFence) and fence.fence_id < 0:
-            return fence.status
-        return super().query(fence)
 
 
 class Rig:
@@ -292,7 +270,7 @@ def test_registration_refuses_tensors_larger_than_the_declared_blocks(rigs: list
 def test_a_failed_deduplicated_store_leaves_the_prefix_storable(rigs: list[Rig]) -> None:
     """Bug 5: a and b prefill one prefix in one step; the single store planned for it fails;
     request_finished(b) then stores b's copy, and a new request with the prefix hits."""
-    rig = _rig(rigs, FailingStores())
+    rig = _rig(rigs, FailingCopies(direction=Direction.STORE))
     a, b = KVRequest.from_prompt("a", PROMPT), KVRequest.from_prompt("b", PROMPT)
     for req, table in ((a, ((1, 2),)), (b, ((3, 4),))):
         rig.sched.get_num_new_matched_tokens(req, 0)
