@@ -159,6 +159,10 @@ def _own(hashers: Sequence[HashChain]) -> tuple[HashChain, ...]:
     return tuple(h for h in hashers if not isinstance(h, EngineBlockHashes))
 
 
+def _request_id(st: _Request) -> str:
+    return st.request.request_id
+
+
 def _transfer_id(x: _Xfer) -> int:
     return x.transfer.transfer_id
 
@@ -570,8 +574,8 @@ class OffloadManager:
     def build_step_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """Every load and store of this step (all PENDING transfers are launched). Pure w.r.t. input."""
         so = scheduler_output
-        # -- boundary check (kvflow.core.validate): counts, duplicates, new tables --
-        validate.scheduler_output(so, self._num_groups, self.config.num_gpu_blocks, self._null)
+        # -- boundary check (kvflow.core.validate): the step, new requests' counts and tables --
+        validate.scheduler_output(so)
         requests = self._requests
         check = self._check_table
         num_groups = self._num_groups
@@ -630,12 +634,9 @@ class OffloadManager:
                 if len(have[g]) + len(ids[g]) < confirmed // bs:
                     check(st, end, confirmed, ids, False)
             dirty.append((st, confirmed, ids, False))
-        # -- boundary check (kvflow.core.validate): the ids of every entry with news --
-        validate.new_block_ids(
-            ((st.request.request_id, ids) for st, _, ids, _ in dirty),
-            num_groups,
-            self.config.num_gpu_blocks,
-            self._null,
+        # -- boundary check (kvflow.core.validate): every entry that changes something --
+        validate.step_entries(
+            dirty, _request_id, num_groups, self.config.num_gpu_blocks, self._null
         )
         # Every table is checked: from here on nothing raises on bad input.
 

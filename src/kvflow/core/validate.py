@@ -12,12 +12,15 @@ the decode hot path hands them only the entries that carry new block ids.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from kvflow.core.protocol import GroupBlockIds, StepPlan, TransferSpec
 from kvflow.core.requests import SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError, ProtocolError
+
+T = TypeVar("T")
 
 
 def strict_int(name: str, value: object, *, minimum: int = 0) -> int:
@@ -78,45 +81,39 @@ def check_ids(
 ) -> None:
     """Ids of one group: in range (when ``num_blocks`` is known) and unique but for the null
     block."""
+    problem = id_problem(ids, num_blocks, null_block_id)
+    if problem is not None:
+        raise ConfigError(f"{where} group {group}: {kind} block id {problem}")
+
+
+def id_problem(ids: Sequence[int], num_blocks: int | None, null_block_id: int | None) -> str | None:
+    """What is wrong with one group's ints (out of range, given twice), or None. Cheap for the
+    common short lists: no set, no copy, unless there are several ids."""
     if not ids:
-        return
+        return None
     lo, hi = min(ids), max(ids)
     if lo < 0 or (num_blocks is not None and hi >= num_blocks):
         bad = lo if lo < 0 else hi
         limit = "" if num_blocks is None else f" 0..{num_blocks - 1}"
-        raise ConfigError(f"{where} group {group}: {kind} block id {bad} out of range{limit}")
-    real = [b for b in ids if b != null_block_id] if null_block_id is not None else ids
-    if len(set(real)) != len(real):
-        seen: set[int] = set()
-        twice = next(b for b in real if b in seen or seen.add(b))  # type: ignore[func-returns-value]
-        raise ConfigError(f"{where} group {group}: {kind} block id {twice} given twice")
+        return f"{bad} out of range{limit}"
+    if len(ids) > 1 and len(set(ids)) != len(ids):
+        real = [b for b in ids if b != null_block_id]
+        if len(set(real)) != len(real):
+            seen: set[int] = set()
+            twice = next(b for b in real if b in seen or seen.add(b))  # type: ignore[func-returns-value]
+            return f"{twice} given twice"
+    return None
 
 
-def scheduler_output(
-    so: SchedulerOutput, num_groups: int, num_blocks: int | None, null_block_id: int | None
-) -> None:
-    """The parts of a step that need no manager state: counts are ints in order, no request is
-    listed twice, new requests' block tables are well formed. (Running requests' new block ids
-    are checked with ``new_block_ids`` once the steady-state entries are skipped.)"""
+def scheduler_output(so: SchedulerOutput) -> None:
+    """The parts of a step that need no manager state: the step is an int, new requests'
+    counts are ints in order. Block ids, and running requests, are checked with
+    ``step_entries`` once the steady-state entries (no new block, none completed: nothing of
+    them is applied) are skipped, so a big decode batch costs nothing extra."""
     strict_int("step", so.step)
-    rids: list[str] = []
     for new in so.new_requests:
         where = f"new request {new.request_id!r}"
         _counts(where, new.num_computed_tokens, new.num_scheduled_tokens, new.num_spec_tokens)
-        group_ids(where, new.block_ids, num_groups, num_blocks, null_block_id)
-        rids.append(new.request_id)
-    for c in so.cached_requests:
-        where = f"running request {c.request_id!r}"
-        _counts(where, c.num_computed_tokens, c.num_scheduled_tokens, c.num_spec_tokens)
-        rids.append(c.request_id)
-    decode = so.decode_requests
-    # The decode columns are the hot path of a big batch: one C-level pass, no per-entry work.
-    if decode.request_ids and min(decode.num_computed_tokens) < 0:
-        raise ConfigError("decode requests: a negative num_computed_tokens")
-    if len(set(rids)) != len(rids):
-        seen: set[str] = set()
-        twice = next(r for r in rids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
-        raise ConfigError(f"step {so.step}: request {twice!r} is scheduled twice")
 
 
 def _counts(where: str, computed: object, scheduled: object, spec: object) -> None:
@@ -126,20 +123,65 @@ def _counts(where: str, computed: object, scheduled: object, spec: object) -> No
         raise ConfigError(f"{where}: {spec} speculative tokens among {n} scheduled")
 
 
-def new_block_ids(
-    entries: Iterable[tuple[str, GroupBlockIds]],
+def step_entries(
+    entries: Sequence[tuple[T, object, GroupBlockIds, bool]],
+    name: Callable[[T], str],
     num_groups: int,
     num_blocks: int | None,
     null_block_id: int | None,
 ) -> None:
-    """Block ids a step hands running requests (``(request id, ids)``): per group in range and
-    unique, one entry per group."""
-    for rid, ids in entries:
+    """The entries of a step that change the manager (``(request, confirmed tokens, block ids,
+    replace)``; ``name(request)`` is its id): no request twice, confirmed tokens an int >= 0,
+    one id tuple per group, ids in range and unique within the entry. Ids are ints already
+    (``NewRequest`` and ``CachedRequest`` convert them). One plain pass, its common case (one
+    new id per request) first; only a failing step is walked again, to name the problem."""
+    limit = num_blocks if num_blocks is not None else 1 << 62
+    bad = False
+    for _, confirmed, ids, _ in entries:
+        if type(confirmed) is not int or confirmed < 0 or len(ids) != num_groups:
+            bad = True
+            break
+        for group in ids:
+            if not group:
+                continue
+            if len(group) == 1:
+                if 0 <= group[0] < limit:
+                    continue
+            elif min(group) >= 0 and max(group) < limit and len(set(group)) == len(group):
+                continue
+            # Else out of range or repeated; only the null block may repeat (window padding).
+            if id_problem(group, num_blocks, null_block_id) is not None:
+                bad = True
+                break
+        if bad:
+            break
+    if bad or len({id(e[0]) for e in entries}) != len(entries):
+        _entries_error(entries, name, num_groups, num_blocks, null_block_id)
+
+
+def _entries_error(
+    entries: Sequence[tuple[T, object, GroupBlockIds, bool]],
+    name: Callable[[T], str],
+    num_groups: int,
+    num_blocks: int | None,
+    null_block_id: int | None,
+) -> None:
+    """Walk a step that failed ``step_entries``' checks and raise naming the first problem."""
+    seen: set[int] = set()
+    for req, confirmed, ids, _ in entries:
+        rid = name(req)
+        if id(req) in seen:
+            raise ConfigError(f"request {rid!r} is scheduled twice in one step")
+        seen.add(id(req))
+        if type(confirmed) is not int or confirmed < 0:
+            raise ConfigError(f"request {rid!r}: counts give {confirmed!r} computed tokens")
         if len(ids) != num_groups:
             raise ConfigError(f"{rid}: {len(ids)} block groups, expected {num_groups}")
         for g, group in enumerate(ids):
-            if group:
-                check_ids(f"request {rid!r}", g, group, num_blocks, null_block_id)
+            problem = id_problem(group, num_blocks, null_block_id)
+            if problem is not None:
+                raise ConfigError(f"request {rid!r} group {g}: GPU block id {problem}")
+    raise AssertionError("step_entries found a problem that _entries_error did not")
 
 
 def plan(plan: StepPlan, gpu_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None:
@@ -237,10 +279,11 @@ def tier_budget(
 __all__ = [
     "check_ids",
     "group_ids",
-    "new_block_ids",
+    "id_problem",
     "plan",
     "plan_order",
     "scheduler_output",
+    "step_entries",
     "strict_int",
     "tier_budget",
     "timeout_s",
