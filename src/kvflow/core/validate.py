@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from kvflow.core.protocol import GroupBlockIds, StepPlan, TransferSpec
 from kvflow.core.requests import SchedulerOutput
@@ -53,21 +53,20 @@ def group_ids(
     one entry per group, every id an int in ``0 .. num_blocks - 1`` (when known), none but the
     null block twice in a group."""
     try:
-        groups = [list(g) for g in ids]
+        groups = [tuple(g) for g in ids]
     except TypeError:
         raise ConfigError(f"{where}: block ids must be one sequence of ints per group") from None
     if len(groups) != num_groups:
         raise ConfigError(f"{where}: {len(groups)} block groups, expected {num_groups}")
-    out: list[tuple[int, ...]] = []
     for g, group in enumerate(groups):
-        block_ids: list[int] = []
-        for b in group:
-            if type(b) is not int:
-                raise ConfigError(f"{where} group {g}: block id {b!r} is not an int")
-            block_ids.append(b)
-        check_ids(where, g, block_ids, num_blocks, null_block_id)
-        out.append(tuple(block_ids))
-    return tuple(out)
+        if not _INT.issuperset(map(type, group)):  # one C-level pass, bools and floats out
+            b = next(b for b in group if type(b) is not int)
+            raise ConfigError(f"{where} group {g}: block id {b!r} is not an int")
+        check_ids(where, g, cast("tuple[int, ...]", group), num_blocks, null_block_id)
+    return cast(GroupBlockIds, tuple(groups))
+
+
+_INT = frozenset({int})
 
 
 def check_ids(
@@ -112,8 +111,19 @@ def scheduler_output(so: SchedulerOutput) -> None:
     them is applied) are skipped, so a big decode batch costs nothing extra."""
     strict_int("step", so.step)
     for new in so.new_requests:
-        where = f"new request {new.request_id!r}"
-        _counts(where, new.num_computed_tokens, new.num_scheduled_tokens, new.num_spec_tokens)
+        computed, scheduled, spec = (
+            new.num_computed_tokens,
+            new.num_scheduled_tokens,
+            new.num_spec_tokens,
+        )
+        if (
+            type(computed) is not int
+            or type(scheduled) is not int
+            or type(spec) is not int
+            or min(computed, scheduled, spec) < 0
+            or spec > scheduled
+        ):
+            _counts(f"new request {new.request_id!r}", computed, scheduled, spec)
 
 
 def _counts(where: str, computed: object, scheduled: object, spec: object) -> None:
