@@ -91,6 +91,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--p-rank-fail", type=float, default=0.02, help="rank 1 fails a copy")
     p.add_argument("--p-reset", type=float, default=0.02, help="steps that reset the CPU cache")
     p.add_argument("--p-bad", type=float, default=0.2, help="steps followed by a bad input")
+    p.add_argument(
+        "--sabotage",
+        choices=("none", "corrupt-cpu"),
+        default="none",
+        help="corrupt-cpu: flip a byte of some stored CPU blocks (the checks must catch it)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
     return p.parse_args(argv)
 
@@ -128,6 +134,7 @@ class FaultyHost(HostBackend):
     p_fail_load: float = 0.0
     p_slow: float = 0.0
     lazy: bool = False
+    corrupt: bool = False  # sabotage: the soak's own check that its checks catch a bad copy
     p_late: float = 0.0
     cpu_refs: Callable[[int, int], int] | None = None  # (group, CPU block) → ref count
     gpu_held: Callable[[int], bool] | None = None  # GPU block → held by a request or a copy
@@ -220,6 +227,8 @@ class FaultyHost(HostBackend):
             for g, ids in enumerate(batch.cpu_block_ids):
                 for cb in ids:
                     self._cpu_digest[(g, cb)] = _digest(self._cpu[g][cb])
+                    if self.corrupt and self.rng.random() < 0.2:
+                        self._cpu[g][cb, 0] ^= 0xFF
             return
         with self._lock:
             earlier = self._store_of.pop(id(batch), ())
@@ -342,6 +351,7 @@ class Soak:
             p_fail_load=args.p_fail_load,
             p_slow=args.p_slow,
             lazy=policy == "lazy",
+            corrupt=args.sabotage == "corrupt-cpu",
             p_late=args.p_late,
         )
         self.conn: OffloadConnector | None = None

@@ -41,3 +41,15 @@ def test_soak_30_seconds_injects_every_fault_and_finds_no_violation(tmp_path: Pa
     assert figures["transfers"]["blocks_loaded_committed"] > 0
     assert figures["checks"]["blocks_reloaded_byte_identical"] > 0
     assert figures["checks"]["transfers_held_for_late_rank"] > 0
+
+
+def test_soak_catches_a_corrupted_cpu_block_and_exits_1(tmp_path: Path) -> None:
+    """With stored CPU blocks corrupted on purpose the soak reports reload violations (and the
+    outputs that differ) and exits 1: its checks can fail."""
+    out = tmp_path / "soak.json"
+    code = soak.main(
+        ["--duration", "4", "--sabotage", "corrupt-cpu", "--policy", "eager", "--json", str(out)]
+    )
+    assert code == 1
+    violations = json.loads(out.read_text())["violations"]
+    assert any("not as its store wrote it" in v for v in violations)
