@@ -851,6 +851,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             lazy_watermark=self.options.lazy_watermark,
             null_block_id=NULL_BLOCK_ID,
             eager_store_interval=self.options.eager_store_interval,
+            num_gpu_blocks=int(self._kv_cache_config.num_blocks),
         )
         return OffloadManager(config, gpu_view=gpu_view)
 
