@@ -48,6 +48,11 @@ class PeerError(KVFlowError):
     names the peer and what was waited for. The hand-off falls back to local recompute."""
 
 
+class DeadlineError(BackendError, TimeoutError):
+    """A wait ran past its deadline (a copy, a drain, a flush, pinning, another rank); the
+    message names what was waited for and for how long."""
+
+
 class ClosedError(KVFlowError):
     """The runtime, executor or reactor was used after it was closed."""
 
@@ -57,6 +62,7 @@ __all__ = [
     "BlockPoolError",
     "ClosedError",
     "ConfigError",
+    "DeadlineError",
     "KVFlowError",
     "LayoutError",
     "PeerError",

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,18 +16,6 @@ from scripts import (
     bench_pd_control,
     bench_pd_transfer,
 )
-
-
-@pytest.fixture(autouse=True)
-def _keep_logging_config() -> Iterator[None]:
-    """The scripts set structlog, the GIL switch interval and torch's threads for their own
-    process; the suite's settings come back."""
-    before = structlog.get_config()
-    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
-    yield
-    structlog.configure(**before)
-    sys.setswitchinterval(interval)
-    torch.set_num_threads(threads)
 
 
 def test_decode_step_bench_times_every_shape_in_every_mode(tmp_path: Path) -> None:

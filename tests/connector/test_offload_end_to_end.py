@@ -29,17 +29,19 @@ from tests.engine.helpers import shared_model
 
 
 @define(eq=False)
-class FailingLoads(HostBackend):
-    """The host backend, but the first ``fail`` load batches fail on the device."""
+class FailingCopies(HostBackend):
+    """The host backend, but the first ``fail`` load batches (or store batches, with
+    ``direction``) fail on the device."""
 
     fail: int = 1
     failed: int = 0
+    direction: Direction = Direction.LOAD
     _fences: list[HostFence] = field(factory=list)
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
-        if batch.direction is Direction.LOAD and self.failed < self.fail:
+        if batch.direction is self.direction and self.failed < self.fail:
             self.failed += 1
-            fence = HostFence(-self.failed, FenceStatus.FAILED, error="injected load failure")
+            fence = HostFence(-self.failed, FenceStatus.FAILED, error="injected copy failure")
             fence.finished.set()
             return fence
         return super().submit(batch, wait_for)
@@ -179,7 +181,7 @@ def test_failed_load_recovers_by_recompute_with_identical_output(loop: str) -> N
     prompt = list(range(100, 160))
     off, _ = _engine("tiny", offload=None, num_gpu_blocks=64)
     (want,) = off.run_to_completion([GenerationRequest(prompt, 6, request_id="a")])
-    backend = FailingLoads(fail=1)
+    backend = FailingCopies(fail=1)
     on, (conn,) = _engine(
         "tiny",
         offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop),

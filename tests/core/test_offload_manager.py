@@ -638,3 +638,21 @@ def test_failed_store_is_discarded(make_sim: MakeSim) -> None:
     assert out.failed == (store.transfer_id,)
     assert sim.on_cpu(a) == [False, False]
     assert sim.mgr.cpu_pools[0].num_cached_blocks == 0
+
+
+def test_a_failed_eager_store_is_rearmed_and_stored_again(make_sim: MakeSim) -> None:
+    """A failed eager store is reported by the ledger and re-armed by the manager: the blocks it
+    carried are stored again at the request's next step."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(9))
+    sim.match(a)
+    (store,) = sim.step(new=[(a, 9)]).stores
+    with capture_logs() as logs:
+        out = sim.report([sim.workers.report(0, failed=[store.transfer_id])])
+    assert out.failed == (store.transfer_id,)
+    assert [e["requests"] for e in logs if e["event"] == "offload_store_rearmed"] == [1]
+    a.all_token_ids.append(100)
+    (again,) = sim.step(cached=[(a, 1)]).stores
+    assert again.gpu_block_ids == store.gpu_block_ids
+    sim.complete()
+    assert sim.on_cpu(a)[:2] == [True, True]

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from kvflow.connector.config import OffloadConfig
-from kvflow.engine.distributed import launch
+from kvflow.engine.distributed import ProcessGroupChannel, launch
 from kvflow.engine.engine import Engine
 from kvflow.engine.model import build_model, model_config
 from kvflow.engine.tp import TPSpec, shard_config, shard_model
 from kvflow.engine.workload import run_multi_round
-from kvflow.errors import ConfigError, KVFlowError
+from kvflow.errors import ConfigError, DeadlineError, KVFlowError
 from kvflow.runtime.clock import SystemClock
 from tests.connector.test_offload_end_to_end import WORKLOAD
 from tests.distributed import tp_scenarios as scen
@@ -145,3 +146,30 @@ def test_a_hanging_rank_is_killed_at_the_timeout() -> None:
     """A rank that never returns is killed at the deadline and launch raises KVFlowError."""
     with pytest.raises(KVFlowError, match=r"still running after 3\.0 s"):
         launch(scen.hanging_rank, world_size=2, timeout_s=3.0)
+
+
+def _barrier_without_rank_1(rank: int, world_size: int, released: Any) -> str | None:
+    """Rank 0 waits at a barrier rank 1 never reaches (rank 1 waits for an event rank 0 sets
+    once its barrier gave up)."""
+    channel = ProcessGroupChannel()
+    if rank == 0:
+        try:
+            channel.barrier(timeout_s=1.0)
+        except DeadlineError as exc:
+            message = str(exc)
+        else:
+            message = "no error"
+        released.set()
+        return message
+    assert released.wait(TIMEOUT_S)
+    return None
+
+
+def test_a_barrier_a_rank_never_reaches_raises_a_deadline_error_naming_it() -> None:
+    """A TP barrier is bounded: past its timeout rank 0 gets a DeadlineError naming the barrier
+    and the rank that did not come (gloo's monitored barrier), instead of waiting forever."""
+    released = torch.multiprocessing.get_context("spawn").Event()
+    message, _ = launch(_barrier_without_rank_1, (released,), world_size=2, timeout_s=TIMEOUT_S)
+    assert isinstance(message, str)
+    assert "barrier of 2 ranks still waiting after 1 s" in message
+    assert "Ranks 1 failed" in message

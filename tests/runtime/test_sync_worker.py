@@ -5,16 +5,18 @@ thread (``InlineSyncWorker``: its own behaviour is in ``test_inline.py``)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
+from kvflow.backends.base import CopyBatch, Fence
 from kvflow.backends.fake import FakeBackend
-from kvflow.backends.host import HostBackend
+from kvflow.backends.host import HostBackend, HostFence
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction
-from kvflow.errors import ClosedError, ConfigError
+from kvflow.errors import BackendError, ClosedError, ConfigError, ProtocolError
 from kvflow.runtime.inline import InlineSyncWorker
 from kvflow.runtime.threaded import ThreadedSyncWorker
 from kvflow.runtime.worker import WorkerOptions
@@ -22,11 +24,21 @@ from kvflow.runtime.worker import WorkerOptions
 FACADES = pytest.mark.parametrize("facade", [ThreadedSyncWorker, InlineSyncWorker])
 
 
+class _RefusesBlock7(HostBackend):
+    """The host backend, but a load into GPU block 7 is refused by the device."""
+
+    def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
+        if batch.direction is Direction.LOAD and 7 in batch.gpu_block_ids[0]:
+            raise BackendError("injected: GPU block 7 is unreachable")
+        return super().submit(batch, wait_for)
+
+
 @FACADES
 def test_sync_facade_round_trip_and_load_errors(facade: Any) -> None:
-    """Store, evict, load through the facade: bytes match, a bad load's blocks are reported."""
+    """Store, evict, load through the facade: bytes match, a failed load's blocks are reported,
+    a plan naming a CPU block out of range is refused whole at bind."""
     caches = {f"l{i}": torch.randn(2, 8, 4, 2, 8) for i in range(2)}
-    with facade(HostBackend(), WorkerOptions(rank=1)) as rt:
+    with facade(_RefusesBlock7(), WorkerOptions(rank=1)) as rt:
         rt.register_kv_caches(caches, 8)
         rt.allocate_cpu_tier(4)
         rt.bind_connector_metadata(
@@ -40,12 +52,16 @@ def test_sync_facade_round_trip_and_load_errors(facade: Any) -> None:
         before = {n: t[:, 1:3].clone() for n, t in caches.items()}
         for t in caches.values():
             t.zero_()
+        with pytest.raises(ConfigError, match=r"CPU block id 4 out of range 0\.\.3"):
+            rt.bind_connector_metadata(
+                StepPlan(2, loads=(TransferSpec(2, "a", Direction.LOAD, [[5]], [[4]]),))
+            )
         rt.bind_connector_metadata(
             StepPlan(
                 2,
                 loads=(
                     TransferSpec(2, "a", Direction.LOAD, [[5, 6]], [[0, 3]]),
-                    TransferSpec(3, "b", Direction.LOAD, [[7]], [[4]]),
+                    TransferSpec(3, "b", Direction.LOAD, [[7]], [[2]]),
                 ),
             )
         )
@@ -78,14 +94,14 @@ def test_finish_step_returns_finished_requests_and_report_in_one_call(facade: An
     """``finish_step`` gives the finished requests and the report together, and a failed load's
     blocks reach ``get_block_ids_with_load_errors`` in the same step."""
     caches = {"l0": torch.randn(2, 8, 4, 2, 8)}
-    with facade(HostBackend()) as rt:
+    with facade(_RefusesBlock7()) as rt:
         rt.register_kv_caches(caches, 8)
         rt.allocate_cpu_tier(4)
         rt.bind_connector_metadata(
             StepPlan(
                 1,
                 stores=(TransferSpec(1, "a", Direction.STORE, [[1]], [[0]]),),
-                loads=(TransferSpec(2, "b", Direction.LOAD, [[2]], [[9]]),),
+                loads=(TransferSpec(2, "b", Direction.LOAD, [[7]], [[2]]),),
             )
         )
         rt.start_load_kv()
@@ -95,7 +111,7 @@ def test_finish_step_returns_finished_requests_and_report_in_one_call(facade: An
         assert (sending, recving) == ({"a"}, {"b"})
         assert report.completed == (1,)
         assert report.failed == (2,)
-        assert rt.get_block_ids_with_load_errors() == {2}
+        assert rt.get_block_ids_with_load_errors() == {7}
         assert rt.finish_step() == (set(), set(), StepReport(rank=0))
 
 
@@ -174,12 +190,17 @@ def test_finish_step_reports_a_copy_once_the_loop_has_seen_it_settle() -> None:
 
 
 def test_posted_call_error_is_raised_by_the_next_call() -> None:
-    """A bad plan bound without waiting raises its ConfigError at the next facade call, once."""
+    """A plan the runtime refuses on the loop (bound while the last one's stores were never
+    launched), posted without waiting, raises its ProtocolError at the next call, once."""
     with ThreadedSyncWorker(HostBackend()) as rt:
         rt.register_kv_caches({"kv": torch.zeros(4, 16)}, 4)
         rt.allocate_cpu_tier(4)
-        twice = TransferSpec(1, "a", Direction.STORE, [[0]], [[0]])
-        rt.bind_connector_metadata(StepPlan(1, stores=(twice, twice)))
-        with pytest.raises(ConfigError, match="twice"):
+        rt.bind_connector_metadata(
+            StepPlan(1, stores=(TransferSpec(1, "a", Direction.STORE, [[0]], [[0]]),))
+        )
+        rt.bind_connector_metadata(
+            StepPlan(2, stores=(TransferSpec(2, "a", Direction.STORE, [[1]], [[1]]),))
+        )
+        with pytest.raises(ProtocolError, match="unlaunched"):
             rt.get_finished()
         assert rt.get_finished() == (set(), set())

@@ -22,6 +22,7 @@ from attrs import field, frozen
 
 from kvflow.core.protocol import GroupBlockIds, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.validate import strict_int
 from kvflow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -52,6 +53,14 @@ class KVCacheGroupSpec:
     sliding_window: int | None = None  # in tokens; None means full attention
     block_size: int | None = None  # tokens per block of this group; None: the config's
 
+    def __attrs_post_init__(self) -> None:
+        strict_int("KVCacheGroupSpec.group_id", self.group_id)
+        if self.sliding_window is not None:
+            strict_int("KVCacheGroupSpec.sliding_window", self.sliding_window, minimum=1)
+        for name in self.layer_names:
+            if not isinstance(name, str):
+                raise ConfigError(f"KVCacheGroupSpec.layer_names: {name!r} is not a str")
+
 
 def _group_tuple(values: Iterable[KVCacheGroupSpec]) -> tuple[KVCacheGroupSpec, ...]:
     return tuple(values)
@@ -67,12 +76,18 @@ class KVCacheConfig:
     device: str = "cpu"
 
     def __attrs_post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        # Strict ints: "16", 2.5, nan or True would fail far from here, or not at all.
+        strict_int("KVCacheConfig.block_size", self.block_size, minimum=1)
+        strict_int("KVCacheConfig.num_blocks", self.num_blocks)
         if self.num_blocks < 2:
             raise ConfigError(
                 f"num_blocks must be at least 2 (block 0 is reserved), got {self.num_blocks}"
             )
+        if not isinstance(self.device, str):
+            raise ConfigError(f"KVCacheConfig.device must be a str, got {self.device!r}")
+        for g in self.groups:
+            if not isinstance(g, KVCacheGroupSpec):
+                raise ConfigError(f"KVCacheConfig.groups: {g!r} is not a KVCacheGroupSpec")
         if [g.group_id for g in self.groups] != list(range(len(self.groups))):
             raise ConfigError("KV cache groups must be numbered 0..n-1 in order")
         for g in self.groups:

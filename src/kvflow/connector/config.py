@@ -9,14 +9,18 @@ scheduler side's ``OffloadManagerConfig``) and ``worker_options`` (a rank's ``Wo
 from __future__ import annotations
 
 import enum
+import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from attrs import field, fields, frozen
 
 from kvflow.core.offload import GroupSpec, OffloadManagerConfig, StorePolicy
+from kvflow.core.validate import timeout_s
 from kvflow.errors import ConfigError
 from kvflow.runtime.sync_worker import WorkerLoop
+from kvflow.runtime.timeouts import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, Timeouts
 
 if TYPE_CHECKING:
     # Only for annotations: reading the configuration must not load the event loop's modules.
@@ -58,7 +62,7 @@ def parse_size(value: object) -> int:
         raise ConfigError("cpu_bytes must be a size, not a bool")
     if isinstance(value, int):
         return value
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
     if isinstance(value, str):
         text = value.strip()
@@ -67,12 +71,33 @@ def parse_size(value: object) -> int:
             if text.endswith(unit):
                 number = text[: -len(unit)].strip()
                 try:
-                    return int(float(number) * mult)
+                    size = float(number) * mult
                 except ValueError:
                     break
+                if not math.isfinite(size):
+                    # "infGiB", "nanB", "1e400B": float() takes them, int() would not.
+                    raise ConfigError(f"cpu_bytes: {value!r} is not a finite size")
+                return int(size)
         if text.isdigit():
             return int(text)
     raise ConfigError(f"cpu_bytes: {value!r} is not a size (an int, or e.g. '8GiB', '512MiB')")
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
+
+
+def _drain_timeout(value: object) -> float:
+    return timeout_s("drain_timeout_s", value)
+
+
+def _flush_timeout(value: object) -> float:
+    return timeout_s("flush_timeout_s", value)
 
 
 EAGER_STORE_INTERVAL = 4
@@ -96,6 +121,11 @@ class OffloadConfig:
       fence polls on the engine's thread, stepped by the connector's calls, so nothing of kvflow
       takes the GIL between them) or ``thread`` (all of it on threads of kvflow's). See
       docs/architecture.md, "Where the worker runtime's loop runs".
+    - ``drain_timeout_s`` / ``flush_timeout_s``: bounds of the worker's drain at shutdown and of
+      a flush (preemption); past them the call raises ``DeadlineError`` naming the wait.
+
+    A ``cpu_bytes`` larger than this machine's physical memory is refused: the tier would be
+    killed for memory rather than fail cleanly.
     """
 
     cpu_bytes: int = field(converter=parse_size)
@@ -105,10 +135,17 @@ class OffloadConfig:
     world_size: int = 1
     eager_store_interval: int = EAGER_STORE_INTERVAL
     worker_loop: WorkerLoop = field(default=WorkerLoop.INLINE, converter=_worker_loop)
+    drain_timeout_s: float = field(default=DRAIN_TIMEOUT_S, converter=_drain_timeout)
+    flush_timeout_s: float = field(default=FLUSH_TIMEOUT_S, converter=_flush_timeout)
 
     def __attrs_post_init__(self) -> None:
         if self.cpu_bytes <= 0:
             raise ConfigError(f"cpu_bytes must be positive, got {self.cpu_bytes}")
+        memory = machine_memory_bytes()
+        if memory is not None and self.cpu_bytes > memory:
+            raise ConfigError(
+                f"cpu_bytes={self.cpu_bytes} is more than this machine's memory ({memory} bytes)"
+            )
         for name in ("lazy_watermark", "world_size", "eager_store_interval"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
@@ -125,7 +162,7 @@ class OffloadConfig:
             raise ConfigError("kvflow option 'cpu_bytes' is required (e.g. '8GiB')")
         try:
             return cls(**options)
-        except ValueError as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError(f"invalid kvflow option: {exc}") from exc
@@ -136,9 +173,11 @@ class OffloadConfig:
         *,
         null_block_id: int | None,
         enable_events: bool = False,
+        num_gpu_blocks: int | None = None,
     ) -> OffloadManagerConfig:
         """The scheduler-side manager's spec: these options over the engine's KV cache groups
-        (``enable_events``: the CPU pools record cache events, for KV-aware routers)."""
+        (``enable_events``: the CPU pools record cache events, for KV-aware routers;
+        ``num_gpu_blocks``, when known, range-checks every GPU block id the engine passes)."""
         return OffloadManagerConfig(
             groups=groups,
             world_size=self.world_size,
@@ -147,13 +186,17 @@ class OffloadConfig:
             null_block_id=null_block_id,
             eager_store_interval=self.eager_store_interval,
             enable_events=enable_events,
+            num_gpu_blocks=num_gpu_blocks,
         )
 
     def worker_options(self, rank: int) -> WorkerOptions:
         """One rank's worker runtime options (the rest are the runtime's defaults)."""
         from kvflow.runtime.worker import WorkerOptions
 
-        return WorkerOptions(rank=rank)
+        return WorkerOptions(
+            rank=rank,
+            timeouts=Timeouts(drain_s=self.drain_timeout_s, flush_s=self.flush_timeout_s),
+        )
 
     def cpu_blocks_per_group(self, block_bytes: Sequence[int]) -> tuple[int, ...]:
         """CPU blocks of each group: the same count in every group, as many as ``cpu_bytes`` holds.

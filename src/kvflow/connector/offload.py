@@ -20,6 +20,7 @@ from kvflow.backends.base import Backend
 from kvflow.backends.select import make_backend
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig, WorkerLoop
+from kvflow.core import validate
 from kvflow.core.block_pool import PoolEvent
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.logs import get_logger
@@ -129,6 +130,7 @@ class OffloadScheduler:
                 group_specs(kv_cache_config, block_bytes, self.cpu_blocks),
                 null_block_id=null_block_id,
                 enable_events=enable_events,
+                num_gpu_blocks=kv_cache_config.num_blocks,
             ),
             gpu_view=gpu_view,
         )
@@ -217,7 +219,10 @@ class OffloadScheduler:
 
 
 class OffloadWorker:
-    """The worker role of one rank: registers the KV tensors and runs each step's plan."""
+    """The worker role of one rank: registers the KV tensors and runs each step's plan.
+
+    ``block_bytes`` (per group, what the CPU tier was sized with) lets registration refuse KV
+    tensors whose blocks are larger: the tier would exceed ``cpu_bytes``."""
 
     def __init__(
         self,
@@ -227,10 +232,12 @@ class OffloadWorker:
         *,
         backend: Backend | None = None,
         rank: int = 0,
+        block_bytes: Sequence[int] | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_config = kv_cache_config
         self.cpu_blocks = tuple(cpu_blocks)
+        self.block_bytes = None if block_bytes is None else tuple(block_bytes)
         self.rank = rank
         inline = config.worker_loop is WorkerLoop.INLINE
         self.backend = backend or make_backend(
@@ -243,7 +250,15 @@ class OffloadWorker:
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         kv = self.kv_cache_config
-        self.runtime.register_kv_caches(dict(kv_caches), kv.num_blocks, kv.tensor_groups)
+        layout = self.runtime.register_kv_caches(dict(kv_caches), kv.num_blocks, kv.tensor_groups)
+        # Boundary check before the tier is allocated: its bytes follow the tensors' blocks.
+        registered = [g.block_bytes for g in layout.groups]
+        validate.tier_budget(
+            self.block_bytes if self.block_bytes is not None else registered,
+            registered,
+            self.cpu_blocks,
+            self.config.cpu_bytes,
+        )
         self.runtime.allocate_cpu_tier(self.cpu_blocks)
 
     def _as_plan(self, meta: object) -> StepPlan:
@@ -275,15 +290,17 @@ class OffloadWorker:
         """Per direction: (bytes copied, seconds copies were in flight) on this rank."""
         return self.runtime.copy_throughput()
 
-    def wait_cpu_tier(self) -> None:
-        """Block until the whole CPU tier can take copies. The CUDA backend pins the tier in the
-        background and, until it is done, pins a chunk inside the first copy that needs it, on
-        the thread that launches every copy: a benchmark waits here to time the steady state."""
+    def wait_cpu_tier(self, timeout_s: float = 600.0) -> None:
+        """Block until the whole CPU tier can take copies, at most ``timeout_s`` seconds (then
+        ``DeadlineError``). The CUDA backend pins the tier in the background and, until it is
+        done, pins a chunk inside the first copy that needs it, on the thread that launches
+        every copy: a benchmark waits here to time the steady state."""
+        timeout_s = validate.timeout_s("wait_cpu_tier timeout_s", timeout_s)
         # Imported here: the CUDA bindings load only where a CUDA backend was asked for.
         from kvflow.backends.cuda import CudaBackend
 
         if isinstance(self.backend, CudaBackend):
-            self.backend.cpu_tier.wait_registered()
+            self.backend.cpu_tier.wait_registered(timeout_s)
 
     def wait_for_progress(self, timeout: float) -> None:
         self.runtime.wait_for_progress(timeout)
@@ -324,7 +341,9 @@ class OffloadConnector:
         scheduler = OffloadScheduler(
             config, kv_cache_config, block_bytes, gpu_view=gpu_view, now=now
         )
-        worker = OffloadWorker(config, kv_cache_config, scheduler.cpu_blocks, backend=backend)
+        worker = OffloadWorker(
+            config, kv_cache_config, scheduler.cpu_blocks, backend=backend, block_bytes=block_bytes
+        )
         log.info(
             "offload_connector_built",
             cpu_blocks=scheduler.cpu_blocks,

@@ -8,6 +8,7 @@ pickle and travel between processes unchanged.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import cast
 
@@ -38,7 +39,17 @@ def _as_group_ids(value: Iterable[Iterable[int]]) -> GroupBlockIds:
     if _is_group_ids(value):
         # What kvflow itself passes, several times a step: immutable already, kept as is.
         return cast(GroupBlockIds, value)
-    return tuple([tuple(map(int, group)) for group in value])
+    try:
+        # ``operator.index``: ints of any kind (numpy's too), never a float, str or bool.
+        return tuple([tuple(map(_block_id, group)) for group in value])
+    except TypeError as exc:
+        raise ConfigError(f"block ids must be one sequence of ints per group: {exc}") from None
+
+
+def _block_id(b: object) -> int:
+    if isinstance(b, bool):
+        raise TypeError(f"block id {b!r} is a bool")
+    return operator.index(b)  # type: ignore[arg-type]
 
 
 @frozen
@@ -162,6 +173,8 @@ def aggregate(reports: Iterable[StepReport], world_size: int) -> AggregatedRepor
     failed: dict[int, set[int]] = {}
     invalid: set[int] = set()
     for report in reports:
+        if not isinstance(report, StepReport):
+            raise ReportError(f"a report must be a StepReport, got {type(report).__name__}")
         if report.rank >= world_size:
             raise ReportError(f"report from rank {report.rank}, world size is {world_size}")
         for tid in report.completed:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from kvflow.core.logs import get_logger
-from kvflow.errors import ConfigError, KVFlowError
+from kvflow.errors import ConfigError, DeadlineError, KVFlowError
 from kvflow.runtime.clock import SystemClock
 
 log = get_logger("kvflow.engine.distributed")
@@ -44,6 +44,9 @@ NO_MULTICAST = {
 
 _object_group: dist.ProcessGroup | None = None
 """This rank's gloo group for Python objects when the default group is NCCL; None on CPU."""
+_timeout_s: float = 120.0
+"""This rank's bound on every collective (the launch's ``timeout_s``): the process groups'
+timeout, and the barrier's."""
 
 
 def free_port() -> int:
@@ -65,7 +68,8 @@ def _rank_entry(
     threads: int,
     device: str,
 ) -> None:
-    global _object_group
+    global _object_group, _timeout_s
+    _timeout_s = timeout_s
     # One intra-op thread per rank: ranks share the machine's cores and must not oversubscribe.
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -148,12 +152,19 @@ def launch(
         return [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(m in text for m in ("timed out", "timeout", "failed to pass monitoredbarrier"))
+
+
 class ProcessGroupChannel:
     """Objects between rank 0 and the other ranks, through gloo (the default group on CPU, the
     launch's gloo group beside NCCL on GPUs).
 
     Rank 0 ``broadcast``s, the others ``receive``; every rank then calls ``gather``, and rank 0
-    gets the list of what each rank gave (its own included).
+    gets the list of what each rank gave (its own included). Every call is bounded by the
+    process group's timeout (the launch's ``timeout_s``); past it gloo's error becomes a
+    ``DeadlineError`` naming the call and this rank.
     """
 
     def __init__(self) -> None:
@@ -161,21 +172,46 @@ class ProcessGroupChannel:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 
+    def _bounded(self, what: str, call: Callable[[], object], seconds: float | None = None) -> None:
+        try:
+            call()
+        except RuntimeError as exc:
+            if not _timed_out(exc):
+                raise
+            waited = _timeout_s if seconds is None else seconds
+            raise DeadlineError(
+                f"rank {self.rank}: {what} of {self.world_size} ranks still waiting after "
+                f"{waited:g} s: {exc}"
+            ) from exc
+
     def broadcast(self, obj: object) -> None:
-        dist.broadcast_object_list([obj], src=0, group=self.group)
+        self._bounded(
+            "broadcast", lambda: dist.broadcast_object_list([obj], src=0, group=self.group)
+        )
 
     def receive(self) -> object:
         box: list[object] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        self._bounded(
+            "receive from rank 0", lambda: dist.broadcast_object_list(box, src=0, group=self.group)
+        )
         return box[0]
 
-    def barrier(self) -> None:
-        """Return once every rank has called it."""
-        dist.barrier(group=self.group)
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Return once every rank has called it; after ``timeout_s`` (default: the group's
+        timeout) raise ``DeadlineError`` naming the ranks that did not come (gloo's monitored
+        barrier)."""
+        seconds = _timeout_s if timeout_s is None else timeout_s
+        self._bounded(
+            "barrier",
+            lambda: dist.monitored_barrier(
+                group=self.group, timeout=timedelta(seconds=seconds), wait_all_ranks=True
+            ),
+            seconds,
+        )
 
     def gather(self, obj: object) -> list[object] | None:
         out: list[object] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
+        self._bounded("gather", lambda: dist.gather_object(obj, out, dst=0, group=self.group))
         return out
 
 

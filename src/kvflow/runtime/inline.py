@@ -34,6 +34,7 @@ from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
+from kvflow.runtime.deadline import wait_or_timeout
 from kvflow.runtime.sync_worker import SyncWorker
 from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
@@ -50,6 +51,7 @@ class InlineSyncWorker(SyncWorker):
     ``shutdown()``. Same methods as ``ThreadedSyncWorker``."""
 
     def __init__(self, backend: Backend, options: WorkerOptions | None = None) -> None:
+        super().__init__()
         self._backend = backend
         self._loop = asyncio.new_event_loop()
         self._closed = False
@@ -77,8 +79,6 @@ class InlineSyncWorker(SyncWorker):
         self._rt.progress_hooks.append(self._on_progress)
         self._settled = False
         self._progress: anyio.Event | None = None
-        self._load_errors: set[int] = set()
-        self._bound: StepPlan | None = None
         log.info("inline_worker_runtime_started", rank=self._rt.rank, backend=backend.name)
 
     # -- driving the loop -------------------------------------------------------------------------
@@ -143,40 +143,30 @@ class InlineSyncWorker(SyncWorker):
             self._progress.set()
 
     # -- the engine's calls ----------------------------------------------------------------------
-    def register_kv_caches(
+    def _register(
         self,
         kv_caches: Mapping[str, object],
         num_blocks: int | Mapping[int, int],
-        groups: Mapping[str, int] | None = None,
+        groups: Mapping[str, int] | None,
     ) -> KVLayout:
-        self._check_open()
         return self._rt.register_kv_caches(kv_caches, num_blocks, groups)
 
-    def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
-        self._check_open()
+    def _allocate(self, num_blocks: int | Sequence[int]) -> None:
         self._rt.allocate_cpu_tier(num_blocks)
 
-    def bind_connector_metadata(self, plan: StepPlan) -> None:
+    def _bind(self, plan: StepPlan) -> None:
         """``WorkerRuntime.bind(plan)``, at once."""
-        self._check_open()
         self._rt.bind(plan)
-        self._bound = plan
 
-    def start_load_kv(self) -> None:
-        """Launch the bound plan's loads (their copies are submitted before this returns)."""
-        self._check_open()
-        plan = self._bound
-        if plan is None or plan.loads:
-            self._rt.start_load_kv()
-            self._step_loop()
+    def _start_loads(self) -> None:
+        """Launch the loads (their copies are submitted before this returns)."""
+        self._rt.start_load_kv()
+        self._step_loop()
 
-    def wait_for_save(self) -> None:
-        """Launch the bound plan's stores, fenced on a compute fence recorded now."""
-        self._check_open()
-        plan = self._bound
-        if plan is None or plan.stores:
-            self._rt.wait_for_save(self._backend.compute_fence())
-            self._step_loop()
+    def _start_stores(self) -> None:
+        """Launch the stores, fenced on a compute fence recorded now."""
+        self._rt.wait_for_save(self._backend.compute_fence())
+        self._step_loop()
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` since the previous call, after a poll."""
@@ -205,10 +195,9 @@ class InlineSyncWorker(SyncWorker):
         self._check_open()
         return self._rt.copy_throughput()
 
-    def wait_for_progress(self, timeout: float) -> bool:
+    def _wait_progress(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds (real time: the reactor polls with back-off) until
         some copy settles; at once if none is in flight. Returns whether a copy settled."""
-        self._check_open()
         self._step_loop()
         if not self._settled and self._rt.in_flight:
             self._on_loop(self._await_progress, timeout)
@@ -218,8 +207,7 @@ class InlineSyncWorker(SyncWorker):
     async def _await_progress(self, timeout: float) -> None:
         self._progress = anyio.Event()
         try:
-            with anyio.move_on_after(timeout):
-                await self._progress.wait()
+            await wait_or_timeout(self._rt.clock, timeout, self._progress.wait)
         finally:
             self._progress = None
 

@@ -3,8 +3,9 @@ drive its loop.
 
 ``ThreadedSyncWorker`` (``threaded``) runs the loop on a thread of its own; ``InlineSyncWorker``
 (``inline``) steps it on the engine's thread (``WorkerLoop`` names the choice). They share the
-calls that differ only in how they reach the loop, the load-error mailbox, and the
-context-manager protocol; an engine holds either as a ``SyncWorker``, made by
+calls that differ only in how they reach the loop, the boundary checks of every engine call
+(``PlanGate``: the order of the calls and each plan, on the engine's thread, before anything is
+applied or posted), the load-error mailbox, and the context-manager protocol; an engine holds either as a ``SyncWorker``, made by
 ``kvflow.runtime.factory.make_sync_worker``.
 """
 
@@ -16,9 +17,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+from kvflow.core import validate
 from kvflow.core.layout import KVLayout
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
+from kvflow.runtime.gate import PlanGate
 
 if TYPE_CHECKING:
     # Only for annotations: the connector's configuration imports ``WorkerLoop`` from here, and
@@ -40,7 +43,15 @@ class SyncWorker(abc.ABC):
     engine. Subclasses say how an awaitable call reaches the loop (``_on_loop``)."""
 
     _rt: WorkerRuntime
-    _load_errors: set[int]
+
+    def __init__(self) -> None:
+        self._load_errors: set[int] = set()
+        self._gate = PlanGate()  # the boundary checks on the engine's thread
+        self._bound: StepPlan | None = None
+
+    @abc.abstractmethod
+    def _check_open(self) -> None:
+        """Raise ``ClosedError`` if the worker is shut down (or its runtime stopped)."""
 
     @abc.abstractmethod
     def _on_loop(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -51,29 +62,33 @@ class SyncWorker(abc.ABC):
         """Drain (or cancel) the runtime and close the backend. Idempotent."""
 
     @abc.abstractmethod
-    def register_kv_caches(
+    def _register(
         self,
         kv_caches: Mapping[str, object],
         num_blocks: int | Mapping[int, int],
-        groups: Mapping[str, int] | None = None,
+        groups: Mapping[str, int] | None,
     ) -> KVLayout:
-        """Register the engine's named KV tensors with the backend; returns their layout."""
+        """``WorkerRuntime.register_kv_caches``, on the loop's terms."""
 
     @abc.abstractmethod
-    def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
-        """Allocate the CPU tier: ``num_blocks`` per group."""
+    def _allocate(self, num_blocks: int | Sequence[int]) -> None:
+        """``WorkerRuntime.allocate_cpu_tier``, on the loop's terms."""
 
     @abc.abstractmethod
-    def bind_connector_metadata(self, plan: StepPlan) -> None:
-        """Take this step's plan."""
+    def _bind(self, plan: StepPlan) -> None:
+        """``WorkerRuntime.bind(plan)``, at once or posted."""
 
     @abc.abstractmethod
-    def start_load_kv(self) -> None:
-        """Launch the bound plan's loads (before the forward pass)."""
+    def _start_loads(self) -> None:
+        """Launch the bound plan's loads."""
 
     @abc.abstractmethod
-    def wait_for_save(self) -> None:
+    def _start_stores(self) -> None:
         """Launch the bound plan's stores, fenced after the compute issued so far."""
+
+    @abc.abstractmethod
+    def _wait_progress(self, timeout: float) -> bool:
+        """``wait_for_progress`` with a checked timeout."""
 
     @abc.abstractmethod
     def get_finished(self) -> tuple[set[str], set[str]]:
@@ -91,9 +106,56 @@ class SyncWorker(abc.ABC):
     def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
         """Per direction: (bytes copied, seconds copies of that direction were in flight)."""
 
-    @abc.abstractmethod
+    # -- the engine's calls, checked here (kvflow.runtime.gate) then handed to the driver ---------
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, object],
+        num_blocks: int | Mapping[int, int],
+        groups: Mapping[str, int] | None = None,
+    ) -> KVLayout:
+        """Register the engine's named KV tensors with the backend; returns their layout."""
+        self._check_open()
+        layout = self._register(kv_caches, num_blocks, groups)
+        self._gate.registered(layout)
+        return layout
+
+    def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
+        """Allocate the CPU tier: ``num_blocks`` per group."""
+        self._check_open()
+        self._allocate(num_blocks)
+        self._gate.allocated(num_blocks)
+
+    def bind_connector_metadata(self, plan: StepPlan) -> None:
+        """Take this step's plan, once ``PlanGate`` let it through: a bad or replayed one
+        raises at once, binding nothing."""
+        self._check_open()
+        self._gate.check(plan)  # boundary check
+        self._bind(plan)
+        self._bound = plan
+        self._gate.record(plan)
+
+    def start_load_kv(self) -> None:
+        """Launch the bound plan's loads (before the forward pass); nothing if it has none."""
+        self._check_open()
+        self._gate.require("start_load_kv")  # boundary check
+        plan = self._bound
+        if plan is None or plan.loads:
+            self._start_loads()
+
+    def wait_for_save(self) -> None:
+        """Launch the bound plan's stores, fenced after the compute issued so far; nothing if it
+        has none."""
+        self._check_open()
+        self._gate.require("wait_for_save")  # boundary check
+        plan = self._bound
+        if plan is None or plan.stores:
+            self._start_stores()
+
     def wait_for_progress(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds until some copy settles; returns whether one did."""
+        self._check_open()
+        timeout = validate.timeout_s("wait_for_progress timeout", timeout)  # boundary check
+        return self._wait_progress(timeout)
 
     @property
     def runtime(self) -> WorkerRuntime:
@@ -107,6 +169,7 @@ class SyncWorker(abc.ABC):
 
     def handle_preemptions(self, plan: StepPlan) -> None:
         """Abandon what ``plan`` abandons and, if it asks to flush, wait for every copy."""
+        self._gate.require("handle_preemptions")  # boundary check
         self._on_loop(self._rt.handle_preemptions, plan)
 
     def flush(self) -> None:

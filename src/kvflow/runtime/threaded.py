@@ -55,6 +55,7 @@ class ThreadedSyncWorker(SyncWorker):
     manager or call ``shutdown()``."""
 
     def __init__(self, backend: Backend, options: WorkerOptions | None = None) -> None:
+        super().__init__()
         self._backend = backend
         self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal("asyncio")
         self._portal = self._portal_cm.__enter__()
@@ -77,9 +78,7 @@ class ThreadedSyncWorker(SyncWorker):
         self._mail_reports: list[StepReport] = []
         self._rt.progress_hooks.append(self._collect)
         self._posted_error: BaseException | None = None
-        self._load_errors: set[int] = set()
         self._pending: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
-        self._bound: StepPlan | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -198,36 +197,30 @@ class ThreadedSyncWorker(SyncWorker):
         return self._portal
 
     # -- the engine's calls ----------------------------------------------------------------------
-    def register_kv_caches(
+    def _register(
         self,
         kv_caches: Mapping[str, object],
         num_blocks: int | Mapping[int, int],
-        groups: Mapping[str, int] | None = None,
+        groups: Mapping[str, int] | None,
     ) -> KVLayout:
         return self._call(self._rt.register_kv_caches, kv_caches, num_blocks, groups)
 
-    def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
+    def _allocate(self, num_blocks: int | Sequence[int]) -> None:
         self._call(self._rt.allocate_cpu_tier, num_blocks)
 
-    def bind_connector_metadata(self, plan: StepPlan) -> None:
+    def _bind(self, plan: StepPlan) -> None:
         """Posted: ``WorkerRuntime.bind(plan)``; runs with the step's first wake-up."""
-        self._bound = plan
         self._post(self._rt.bind, plan, wake=False)
 
-    def start_load_kv(self) -> None:
-        """Posted when the bound plan has loads, waking the loop so they start before the
-        engine's forward rather than after it."""
-        plan = self._bound
-        if plan is None or plan.loads:
-            self._post(self._rt.start_load_kv)
+    def _start_loads(self) -> None:
+        """Posted, waking the loop so the loads start before the engine's forward rather than
+        after it."""
+        self._post(self._rt.start_load_kv)
 
-    def wait_for_save(self) -> None:
-        """Posted when the bound plan has stores: launch them, fenced on a compute fence recorded
-        here (so a GPU backend fences after the engine's own stream), waking the loop."""
-        self._check_open()
-        plan = self._bound
-        if plan is None or plan.stores:
-            self._post(self._rt.wait_for_save, self._backend.compute_fence())
+    def _start_stores(self) -> None:
+        """Posted: launch the stores, fenced on a compute fence recorded here (so a GPU backend
+        fences after the engine's own stream), waking the loop."""
+        self._post(self._rt.wait_for_save, self._backend.compute_fence())
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` since the previous call, after a round trip
@@ -257,14 +250,13 @@ class ThreadedSyncWorker(SyncWorker):
         """Per direction: (bytes copied, seconds in flight), from the executor's accounting."""
         return self._call(self._rt.copy_throughput)
 
-    def wait_for_progress(self, timeout: float) -> bool:
+    def _wait_progress(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds until some copy settles; at once if none is in flight.
 
         For an engine with nothing to compute but requests waiting on transfers: blocking here
         releases the GIL to the copy threads instead of spinning empty steps against them.
         Returns whether a copy settled. (A real-time wait on the device, not a clock sleep.)
         """
-        self._check_open()
         if self._pending:
             self._sync()  # the queued calls may launch the very copies the engine waits for
         if self._rt.in_flight == 0 and not self._progress.is_set():
@@ -279,8 +271,12 @@ class ThreadedSyncWorker(SyncWorker):
             return
         try:
             self._wake()
-            self._portal.call(lambda: self._rt.shutdown(drain=drain))
-            self._rt_cm.__exit__(None, None, None)
+            try:
+                # Bounded: a drain past ``Timeouts.drain_s`` raises DeadlineError, the runtime
+                # closed (what it still had in flight abandoned).
+                self._portal.call(lambda: self._rt.shutdown(drain=drain))
+            finally:
+                self._rt_cm.__exit__(None, None, None)
         finally:
             self._closed = True
             self._portal_cm.__exit__(None, None, None)

@@ -26,10 +26,12 @@ from kvflow.core.layout import KVLayout
 from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
-from kvflow.errors import ClosedError, ConfigError, ProtocolError
+from kvflow.errors import ClosedError, ConfigError, DeadlineError, ProtocolError
 from kvflow.runtime.clock import Clock, SystemClock
+from kvflow.runtime.deadline import within
 from kvflow.runtime.executor import CopyOrder, DmaExecutor
 from kvflow.runtime.reactor import Reactor
+from kvflow.runtime.timeouts import Timeouts
 
 log = get_logger("kvflow.worker")
 
@@ -41,7 +43,8 @@ class WorkerOptions:
     ``rank``: this worker's tensor-parallel rank (in its reports). ``clock``: what the reactor
     reads and sleeps on (``SystemClock`` when None; tests pass a ``FakeClock``). ``coalesce``:
     one backend batch for all the transfers of a direction the engine launched at once.
-    ``min_backoff`` / ``max_backoff``: the reactor's poll back-off, in seconds.
+    ``min_backoff`` / ``max_backoff``: the reactor's poll back-off, in seconds. ``timeouts``:
+    the bounds of the drain at shutdown and of a flush, on ``clock``.
     """
 
     rank: int = 0
@@ -49,6 +52,7 @@ class WorkerOptions:
     coalesce: bool = True
     min_backoff: float = 20e-6
     max_backoff: float = 1e-3
+    timeouts: Timeouts = field(factory=Timeouts)
 
 
 @define(eq=False, slots=True)
@@ -68,6 +72,8 @@ class WorkerRuntime:
     min_backoff: float = 20e-6
     max_backoff: float = 1e-3
     layout: KVLayout | None = None
+    timeouts: Timeouts = field(factory=Timeouts)
+    """Bounds of the drain at shutdown and of a flush, on ``clock``."""
     progress_hooks: list[Callable[[], None]] = field(factory=list)
     """Called on the loop each time copies settle (the sync facade wakes an idle engine)."""
     reactor: Reactor = field(init=False)
@@ -101,7 +107,8 @@ class WorkerRuntime:
     async def open(
         cls, backend: Backend, options: WorkerOptions | None = None
     ) -> AsyncIterator[WorkerRuntime]:
-        """Start the reactor and executor tasks; on exit drain (or, on error, cancel) and close."""
+        """Start the reactor and executor tasks; on exit drain (or, on error, cancel) and close.
+        A drain past its deadline raises its ``DeadlineError`` here, unwrapped."""
         opts = options if options is not None else WorkerOptions()
         rank = opts.rank
         rt = cls(
@@ -111,7 +118,9 @@ class WorkerRuntime:
             coalesce=opts.coalesce,
             min_backoff=opts.min_backoff,
             max_backoff=opts.max_backoff,
+            timeouts=opts.timeouts,
         )
+        late: DeadlineError | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(rt.reactor.run)
             tg.start_soon(rt.executor.run)
@@ -123,9 +132,14 @@ class WorkerRuntime:
                 tg.cancel_scope.cancel()
                 raise
             else:
-                await rt.shutdown()
+                try:
+                    await rt.shutdown()
+                except DeadlineError as exc:
+                    late = exc  # raised below: a task group would wrap it
             finally:
                 tg.cancel_scope.cancel()
+        if late is not None:
+            raise late
 
     async def shutdown(self, *, drain: bool = True) -> None:
         """Stop: ``drain`` submits and waits for everything queued; else queued copies fail
@@ -134,7 +148,13 @@ class WorkerRuntime:
         if self._closed:
             return
         if self._stopping:
-            await self._stopped.wait()  # another task is shutting down: wait for it
+            # Another task is shutting down: wait for it, as long as its drain may take.
+            await within(
+                self.clock,
+                self.timeouts.drain_s,
+                f"rank {self.rank}: another task's shutdown",
+                self._stopped.wait,
+            )
             return
         self._stopping = True
         log.info(
@@ -145,7 +165,18 @@ class WorkerRuntime:
             outstanding=self.executor.outstanding,
         )
         self.executor.close(drain=drain)
-        await self.executor.wait_closed()
+        what = (
+            f"rank {self.rank}: {'drain' if drain else 'cancel'} at shutdown "
+            f"({self.executor.queued} copy orders queued, {self.executor.outstanding} batches "
+            "on the device)"
+        )
+        try:
+            await within(self.clock, self.timeouts.drain_s, what, self.executor.wait_closed)
+        except DeadlineError:
+            # The device did not finish in time: abandon what is left, close, and say so.
+            log.error("worker_runtime_drain_timed_out", rank=self.rank, drain=drain)
+            self._abort()
+            raise
         self._close_rest()
 
     def _abort(self) -> None:
@@ -348,7 +379,12 @@ class WorkerRuntime:
     async def flush(self) -> None:
         """Wait for every copy handed over so far, including those not yet submitted."""
         self._check_open()
-        await self.executor.flush()
+        what = (
+            f"rank {self.rank}: flush of every copy handed over "
+            f"({self.executor.queued} copy orders queued, {self.executor.outstanding} batches "
+            "on the device)"
+        )
+        await within(self.clock, self.timeouts.flush_s, what, self.executor.flush)
 
     async def handle_preemptions(self, plan: StepPlan) -> None:
         """Before the engine reuses preempted requests' GPU blocks: abandon what ``plan``

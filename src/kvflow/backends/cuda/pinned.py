@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from kvflow.backends.cuda.driver import Context, check, cu
 from kvflow.core.logs import get_logger
-from kvflow.errors import BackendError, ConfigError
+from kvflow.errors import BackendError, ConfigError, DeadlineError
 
 log = get_logger("kvflow.backends.cuda")
 
@@ -140,18 +140,27 @@ class PinnedTier:
         g = self._groups[group]
         return g.array.reshape(g.num_blocks, g.block_bytes)
 
-    def wait_registered(self) -> None:
-        """Block until every chunk is registered (start-up; tests and benchmarks)."""
-        self._done.wait()
+    def wait_registered(self, timeout_s: float = 600.0) -> None:
+        """Block until every chunk is registered (start-up; tests and benchmarks); after
+        ``timeout_s`` seconds (each of the two waits) raise ``DeadlineError``."""
+        if not self._done.wait(timeout_s):
+            raise DeadlineError(f"pinning the CPU tier: not done after {timeout_s:g} s")
         if self._error is not None:
             raise BackendError(f"pinning the CPU tier failed: {self._error}") from self._error
         with self._changed:
-            while (
-                self._mode != "lazy"
-                and not self._stop
-                and not all(all(g.registered) for g in self._groups)
-            ):
-                self._changed.wait()
+            done = self._changed.wait_for(
+                lambda: (
+                    self._mode == "lazy"
+                    or self._stop
+                    or all(all(g.registered) for g in self._groups)
+                ),
+                timeout_s,
+            )
+        if not done:
+            raise DeadlineError(
+                f"pinning the CPU tier: chunks claimed on demand still unpinned after "
+                f"{timeout_s:g} s"
+            )
 
     def ensure(self, group: int, max_block: int) -> None:
         """Make sure blocks ``0..max_block`` of ``group`` are pinned; registers missing chunks now.

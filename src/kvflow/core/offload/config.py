@@ -97,8 +97,14 @@ class OffloadManagerConfig:
     null_block_id: int | None = None
     eager_store_interval: int = 1
     enable_events: bool = False
+    num_gpu_blocks: int | None = None
+    """GPU blocks per group, block ``null_block_id`` included: when given, every GPU block id an
+    engine hands the manager is checked to be in range (an unknown id must never reach a pool or
+    a device)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.num_gpu_blocks is not None:
+            _positive("num_gpu_blocks", self.num_gpu_blocks)
         if not self.groups:
             raise ConfigError("OffloadManagerConfig needs at least one KV cache group")
         for g, spec in enumerate(self.groups):

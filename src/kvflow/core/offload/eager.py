@@ -7,12 +7,15 @@ are deferred and collected together (``defer`` / ``due``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.hashing import BlockHash
+from kvflow.core.logs import get_logger
 from kvflow.core.offload.config import Geometry
 from kvflow.core.offload.state import RequestState, StoreBatch, next_boundary
+
+log = get_logger("kvflow.scheduler")
 
 
 class EagerStore:
@@ -163,6 +166,40 @@ class EagerStore:
             deferred.clear()
             return due
         return None
+
+    def rearm(
+        self,
+        sts: Iterable[RequestState],
+        transfer_id: int,
+        hashes: Sequence[Sequence[BlockHash]],
+    ) -> None:
+        """A store failed: its blocks (``hashes``, per group) become eligible again for every
+        running request that still holds one (its own, or one skipped as a duplicate of it), so
+        a later step or ``request_finished`` stores them. The request's cursor moves back to its
+        first such block; full-attention groups only (a sliding window may have freed its old
+        blocks)."""
+        failed = [frozenset(hs) for hs in hashes]
+        slot = self._geo.slot
+        rearmed = 0
+        for st in sts:
+            if st.finishing:
+                continue
+            moved = False
+            for g in self._geo.full_groups:
+                lost = failed[g] if g < len(failed) else frozenset()
+                if not lost:
+                    continue
+                hs = st.hash_lists[slot[g]]
+                for i in range(st.cursor[g]):
+                    if hs[i] in lost:
+                        st.cursor[g] = i
+                        moved = True
+                        break
+            if moved:
+                st.next_boundary = 0  # the next step advances it, even without a new block
+                rearmed += 1
+        if rearmed:
+            log.info("offload_store_rearmed", transfer_id=transfer_id, requests=rearmed)
 
 
 __all__ = ["EagerStore"]

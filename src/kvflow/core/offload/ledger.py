@@ -281,10 +281,11 @@ class TransferLedger:
 
     def apply_reports(
         self, reports: Iterable[StepReport], world_size: int
-    ) -> tuple[list[int], list[int], bool]:
+    ) -> tuple[list[int], list[int], list[LiveTransfer]]:
         """Apply worker reports; settle the transfers every rank reported. Returns the committed
-        and the failed transfer ids and whether a store failed. Invalid input raises
-        ``ReportError`` and changes nothing."""
+        and the failed transfer ids and the stores that failed (not abandoned ones: the store
+        policy decides what their blocks need). Invalid input raises ``ReportError`` and changes
+        nothing."""
         agg = aggregate(reports, world_size)
         for outcome_ranks in (agg.completed, agg.failed):
             for tid, ranks in outcome_ranks.items():
@@ -305,7 +306,7 @@ class TransferLedger:
                 touched.append(tid)
         committed: list[int] = []
         failed: list[int] = []
-        store_failed = False
+        store_failed: list[LiveTransfer] = []
         for tid in sorted(set(touched)):
             x = self.xfers[tid]
             if len(x.reported) < world_size:
@@ -316,7 +317,7 @@ class TransferLedger:
             else:
                 failed.append(tid)
                 if not abandoned and x.spec.direction is Direction.STORE:
-                    store_failed = True
+                    store_failed.append(x)
         return committed, failed, store_failed
 
     def _settle(self, x: LiveTransfer, reported_invalid: frozenset[int]) -> bool:

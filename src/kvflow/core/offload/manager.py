@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from attrs import asdict
 
+from kvflow.core import validate
 from kvflow.core.block_pool import AllBlocksCleared, BlockPool, PoolEvent
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
@@ -58,6 +59,10 @@ log = get_logger("kvflow.scheduler")
 # A request's news in ``build_step_plan``: (request, confirmed tokens, new block ids, whether
 # they replace the block table).
 _News = tuple[RequestState, int, GroupBlockIds, bool]
+
+
+def _request_id(st: RequestState) -> str:
+    return st.request.request_id
 
 
 class OffloadManager:
@@ -243,6 +248,14 @@ class OffloadManager:
         loads fewer blocks. Until the next ``build_step_plan`` a new call replaces the previous one.
         """
         rid = request.request_id
+        # -- boundary check (kvflow.core.validate): the whole table, before anything changes --
+        table = (
+            validate.group_ids(
+                rid, gpu_block_ids, self._num_groups, self.config.num_gpu_blocks, self._null
+            )
+            if num_external_tokens or len(gpu_block_ids)
+            else ()
+        )
         st = self._requests.get(rid)
         if type(num_external_tokens) is not int or num_external_tokens < 0:
             raise ConfigError(f"{rid}: num_external_tokens must be an int >= 0")
@@ -260,9 +273,6 @@ class OffloadManager:
                 f"{rid}: {num_external_tokens} external tokens allocated, "
                 f"only {m.num_external_tokens} matched"
             )
-        table = [tuple(int(b) for b in group) for group in gpu_block_ids]
-        if len(table) != self._num_groups:
-            raise ConfigError(f"{rid}: {len(table)} block groups, expected {self._num_groups}")
         last_token = m.num_computed_tokens + num_external_tokens
         gpu: list[tuple[int, ...]] = []
         cpu: list[tuple[int, ...]] = []
@@ -292,6 +302,8 @@ class OffloadManager:
     def build_step_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """Every load and store of this step (all PENDING transfers are launched). Pure w.r.t. input."""
         so = scheduler_output
+        # -- boundary check (kvflow.core.validate): the step, new requests' counts and tables --
+        validate.scheduler_output(so)
         requests = self._requests
         check = self._check_table
         num_groups = self._num_groups
@@ -351,6 +363,10 @@ class OffloadManager:
                 if len(have[g]) + len(ids[g]) < confirmed // bs:
                     check(st, end, confirmed, ids, False)
             dirty.append((st, confirmed, ids, False))
+        # -- boundary check (kvflow.core.validate): every entry that changes something --
+        validate.step_entries(
+            dirty, _request_id, num_groups, self.config.num_gpu_blocks, self._null
+        )
         # Every table is checked: from here on nothing raises on bad input.
 
         flush = False
@@ -524,6 +540,15 @@ class OffloadManager:
 
         Eager: any full computed block not yet stored is stored now (from ``block_ids``).
         """
+        # -- boundary check (kvflow.core.validate): the table, before anything changes --
+        if block_ids is not None:
+            block_ids = validate.group_ids(
+                request.request_id,
+                block_ids,
+                self._num_groups,
+                self.config.num_gpu_blocks,
+                self._null,
+            )
         st = self._requests.get(request.request_id)
         if st is None:
             return False, None
@@ -600,9 +625,13 @@ class OffloadManager:
         """
         ledger = self._ledger
         committed, failed, store_failed = ledger.apply_reports(reports, self.config.world_size)
-        if store_failed and self._lazy is not None:
-            # Blocks ahead of the lazy cursor may have counted on the failed store.
-            self._lazy.reset("store_failed")
+        if store_failed:
+            if self._lazy is not None:
+                # Blocks ahead of the lazy cursor may have counted on the failed store.
+                self._lazy.reset("store_failed")
+            else:
+                for x in store_failed:
+                    self._store.rearm(self._requests.values(), x.transfer.transfer_id, x.hashes)
         self._try_complete_reset()
         out = StepOutcome(
             take(ledger.finished_sending),

@@ -1,0 +1,660 @@
+"""Soak benchmark: the reference engine with kvflow's offload connector under random traffic and
+injected faults, checking kvflow's guarantees (docs/guarantees.md) the whole time.
+
+The engine (tiny model, CPU) serves rounds of random requests that share prompt prefixes, on a
+GPU pool small enough to evict and preempt, with the host backend under a fault injector:
+
+- copies fail on the device (a failed load leaves garbage in its GPU blocks), run slow, or
+  report their completion late (so completions arrive out of submission order);
+- a second tensor-parallel rank (simulated) reports each transfer late, and now and then reports
+  a copy failed that rank 0 did;
+- the CPU prefix cache is reset with transfers in flight; preemptions come from the small pool;
+- between steps, bad inputs are thrown at every engine-facing call (ids out of range or twice,
+  unknown requests, replayed plans, bad reports): each must raise a ``KVFlowError`` and leave
+  the connector's state exactly as it was.
+
+Checked continuously: every CPU block a copy touches is referenced (never freed under a copy);
+a store is never committed before the late rank reported it; a load never starts before an
+earlier store of its GPU blocks finished; a load reads a CPU block exactly as its last store
+wrote it and leaves the GPU block byte-identical to it; the manager's references equal the
+pools' counts after every step; when idle, no reference is left and both pools are whole; every
+request's greedy output equals the same round's on an engine without offload. Any violation
+makes the exit status 1.
+
+    PYTHONPATH=src python scripts/soak.py --duration 600 --json soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from attrs import asdict, define, field
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvflow.backends.base import CopyBatch, Fence, FenceStatus
+from kvflow.backends.host import HostBackend, HostFence
+from kvflow.connector.api import KVCacheConfig, KVConnectorOutput
+from kvflow.connector.config import OffloadConfig
+from kvflow.connector.offload import OffloadConnector, OffloadScheduler
+from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec
+from kvflow.core.requests import (
+    CachedRequest,
+    KVRequest,
+    NewRequest,
+    RequestLike,
+    SchedulerOutput,
+)
+from kvflow.core.transfer import Direction
+from kvflow.engine.engine import Engine, EngineConfig, block_bytes_per_group
+from kvflow.engine.model import LlamaForCausalLM, build_model, model_config
+from kvflow.errors import KVFlowError
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--policy",
+        choices=("eager", "lazy", "both"),
+        default="both",
+        help="store policy; both: the duration split between them",
+    )
+    p.add_argument(
+        "--worker-loop",
+        choices=("inline", "thread", "both"),
+        default="both",
+        help="where the worker runtime's loop runs; both: the duration split between them",
+    )
+    p.add_argument("--gpu-blocks", type=int, default=28, help="engine GPU blocks (small: evicts)")
+    p.add_argument("--cpu-blocks", type=int, default=48, help="CPU tier blocks (small: evicts)")
+    p.add_argument("--p-fail", type=float, default=0.05, help="store batches that fail")
+    p.add_argument("--p-fail-load", type=float, default=0.15, help="load batches that fail")
+    p.add_argument("--p-slow", type=float, default=0.1, help="copy batches slowed 1-3 ms")
+    p.add_argument("--p-late", type=float, default=0.2, help="completions reported late")
+    p.add_argument("--p-rank-fail", type=float, default=0.02, help="rank 1 fails a copy")
+    p.add_argument("--p-reset", type=float, default=0.02, help="steps that reset the CPU cache")
+    p.add_argument("--p-bad", type=float, default=0.2, help="steps followed by a bad input")
+    p.add_argument(
+        "--sabotage",
+        choices=("none", "corrupt-cpu"),
+        default="none",
+        help="corrupt-cpu: flip a byte of some stored CPU blocks (the checks must catch it)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
+    return p.parse_args(argv)
+
+
+@define
+class Tally:
+    """What the soak did, and every violation it saw (appended from the copy thread too)."""
+
+    rounds: int = 0
+    requests: int = 0
+    steps: int = 0
+    outputs_checked: int = 0
+    transfers: Counter[str] = field(factory=Counter)
+    faults: Counter[str] = field(factory=Counter)
+    rejected: Counter[str] = field(factory=Counter)
+    checks: Counter[str] = field(factory=Counter)
+    segments: Counter[str] = field(factory=Counter)  # rounds per (policy, worker loop)
+    violations: list[str] = field(factory=list)
+
+    def violation(self, what: str) -> None:
+        self.violations.append(what)
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    return hashlib.blake2b(t.contiguous().numpy().tobytes(), digest_size=16).digest()
+
+
+@define(eq=False)
+class FaultyHost(HostBackend):
+    """The host backend with faults injected and the copy-level guarantees checked."""
+
+    rng: random.Random = field(factory=random.Random)
+    tally: Tally = field(factory=Tally)
+    p_fail: float = 0.0
+    p_fail_load: float = 0.0
+    p_slow: float = 0.0
+    lazy: bool = False
+    corrupt: bool = False  # sabotage: the soak's own check that its checks catch a bad copy
+    p_late: float = 0.0
+    cpu_refs: Callable[[int, int], int] | None = None  # (group, CPU block) → ref count
+    gpu_held: Callable[[int], bool] | None = None  # GPU block → held by a request or a copy
+    _late: dict[int, int] = field(factory=dict)  # fence id → queries still answered PENDING
+    _slow: set[int] = field(factory=set)  # id(batch) of batches to slow down
+    _cpu_digest: dict[tuple[int, int], bytes] = field(factory=dict)  # copy thread only
+    _last_store: dict[tuple[int, int], HostFence] = field(factory=dict)  # (group, GPU block)
+    _store_of: dict[int, tuple[HostFence, ...]] = field(factory=dict)  # id(batch) → stores
+    _lock: threading.Lock = field(factory=threading.Lock)
+    _failed: int = 0
+
+    def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
+        self._check_refs(batch, "submit")
+        # A load (and a lazy store) holds a reference on its GPU blocks; an eager store may read
+        # blocks a preempted request just gave back: the plan's flush waits for it before the
+        # engine writes them, and the reload and output checks catch a copy that raced.
+        if self.gpu_held is not None and (batch.direction is Direction.LOAD or self.lazy):
+            for g, ids in enumerate(batch.gpu_block_ids):
+                for b in ids:
+                    if not self.gpu_held(b):
+                        self.tally.violation(f"copy submitted on free GPU block {g}/{b}")
+        p_fail = self.p_fail_load if batch.direction is Direction.LOAD else self.p_fail
+        if self.rng.random() < p_fail:
+            return self._fail(batch)
+        if self.rng.random() < self.p_slow:
+            self.tally.faults["copy_slowed"] += 1
+            self._slow.add(id(batch))
+        with self._lock:
+            if batch.direction is Direction.LOAD:
+                self._store_of[id(batch)] = tuple(
+                    f
+                    for g, ids in enumerate(batch.gpu_block_ids)
+                    for b in ids
+                    if (f := self._last_store.get((g, b))) is not None
+                )
+        fence = super().submit(batch, wait_for)
+        if batch.direction is Direction.STORE:
+            with self._lock:
+                for g, ids in enumerate(batch.gpu_block_ids):
+                    for b in ids:
+                        self._last_store[(g, b)] = fence
+        if self.rng.random() < self.p_late:
+            self.tally.faults["completion_reported_late"] += 1
+            self._late[fence.fence_id] = self.rng.randint(1, 4)
+        return fence
+
+    def _fail(self, batch: CopyBatch) -> HostFence:
+        self._failed += 1
+        self.tally.faults[f"{batch.direction.value}_failed_on_device"] += 1
+        if batch.direction is Direction.LOAD:
+            # What a failed load leaves behind: garbage the engine must recompute over.
+            for g, ids in enumerate(batch.gpu_block_ids):
+                for rc in self._regions[g]:
+                    rc.view[list(ids)] = torch.randint(
+                        0, 255, (len(ids), rc.page_bytes), dtype=torch.uint8
+                    )
+        fence = HostFence(-self._failed, FenceStatus.FAILED, error="injected copy failure")
+        fence.finished.set()
+        return fence
+
+    def query(self, fence: Fence) -> FenceStatus:
+        if isinstance(fence, HostFence) and fence.fence_id < 0:
+            return fence.status
+        status = super().query(fence)
+        if status is not FenceStatus.PENDING and isinstance(fence, HostFence):
+            left = self._late.get(fence.fence_id, 0)
+            if left:
+                self._late[fence.fence_id] = left - 1
+                return FenceStatus.PENDING
+            self._late.pop(fence.fence_id, None)
+        return status
+
+    # -- on the copy thread -------------------------------------------------------------------
+    def _check_refs(self, batch: CopyBatch, when: str) -> None:
+        if self.cpu_refs is None:
+            return
+        for g, ids in enumerate(batch.cpu_block_ids):
+            for b in ids:
+                if self.cpu_refs(g, b) < 1:
+                    self.tally.violation(f"{when}: CPU block {g}/{b} unreferenced under a copy")
+
+    def _copy(self, batch: CopyBatch) -> None:
+        self._check_refs(batch, "copy")
+        if id(batch) in self._slow:
+            self._slow.discard(id(batch))
+            # A slow device, simulated on the device's own thread (the copy thread).
+            time.sleep(self.rng.uniform(0.001, 0.003))  # noqa: TID251
+        if batch.direction is Direction.STORE:
+            super()._copy(batch)
+            for g, ids in enumerate(batch.cpu_block_ids):
+                for cb in ids:
+                    self._cpu_digest[(g, cb)] = _digest(self._cpu[g][cb])
+                    if self.corrupt and self.rng.random() < 0.2:
+                        self._cpu[g][cb, 0] ^= 0xFF
+            return
+        with self._lock:
+            earlier = self._store_of.pop(id(batch), ())
+        for f in earlier:
+            if not f.finished.is_set():
+                self.tally.violation("a load ran before an earlier store of its GPU block")
+        for g, ids in enumerate(batch.cpu_block_ids):
+            for cb in ids:
+                want = self._cpu_digest.get((g, cb))
+                if want is None or want != _digest(self._cpu[g][cb]):
+                    self.tally.violation(f"load read CPU block {g}/{cb} not as its store wrote it")
+        super()._copy(batch)
+        self.tally.checks["blocks_reloaded_byte_identical"] += batch.num_blocks
+        for g, (gids, cids) in enumerate(
+            zip(batch.gpu_block_ids, batch.cpu_block_ids, strict=True)
+        ):
+            for gb, cb in zip(gids, cids, strict=True):
+                for rc in self._regions[g]:
+                    row = self._cpu[g][cb, rc.cpu_offset : rc.cpu_offset + rc.page_bytes]
+                    if not torch.equal(rc.view[gb], row):
+                        self.tally.violation(f"GPU block {g}/{gb} differs from CPU {cb} after load")
+
+
+class LateRank:
+    """The scheduler role with a simulated second tensor-parallel rank: rank 1 reports what rank
+    0 reported, 0-3 steps late, and now and then reports a copy failed. Checks that no transfer
+    settles before rank 1 reported it."""
+
+    def __init__(self, inner: OffloadScheduler, rng: random.Random, p_fail: float, tally: Tally):
+        self.inner = inner
+        self.rng = rng
+        self.p_fail = p_fail
+        self.tally = tally
+        self.steps = 0
+        self.queue: list[tuple[int, StepReport]] = []
+        self.last_plan: StepPlan | None = None
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
+    ) -> None:
+        self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        plan = self.inner.build_connector_meta(scheduler_output)
+        for spec in (*plan.stores, *plan.loads):
+            self.tally.transfers[f"{spec.direction.value}s_planned"] += 1
+        if plan.stores or plan.loads:
+            self.last_plan = plan
+        return plan
+
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput:
+        self.steps += 1
+        for r in output.reports:
+            if not (r.completed or r.failed):
+                continue
+            completed = [t for t in r.completed if self.rng.random() >= self.p_fail]
+            failed = [*r.failed, *(t for t in r.completed if t not in completed)]
+            if len(completed) < len(r.completed):
+                self.tally.faults["rank1_reported_failure"] += len(r.completed) - len(completed)
+            delay = self.rng.choice((0, 0, 1, 2, 3))
+            if delay:
+                self.tally.faults["rank1_reported_late"] += 1
+            late = StepReport(1, tuple(completed), tuple(failed), r.invalid_block_ids)
+            self.queue.append((self.steps + delay, late))
+        due = [r for s, r in self.queue if s <= self.steps]
+        self.queue = [(s, r) for s, r in self.queue if s > self.steps]
+        out = self.inner.update_connector_output(KVConnectorOutput(reports=(*output.reports, *due)))
+        manager = self.inner.manager
+        for _, r in self.queue:
+            for tid in (*r.completed, *r.failed):
+                self.tally.checks["transfers_held_for_late_rank"] += 1
+                if manager.transfer_state(tid) is None:
+                    self.tally.violation(f"transfer {tid} settled before rank 1 reported it")
+        return out
+
+    def request_finished(
+        self, request: RequestLike, block_ids: GroupBlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.inner.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool:
+        return self.inner.reset_cache()
+
+    def has_pending_push_work(self) -> bool:
+        return self.inner.has_pending_push_work() or bool(self.queue)
+
+
+class Soak:
+    """One engine with kvflow, one without, the same rounds of random requests on both."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        model: LlamaForCausalLM,
+        tally: Tally,
+        policy: str,
+        worker_loop: str,
+        seed: int,
+    ) -> None:
+        self.args = args
+        self.policy = policy
+        self.worker_loop = worker_loop
+        self.rng = random.Random(seed)
+        self.tally = tally
+        cfg = model_config("tiny")
+        self.vocab = cfg.vocab_size
+        self.engine_config = EngineConfig(
+            block_size=4, num_gpu_blocks=args.gpu_blocks, max_num_batched_tokens=48
+        )
+        self.reference = Engine(cfg, self.engine_config, model=model)
+        self.backend = FaultyHost(
+            rng=random.Random(seed + 1),
+            tally=self.tally,
+            p_fail=args.p_fail,
+            p_fail_load=args.p_fail_load,
+            p_slow=args.p_slow,
+            lazy=policy == "lazy",
+            corrupt=args.sabotage == "corrupt-cpu",
+            p_late=args.p_late,
+        )
+        self.conn: OffloadConnector | None = None
+        self.late: LateRank | None = None
+        self.view: GpuCacheView | None = None
+        self.engine = Engine(
+            cfg, self.engine_config, model=model, connector_factory=self._connector
+        )
+        assert self.conn is not None
+        assert self.late is not None
+        manager = self.conn.scheduler.manager
+        pools = manager.cpu_pools
+        self.backend.cpu_refs = lambda g, b: pools[g].blocks[b].ref_cnt
+        view = self.view
+        assert view is not None
+        self.backend.gpu_held = lambda b: not view.is_free(b)
+        self.prefixes: list[list[int]] = [
+            [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(8, 24))]
+            for _ in range(10)
+        ]
+        self.history: list[list[int]] = []  # finished conversations, continued later
+
+    def _connector(self, kv: KVCacheConfig, view: GpuCacheView) -> tuple[Any, Any]:
+        dtype = next(self.reference.model.parameters()).dtype
+        block_bytes = block_bytes_per_group(self.reference.model_config, kv, dtype)
+        config = OffloadConfig(
+            cpu_bytes=self.args.cpu_blocks * sum(block_bytes),
+            store_policy=self.policy,
+            lazy_watermark=8,
+            backend="host",
+            world_size=2,
+            worker_loop=self.worker_loop,
+        )
+        self.view = view
+        self.conn = OffloadConnector.build(
+            config, kv, block_bytes, gpu_view=view, backend=self.backend
+        )
+        self.late = LateRank(
+            self.conn.scheduler, random.Random(self.rng.random()), self.args.p_rank_fail, self.tally
+        )
+        return self.late, self.conn.worker
+
+    # -- traffic ------------------------------------------------------------------------------
+    def _batch(self) -> list[tuple[list[int], int]]:
+        """Requests on a shared prefix, or continuing an earlier conversation (its prompt and
+        output), whose blocks the small GPU pool has likely evicted since: CPU hits."""
+        out = []
+        for _ in range(self.rng.randint(2, 7)):
+            if self.history and self.rng.random() < 0.4:
+                prefix = self.rng.choice(self.history)[-40:]
+            else:
+                prefix = self.rng.choice(self.prefixes)
+            tail = [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(1, 10))]
+            out.append((prefix + tail, self.rng.randint(1, 12)))
+        return out
+
+    def round(self) -> None:
+        batch = self._batch()
+        want = {}
+        ids = [self.reference.add_request(p, n) for p, n in batch]
+        while self.reference.has_unfinished():
+            self.reference.step()
+        for rid in ids:
+            want[rid] = self.reference.take_result(rid).output_token_ids
+        got_ids = [
+            self.engine.add_request(p, n, request_id=rid)
+            for rid, (p, n) in zip(ids, batch, strict=True)
+        ]
+        self.tally.requests += len(got_ids)
+        steps = 0
+        while self.engine.has_unfinished():
+            self.engine.step()
+            steps += 1
+            self.tally.steps += 1
+            self._check_refs_match()
+            if self.rng.random() < self.args.p_reset:
+                self._reset()
+            if self.rng.random() < self.args.p_bad:
+                self._bad_input()
+            if steps > 20_000:
+                self.tally.violation("a round did not finish in 20000 steps")
+                return
+        for rid, (prompt, _) in zip(got_ids, batch, strict=True):
+            out = self.engine.take_result(rid).output_token_ids
+            self.history = [*self.history[-31:], [*prompt, *out]]
+            self.tally.outputs_checked += 1
+            if out != want[rid]:
+                self.tally.violation(f"{rid}: output {out} differs from no-offload {want[rid]}")
+        self._check_idle()
+        self.tally.rounds += 1
+
+    def _reset(self) -> None:
+        assert self.conn is not None
+        live = self.conn.scheduler.manager.num_live_transfers()
+        done = self.conn.scheduler.reset_cache()
+        self.tally.faults["resets_with_copies_in_flight" if live else "resets_idle"] += 1
+        if not done and not live:
+            self.tally.violation("reset_cache with nothing in flight did not complete")
+
+    # -- invariants ---------------------------------------------------------------------------
+    def _check_refs_match(self) -> None:
+        assert self.conn is not None
+        manager = self.conn.scheduler.manager
+        held = manager.cpu_refs()
+        self.tally.checks["ref_audits"] += 1
+        for g, pool in enumerate(manager.cpu_pools):
+            for b in pool.blocks:
+                if b.ref_cnt != held[g].get(b.block_id, 0):
+                    self.tally.violation(
+                        f"CPU block {g}/{b.block_id}: ref {b.ref_cnt}, manager holds "
+                        f"{held[g].get(b.block_id, 0)}"
+                    )
+
+    def _check_idle(self) -> None:
+        assert self.conn is not None
+        manager = self.conn.scheduler.manager
+        self.tally.checks["idle_audits"] += 1
+        if manager.num_live_transfers():
+            self.tally.violation(f"idle with {manager.num_live_transfers()} live transfers")
+        for pool in manager.cpu_pools:
+            if pool.num_free_blocks != pool.num_blocks:
+                self.tally.violation(f"{pool.name}: {pool.num_blocks - pool.num_free_blocks} held")
+        if self.engine.blocks.num_free_blocks() != self.engine.blocks.num_usable_blocks:
+            self.tally.violation("idle engine's GPU pool is not whole")
+        if self.conn.worker.runtime.runtime.in_flight:
+            self.tally.violation("idle worker has copies in flight")
+
+    def _snapshot(self) -> tuple[object, ...]:
+        assert self.conn is not None
+        manager = self.conn.scheduler.manager
+        return (
+            asdict(manager.stats()),
+            [[b.ref_cnt for b in pool.blocks] for pool in manager.cpu_pools],
+            manager.num_live_transfers(),
+            self.conn.worker.runtime.runtime.in_flight,
+            self.engine.blocks.num_free_blocks(),
+        )
+
+    def _bad_input(self) -> None:
+        """One bad input to a random engine-facing call: it must raise a KVFlowError and change
+        nothing."""
+        assert self.conn is not None
+        assert self.late is not None
+        sched, worker = self.conn.scheduler, self.conn.worker
+        n = self.engine_config.num_gpu_blocks
+        running = list(self.engine.scheduler.requests.values())
+        fresh = KVRequest.from_prompt(f"bad-{self.tally.steps}", [1, 2, 3, 4, 5])
+        far = 10**9 + self.tally.steps
+        cases: dict[str, Callable[[], object]] = {
+            "alloc_id_out_of_range": lambda: sched.update_state_after_alloc(
+                fresh, ((1, n + 3),), 0
+            ),
+            "alloc_id_twice": lambda: sched.update_state_after_alloc(fresh, ((3, 3),), 0),
+            "new_request_negative_id": lambda: sched.build_connector_meta(
+                SchedulerOutput(far, new_requests=(NewRequest("bad-new", ((-1, 2),), 0, 8),))
+            ),
+            "new_request_id_twice": lambda: sched.build_connector_meta(
+                SchedulerOutput(far, new_requests=(NewRequest("bad-new", ((5, 5),), 0, 8),))
+            ),
+            "unknown_running_request": lambda: sched.build_connector_meta(
+                SchedulerOutput(far, cached_requests=(CachedRequest("ghost", ((),), 0, 1),))
+            ),
+            "plan_id_out_of_range": lambda: worker.bind_connector_metadata(
+                StepPlan(
+                    far,
+                    loads=(TransferSpec(far, "bad", Direction.LOAD, ((n + 1,),), ((0,),)),),
+                )
+            ),
+            "report_for_unknown_transfer": lambda: sched.update_connector_output(
+                KVConnectorOutput(reports=(StepReport(0, completed=(far,)),))
+            ),
+            "negative_computed_tokens": lambda: sched.get_num_new_matched_tokens(fresh, -1),
+        }
+        if self.late.last_plan is not None:
+            plan = self.late.last_plan
+            cases["replayed_plan"] = lambda: worker.bind_connector_metadata(plan)
+        if running:
+            req = self.rng.choice(running)
+            cases["finished_with_wrong_groups"] = lambda: sched.request_finished(req, ((1,), (2,)))
+        kind = self.rng.choice(sorted(cases))
+        before = self._snapshot()
+        try:
+            cases[kind]()
+        except KVFlowError:
+            self.tally.rejected[kind] += 1
+        else:
+            self.tally.violation(f"bad input {kind} was accepted")
+            return
+        if self._snapshot() != before:
+            self.tally.violation(f"bad input {kind} changed the connector's state")
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.reference.shutdown()
+
+
+def _segments(args: argparse.Namespace) -> list[tuple[str, str]]:
+    policies = ["eager", "lazy"] if args.policy == "both" else [args.policy]
+    loops = ["inline", "thread"] if args.worker_loop == "both" else [args.worker_loop]
+    return [(p, w) for p in policies for w in loops]
+
+
+def run(args: argparse.Namespace, console: Console) -> Tally:
+    """Each (policy, worker loop) segment gets an equal share of the duration and an engine
+    pair of its own; one tally for all."""
+    torch.manual_seed(args.seed)
+    model = build_model(model_config("tiny"), seed=args.seed)
+    tally = Tally()
+    segments = _segments(args)
+    share = args.duration / len(segments)
+    start = time.monotonic()  # noqa: TID251 - a script's wall clock, not kvflow's
+    with Progress(
+        TextColumn("soak"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("", total=args.duration)
+        for k, (policy, loop) in enumerate(segments):
+            soak = Soak(args, model, tally, policy, loop, args.seed + 100 * k)
+            rounds = tally.rounds
+            try:
+                end = share * (k + 1)
+                while (elapsed := time.monotonic() - start) < end:  # noqa: TID251
+                    soak.round()
+                    progress.update(
+                        task,
+                        completed=elapsed,
+                        description=(
+                            f"{policy}/{loop}: {tally.requests} requests, {tally.steps} steps, "
+                            f"{sum(tally.faults.values())} faults, "
+                            f"{sum(tally.rejected.values())} bad inputs rejected, "
+                            f"{len(tally.violations)} violations"
+                        ),
+                    )
+            finally:
+                soak.close()
+            tally.faults["preemptions"] += soak.engine.stats.preemptions
+            tally.segments[f"{policy}/{loop}"] = tally.rounds - rounds
+            assert soak.conn is not None
+            stats = soak.conn.scheduler.manager.stats()
+            tally.transfers["settled_failed"] += stats.failed_transfers
+            tally.transfers["abandoned"] += stats.abandoned_transfers
+            tally.transfers["blocks_stored_committed"] += stats.blocks_stored
+            tally.transfers["blocks_loaded_committed"] += stats.blocks_loaded
+            tally.transfers["store_blocks_skipped_cpu_full"] += stats.skipped_stores
+    return tally
+
+
+def report(tally: Tally, args: argparse.Namespace, wall_s: float, console: Console) -> Table:
+    segments = ", ".join(f"{p}/{w}" for p, w in _segments(args))
+    table = Table(title=f"kvflow soak: {wall_s:.0f} s, seed {args.seed}, {segments}")
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    rows: list[tuple[str, object]] = [
+        ("rounds", tally.rounds),
+        ("requests (outputs checked vs no offload)", f"{tally.requests} ({tally.outputs_checked})"),
+        ("engine steps", tally.steps),
+    ]
+    rows += [(f"rounds: {k}", v) for k, v in sorted(tally.segments.items())]
+    rows += [(f"transfers: {k}", v) for k, v in sorted(tally.transfers.items())]
+    rows += [(f"fault: {k}", v) for k, v in sorted(tally.faults.items())]
+    rows += [(f"bad input rejected: {k}", v) for k, v in sorted(tally.rejected.items())]
+    rows += [(f"check: {k}", v) for k, v in sorted(tally.checks.items())]
+    rows.append(("violations", len(tally.violations)))
+    for name, value in rows:
+        table.add_row(name, str(value))
+    console.print(table)
+    for v in tally.violations[:20]:
+        console.print(f"[red]violation[/red]: {v}")
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    torch.set_num_threads(1)
+    console = Console()
+    t0 = time.monotonic()  # noqa: TID251
+    tally = run(args, console)
+    wall_s = time.monotonic() - t0  # noqa: TID251
+    report(tally, args, wall_s, console)
+    if args.json is not None:
+        figures = {
+            "duration_s": args.duration,
+            "wall_s": wall_s,
+            "seed": args.seed,
+            "rounds": tally.rounds,
+            "requests": tally.requests,
+            "outputs_checked": tally.outputs_checked,
+            "steps": tally.steps,
+            "transfers": dict(tally.transfers),
+            "faults": dict(tally.faults),
+            "rejected": dict(tally.rejected),
+            "checks": dict(tally.checks),
+            "segments": dict(tally.segments),
+            "violations": tally.violations,
+        }
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 1 if tally.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
