@@ -57,6 +57,11 @@ class Pair:
             **config,
         )
 
+    def transfer_id(self, rid: str) -> str:
+        """The router's id for the next hand-off of ``rid``: unique, as a router's must be."""
+        self._handoffs = getattr(self, "_handoffs", 0) + 1
+        return f"t-{rid}" if self._handoffs == 1 else f"t-{rid}-{self._handoffs}"
+
     @property
     def pc(self) -> PDConnector:
         c = self.p.scheduler_connector
@@ -81,7 +86,7 @@ class Pair:
             prompt,
             1,
             request_id=rid,
-            kv_transfer_params={"do_remote_decode": True, "transfer_id": f"t-{rid}"},
+            kv_transfer_params={"do_remote_decode": True, "transfer_id": self.transfer_id(rid)},
         )
         for _ in range(10_000):
             if rid in self.p._finished:

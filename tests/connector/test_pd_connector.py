@@ -138,3 +138,13 @@ def test_abort_on_p_before_its_prompt_is_computed_holds_nothing(pair: Pair) -> N
     pair.drain()
     assert pair.pc.driver.manager.num_live == 0
     pair.check_no_leaks()
+
+
+def test_a_request_id_used_again_gets_its_own_hand_off(pair: Pair) -> None:
+    """A finished request's id, reused by a new request, is served from P again (the one-shot
+    miss rule belongs to a request, not to its id)."""
+    pair.run(PROMPTS[:1], MAX_TOKENS)
+    (again,) = pair.run(PROMPTS[1:2], MAX_TOKENS)  # the same id "r0"
+    assert again.external_loaded_tokens == len(PROMPTS[1]) - 1
+    assert pair.dc.stats["handoffs_ok"] == 2
+    pair.check_no_leaks()

@@ -35,3 +35,23 @@ def test_sequential_flow_over_two_processes_matches_a_colocated_engine() -> None
     assert p["live_handoffs"] == d["live_handoffs"] == 0
     assert p["bytes_moved"] > 0
     assert d["handoffs_ok"] == len(PROMPTS)
+
+
+def test_concurrent_flow_over_two_processes_matches_a_colocated_engine() -> None:
+    """P and D get the request at once (D reserves and claims while P prefills): identical
+    outputs, nothing leaked; a claim that reached P before P admitted the request is a one-shot
+    miss that D recomputes, so D's prompt work is bounded by the prompt, never wrong."""
+    colocated = make_engine(**ENGINE)
+    expected = [
+        r.output_token_ids for r in colocated.run_to_completion(requests(PROMPTS, MAX_TOKENS))
+    ]
+    with PDRouter(engine=ENGINE, flow="concurrent", timeout_s=60) as router:
+        got = router.run(requests(PROMPTS, MAX_TOKENS))
+    assert [g.result.output_token_ids for g in got] == expected
+    p, d = router.summaries["P"], router.summaries["D"]
+    assert p["leaked_blocks"] == d["leaked_blocks"] == 0
+    assert p["live_handoffs"] == d["live_handoffs"] == 0
+    assert d["handoffs_ok"] + d["handoffs_failed"] == len(PROMPTS)
+    for g in got:
+        if g.result.external_loaded_tokens:
+            assert g.result.prefill_tokens_computed == 1

@@ -111,7 +111,10 @@ class PDConnector(NullConnector):
     ) -> None:
         params = _params(request)
         rid = request.request_id
-        if self.role != "consumer" or not params.get("do_remote_prefill") or rid in self._done:
+        if self.role == "producer":
+            self._begin(request, params)
+            return
+        if not params.get("do_remote_prefill") or rid in self._done:
             return
         mgr = self.driver.manager
         assert isinstance(mgr, ConsumerManager)
@@ -132,6 +135,33 @@ class PDConnector(NullConnector):
             tid, epoch, peer, ids, (first,) * len(ids), num_external_tokens, hashes, now
         )
         self.driver.apply(actions)
+
+    def begin(self, request_id: str, params: dict[str, Any]) -> None:
+        """P: a request D will decode arrived; its hand-off exists from now on, so a CLAIM that
+        D sends while P prefills (the concurrent flow) waits for ``kv_ready``. Idempotent."""
+        if self.role != "producer" or not params.get("do_remote_decode"):
+            return
+        mgr = self.driver.manager
+        assert isinstance(mgr, ProducerManager)
+        tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
+        if tid in mgr.transfers:
+            return
+        peer = str(params.get("remote_engine_id") or self.peer)
+        self._by_transfer[tid], self._by_request[request_id] = request_id, tid
+        self.driver.apply(mgr.begin(tid, epoch, peer, self.driver.now()))
+
+    def _begin(self, request: RequestLike, params: dict[str, Any]) -> None:
+        """P admitted a request D will decode (``begin`` unless the router already said so)."""
+        if not params.get("do_remote_decode"):
+            return
+        mgr = self.driver.manager
+        assert isinstance(mgr, ProducerManager)
+        tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
+        if tid in mgr.transfers:  # admitted again after a preemption
+            return
+        peer = str(params.get("remote_engine_id") or self.peer)
+        self._by_transfer[tid], self._by_request[request.request_id] = request.request_id, tid
+        self.driver.apply(mgr.begin(tid, epoch, peer, self.driver.now()))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
         return None
@@ -169,6 +199,7 @@ class PDConnector(NullConnector):
         now = self.driver.now()
         mgr = self.driver.manager
         if self.role == "consumer":
+            self._done.discard(rid)  # the id may come again, as a new request
             tid = self._by_request.get(rid)
             if tid is None or tid not in mgr.transfers:
                 return False, None
@@ -181,10 +212,17 @@ class PDConnector(NullConnector):
         bs = self.kv.block_size
         prompt_blocks = -(-request.num_prompt_tokens // bs)
         computed = getattr(request, "num_computed_tokens", request.num_prompt_tokens)
-        if not params.get("do_remote_decode") or computed < request.num_prompt_tokens:
-            return False, None  # not a P request, or aborted before its prompt was computed
+        if not params.get("do_remote_decode"):
+            return False, None
         assert isinstance(mgr, ProducerManager)
         tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
+        if computed < request.num_prompt_tokens:
+            # Aborted before its prompt was computed: the hand-off ends, nothing is held.
+            if tid in mgr.transfers:
+                self.driver.apply(mgr.abort(tid, now))
+            if self._by_request.pop(rid, None) is not None:
+                self._by_transfer.pop(tid, None)
+            return False, None
         peer = str(params.get("remote_engine_id") or self.peer)
         ids: GroupIds = tuple(tuple(g[:prompt_blocks]) for g in block_ids)
         self._by_transfer[tid], self._by_request[rid] = rid, tid

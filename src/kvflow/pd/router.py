@@ -27,6 +27,7 @@ from typing import Any
 from attrs import frozen
 
 from kvflow.core.logs import get_logger
+from kvflow.core.pd.common import PDTimeouts
 from kvflow.engine.distributed import free_port
 from kvflow.engine.engine import GenerationRequest, RequestResult
 from kvflow.errors import ConfigError, KVFlowError
@@ -81,6 +82,7 @@ class PDRouter:
         engine: dict[str, Any] | None = None,
         flow: str = "sequential",
         timeout_s: float = 120.0,
+        pd_timeouts: PDTimeouts | None = None,
     ) -> None:
         if flow not in FLOWS:
             raise ConfigError(f"PD flow {flow!r}: one of {', '.join(FLOWS)}")
@@ -90,6 +92,7 @@ class PDRouter:
         self.engine = dict(engine or {})
         self.flow = flow
         self.timeout_s = timeout_s
+        self.pd_timeouts = pd_timeouts
         self._procs: dict[str, _Proc] = {}
         self._ids = 0
 
@@ -100,7 +103,16 @@ class PDRouter:
         port = free_port()
         concurrent = self.flow == "concurrent"
         for role, me, peer in (("producer", "P", "D"), ("consumer", "D", "P")):
-            spec = WorkerSpec(role, me, peer, self.model, self.engine, port, concurrent=concurrent)
+            spec = WorkerSpec(
+                role,
+                me,
+                peer,
+                self.model,
+                self.engine,
+                port,
+                concurrent=concurrent,
+                pd_timeouts=self.pd_timeouts,
+            )
             self._procs[me] = _Proc(ctx, spec)
         try:
             for p in self._procs.values():
@@ -141,6 +153,16 @@ class PDRouter:
             p.conn.close()
         self.summaries = {k: p.summary for k, p in procs.items()}
 
+    def stats(self, engine_id: str) -> dict[str, Any]:
+        """An engine's counters now (call between ``run``s: every answer is in)."""
+        p = self._procs[engine_id]
+        p.conn.send(("stats",))
+        msg = self._recv(p, "its counters")
+        if msg[0] != "stats":
+            raise KVFlowError(f"PD engine {engine_id}: unexpected {msg[0]} (a run still going?)")
+        stats: dict[str, Any] = msg[1]
+        return stats
+
     def kill(self, engine_id: str) -> None:
         """SIGKILL one engine process (tests of a peer's death)."""
         self._procs[engine_id].proc.kill()
@@ -155,22 +177,16 @@ class PDRouter:
         submitted: dict[str, float] = {}
         prefills: dict[str, RequestResult] = {}
         by_rid = {}
+        tids: dict[str, int] = {}
         for r in requests:
             self._ids += 1
             rid = r.request_id or f"pd-{self._ids}"
             by_rid[rid] = r
+            tids[rid] = self._ids
             tid = f"{rid}@{self._ids}"
             submitted[rid] = time.perf_counter()
             params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": tid}
             P.conn.send(("add", rid, list(r.prompt_token_ids), 1, params))
-            if self.flow == "concurrent":
-                d_params = {
-                    "do_remote_prefill": True,
-                    "transfer_id": tid,
-                    "remote_engine_id": "P",
-                    "remote_address": P.address,
-                }
-                D.conn.send(("add", rid, list(r.prompt_token_ids), r.max_tokens, d_params))
         done: dict[str, PDResult] = {}
         waiting_p = set(by_rid)
         while len(done) < len(by_rid):
@@ -184,6 +200,19 @@ class PDRouter:
                 assert isinstance(conn, Connection)
                 proc = P if conn is P.conn else D
                 msg = self._recv(proc, "a result")
+                if msg[0] == "accepted":
+                    if self.flow == "concurrent":  # P knows the hand-off: D may claim it now
+                        r = by_rid[msg[1]]
+                        d_params = {
+                            "do_remote_prefill": True,
+                            "transfer_id": f"{msg[1]}@{tids[msg[1]]}",
+                            "remote_engine_id": "P",
+                            "remote_address": P.address,
+                        }
+                        D.conn.send(
+                            ("add", msg[1], list(r.prompt_token_ids), r.max_tokens, d_params)
+                        )
+                    continue
                 if msg[0] != "result":
                     raise KVFlowError(f"PD engine {proc.spec.engine_id}: unexpected {msg[0]}")
                 _, res, _arrival, times = msg
@@ -210,7 +239,8 @@ class PDRouter:
         # The concurrent flow's P answers may come after D's: collect them.
         while waiting_p:
             msg = self._recv(P, "a prefill result")
-            waiting_p.discard(_result(msg[1]).request_id)
+            if msg[0] == "result":
+                waiting_p.discard(_result(msg[1]).request_id)
         return [done[rid] for rid in by_rid]
 
     def _recv(self, p: _Proc, what: str) -> Any:

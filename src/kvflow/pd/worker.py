@@ -10,9 +10,11 @@ every process), so the router can measure TTFT and inter-token latency across pr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 from attrs import asdict, frozen
 
 from kvflow.backends.pd.gloo import GlooTransport
@@ -39,6 +41,8 @@ class WorkerSpec:
     gloo_port: int
     timeout_s: float = 60.0
     concurrent: bool = False
+    torch_threads: int = 1  # three engines share the machine's cores (P, D, the colocated one)
+    pd_timeouts: PDTimeouts | None = None
 
 
 def compat_of(model: str, config: EngineConfig) -> Compat:
@@ -55,6 +59,7 @@ def compat_of(model: str, config: EngineConfig) -> Compat:
 
 def serve(spec: WorkerSpec, conn: Connection) -> None:
     """The process body: build, announce the control address, serve until told to stop."""
+    torch.set_num_threads(spec.torch_threads)
     config = EngineConfig(**spec.engine)
     transport = GlooTransport(
         pair_rank=0 if spec.role == "producer" else 1,
@@ -62,7 +67,7 @@ def serve(spec: WorkerSpec, conn: Connection) -> None:
         port=spec.gloo_port,
         timeout_s=spec.timeout_s,
     )
-    timeouts = PDTimeouts(claim_s=spec.timeout_s if spec.concurrent else 10.0)
+    timeouts = spec.pd_timeouts or PDTimeouts(claim_s=spec.timeout_s if spec.concurrent else 10.0)
     engine = Engine(
         model_config(spec.model),
         config,
@@ -79,20 +84,31 @@ def serve(spec: WorkerSpec, conn: Connection) -> None:
     assert isinstance(connector, PDConnector)
     try:
         conn.send(("ready", connector.driver.address))
-        _loop(engine, conn)
-        summary = {
-            "leaked_blocks": engine.blocks.num_usable_blocks - engine.blocks.num_free_blocks(),
-            "live_handoffs": connector.driver.manager.num_live,
-            "bytes_moved": connector.driver.bytes_moved,
-            "prefill_tokens_computed": engine.stats.prefill_tokens_computed,
-            **connector.stats,
-        }
+        _loop(engine, connector, conn, lambda: summary_of(engine, connector))
+        summary = summary_of(engine, connector)
     finally:
         engine.shutdown()
     conn.send(("stopped", summary))
 
 
-def _loop(engine: Engine, conn: Connection) -> None:
+def summary_of(engine: Engine, connector: PDConnector) -> dict[str, Any]:
+    """What an engine process reports: blocks not back in the pool, live hand-offs, counters."""
+    return {
+        "leaked_blocks": engine.blocks.num_usable_blocks - engine.blocks.num_free_blocks(),
+        "live_handoffs": connector.driver.manager.num_live,
+        "bytes_moved": connector.driver.bytes_moved,
+        "send_seconds": connector.driver.send_seconds,
+        "prefill_tokens_computed": engine.stats.prefill_tokens_computed,
+        **connector.stats,
+    }
+
+
+def _loop(
+    engine: Engine,
+    connector: PDConnector,
+    conn: Connection,
+    summary: Callable[[], dict[str, Any]],
+) -> None:
     times: dict[str, list[float]] = {}
     arrivals: dict[str, float] = {}
     stopping = False
@@ -102,10 +118,18 @@ def _loop(engine: Engine, conn: Connection) -> None:
             if cmd[0] == "stop":
                 stopping = True
                 continue
+            if cmd[0] == "stats":
+                conn.send(("stats", summary()))
+                continue
             _, rid, prompt, max_tokens, params = cmd
             arrivals[rid] = time.perf_counter()
             times[rid] = []
             engine.add_request(prompt, max_tokens, request_id=rid, kv_transfer_params=params)
+            if params and params.get("do_remote_decode"):
+                # The hand-off exists before D can claim it: the router sends D the request
+                # (concurrent flow) only once P said so.
+                connector.begin(rid, params)
+                conn.send(("accepted", rid))
         outputs = engine.step()
         now = time.perf_counter()
         for o in outputs:

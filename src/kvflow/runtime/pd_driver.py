@@ -62,9 +62,11 @@ class PDDriver:
         self.clock: Clock = clock or SystemClock()
         self._pump = pump  # a fake link's step: tests move its packets on the engine's calls
         self._fences: list[tuple[LaunchCopies, Fence]] = []
+        self._launched_at: dict[int, float] = {}  # id(fence) → when the send was launched
         self._reports: list[Report] = []
         self._wake = threading.Event()
         self.bytes_moved = 0
+        self.send_seconds = 0.0  # sends: launch → seen settled (a floor on their speed)
         self.block_bytes: list[int] = []  # per group, set once the KV tensors are registered
         self._closed = False
         self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal()
@@ -114,9 +116,11 @@ class PDDriver:
                     # A peer without HELLO (gone, or never met): the manager's timers decide.
                     log.warning("pd_send_failed", peer=a.peer, error=str(e))
             elif isinstance(a, LaunchCopies):
-                self._fences.append((a, self.transport.launch(a)))
+                fence = self.transport.launch(a)
+                self._fences.append((a, fence))
                 if a.send:
                     self.bytes_moved += self._bytes_of(a)
+                    self._launched_at[id(fence)] = self.clock.now()
             elif isinstance(a, CancelCopies):
                 for op, fence in self._fences:
                     if (op.transfer_id, op.epoch) == (a.transfer_id, a.epoch):
@@ -137,6 +141,9 @@ class PDDriver:
             status = self.transport.query(fence)
             if status is not FenceStatus.PENDING:
                 self._fences.remove((op, fence))
+                started = self._launched_at.pop(id(fence), None)
+                if started is not None:
+                    self.send_seconds += now - started
                 ok = status is FenceStatus.DONE
                 self.apply(self.manager.copy_done(op.transfer_id, op.epoch, 0, ok, now))
         self.apply(self.manager.tick(now))
@@ -150,8 +157,9 @@ class PDDriver:
         return bool(self.manager.num_live or self._fences or self._reports)
 
     def wait(self, timeout_s: float) -> None:
-        """Block up to ``timeout_s`` for a copy to settle; at once when nothing is in flight."""
-        if not self._fences:
+        """Block up to ``timeout_s`` for a copy to settle (a peer's message wakes nobody: it is
+        seen at the next poll); at once when no hand-off is live."""
+        if not (self._fences or self.manager.num_live):
             return
         self._wake.wait(timeout_s)
         self._wake.clear()
