@@ -21,7 +21,8 @@ def test_bench_pd_prints_the_table_and_writes_the_json(
     figures = tmp_path / "pd.json"
     assert main(["bench", "--pd", *TINY, "--json", str(figures)]) == 0
     out, _ = capfd.readouterr()
-    assert "TTFT p50 (ms)" in out and "ITL p99 (ms)" in out
+    assert "TTFT p50 (ms)" in out
+    assert "ITL p99 (ms)" in out
     assert "identical" in out
     data = json.loads(figures.read_text())
     for key in ("outputs_identical", "requests", "decode_prompt_tokens_computed",
@@ -50,6 +51,7 @@ def test_bench_pd_errors_are_one_line_and_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A bad --pd combination is one line on stderr and exit status 2, before any work."""
+    code: int | str | None
     try:
         code = main(["bench", *argv])
     except SystemExit as exc:  # argparse's own errors
