@@ -8,6 +8,7 @@ from typing import Any
 
 from tests.engine.helpers import make_engine, prompts, requests
 
+from kvflow.core.pd.common import PDTimeouts
 from kvflow.pd.router import PDRouter
 
 ENGINE: dict[str, Any] = {"block_size": 4, "num_gpu_blocks": 96}
@@ -55,3 +56,28 @@ def test_concurrent_flow_over_two_processes_matches_a_colocated_engine() -> None
     for g in got:
         if g.result.external_loaded_tokens:
             assert g.result.prefill_tokens_computed == 1
+
+
+def test_p_killed_while_holding_the_kv_leaves_d_serving_by_recompute() -> None:
+    """SIGKILL of P after its prefill, before D claims: D's claim goes unanswered, D declares
+    P dead, keeps the claimed blocks out of its pool for the quarantine, then recomputes; the
+    output is the colocated engine's and D ends with every block back."""
+    colocated = make_engine(**ENGINE)
+    expected = [
+        r.output_token_ids for r in colocated.run_to_completion(requests(PROMPTS[:2], MAX_TOKENS))
+    ]
+    fast = PDTimeouts(claim_s=1, grant_window_s=0.5, copy_s=0.5, heartbeat_s=0.2,
+                      peer_timeout_s=1, drain_retry_s=0.2)  # fmt: skip
+    first, second = requests(PROMPTS[:2], MAX_TOKENS)
+    with PDRouter(engine=ENGINE, timeout_s=60, pd_timeouts=fast) as router:
+        (ok,) = router.run([first])  # HELLO cached, one hand-off committed
+        held = router.prefill(second)
+        router.kill("P")
+        got = router.decode(second, held.kv_transfer_params)
+    assert ok.result.output_token_ids == expected[0]
+    assert got.result.output_token_ids == expected[1]
+    assert got.result.prefill_tokens_computed == len(PROMPTS[1])
+    d = router.summaries["D"]
+    assert d["leaked_blocks"] == 0
+    assert d["live_handoffs"] == 0
+    assert d["handoffs_failed"] == 1

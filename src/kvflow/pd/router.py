@@ -243,6 +243,28 @@ class PDRouter:
                 waiting_p.discard(_result(msg[1]).request_id)
         return [done[rid] for rid in by_rid]
 
+    def prefill(self, request: GenerationRequest) -> RequestResult:
+        """The sequential flow's first half alone: P's one-token result with its params."""
+        P = self._procs["P"]
+        self._ids += 1
+        rid = request.request_id or f"pd-{self._ids}"
+        params = {"do_remote_decode": True, "transfer_id": f"{rid}@{self._ids}"}
+        P.conn.send(("add", rid, list(request.prompt_token_ids), 1, params))
+        while True:
+            msg = self._recv(P, f"the prefill of {rid}")
+            if msg[0] == "result":
+                return _result(msg[1])
+
+    def decode(self, request: GenerationRequest, params: dict[str, Any] | None) -> PDResult:
+        """The second half alone: D serves ``request`` with P's ``params``."""
+        D = self._procs["D"]
+        rid = request.request_id or f"pd-{self._ids}"
+        submitted = time.perf_counter()
+        D.conn.send(("add", rid, list(request.prompt_token_ids), request.max_tokens, params))
+        msg = self._recv(D, f"the decode of {rid}")
+        times = msg[3]
+        return PDResult(_result(msg[1]), None, times[0] - submitted, tuple(times))
+
     def _recv(self, p: _Proc, what: str) -> Any:
         if not p.conn.poll(self.timeout_s):
             raise KVFlowError(
