@@ -8,7 +8,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvflow.backends.pd.fake import FakeLink
+from kvflow.connector.api import KVCacheConfig
+from kvflow.connector.config import OffloadConfig
+from kvflow.connector.offload import OffloadConnector
 from kvflow.connector.pd import PDConnector, pd_connector_factory
+from kvflow.connector.pd_offload import PDOffloadConnector
+from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.pd.common import PDTimeouts
 from kvflow.engine.engine import Engine, EngineConfig, RequestResult
 from kvflow.engine.model import model_config
@@ -42,20 +47,48 @@ def engine(connector_factory: Any = None, **config: Any) -> Engine:
 class Pair:
     """A P engine and a D engine, their connectors and the fake link between them."""
 
-    def __init__(self, link: FakeLink | None = None, block_size: int = 4, **config: Any) -> None:
+    def __init__(
+        self,
+        link: FakeLink | None = None,
+        block_size: int = 4,
+        *,
+        d_cpu_tier: bool = False,
+        **config: Any,
+    ) -> None:
         self.link = link or FakeLink()
         p_end, d_end = self.link.pair()
         c = compat(block_size)
+        d_factory = pd_connector_factory(
+            "consumer", "D", c, d_end, timeouts=TIMEOUTS, pump=self.link.step
+        )
+        self.offload: OffloadConnector | None = None
+        if d_cpu_tier:
+            d_factory = self._with_cpu_tier(d_factory)
         self.p = engine(
             pd_connector_factory("producer", "P", c, p_end, peer="D", timeouts=TIMEOUTS),
             block_size=block_size,
             **config,
         )
-        self.d = engine(
-            pd_connector_factory("consumer", "D", c, d_end, timeouts=TIMEOUTS, pump=self.link.step),
-            block_size=block_size,
-            **config,
-        )
+        self.d = engine(d_factory, block_size=block_size, **config)
+
+    def _with_cpu_tier(self, pd_factory: Any) -> Any:
+        """D's factory with its CPU tier composed in (``PDOffloadConnector``)."""
+        cfg = model_config("tiny")
+
+        def build(kv: KVCacheConfig, view: GpuCacheView) -> tuple[Any, Any]:
+            per_layer = 2 * kv.block_size * cfg.num_kv_heads * cfg.head_dim * 4
+            block_bytes = [per_layer * len(g.layer_names) for g in kv.groups]
+            self.offload = OffloadConnector.build(
+                OffloadConfig(cpu_bytes="4MiB", worker_loop="inline"),
+                kv,
+                block_bytes,
+                gpu_view=view,
+            )
+            pd, _ = pd_factory(kv, view)
+            both = PDOffloadConnector(self.offload, pd)
+            return both, both
+
+        return build
 
     def transfer_id(self, rid: str) -> str:
         """The router's id for the next hand-off of ``rid``: unique, as a router's must be."""
@@ -71,6 +104,8 @@ class Pair:
     @property
     def dc(self) -> PDConnector:
         c = self.d.scheduler_connector
+        if isinstance(c, PDOffloadConnector):
+            return c.pd
         assert isinstance(c, PDConnector)
         return c
 
@@ -121,6 +156,11 @@ class Pair:
             assert not e.scheduler.requests
             assert e.blocks.num_free_blocks() == e.blocks.num_usable_blocks
             c = e.scheduler_connector
+            if isinstance(c, PDOffloadConnector):
+                manager = c.offload.scheduler.manager
+                assert manager.num_live_transfers() == 0
+                assert all(not refs for refs in manager.cpu_refs())
+                c = c.pd
             assert isinstance(c, PDConnector)
             assert c.driver.manager.num_live == 0
             assert c.driver.manager.ledger.num_blocks == 0

@@ -148,3 +148,34 @@ def test_a_request_id_used_again_gets_its_own_hand_off(pair: Pair) -> None:
     assert again.external_loaded_tokens == len(PROMPTS[1]) - 1
     assert pair.dc.stats["handoffs_ok"] == 2
     pair.check_no_leaks()
+
+
+def test_d_s_cpu_tier_covers_the_prefix_and_only_the_rest_comes_from_p() -> None:
+    """D with its own CPU tier: D computed a prompt itself (stored to its CPU tier), its GPU
+    cache is reset; a longer prompt sharing that start loads the start from D's CPU tier and
+    only the rest from P; the output is the colocated engine's, D computes one prompt token,
+    nothing leaks on either tier."""
+    pd = Pair(d_cpu_tier=True)
+    try:
+        first = PROMPTS[2]
+        pd.d.run_to_completion(requests([first], MAX_TOKENS))  # D's own: stored to its CPU tier
+        pd.drain()
+        assert pd.d.scheduler.reset_prefix_cache()  # the GPU cache only: D keeps its CPU tier
+        longer = first[:20] + PROMPTS[1][:9]
+        sent_before = pd.pc.driver.bytes_moved
+        (r,) = pd.run([longer], MAX_TOKENS)
+        e = engine()
+        (want,) = e.run_to_completion(requests([longer], MAX_TOKENS))
+        e.shutdown()
+        assert r.output_token_ids == want.output_token_ids
+        assert r.prefill_tokens_computed == 1
+        assert r.external_loaded_tokens == len(longer) - 1
+        assert pd.offload is not None
+        loaded = pd.offload.scheduler.stats().manager.blocks_loaded
+        assert loaded == 5  # tokens 0..19 from D's CPU tier
+        per_block = pd.pc.driver.block_bytes[0]
+        # Tokens 20..27 (blocks 5 and 6) from P; D recomputes token 28.
+        assert pd.pc.driver.bytes_moved - sent_before == 2 * per_block
+        pd.check_no_leaks()
+    finally:
+        pd.close()
