@@ -74,6 +74,8 @@ class PDBenchResult:
     leaked_blocks: int
     handoffs_ok: int
     handoffs_failed: int
+    decode_preemptions: int  # D's: a preempted request recomputes past its prefix-cache hit
+    colocated_preemptions: int
     num_gpu_blocks: int
 
     def to_json(self) -> dict[str, Any]:
@@ -89,6 +91,8 @@ class PDBenchResult:
             "flow": self.flow,
             "handoffs_ok": self.handoffs_ok,
             "handoffs_failed": self.handoffs_failed,
+            "decode_preemptions": self.decode_preemptions,
+            "colocated_preemptions": self.colocated_preemptions,
             "pd": asdict(self.pd),
             "colocated": asdict(self.colocated),
             "num_gpu_blocks": self.num_gpu_blocks,
@@ -199,7 +203,9 @@ def run_pd_bench(
     )
     _rounds(warm, _colocated(colocated), lambda _r: None)  # first-call costs, untimed
     colocated.reset_prefix_cache()
+    warm_preemptions = colocated.scheduler.num_preemptions
     ref = _rounds(workload, _colocated(colocated), lambda r: on_round("colocated", r))
+    colocated_preemptions = colocated.scheduler.num_preemptions - warm_preemptions
     colocated.shutdown()
     with PDRouter(model=cfg.model, engine=engine_kwargs, flow=flow) as router:
         _rounds(warm, _through(router), lambda _r: None)
@@ -223,6 +229,8 @@ def run_pd_bench(
         leaked_blocks=int(p["leaked_blocks"]) + int(d["leaked_blocks"]),
         handoffs_ok=int(d["handoffs_ok"]) - int(d0["handoffs_ok"]),
         handoffs_failed=int(d["handoffs_failed"]) - int(d0["handoffs_failed"]),
+        decode_preemptions=int(d["preemptions"]) - int(d0["preemptions"]),
+        colocated_preemptions=colocated_preemptions,
         num_gpu_blocks=num_blocks,
     )
 

@@ -376,6 +376,11 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
     )
     table.add_row("prompt tokens computed on P", "—", f"{result.prefill_prompt_tokens_computed:,}")
     table.add_row(
+        "preemptions (D for P → D)",
+        f"{result.colocated_preemptions}",
+        f"{result.decode_preemptions}",
+    )
+    table.add_row(
         "hand-offs committed / failed", "—", f"{result.handoffs_ok} / {result.handoffs_failed}"
     )
     table.add_row("bytes moved (P → D)", "—", f"{result.bytes_moved:,}")
@@ -387,18 +392,23 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
     console.print(f"greedy outputs, colocated vs P → D: {verdict}")
 
 
-def run_pd_command(args: argparse.Namespace, cfg: BenchConfig, console: Console) -> int:
-    from kvflow.bench.pd import run_pd_bench
-
-    flow = args.pd_flow or "sequential"
-    with Progress(
+def _progress(console: Console) -> Progress:
+    """A transient bar per run, counting rounds."""
+    return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         TextColumn("round {task.completed}/{task.total}"),
         TimeElapsedColumn(),
         console=console,
         transient=True,
-    ) as progress:
+    )
+
+
+def run_pd_command(args: argparse.Namespace, cfg: BenchConfig, console: Console) -> int:
+    from kvflow.bench.pd import run_pd_bench
+
+    flow = args.pd_flow or "sequential"
+    with _progress(console) as progress:
         tasks = {name: progress.add_task(name, total=cfg.rounds) for name in ("colocated", "P → D")}
         result = run_pd_bench(
             cfg, flow=flow, on_round=lambda name, _r: progress.advance(tasks[name])
@@ -434,14 +444,7 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
     # logging, whose default shows warnings only; --trace sends them to its file alone.
     from kvflow.bench.multi_round import run_bench
 
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("round {task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with _progress(console) as progress:
         tasks = {
             name: progress.add_task(name, total=cfg.rounds)
             for name in ("offload off", "offload on")

@@ -99,6 +99,7 @@ def summary_of(engine: Engine, connector: PDConnector) -> dict[str, Any]:
         "bytes_moved": connector.driver.bytes_moved,
         "send_seconds": connector.driver.send_seconds,
         "prefill_tokens_computed": engine.stats.prefill_tokens_computed,
+        "preemptions": engine.scheduler.num_preemptions,
         **connector.stats,
     }
 
