@@ -20,7 +20,7 @@ from kvflow.engine.model import model_config
 from kvflow.runtime.pd_control import default_compat
 from tests.engine.helpers import shared_model
 
-TIMEOUTS = PDTimeouts(claim_s=5, grant_window_s=5, copy_s=5, drain_retry_s=0.05, lease_s=5)
+TIMEOUTS = PDTimeouts(claim_s=5, grant_window_s=5, copy_s=5, drain_retry_s=0.05, lease_s=1)
 
 
 def compat(block_size: int) -> Any:

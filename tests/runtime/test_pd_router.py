@@ -81,3 +81,23 @@ def test_p_killed_while_holding_the_kv_leaves_d_serving_by_recompute() -> None:
     assert d["leaked_blocks"] == 0
     assert d["live_handoffs"] == 0
     assert d["handoffs_failed"] == 1
+
+
+def test_d_killed_before_it_claims_leaves_p_serving_and_frees_p_s_hold() -> None:
+    """SIGKILL of D after P's prefill: nobody claims P's held KV, its lease expires and the
+    blocks come back; P goes on serving new requests and ends with nothing leaked."""
+    fast = PDTimeouts(lease_s=0.5, heartbeat_s=0.2, peer_timeout_s=1)
+    first, second = requests(PROMPTS[:2], MAX_TOKENS)
+    with PDRouter(engine=ENGINE, timeout_s=60, pd_timeouts=fast) as router:
+        held = router.prefill(first)
+        router.kill("D")
+        again = router.prefill(second)
+    assert held.kv_transfer_params is not None
+    assert (
+        again.output_token_ids
+        == make_engine(**ENGINE).run_to_completion(requests(PROMPTS[1:2], 1))[0].output_token_ids
+    )
+    p = router.summaries["P"]
+    assert p["leaked_blocks"] == 0
+    assert p["live_handoffs"] == 0
+    assert router.summaries["D"] == {}  # killed: no summary
