@@ -179,3 +179,20 @@ def test_d_s_cpu_tier_covers_the_prefix_and_only_the_rest_comes_from_p() -> None
         pd.check_no_leaks()
     finally:
         pd.close()
+
+
+def test_params_used_twice_on_d_make_the_second_request_a_miss_not_a_hang(pair: Pair) -> None:
+    """Two D requests given the same P params (a router bug): the first is served from P, the
+    second's reservation is refused and reported at once as a miss; both outputs are right."""
+    pr = pair.prefill("r0", PROMPTS[0])
+    params = pr.kv_transfer_params
+    assert params is not None
+    pair.d.add_request(PROMPTS[0], MAX_TOKENS, request_id="r0", kv_transfer_params=params)
+    pair.d.add_request(PROMPTS[0], MAX_TOKENS, request_id="r1", kv_transfer_params=params)
+    pair.drain()
+    want = colocated()[0]
+    a, b = pair.d.take_result("r0"), pair.d.take_result("r1")
+    assert a.output_token_ids == b.output_token_ids == want
+    assert a.external_loaded_tokens == len(PROMPTS[0]) - 1
+    assert b.external_loaded_tokens == 0
+    pair.check_no_leaks()

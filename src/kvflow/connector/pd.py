@@ -82,6 +82,7 @@ class PDConnector(NullConnector):
         self._by_request: dict[str, str] = {}  # request id → transfer id
         self._waiting: set[str] = set()  # D: requests parked on a hand-off
         self._done: set[str] = set()  # D: requests whose remote hit was used (one shot)
+        self._refused: dict[str, GroupIds] = {}  # D: reservations refused, reported next step
         self.stats = {"handoffs_ok": 0, "handoffs_failed": 0, "remote_tokens": 0}
 
     # ---- scheduler role -------------------------------------------------------------------
@@ -128,12 +129,20 @@ class PDConnector(NullConnector):
         ids: GroupIds = tuple(tuple(g[first:end]) for g in block_ids)
         hashes = prompt_hashes(request, bs)
         now = self.driver.now()
+        try:
+            actions = mgr.reserve(
+                tid, epoch, peer, ids, (first,) * len(ids), num_external_tokens, hashes, now
+            )
+        except KVFlowError as e:
+            # The router's params are unusable (a transfer id already live here, ...): the
+            # request parked on this load must still hear of it, as a miss.
+            log.error("pd_reserve_refused", request_id=rid, transfer_id=tid, error=str(e))
+            if num_external_tokens:
+                self._refused[rid] = ids
+            return
         self._by_transfer[tid], self._by_request[rid] = rid, tid
         if num_external_tokens:
             self._waiting.add(rid)
-        actions = mgr.reserve(
-            tid, epoch, peer, ids, (first,) * len(ids), num_external_tokens, hashes, now
-        )
         self.driver.apply(actions)
 
     def begin(self, request_id: str, params: dict[str, Any]) -> None:
@@ -171,6 +180,10 @@ class PDConnector(NullConnector):
         sending: set[str] = set(output.finished_sending)
         recving: set[str] = set(output.finished_recving)
         invalid: set[int] = set(output.invalid_block_ids)
+        for refused, ids in self._refused.items():
+            recving.add(refused)
+            invalid.update(b for _, b in flat(ids))
+        self._refused.clear()
         for r in self.driver.take_reports():
             rid = self._by_transfer.pop(r.transfer_id, None)
             if rid is None:
@@ -225,8 +238,15 @@ class PDConnector(NullConnector):
             return False, None
         peer = str(params.get("remote_engine_id") or self.peer)
         ids: GroupIds = tuple(tuple(g[:prompt_blocks]) for g in block_ids)
+        try:
+            actions = mgr.kv_ready(tid, epoch, peer, ids, prompt_hashes(request, bs), now)
+        except KVFlowError as e:
+            # Unusable params (the transfer id is another request's, ...): hold nothing; D's
+            # claim is refused and D recomputes.
+            log.error("pd_kv_ready_refused", request_id=rid, transfer_id=tid, error=str(e))
+            return False, None
         self._by_transfer[tid], self._by_request[rid] = rid, tid
-        self.driver.apply(mgr.kv_ready(tid, epoch, peer, ids, prompt_hashes(request, bs), now))
+        self.driver.apply(actions)
         held = rid in self._by_request
         return held, {
             "do_remote_prefill": True,
