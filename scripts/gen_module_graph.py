@@ -90,7 +90,7 @@ def render() -> str:
         "## Parts",
         "",
         "Layers, lowest first: errors < core < backends < runtime < connector < engine, "
-        "integrations < bench < cli.",
+        "integrations < pd < bench < cli.",
         "",
         "```mermaid",
         "flowchart BT",

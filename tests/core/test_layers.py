@@ -28,8 +28,9 @@ LAYERS: dict[str, int] = {
     "engine": 5,
     "integrations": 5,
     "tracing": 5,  # trace files for the benchmarks and the CLI; imports only errors
-    "bench": 6,
-    "cli": 7,
+    "pd": 6,  # the PD router and its engine processes: above the engine it runs
+    "bench": 7,
+    "cli": 8,
 }
 """Each top-level part of kvflow and its layer; a part may import its own package and lower
 layers, never a peer of its own layer or a higher one."""

@@ -309,11 +309,23 @@ def test_peer_silence_drains_claimed_hand_offs() -> None:
     assert len(p.peers) == 0
 
 
-def test_bad_engine_input_raises_and_changes_nothing() -> None:
-    """Overlapping blocks, a second kv_ready, a bad copy_done: typed errors, state unchanged."""
+def test_prefix_shared_blocks_are_held_by_each_hand_off_until_its_own_release() -> None:
+    """Two requests sharing prefix-cached blocks hold them in two hand-offs at once (sends only
+    read them); releasing one keeps the blocks held for the other."""
     p = ready()
-    with pytest.raises(ProtocolError):
-        p.kv_ready("u", 1, "D", ((12, 13),), HASHES, 0.0)  # block 12 is held by "t"
+    p.kv_ready("u", 1, "D", ((12, 13),), HASHES, 0.0)  # block 12 is also held by "t"
+    assert set(p.transfers) == {"t", "u"}
+    assert p.ledger.owner(0, 12) == "t"
+    p.abort("t", 0.0)
+    assert p.ledger.owner(0, 12) == "u"
+    assert p.ledger.num_blocks == 2
+    p.abort("u", 0.0)
+    assert p.ledger.num_blocks == 0
+
+
+def test_bad_engine_input_raises_and_changes_nothing() -> None:
+    """A second kv_ready, a block named twice, a bad copy_done: typed errors, state unchanged."""
+    p = ready()
     with pytest.raises(ProtocolError):
         p.kv_ready("t", 1, "D", ((30,),), HASHES, 0.0)
     with pytest.raises(ProtocolError):

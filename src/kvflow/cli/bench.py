@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from kvflow.bench.multi_round import BenchResult
+    from kvflow.bench.pd import PDBenchResult
 
 from kvflow.bench.config import MODEL_PRESETS, BenchConfig
 from kvflow.cli.main import non_negative_int, positive_int
@@ -128,6 +129,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace", type=Path, default=None, help="write every log event to this file as JSON lines"
     )
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="prefill/decode disaggregation: one P and one D process (CPU, gloo) against one "
+        "colocated engine, instead of offload off vs on",
+    )
+    p.add_argument(
+        "--pd-flow",
+        choices=("sequential", "concurrent"),
+        default=None,
+        help="with --pd: P first then D (default), or both at once",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -200,6 +213,14 @@ def check_cuda(device: str) -> None:
 def validate(args: argparse.Namespace) -> BenchConfig:
     """Every check a run can fail that needs no torch: values, output paths, matplotlib, GPU."""
     cfg = config_from_args(args)
+    if getattr(args, "pd_flow", None) is not None and not args.pd:
+        raise ConfigError("--pd-flow needs --pd")
+    if getattr(args, "pd", False):
+        if cfg.device != "cpu":
+            raise ConfigError(f"--pd runs on CPU (gloo transport), not --device {cfg.device}")
+        for flag in ("plot", "trace"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag} is not available with --pd yet")
     for flag in ("json", "plot", "trace"):
         path = getattr(args, flag)
         if path is not None:
@@ -327,6 +348,78 @@ def _check_torch_device(device: str) -> None:
         )
 
 
+def render_pd(result: PDBenchResult, console: Console) -> None:
+    """The ``--pd`` table: the colocated engine next to P → D."""
+    c, pd = result.colocated, result.pd
+    table = Table(
+        title=(
+            f"kvflow bench --pd ({result.flow} flow, gloo): {result.config.model} on cpu, "
+            f"{result.requests} requests ({result.config.users} users × {result.config.rounds} "
+            "rounds)"
+        )
+    )
+    table.add_column("measure")
+    table.add_column("colocated", justify="right")
+    table.add_column("P → D", justify="right")
+    ms = 1e3
+    for label, a, b in (
+        ("TTFT p50 (ms)", c.ttft_p50_s * ms, pd.ttft_p50_s * ms),
+        ("TTFT p90 (ms)", c.ttft_p90_s * ms, pd.ttft_p90_s * ms),
+        ("ITL p50 (ms)", c.itl_p50_s * ms, pd.itl_p50_s * ms),
+        ("ITL p99 (ms)", c.itl_p99_s * ms, pd.itl_p99_s * ms),
+    ):
+        table.add_row(label, f"{a:.2f}", f"{b:.2f}")
+    table.add_row(
+        "prompt tokens computed (D for P → D)",
+        f"{c.prompt_tokens_computed:,}",
+        f"{result.decode_prompt_tokens_computed:,}",
+    )
+    table.add_row("prompt tokens computed on P", "—", f"{result.prefill_prompt_tokens_computed:,}")
+    table.add_row(
+        "preemptions (D for P → D)",
+        f"{result.colocated_preemptions}",
+        f"{result.decode_preemptions}",
+    )
+    table.add_row(
+        "hand-offs committed / failed", "—", f"{result.handoffs_ok} / {result.handoffs_failed}"
+    )
+    table.add_row("bytes moved (P → D)", "—", f"{result.bytes_moved:,}")
+    table.add_row("send GB/s (launch → seen settled)", "—", f"{result.send_gbps:.3f}")
+    table.add_row("leaked blocks (P + D)", "—", f"{result.leaked_blocks}")
+    table.add_row("wall time (s)", f"{c.wall_s:.2f}", f"{pd.wall_s:.2f}")
+    console.print(table)
+    verdict = "[green]identical[/]" if result.outputs_identical else "[red]DIFFERENT[/]"
+    console.print(f"greedy outputs, colocated vs P → D: {verdict}")
+
+
+def _progress(console: Console) -> Progress:
+    """A transient bar per run, counting rounds."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("round {task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def run_pd_command(args: argparse.Namespace, cfg: BenchConfig, console: Console) -> int:
+    from kvflow.bench.pd import run_pd_bench
+
+    flow = args.pd_flow or "sequential"
+    with _progress(console) as progress:
+        tasks = {name: progress.add_task(name, total=cfg.rounds) for name in ("colocated", "P → D")}
+        result = run_pd_bench(
+            cfg, flow=flow, on_round=lambda name, _r: progress.advance(tasks[name])
+        )
+    render_pd(result, console)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result.to_json(), indent=2))
+        console.print(f"wrote {args.json}")
+    return 0 if result.outputs_identical and result.leaked_blocks == 0 else 1
+
+
 def run_bench_command(args: argparse.Namespace, console: Console | None = None) -> int:
     cfg = validate(args)
     _check_torch_device(cfg.device)
@@ -345,18 +438,13 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
         import torch
 
         torch.set_num_threads(threads)
+    if getattr(args, "pd", False):
+        return run_pd_command(args, cfg, console)
     # No logging set up here: unless the host configured structlog, kvflow's events go to stdlib
     # logging, whose default shows warnings only; --trace sends them to its file alone.
     from kvflow.bench.multi_round import run_bench
 
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("round {task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with _progress(console) as progress:
         tasks = {
             name: progress.add_task(name, total=cfg.rounds)
             for name in ("offload off", "offload on")
@@ -384,6 +472,8 @@ __all__ = [
     "figure",
     "plot",
     "render",
+    "render_pd",
     "run_bench_command",
+    "run_pd_command",
     "validate",
 ]

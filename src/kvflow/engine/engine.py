@@ -144,6 +144,7 @@ class RequestResult:
     external_loaded_tokens: int
     recomputed_tokens: int
     num_preemptions: int
+    kv_transfer_params: dict[str, object] | None = None  # what the connector returned (PD: P's)
 
 
 @define
@@ -243,8 +244,11 @@ class Engine:
         *,
         request_id: str | None = None,
         extra_keys: tuple[ExtraKey, ...] = (),
+        kv_transfer_params: dict[str, object] | None = None,
     ) -> str:
-        """Queue a request; returns its id. Token ids must be in the model's vocabulary."""
+        """Queue a request; returns its id. Token ids must be in the model's vocabulary.
+        ``kv_transfer_params`` are the connector's (PD: ``do_remote_decode`` on P, P's returned
+        params on D)."""
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -257,9 +261,16 @@ class Engine:
             stats=RequestStats(arrival_time=self.clock()),
             extra_keys=extra_keys,
             block_size=self.config.block_size,
+            kv_transfer_params=None if kv_transfer_params is None else dict(kv_transfer_params),
         )
         self.scheduler.add_request(req)
         return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request in any state (its result is never produced); False if it already
+        finished or is unknown. Blocks a connector still reads (a hand-off draining) are held
+        until the connector names the request in ``finished_sending``."""
+        return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         """Requests left, or transfers the connector still waits on (stores after the last
@@ -286,7 +297,13 @@ class Engine:
         for o in outputs:
             if o.finished:
                 self._finished[o.request_id] = alive[o.request_id]
-        progressed = bool(batch.chunks) or not run.kv_connector_output.is_empty
+        # Waiting on the network is progress: every hand-off has its own deadlines.
+        progressed = (
+            bool(batch.chunks)
+            or not run.kv_connector_output.is_empty
+            or not kv_output.is_empty
+            or self.scheduler_connector.has_pending_push_work()
+        )
         if not batch.chunks and self.has_unfinished():
             # Nothing to compute: everyone waits on a transfer (a load, or the stores left after
             # the last request). Block briefly for it rather than spin empty steps that starve
@@ -324,6 +341,7 @@ class Engine:
             external_loaded_tokens=st.external_loaded_tokens,
             recomputed_tokens=st.recomputed_tokens,
             num_preemptions=st.num_preemptions,
+            kv_transfer_params=req.kv_transfer_params,
         )
 
     def run_to_completion(self, requests: Sequence[GenerationRequest]) -> list[RequestResult]:

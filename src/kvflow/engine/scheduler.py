@@ -48,6 +48,7 @@ class RequestInput(enum.StrEnum):
     FINISH = "finish"
     RELEASE_BLOCKS = "release_blocks"  # a loaded, not yet running request gives its blocks back
     FREE = "free"
+    ABORT = "abort"  # the client gave up on it; blocks are held while a connector drains
 
 
 RS, RI = RequestStatus, RequestInput
@@ -62,6 +63,10 @@ TRANSITIONS: Mapping[tuple[RequestStatus, RequestInput], RequestStatus] = {
     (RS.PREEMPTED, RI.WAIT_REMOTE): RS.WAITING_FOR_REMOTE_KVS,
     (RS.FINISHED, RI.FREE): RS.FREED,
     (RS.WAITING, RI.RELEASE_BLOCKS): RS.WAITING,
+    (RS.WAITING, RI.ABORT): RS.FINISHED,
+    (RS.WAITING_FOR_REMOTE_KVS, RI.ABORT): RS.FINISHED,
+    (RS.RUNNING, RI.ABORT): RS.FINISHED,
+    (RS.PREEMPTED, RI.ABORT): RS.FINISHED,
 }
 """A request's whole life. Anything not listed is illegal."""
 
@@ -245,6 +250,24 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop ``request_id`` from any state; False if it already finished (or is unknown).
+        The connector's ``request_finished`` decides, as for a finished request, whether its
+        blocks are held (a hand-off draining) until ``finished_sending`` names it."""
+        req = self.requests.get(request_id)
+        if req is None or req.status in (RS.FINISHED, RS.FREED):
+            return False
+        if req.status is RS.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        transition(req, RI.ABORT, cause="aborted")
+        req.stats.finish_time = self.clock()
+        self._finished_recving.discard(request_id)
+        self._finished_since_last_step.add(request_id)
+        self._release(req)
+        return True
 
     def has_unfinished(self) -> bool:
         """Requests left, or finished ids the workers have not been told yet (vLLM's
@@ -616,6 +639,10 @@ class Scheduler:
         req.stats.finish_time = now
         self.running.remove(req)
         self._finished_since_last_step.add(req.request_id)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """Ask the connector whether it still reads the blocks of a finished or aborted request."""
         delay, params = self.connector.request_finished(req, self.blocks.block_ids(req.request_id))
         req.kv_transfer_params = params
         if delay:

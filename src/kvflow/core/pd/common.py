@@ -118,10 +118,15 @@ def flat(ids: GroupIds) -> Iterator[tuple[int, int]]:
 
 @define
 class BlockLedger:
-    """Who holds which block: each hand-off's blocks, taken once and given back exactly once."""
+    """Who holds which block: each hand-off's blocks, taken once and given back exactly once.
 
+    ``shared`` (P's): a block may be held by several hand-offs at once, because prefix-cached
+    blocks are shared by requests that the engine ref-counts, and sends only read them; D's
+    ledger is exclusive (a block receives one hand-off's KV)."""
+
+    shared: bool = False
     _by_transfer: dict[str, GroupIds] = field(factory=dict)
-    _owner: dict[tuple[int, int], str] = field(factory=dict)
+    _owners: dict[tuple[int, int], list[str]] = field(factory=dict)
 
     def check_free(self, transfer_id: str, ids: GroupIds) -> None:
         """Raise ``ProtocolError`` (changing nothing) if ``ids`` cannot be taken for the hand-off."""
@@ -132,21 +137,24 @@ class BlockLedger:
             if key in seen:
                 raise ProtocolError(f"hand-off {transfer_id!r} names block {key} twice")
             seen.add(key)
-            if (owner := self._owner.get(key)) is not None:
-                raise ProtocolError(f"block {key} is already held by hand-off {owner!r}")
+            if not self.shared and (owners := self._owners.get(key)):
+                raise ProtocolError(f"block {key} is already held by hand-off {owners[0]!r}")
 
     def take(self, transfer_id: str, ids: GroupIds) -> None:
         self.check_free(transfer_id, ids)
         self._by_transfer[transfer_id] = ids
         for key in flat(ids):
-            self._owner[key] = transfer_id
+            self._owners.setdefault(key, []).append(transfer_id)
 
     def give_back(self, transfer_id: str) -> GroupIds:
         ids = self._by_transfer.pop(transfer_id, None)
         if ids is None:
             raise ProtocolError(f"hand-off {transfer_id!r} holds no blocks (given back twice?)")
         for key in flat(ids):
-            del self._owner[key]
+            owners = self._owners[key]
+            owners.remove(transfer_id)
+            if not owners:
+                del self._owners[key]
         return ids
 
     def holds(self, transfer_id: str) -> bool:
@@ -154,10 +162,11 @@ class BlockLedger:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._owner)
+        return len(self._owners)
 
     def owner(self, group: int, block: int) -> str | None:
-        return self._owner.get((group, block))
+        owners = self._owners.get((group, block))
+        return owners[0] if owners else None
 
 
 @define

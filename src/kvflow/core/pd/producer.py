@@ -22,6 +22,7 @@ from kvflow.core.hashing import BlockHash
 from kvflow.core.pd.common import (
     CHANNELS,
     Action,
+    BlockLedger,
     CancelCopies,
     FinishedSending,
     HandoffSide,
@@ -92,6 +93,7 @@ class ProducerManager(HandoffSide[PTransfer]):
         super().__init__(
             engine_id, world_size=world_size, timeouts=timeouts, max_inflight=max_inflight
         )
+        self.ledger = BlockLedger(shared=True)  # prefix-cached blocks serve several hand-offs
         self._channels: set[int] = set()  # held from grant to release
         self._next_channel = 1
 

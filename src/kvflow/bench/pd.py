@@ -1,0 +1,238 @@
+"""``kvflow bench --pd``: the multi-round QA workload through a PD pair (one P and one D engine
+process, CPU, gloo data plane, zmq control plane) against one colocated engine.
+
+Both sides run the same workload round by round (each answer joins its user's history) on the
+same model weights (the engines' ``seed``) and the same GPU pool size; outputs are greedy, so
+``outputs_identical`` must hold. TTFT is the router's submit → D's first token for PD, arrival →
+first token for the colocated engine; ITL is every gap between a request's consecutive tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from attrs import asdict, frozen
+
+from kvflow.bench.config import BenchConfig
+from kvflow.bench.multi_round import gpu_blocks_for, workload_of
+from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest, make_kv_cache_config
+from kvflow.engine.model import model_config
+from kvflow.engine.workload import MultiRoundQA
+from kvflow.errors import ConfigError
+from kvflow.pd.router import FLOWS, PDRouter
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0 < q < 100) of ``values``; 0 for none."""
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(sorted(values), n=100, method="inclusive")[round(q) - 1]
+
+
+@frozen
+class SideFigures:
+    """One side's figures (``pd`` or ``colocated``)."""
+
+    ttft_p50_s: float
+    ttft_p90_s: float
+    itl_p50_s: float
+    itl_p99_s: float
+    prompt_tokens_computed: int  # on D for PD; the colocated engine's own
+    wall_s: float
+
+    @classmethod
+    def of(cls, ttfts: list[float], itls: list[float], computed: int, wall_s: float) -> SideFigures:
+        return cls(
+            percentile(ttfts, 50),
+            percentile(ttfts, 90),
+            percentile(itls, 50),
+            percentile(itls, 99),
+            computed,
+            wall_s,
+        )
+
+
+@frozen
+class PDBenchResult:
+    config: BenchConfig
+    flow: str
+    requests: int
+    pd: SideFigures
+    colocated: SideFigures
+    outputs_identical: bool
+    decode_prompt_tokens_computed: int
+    prefill_prompt_tokens_computed: int
+    bytes_moved: int
+    send_gbps: float
+    leaked_blocks: int
+    handoffs_ok: int
+    handoffs_failed: int
+    decode_preemptions: int  # D's: a preempted request recomputes past its prefix-cache hit
+    colocated_preemptions: int
+    num_gpu_blocks: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "outputs_identical": self.outputs_identical,
+            "requests": self.requests,
+            "decode_prompt_tokens_computed": self.decode_prompt_tokens_computed,
+            "prefill_prompt_tokens_computed": self.prefill_prompt_tokens_computed,
+            "leaked_blocks": self.leaked_blocks,
+            "bytes_moved": self.bytes_moved,
+            "send_gbps": self.send_gbps,
+            "transport": "gloo",
+            "flow": self.flow,
+            "handoffs_ok": self.handoffs_ok,
+            "handoffs_failed": self.handoffs_failed,
+            "decode_preemptions": self.decode_preemptions,
+            "colocated_preemptions": self.colocated_preemptions,
+            "pd": asdict(self.pd),
+            "colocated": asdict(self.colocated),
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "config": asdict(self.config),
+            "device": "cpu",
+            "machine": platform.node() or platform.machine(),
+        }
+
+
+Outputs = dict[tuple[int, int], tuple[int, ...]]
+
+
+def _rounds(
+    workload: MultiRoundQA,
+    serve: Callable[
+        [list[GenerationRequest]], list[tuple[tuple[int, ...], float, list[float], int]]
+    ],
+    on_round: Callable[[int], None],
+) -> tuple[Outputs, list[float], list[float], int, float]:
+    """Run the workload through ``serve`` (tokens, TTFT, token times, prompt tokens computed)."""
+    start = time.perf_counter()
+    histories = [list(workload.system_prompt()) for _ in range(workload.num_users)]
+    outputs: Outputs = {}
+    ttfts: list[float] = []
+    itls: list[float] = []
+    computed = 0
+    for rnd in range(workload.num_rounds):
+        reqs = []
+        for user in range(workload.num_users):
+            histories[user] += workload.question(user, rnd)
+            reqs.append(GenerationRequest(histories[user], workload.answer_len, f"u{user}-r{rnd}"))
+        for user, (tokens, ttft, times, n) in enumerate(serve(reqs)):
+            outputs[(user, rnd)] = tokens
+            histories[user] += list(tokens)
+            ttfts.append(ttft)
+            itls += [b - a for a, b in itertools.pairwise(times)]
+            computed += n
+        on_round(rnd)
+    return outputs, ttfts, itls, computed, time.perf_counter() - start
+
+
+def _colocated(engine: Engine) -> Callable[[list[GenerationRequest]], list[Any]]:
+    def serve(reqs: list[GenerationRequest]) -> list[Any]:
+        times: dict[str, list[float]] = {}
+        for r in reqs:
+            assert r.request_id is not None
+            engine.add_request(r.prompt_token_ids, r.max_tokens, request_id=r.request_id)
+            times[r.request_id] = []
+        while engine.has_unfinished():
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                times[o.request_id].append(now)
+        out = []
+        for r in reqs:
+            assert r.request_id is not None
+            res = engine.take_result(r.request_id)
+            out.append(
+                (res.output_token_ids, res.ttft_s, times[r.request_id], res.prefill_tokens_computed)
+            )
+        return out
+
+    return serve
+
+
+def _through(router: PDRouter) -> Callable[[list[GenerationRequest]], list[Any]]:
+    def serve(reqs: list[GenerationRequest]) -> list[Any]:
+        return [
+            (
+                g.result.output_token_ids,
+                g.ttft_s,
+                list(g.token_times),
+                g.result.prefill_tokens_computed,
+            )
+            for g in router.run(reqs)
+        ]
+
+    return serve
+
+
+def run_pd_bench(
+    cfg: BenchConfig,
+    *,
+    flow: str = "sequential",
+    on_round: Callable[[str, int], None] = lambda _name, _round: None,
+) -> PDBenchResult:
+    """The workload on one colocated engine, then through P and D; CPU only."""
+    if flow not in FLOWS:
+        raise ConfigError(f"--pd-flow {flow!r}: one of {', '.join(FLOWS)}")
+    if cfg.device != "cpu":
+        raise ConfigError("--pd runs on CPU (gloo transport); use --device cpu")
+    model_cfg = model_config(cfg.model)
+    workload = workload_of(cfg, model_cfg)
+    probe = make_kv_cache_config(model_cfg, EngineConfig(block_size=cfg.block_size))
+    if any(g.sliding_window is not None for g in probe.groups):
+        raise ConfigError(f"--pd: model {cfg.model!r} has sliding-window layers, not supported yet")
+    num_blocks = gpu_blocks_for(cfg, workload, len(probe.groups))
+    engine_kwargs: dict[str, Any] = {
+        "block_size": cfg.block_size,
+        "num_gpu_blocks": num_blocks,
+        "max_num_batched_tokens": cfg.max_batched_tokens,
+        "seed": cfg.seed,
+        "dtype": cfg.dtype,
+    }
+    colocated = Engine(model_cfg, EngineConfig(**engine_kwargs))
+    warm = MultiRoundQA(
+        num_users=1, num_rounds=1, seed=workload.seed + 1, vocab_size=workload.vocab_size
+    )
+    _rounds(warm, _colocated(colocated), lambda _r: None)  # first-call costs, untimed
+    colocated.reset_prefix_cache()
+    warm_preemptions = colocated.scheduler.num_preemptions
+    ref = _rounds(workload, _colocated(colocated), lambda r: on_round("colocated", r))
+    colocated_preemptions = colocated.scheduler.num_preemptions - warm_preemptions
+    colocated.shutdown()
+    with PDRouter(model=cfg.model, engine=engine_kwargs, flow=flow) as router:
+        _rounds(warm, _through(router), lambda _r: None)
+        p0, d0 = router.stats("P"), router.stats("D")
+        got = _rounds(workload, _through(router), lambda r: on_round("P → D", r))
+    p, d = router.summaries["P"], router.summaries["D"]
+    seconds = float(p["send_seconds"]) - float(p0["send_seconds"])
+    moved = int(p["bytes_moved"]) - int(p0["bytes_moved"])
+    return PDBenchResult(
+        config=cfg,
+        flow=flow,
+        requests=workload.num_users * workload.num_rounds,
+        pd=SideFigures.of(got[1], got[2], got[3], got[4]),
+        colocated=SideFigures.of(ref[1], ref[2], ref[3], ref[4]),
+        outputs_identical=got[0] == ref[0],
+        decode_prompt_tokens_computed=got[3],
+        prefill_prompt_tokens_computed=int(p["prefill_tokens_computed"])
+        - int(p0["prefill_tokens_computed"]),
+        bytes_moved=moved,
+        send_gbps=moved / seconds / 1e9 if seconds > 0 else 0.0,
+        leaked_blocks=int(p["leaked_blocks"]) + int(d["leaked_blocks"]),
+        handoffs_ok=int(d["handoffs_ok"]) - int(d0["handoffs_ok"]),
+        handoffs_failed=int(d["handoffs_failed"]) - int(d0["handoffs_failed"]),
+        decode_preemptions=int(d["preemptions"]) - int(d0["preemptions"]),
+        colocated_preemptions=colocated_preemptions,
+        num_gpu_blocks=num_blocks,
+    )
+
+
+__all__ = ["PDBenchResult", "SideFigures", "percentile", "run_pd_bench"]

@@ -1,0 +1,316 @@
+"""The PD connector: both connector roles of one engine that is a prefill (P) or a decode (D)
+instance, on the core's hand-off managers through the runtime's ``PDDriver``.
+
+P: a request whose ``kv_transfer_params`` say ``do_remote_decode`` finishes with ``delay_free``;
+its prompt blocks are held (``kv_ready``) until the hand-off is RELEASED, then named in
+``finished_sending``; ``request_finished`` returns the params D needs (``do_remote_prefill``,
+the transfer id, P's engine id and control address).
+
+D: a request with ``do_remote_prefill`` params answers ``get_num_new_matched_tokens`` with
+``(n, True)``, ``n`` the prompt tokens past D's own prefix hit minus the last one, which D
+recomputes (vLLM's semantics: a hit that ends mid-block loads the partial last block);
+``update_state_after_alloc`` reserves the blocks and claims P's KV; the request is named in
+``finished_recving`` when the hand-off commits, and its claimed blocks in ``invalid_block_ids``
+when it failed (a one-shot miss: the request recomputes and never asks P again).
+
+Block identity: both sides digest the chained hashes of the prompt's full blocks plus one hash
+of the partial last block (its tokens chained on the last full one), so KV of another request
+is refused even when only the last partial block differs.
+
+Inline driving: the scheduler role polls the driver in ``update_connector_output`` each step
+and turns its reports into the output the engine acts on; the worker role only registers the
+KV tensors and waits (bounded) for copies when the engine is idle. The CPU tier is not composed
+here yet (see docs/pd.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvflow.backends.pd.transport import KVTransport
+from kvflow.connector.api import KVCacheConfig, KVConnectorOutput, NullConnector
+from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.hashing import ROOT_HASH, BlockHash, hash_block, hash_blocks
+from kvflow.core.logs import get_logger
+from kvflow.core.pd.common import FinishedRecving, FinishedSending, FreeBlocks, PDTimeouts, flat
+from kvflow.core.pd.consumer import ConsumerManager
+from kvflow.core.pd.messages import Compat, GroupIds
+from kvflow.core.pd.producer import ProducerManager
+from kvflow.core.protocol import GroupBlockIds
+from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.errors import ConfigError, KVFlowError
+from kvflow.runtime.clock import Clock
+from kvflow.runtime.pd_driver import PDDriver
+
+if TYPE_CHECKING:
+    import torch
+
+log = get_logger("kvflow.pd")
+
+ROLES = ("producer", "consumer")
+
+
+def prompt_hashes(request: RequestLike, block_size: int) -> list[BlockHash]:
+    """The prompt's chained full-block hashes, plus one for a partial last block."""
+    prompt = list(request.all_token_ids[: request.num_prompt_tokens])
+    hashes = hash_blocks(prompt, block_size, extra_keys=request.extra_keys)
+    tail = prompt[len(hashes) * block_size :]
+    if tail:
+        hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, tail, request.extra_keys))
+    return hashes
+
+
+def _params(request: RequestLike) -> dict[str, Any]:
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, dict) else {}
+
+
+class PDConnector(NullConnector):
+    """Both roles for one P or D engine (``role``); ``peer`` is P's default D engine id."""
+
+    def __init__(self, role: str, kv: KVCacheConfig, driver: PDDriver, *, peer: str = "") -> None:
+        if role not in ROLES:
+            raise ConfigError(f"PD role {role!r}: one of {', '.join(ROLES)}")
+        if any(g.sliding_window is not None for g in kv.groups):
+            raise ConfigError("PD hand-offs of sliding-window groups are not supported yet")
+        self.role = role
+        self.kv = kv
+        self.driver = driver
+        self.peer = peer
+        self._by_transfer: dict[str, str] = {}  # transfer id → request id
+        self._by_request: dict[str, str] = {}  # request id → transfer id
+        self._waiting: set[str] = set()  # D: requests parked on a hand-off
+        self._done: set[str] = set()  # D: requests whose remote hit was used (one shot)
+        self._refused: dict[str, GroupIds] = {}  # D: reservations refused, reported next step
+        self.stats = {"handoffs_ok": 0, "handoffs_failed": 0, "remote_tokens": 0}
+
+    # ---- scheduler role -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = _params(request)
+        rid = request.request_id
+        if self.role != "consumer" or not params.get("do_remote_prefill") or rid in self._done:
+            return 0, False
+        if rid in self._by_request:  # reserved already (a second admission): nothing new
+            return 0, False
+        n = request.num_prompt_tokens - 1 - num_computed_tokens
+        if n <= 0:
+            return 0, False  # update_state_after_alloc still releases P
+        try:
+            self.driver.connect(str(params["remote_address"]))
+        except (KVFlowError, KeyError) as e:
+            log.warning("pd_peer_unreachable", request_id=rid, error=str(e))
+            self._done.add(rid)
+            return 0, False
+        return n, True
+
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
+    ) -> None:
+        params = _params(request)
+        rid = request.request_id
+        if self.role == "producer":
+            self._begin(request, params)
+            return
+        if not params.get("do_remote_prefill") or rid in self._done:
+            return
+        mgr = self.driver.manager
+        assert isinstance(mgr, ConsumerManager)
+        tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
+        peer = str(params["remote_engine_id"])
+        self._done.add(rid)
+        bs = self.kv.block_size
+        end_tok = request.num_prompt_tokens - 1
+        first = (end_tok - num_external_tokens) // bs
+        end = -(-end_tok // bs) if num_external_tokens else first
+        ids: GroupIds = tuple(tuple(g[first:end]) for g in block_ids)
+        hashes = prompt_hashes(request, bs)
+        now = self.driver.now()
+        try:
+            actions = mgr.reserve(
+                tid, epoch, peer, ids, (first,) * len(ids), num_external_tokens, hashes, now
+            )
+        except KVFlowError as e:
+            # The router's params are unusable (a transfer id already live here, ...): the
+            # request parked on this load must still hear of it, as a miss.
+            log.error("pd_reserve_refused", request_id=rid, transfer_id=tid, error=str(e))
+            if num_external_tokens:
+                self._refused[rid] = ids
+            return
+        self._by_transfer[tid], self._by_request[rid] = rid, tid
+        if num_external_tokens:
+            self._waiting.add(rid)
+        self.driver.apply(actions)
+
+    def begin(self, request_id: str, params: dict[str, Any]) -> None:
+        """P: a request D will decode arrived; its hand-off exists from now on, so a CLAIM that
+        D sends while P prefills (the concurrent flow) waits for ``kv_ready``. Idempotent."""
+        if self.role != "producer" or not params.get("do_remote_decode"):
+            return
+        mgr = self.driver.manager
+        assert isinstance(mgr, ProducerManager)
+        tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
+        if tid in mgr.transfers:
+            return
+        peer = str(params.get("remote_engine_id") or self.peer)
+        self._by_transfer[tid], self._by_request[request_id] = request_id, tid
+        self.driver.apply(mgr.begin(tid, epoch, peer, self.driver.now()))
+
+    def _begin(self, request: RequestLike, params: dict[str, Any]) -> None:
+        """P admitted a request D will decode (``begin`` unless the router already said so)."""
+        if not params.get("do_remote_decode"):
+            return
+        mgr = self.driver.manager
+        assert isinstance(mgr, ProducerManager)
+        tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
+        if tid in mgr.transfers:  # admitted again after a preemption
+            return
+        peer = str(params.get("remote_engine_id") or self.peer)
+        self._by_transfer[tid], self._by_request[request.request_id] = request.request_id, tid
+        self.driver.apply(mgr.begin(tid, epoch, peer, self.driver.now()))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
+        return None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput | None:
+        self.driver.poll()
+        sending: set[str] = set(output.finished_sending)
+        recving: set[str] = set(output.finished_recving)
+        invalid: set[int] = set(output.invalid_block_ids)
+        for refused, ids in self._refused.items():
+            recving.add(refused)
+            invalid.update(b for _, b in flat(ids))
+        self._refused.clear()
+        for r in self.driver.take_reports():
+            rid = self._by_transfer.pop(r.transfer_id, None)
+            if rid is None:
+                continue
+            del self._by_request[rid]
+            if isinstance(r, FinishedSending | FreeBlocks):
+                sending.add(rid)  # P's hold, or an aborted D request's blocks: free them now
+                continue
+            assert isinstance(r, FinishedRecving)
+            self.stats["handoffs_ok" if r.ok else "handoffs_failed"] += 1
+            if rid in self._waiting:
+                self._waiting.discard(rid)
+                recving.add(rid)
+                invalid.update(b for _, b in flat(r.invalid_block_ids))
+        return KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=recving,
+            invalid_block_ids=invalid,
+            reports=output.reports,
+        )
+
+    def request_finished(
+        self, request: RequestLike, block_ids: GroupBlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        now = self.driver.now()
+        mgr = self.driver.manager
+        if self.role == "consumer":
+            self._done.discard(rid)  # the id may come again, as a new request
+            tid = self._by_request.get(rid)
+            if tid is None or tid not in mgr.transfers:
+                return False, None
+            # Aborted while its hand-off is live: the blocks stay out of the pool until the
+            # hand-off drained (FreeBlocks → finished_sending).
+            self._waiting.discard(rid)
+            self.driver.apply(mgr.abort(tid, now))
+            return (rid in self._by_request), None
+        params = _params(request)
+        bs = self.kv.block_size
+        prompt_blocks = -(-request.num_prompt_tokens // bs)
+        computed = getattr(request, "num_computed_tokens", request.num_prompt_tokens)
+        if not params.get("do_remote_decode"):
+            return False, None
+        assert isinstance(mgr, ProducerManager)
+        tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
+        if computed < request.num_prompt_tokens:
+            # Aborted before its prompt was computed: the hand-off ends, nothing is held.
+            if tid in mgr.transfers:
+                self.driver.apply(mgr.abort(tid, now))
+            if self._by_request.pop(rid, None) is not None:
+                self._by_transfer.pop(tid, None)
+            return False, None
+        peer = str(params.get("remote_engine_id") or self.peer)
+        ids: GroupIds = tuple(tuple(g[:prompt_blocks]) for g in block_ids)
+        try:
+            actions = mgr.kv_ready(tid, epoch, peer, ids, prompt_hashes(request, bs), now)
+        except KVFlowError as e:
+            # Unusable params (the transfer id is another request's, ...): hold nothing; D's
+            # claim is refused and D recomputes.
+            log.error("pd_kv_ready_refused", request_id=rid, transfer_id=tid, error=str(e))
+            return False, None
+        self._by_transfer[tid], self._by_request[rid] = rid, tid
+        self.driver.apply(actions)
+        held = rid in self._by_request
+        return held, {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "epoch": epoch,
+            "remote_engine_id": self.driver.engine_id,
+            "remote_address": self.driver.address,
+            "remote_num_tokens": request.num_prompt_tokens,
+        }
+
+    def has_pending_push_work(self) -> bool:
+        return self.driver.busy()
+
+    # ---- worker role ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        groups: list[list[torch.Tensor]] = []
+        sizes: list[int] = []
+        for g in self.kv.groups:
+            tensors = [
+                t for name in g.layer_names for t in (kv_caches[name][0], kv_caches[name][1])
+            ]
+            groups.append(tensors)
+            sizes.append(sum(t[0].numel() * t.element_size() for t in tensors))
+        self.driver.transport.register(groups)
+        self.driver.block_bytes = sizes
+
+    def wait_for_progress(self, timeout: float) -> None:
+        self.driver.poll()
+        self.driver.wait(timeout)
+
+    def shutdown(self) -> None:
+        self.driver.close()
+
+
+def pd_connector_factory(
+    role: str,
+    engine_id: str,
+    compat: Compat,
+    transport: KVTransport,
+    *,
+    peer: str = "",
+    timeouts: PDTimeouts | None = None,
+    clock: Clock | None = None,
+    pump: Callable[[float], object] | None = None,
+    on_driver: Callable[[PDDriver], None] | None = None,
+) -> Callable[[KVCacheConfig, GpuCacheView], tuple[PDConnector, PDConnector]]:
+    """An engine ``connector_factory`` for a P (``producer``) or D (``consumer``) engine."""
+    if role not in ROLES:
+        raise ConfigError(f"PD role {role!r}: one of {', '.join(ROLES)}")
+
+    def build(kv: KVCacheConfig, _view: GpuCacheView) -> tuple[PDConnector, PDConnector]:
+        mgr: ProducerManager | ConsumerManager
+        if role == "producer":
+            mgr = ProducerManager(engine_id, timeouts=timeouts)
+        else:
+            mgr = ConsumerManager(engine_id, timeouts=timeouts)
+        driver = PDDriver(mgr, compat, transport, clock=clock, pump=pump)
+        if on_driver is not None:
+            on_driver(driver)
+        c = PDConnector(role, kv, driver, peer=peer)
+        return c, c
+
+    return build
+
+
+__all__ = ["ROLES", "PDConnector", "pd_connector_factory", "prompt_hashes"]

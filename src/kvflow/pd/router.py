@@ -1,0 +1,282 @@
+"""The PD router: one prefill engine process (P) and one decode engine process (D) on this
+machine (multiprocessing spawn, CPU, gloo data plane, zmq control plane), and the flows that
+send a request through them.
+
+Sequential flow (vLLM's proxies, llm-d): the request goes to P with one output token and
+``do_remote_decode``; P's result carries ``kv_transfer_params`` (transfer id, P's engine id and
+control address); the request then goes to D with those params, D pulls the KV through its
+connector and decodes. Requests are pipelined: each goes to D as soon as P answered it.
+
+Concurrent flow (SGLang, Dynamo): the router names the transfer and sends the request to both at
+once; D reserves and claims while P prefills, P grants when its KV is complete.
+
+Every wait is bounded: the processes' start, each answer (``timeout_s``), the stop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from types import TracebackType
+from typing import Any
+
+from attrs import frozen
+
+from kvflow.core.logs import get_logger
+from kvflow.core.pd.common import PDTimeouts
+from kvflow.engine.distributed import free_port
+from kvflow.engine.engine import GenerationRequest, RequestResult
+from kvflow.errors import ConfigError, KVFlowError
+from kvflow.pd.worker import WorkerSpec, serve
+
+log = get_logger("kvflow.pd.router")
+
+FLOWS = ("sequential", "concurrent")
+
+
+@frozen
+class PDResult:
+    """A request served by P and D: D's result, and the times the router saw."""
+
+    result: RequestResult  # D's
+    prefill: RequestResult | None  # P's (the sequential flow's one-token answer)
+    ttft_s: float  # router submit → D's first token
+    token_times: tuple[float, ...]  # D's per-token perf_counter times
+
+    @property
+    def itl_s(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+
+def _result(d: dict[str, Any]) -> RequestResult:
+    d = dict(d)
+    d["output_token_ids"] = tuple(d["output_token_ids"])
+    return RequestResult(**d)
+
+
+class _Proc:
+    def __init__(self, ctx: Any, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.conn, child = ctx.Pipe()
+        self.proc: BaseProcess = ctx.Process(
+            target=serve, args=(spec, child), name=f"kvflow-pd-{spec.engine_id}", daemon=True
+        )
+        self.proc.start()
+        child.close()
+        self.address = ""
+        self.summary: dict[str, Any] = {}
+
+
+class PDRouter:
+    """Start P and D (``with PDRouter(...) as router``), send requests through them, stop both."""
+
+    def __init__(
+        self,
+        *,
+        model: str = "tiny",
+        engine: dict[str, Any] | None = None,
+        flow: str = "sequential",
+        timeout_s: float = 120.0,
+        pd_timeouts: PDTimeouts | None = None,
+    ) -> None:
+        if flow not in FLOWS:
+            raise ConfigError(f"PD flow {flow!r}: one of {', '.join(FLOWS)}")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        self.model = model
+        self.engine = dict(engine or {})
+        self.flow = flow
+        self.timeout_s = timeout_s
+        self.pd_timeouts = pd_timeouts
+        self._procs: dict[str, _Proc] = {}
+        self._ids = 0
+
+    # ---- life -------------------------------------------------------------------------------
+
+    def __enter__(self) -> PDRouter:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        concurrent = self.flow == "concurrent"
+        for role, me, peer in (("producer", "P", "D"), ("consumer", "D", "P")):
+            spec = WorkerSpec(
+                role,
+                me,
+                peer,
+                self.model,
+                self.engine,
+                port,
+                concurrent=concurrent,
+                pd_timeouts=self.pd_timeouts,
+            )
+            self._procs[me] = _Proc(ctx, spec)
+        try:
+            for p in self._procs.values():
+                kind, p.address = self._recv(p, "the engine's start")
+                if kind != "ready":
+                    raise KVFlowError(f"PD engine {p.spec.engine_id} did not start: {p.address}")
+        except BaseException:
+            self.close(kill=True)
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(kill=exc is not None)
+
+    def close(self, *, kill: bool = False) -> None:
+        """Stop both processes (their summaries land in ``summaries``); kill what overstays."""
+        procs, self._procs = self._procs, {}
+        for p in procs.values():
+            if not kill and p.proc.is_alive():
+                try:
+                    p.conn.send(("stop",))
+                    while True:
+                        msg = self._recv(p, "the engine's stop")
+                        if msg[0] == "stopped":
+                            p.summary = msg[1]
+                            break
+                except (KVFlowError, OSError, EOFError) as e:
+                    log.warning("pd_engine_stop_failed", engine=p.spec.engine_id, error=str(e))
+            p.proc.join(0 if kill else 5.0)
+            if p.proc.is_alive():
+                p.proc.kill()
+                p.proc.join(5.0)
+            p.conn.close()
+        self.summaries = {k: p.summary for k, p in procs.items()}
+
+    def stats(self, engine_id: str) -> dict[str, Any]:
+        """An engine's counters now (call between ``run``s: every answer is in)."""
+        p = self._procs[engine_id]
+        p.conn.send(("stats",))
+        msg = self._recv(p, "its counters")
+        if msg[0] != "stats":
+            raise KVFlowError(f"PD engine {engine_id}: unexpected {msg[0]} (a run still going?)")
+        stats: dict[str, Any] = msg[1]
+        return stats
+
+    def kill(self, engine_id: str) -> None:
+        """SIGKILL one engine process (tests of a peer's death)."""
+        self._procs[engine_id].proc.kill()
+
+    # ---- flows ------------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[GenerationRequest]) -> list[PDResult]:
+        """Serve every request through P then D (pipelined); results in request order."""
+        if not self._procs:
+            raise KVFlowError("the PD router is not started (use it as a context manager)")
+        P, D = self._procs["P"], self._procs["D"]
+        submitted: dict[str, float] = {}
+        prefills: dict[str, RequestResult] = {}
+        by_rid = {}
+        tids: dict[str, int] = {}
+        for r in requests:
+            self._ids += 1
+            rid = r.request_id or f"pd-{self._ids}"
+            by_rid[rid] = r
+            tids[rid] = self._ids
+            tid = f"{rid}@{self._ids}"
+            submitted[rid] = time.perf_counter()
+            params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": tid}
+            P.conn.send(("add", rid, list(r.prompt_token_ids), 1, params))
+        done: dict[str, PDResult] = {}
+        waiting_p = set(by_rid)
+        while len(done) < len(by_rid):
+            ready = mp.connection.wait([P.conn, D.conn], timeout=self.timeout_s)
+            if not ready:
+                raise KVFlowError(
+                    f"PD router: no answer from P or D within {self.timeout_s} s "
+                    f"({len(waiting_p)} prefills, {len(by_rid) - len(done)} decodes pending)"
+                )
+            for conn in ready:
+                assert isinstance(conn, Connection)
+                proc = P if conn is P.conn else D
+                msg = self._recv(proc, "a result")
+                if msg[0] == "accepted":
+                    if self.flow == "concurrent":  # P knows the hand-off: D may claim it now
+                        r = by_rid[msg[1]]
+                        d_params = {
+                            "do_remote_prefill": True,
+                            "transfer_id": f"{msg[1]}@{tids[msg[1]]}",
+                            "remote_engine_id": "P",
+                            "remote_address": P.address,
+                        }
+                        D.conn.send(
+                            ("add", msg[1], list(r.prompt_token_ids), r.max_tokens, d_params)
+                        )
+                    continue
+                if msg[0] != "result":
+                    raise KVFlowError(f"PD engine {proc.spec.engine_id}: unexpected {msg[0]}")
+                _, res, _arrival, times = msg
+                result = _result(res)
+                rid = result.request_id
+                if proc is P:
+                    waiting_p.discard(rid)
+                    prefills[rid] = result
+                    if self.flow == "sequential":
+                        r = by_rid[rid]
+                        D.conn.send(
+                            (
+                                "add",
+                                rid,
+                                list(r.prompt_token_ids),
+                                r.max_tokens,
+                                result.kv_transfer_params,
+                            )
+                        )
+                else:
+                    done[rid] = PDResult(
+                        result, prefills.get(rid), times[0] - submitted[rid], tuple(times)
+                    )
+        # The concurrent flow's P answers may come after D's: collect them.
+        while waiting_p:
+            msg = self._recv(P, "a prefill result")
+            if msg[0] == "result":
+                waiting_p.discard(_result(msg[1]).request_id)
+        return [done[rid] for rid in by_rid]
+
+    def prefill(self, request: GenerationRequest) -> RequestResult:
+        """The sequential flow's first half alone: P's one-token result with its params."""
+        P = self._procs["P"]
+        self._ids += 1
+        rid = request.request_id or f"pd-{self._ids}"
+        params = {"do_remote_decode": True, "transfer_id": f"{rid}@{self._ids}"}
+        P.conn.send(("add", rid, list(request.prompt_token_ids), 1, params))
+        while True:
+            msg = self._recv(P, f"the prefill of {rid}")
+            if msg[0] == "result":
+                return _result(msg[1])
+
+    def decode(self, request: GenerationRequest, params: dict[str, Any] | None) -> PDResult:
+        """The second half alone: D serves ``request`` with P's ``params``."""
+        D = self._procs["D"]
+        rid = request.request_id or f"pd-{self._ids}"
+        submitted = time.perf_counter()
+        D.conn.send(("add", rid, list(request.prompt_token_ids), request.max_tokens, params))
+        msg = self._recv(D, f"the decode of {rid}")
+        times = msg[3]
+        return PDResult(_result(msg[1]), None, times[0] - submitted, tuple(times))
+
+    def _recv(self, p: _Proc, what: str) -> Any:
+        if not p.conn.poll(self.timeout_s):
+            raise KVFlowError(
+                f"PD engine {p.spec.engine_id} sent nothing within {self.timeout_s} s "
+                f"while the router waited for {what}"
+            )
+        try:
+            return p.conn.recv()
+        except EOFError as e:
+            raise KVFlowError(
+                f"PD engine {p.spec.engine_id} exited while the router waited for {what}"
+            ) from e
+
+
+__all__ = ["FLOWS", "PDResult", "PDRouter"]

@@ -1,0 +1,62 @@
+"""``kvflow bench --pd`` end to end at a tiny size, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvflow.cli.main import main
+
+TINY = ["--users", "2", "--rounds", "2", "--system", "32", "--first-question", "16",
+        "--question", "16", "--answer", "4"]  # fmt: skip
+
+
+def test_bench_pd_prints_the_table_and_writes_the_json(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """P and D processes against a colocated engine: the table on stdout, identical outputs, no
+    leaked blocks, and the JSON's required top-level keys."""
+    figures = tmp_path / "pd.json"
+    assert main(["bench", "--pd", *TINY, "--json", str(figures)]) == 0
+    out, _ = capfd.readouterr()
+    assert "TTFT p50 (ms)" in out
+    assert "ITL p99 (ms)" in out
+    assert "identical" in out
+    data = json.loads(figures.read_text())
+    for key in ("outputs_identical", "requests", "decode_prompt_tokens_computed",
+                "leaked_blocks", "bytes_moved", "transport"):  # fmt: skip
+        assert key in data
+    assert data["outputs_identical"] is True
+    assert data["leaked_blocks"] == 0
+    assert data["requests"] == 4
+    assert data["transport"] == "gloo"
+    assert data["bytes_moved"] > 0
+    # Every request's prompt came from P: D computed only each one's last token.
+    assert data["handoffs_ok"] == data["requests"]
+    assert data["decode_prompt_tokens_computed"] == data["requests"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--pd-flow", "concurrent"], "--pd-flow needs --pd"),
+        (["--pd", "--device", "cuda"], "--pd runs on CPU"),
+        (["--pd", "--plot", "x.png"], "--plot is not available with --pd"),
+        (["--pd", "--pd-flow", "sideways"], "invalid choice"),
+    ],
+)
+def test_bench_pd_errors_are_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad --pd combination is one line on stderr and exit status 2, before any work."""
+    code: int | str | None
+    try:
+        code = main(["bench", *argv])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert message in err
