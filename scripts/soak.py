@@ -486,7 +486,8 @@ class Soak:
             asdict(manager.stats()),
             [[b.ref_cnt for b in pool.blocks] for pool in manager.cpu_pools],
             manager.num_live_transfers(),
-            self.conn.worker.runtime.runtime.in_flight,
+            # Not ``in_flight``: with the thread loop a copy may finish between two snapshots.
+            self.conn.worker.runtime.runtime.tracked_transfers,
             self.engine.blocks.num_free_blocks(),
         )
 

@@ -372,6 +372,12 @@ class WorkerRuntime:
         return None if e is None else e.transfer.state
 
     @property
+    def tracked_transfers(self) -> frozenset[int]:
+        """Transfer ids bound and not yet released by a report. Only the engine's calls change
+        it (bind, report), never a copy finishing, so it is stable between two calls."""
+        return frozenset(self._entries)
+
+    @property
     def in_flight(self) -> int:
         """Transfers launched and not yet finished on the device."""
         return sum(self._live.values())
