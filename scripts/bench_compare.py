@@ -6,6 +6,9 @@ shared machine falls on both alike. Every numeric cell of the scripts' rich tabl
 
     python scripts/bench_compare.py --old /tmp/old19 --new . --repeats 5 \\
         --bench scheduler --bench runtime --bench vllm --json /tmp/compare.json
+
+``--bench vllm`` runs vLLM's real scheduler with ``$KVFLOW_VLLM_PYTHON`` (default
+``.venv-vllm/bin/python``, the venv ``scripts/check.sh`` installs).
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     # name: (python, script and arguments, relative to the tree)
     "scheduler": (sys.executable, ["scripts/bench_scheduler.py"]),
     "runtime": (sys.executable, ["scripts/bench_runtime.py", "--quick"]),
-    "vllm": ("/work/venv-vllm/bin/python", ["scripts/bench_vllm_scheduler.py"]),
+    # vLLM's real scheduler lives in its own venv (scripts/install_vllm_extra.sh makes it).
+    "vllm": (
+        str(Path(os.environ.get("KVFLOW_VLLM_PYTHON", ".venv-vllm/bin/python")).absolute()),
+        ["scripts/bench_vllm_scheduler.py"],
+    ),
 }
 LABELS = {"measure", "goal", "policy", "transfers/step", "coalesced", "steps", "state", "mode"}
 LABELS |= {"configuration"}
