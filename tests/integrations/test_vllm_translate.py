@@ -423,3 +423,50 @@ def test_decode_step_holds_ids_of_several_groups_as_tuples() -> None:
     assert columns == DecodeRequests(["a"], [3], [((1, 3), (2,))])
     assert columns.new_block_ids == (((1, 3), (2,)),)
     assert held.take("b") == ((5,), (6,))
+
+
+def _news_by_loop(
+    req_ids: list[str],
+    new_block_ids: list[list[list[int]] | None],
+    num_computed: list[int],
+    boundary: int,
+) -> list[tuple[str, int, tuple[tuple[int, ...], ...]]]:
+    """The requests with news of a steady decode step, by a plain loop over the whole batch."""
+    out = []
+    for rid, ids, computed in zip(req_ids, new_block_ids, num_computed, strict=True):
+        if ids is not None and any(ids):
+            out.append((rid, computed, tuple(tuple(g) for g in ids)))
+        elif computed % boundary == boundary - 1:
+            out.append((rid, computed, ((),) * 2))
+    return out
+
+
+_batch = st.lists(
+    st.tuples(
+        st.none() | st.lists(st.lists(st.integers(0, 9), max_size=2), min_size=2, max_size=2),
+        st.integers(0, 70),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_batch, st.sampled_from([1, 2, 4, 16]))
+def test_decode_columns_pick_what_a_loop_over_the_batch_picks(
+    batch: list[tuple[list[list[int]] | None, int]], boundary: int
+) -> None:
+    """decode_columns, which visits only the requests with new blocks or at a boundary (found
+    in C), gives the columns a loop over every request gives, in batch order."""
+    from kvflow.integrations.vllm.requests import boundary_hits, decode_columns
+
+    rids = [f"r{i}" for i in range(len(batch))]
+    new_ids = [ids for ids, _ in batch]
+    computed = [c for _, c in batch]
+    columns = decode_columns(rids, new_ids, computed, boundary, ((), ()))
+    got = list(
+        zip(columns.request_ids, columns.num_computed_tokens, columns.new_block_ids, strict=True)
+    )
+    assert got == _news_by_loop(rids, new_ids, computed, boundary)
+    assert boundary_hits(computed, boundary) == [
+        i for i, c in enumerate(computed) if c % boundary == boundary - 1
+    ]
