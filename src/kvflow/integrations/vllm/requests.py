@@ -218,16 +218,18 @@ class HeldBlockIds:
                     held[rid] = group_block_ids(ids)
         # One pass builds the three columns: a comprehension per column is a code object per
         # column, and each costs more cold (as every step starts) than the loop's iterations.
+        last = boundary - 1
         rids: list[str] = []
         counts: list[int] = []
         news: list[GroupBlockIds] = []
         pop = held.pop
         none = self._no_blocks
-        for i in boundary_hits(num_computed, boundary):
-            rid = req_ids[i]
-            rids.append(rid)
-            counts.append(num_computed[i])
-            news.append(pop(rid, none))
+        for i, computed in enumerate(num_computed):
+            if computed % boundary == last:
+                rid = req_ids[i]
+                rids.append(rid)
+                counts.append(computed)
+                news.append(pop(rid, none))
         if not rids:
             return NO_DECODE_REQUESTS
         # vLLM's str ids and int counts, and held tuples of tuples of ints: valid columns by
@@ -248,16 +250,6 @@ class HeldBlockIds:
 _NO_IDS: frozenset[str] = frozenset()
 
 
-def boundary_hits(num_computed: Sequence[int], boundary: int) -> list[int]:
-    """The indices of the counts whose next token completes a multiple of ``boundary``
-    (``count % boundary == boundary - 1``), in order. In C: the Python loop over a whole batch
-    cost more than the rest of a steady decode step's translation."""
-    last = boundary - 1
-    return list(
-        compress(range(len(num_computed)), map(last.__eq__, map(boundary.__rmod__, num_computed)))
-    )
-
-
 def decode_columns(
     req_ids: Sequence[str],
     new_block_ids: Sequence[Sequence[Sequence[int]] | None],
@@ -268,23 +260,20 @@ def decode_columns(
     """One steady-decode step (one token per request) as ``DecodeRequests`` columns of the
     requests with news: new blocks (all passed at once: the lazy policy tracks every
     allocation), or a token completing a multiple of ``boundary``. No object per request."""
+    last = boundary - 1
     rids: list[str] = []
     counts: list[int] = []
     news: list[GroupBlockIds] = []
-    # The only requests with news: those with new block lists (``compress`` keeps the entries
-    # that are not None) and those completing a multiple of ``boundary``, in batch order.
-    with_ids = list(compress(range(len(new_block_ids)), new_block_ids))
-    hits = boundary_hits(num_computed, boundary)
-    for i in sorted({*with_ids, *hits}) if with_ids and hits else with_ids or hits:
+    for i, computed in enumerate(num_computed):
         ids = new_block_ids[i]
         if ids is not None and any(ids):
             news.append((tuple(ids[0]),) if len(ids) == 1 else group_block_ids(ids))
-        elif num_computed[i] % boundary == boundary - 1:
+        elif computed % boundary == last:
             news.append(no_blocks)
         else:
             continue
         rids.append(req_ids[i])
-        counts.append(num_computed[i])
+        counts.append(computed)
     if not rids:
         return NO_DECODE_REQUESTS
     # vLLM's str ids and int counts, tuples of tuples of ints: valid columns by construction.
@@ -400,7 +389,6 @@ __all__ = [
     "HeldBlockIds",
     "RequestViews",
     "VLLMRequestView",
-    "boundary_hits",
     "decode_columns",
     "group_block_ids",
     "request_extra_keys",
