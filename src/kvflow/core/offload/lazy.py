@@ -7,7 +7,7 @@ blocks of the queue's covered prefix the CPU tier lacks, as one ``StoreBatch`` f
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import GpuCacheView
@@ -15,6 +15,7 @@ from kvflow.core.hashing import BlockHash
 from kvflow.core.logs import debug_enabled, get_logger
 from kvflow.core.offload.config import Geometry
 from kvflow.core.offload.state import RequestState, StoreBatch, next_boundary
+from kvflow.core.protocol import GroupBlockIds
 
 log = get_logger("kvflow.scheduler")
 
@@ -54,6 +55,12 @@ class LazyCursor:
     def record(self, sts: Sequence[RequestState]) -> None:
         """Advance the requests' cursors to their confirmed blocks, recording what each block
         passed holds."""
+        if self._geo.num_groups == 1:
+            self._record_one(sts)
+        else:
+            self._record_groups(sts)
+
+    def _record_groups(self, sts: Sequence[RequestState]) -> None:
         geo = self._geo
         view = self._view
         record = self._record
@@ -76,6 +83,32 @@ class LazyCursor:
                     b = ids[i]
                     if b != null:
                         record[b] = (g, hs[i], view.block_hash(b))
+
+    def _record_one(self, sts: Sequence[RequestState]) -> None:
+        """``record`` for one KV cache group (most models), its group loop unrolled: it runs
+        once per request with a completed block. The property test
+        ``test_one_group_record_equals_the_general_one`` holds the two to the same result."""
+        bs = self._geo.block_sizes[0]
+        slot = self._geo.slot[0]
+        block_hash = self._view.block_hash
+        record = self._record
+        null = self._null
+        for st in sts:
+            if st.hashing:
+                st.hash_confirmed()
+            done = st.confirmed // bs
+            st.next_boundary = (done + 1) * bs
+            cursor = st.cursor
+            cur = cursor[0]
+            if done <= cur:
+                continue
+            cursor[0] = done
+            ids = st.table[0]
+            hs = st.hash_lists[slot]
+            for i in range(cur, done):
+                b = ids[i]
+                if b != null:
+                    record[b] = (0, hs[i], block_hash(b))
 
     def forget(self) -> None:
         """Drop every content record (a cache reset)."""
@@ -108,6 +141,21 @@ class LazyCursor:
                 if b == self._cursor:
                     self.reset("cursor_block_taken")
                     return
+
+    def taken_tables(self, tables: Iterable[GroupBlockIds]) -> None:
+        """``taken`` for every group of every table in ``tables``, in one call (a plan hands
+        over a step's new blocks of all requests at once)."""
+        pop = self._record.pop
+        ahead = self._ahead
+        for ids in tables:
+            for group_ids in ids:
+                for b in group_ids:
+                    pop(b, None)
+                    # After a reset ``ahead`` is empty: the rest only drop records, as ``taken``.
+                    if b in ahead:
+                        ahead.discard(b)
+                        if b == self._cursor:
+                            self.reset("cursor_block_taken")
 
     def walk(self) -> StoreBatch | None:
         """Extend the covered prefix of the GPU free queue to ``watermark`` blocks; returns the

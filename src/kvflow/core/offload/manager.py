@@ -395,10 +395,10 @@ class OffloadManager:
         # block joins the deferred ones here, while its state is at hand.
         deferring = store.interval > 1
         fresh = not store.deferred
+        if lazy is not None and dirty:
+            # Nothing below reads the cursor before ``_advance``: every take first is the same.
+            lazy.taken_tables([entry[2] for entry in dirty])
         for st, confirmed, ids, replace in dirty:
-            if lazy is not None:
-                for group_ids in ids:
-                    lazy.taken(group_ids)
             if replace:
                 replaced = True
                 st.table = tuple([list(g) for g in ids])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import (
@@ -63,6 +64,9 @@ GAUGES = ("cpu_blocks_used", "cpu_blocks_cached", "cpu_blocks_total", "transfers
 LATENCIES = ("store", "load")
 MANAGER_COUNTERS = COUNTERS[:10]
 """The counters the scheduler role's manager keeps (the others are the workers')."""
+
+_read_counters = attrgetter(*MANAGER_COUNTERS)
+"""The manager's counters as one tuple, read in C (vLLM asks for stats every step)."""
 
 _COUNTERS_KEY, _GAUGES_KEY, _LATENCY_KEY = "counters", "gauges", "latency_s"
 _UNDESCRIBED = block_pool.StoredBlockInfo(None, ())
@@ -206,7 +210,7 @@ class StatsDelta:
         self, manager: OffloadManager, latencies: Sequence[tuple[Direction, float]]
     ) -> KVFlowConnectorStats | None:
         n = manager.counters
-        now = tuple([getattr(n, name) for name in MANAGER_COUNTERS])
+        now: tuple[int, ...] = _read_counters(n)
         used = cached = 0
         for pool in manager.cpu_pools:
             used += pool.num_blocks - pool.num_free_blocks
