@@ -44,6 +44,7 @@ class TransferLedger:
     def __init__(
         self,
         config: OffloadManagerConfig,
+        geometry: Geometry,
         *,
         gpu_view: GpuCacheView | None,
         counters: Counters,
@@ -52,7 +53,7 @@ class TransferLedger:
         groups = config.groups
         self.groups = groups
         self.events = config.enable_events
-        self._geo = Geometry.of(config)
+        self._geo = geometry
         self.cpu = [
             BlockPool(s.num_cpu_blocks, name=f"cpu[{g}]", enable_events=config.enable_events)
             for g, s in enumerate(groups)

@@ -81,7 +81,7 @@ class OffloadManager:
         self._requests: dict[str, RequestState] = {}
         self._n = Counters()
         ledger = self._ledger = TransferLedger(
-            config, gpu_view=gpu_view, counters=self._n, requests=self._requests
+            config, geo, gpu_view=gpu_view, counters=self._n, requests=self._requests
         )
         self._cpu = ledger.cpu
         self._matcher = HitMatcher(geo, ledger.cpu)
