@@ -38,7 +38,8 @@ MODES = {
     "eager": ("off", True),
     "pieces-torch": ("pieces", False),
     "graphs-torch": ("auto", False),
-    "graphs": ("auto", True),
+    "piecewise": ("piecewise", True),
+    "graphs": ("auto", True),  # "full" where Triton serves the attention
 }
 
 
@@ -51,7 +52,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--modes",
         nargs="+",
         choices=sorted(MODES),
-        default=["eager-torch", "graphs-torch", "graphs"],
+        default=["eager-torch", "piecewise", "graphs"],
         help="eager-torch is the engine without either change",
     )
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per shape")

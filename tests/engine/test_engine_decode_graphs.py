@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
-from kvflow.engine.decode_graphs import bucket_sizes
+from kvflow.engine.decode_graphs import DecodeGraphs, bucket_sizes
 from kvflow.engine.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from tests.engine.helpers import dense_greedy, make_engine, prompts, requests, shared_model
@@ -68,3 +71,45 @@ def test_padding_rows_leave_every_real_block_as_the_eager_path_does() -> None:
     off, pieces = caches
     for name, tensor in off.items():
         torch.testing.assert_close(pieces[name], tensor, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_captured_modes_refuse_a_cpu_engine(mode: str) -> None:
+    """ "full" and "piecewise" capture CUDA graphs: on a CPU engine they are a ConfigError."""
+    with pytest.raises(ConfigError, match=f"decode_graphs '{mode}' captures CUDA graphs"):
+        make_engine(decode_graphs=mode)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="runs the Triton kernel on the CPU: needs Triton and TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
+def test_full_steps_on_the_triton_interpreter_give_the_dense_tokens(name: str) -> None:
+    """Whole-step inputs (sizes, keys per split, block tables, padding rows), uncaptured on the
+    Triton interpreter, through shrinking buckets and preemption: the dense tokens."""
+    engine = make_engine(
+        name,
+        num_gpu_blocks=40 if name == "tiny" else 48,
+        max_num_batched_tokens=48,
+        max_num_seqs=6,
+        decode_graphs="pieces",
+    )
+    r = engine.runner
+    r._graphs = DecodeGraphs(
+        r.model,
+        r.kv_config,
+        r._layers,
+        r._layer_group,
+        6,
+        capture=False,
+        paged_decode=True,
+        full=True,
+    )
+    ps = prompts([9, 30, 17, 41, 5], seed=7)
+    results = engine.run_to_completion(requests(ps, 12))
+    model = shared_model(name)
+    for p, res in zip(ps, results, strict=True):
+        assert res.output_token_ids == dense_greedy(model, p, 12)
+    assert _graphs_used(engine) > 0
+    assert engine.stats.preemptions > 0

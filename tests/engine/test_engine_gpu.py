@@ -43,13 +43,23 @@ def test_cuda_engine_matches_dense_reference(name: str) -> None:
 
 
 def test_decode_graphs_and_triton_attention_match_the_eager_torch_path() -> None:
-    """llama-1b fp32, padded buckets: graphs, their pieces, Triton and torch attention agree."""
+    """llama-1b fp32, padded buckets: full and piecewise graphs, their pieces, Triton and torch
+    attention agree on tokens and KV."""
     cfg = model_config("llama-1b")
     model = build_model(cfg, device="cuda", dtype=torch.float32)
     ps = prompts([300, 77, 1000], seed=5, vocab=cfg.vocab_size)
     outputs, caches = [], []
     # (decode_graphs, triton_decode); the first is the engine without either.
-    for graphs_mode, triton in (("off", False), ("off", True), ("pieces", True), ("auto", True)):
+    modes = (
+        ("off", False),
+        ("off", True),
+        ("pieces", True),
+        ("piecewise", True),
+        ("piecewise", False),
+        ("full", True),
+        ("auto", True),
+    )
+    for graphs_mode, triton in modes:
         engine = Engine(
             cfg,
             EngineConfig(
@@ -73,7 +83,8 @@ def test_decode_graphs_and_triton_attention_match_the_eager_torch_path() -> None
             + [r.output_token_ids for r in engine.run_to_completion(requests(ps[:1], 5))]
         )
         if graphs is not None:
-            assert graphs.captured == (graphs_mode == "auto")
+            assert graphs.captured == (graphs_mode != "pieces")
+            assert graphs.full == (graphs_mode in ("full", "auto"))
             assert graphs.steps_run > 0
         caches.append({n: t[:, 1:].clone() for n, t in engine.kv_caches.items()})
         engine.shutdown()

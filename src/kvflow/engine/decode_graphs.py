@@ -26,7 +26,9 @@ from torch.nn.attention import sdpa_kernel
 
 from kvflow.connector.api import KVCacheConfig
 from kvflow.core.logs import get_logger
+from kvflow.engine import triton_decode
 from kvflow.engine.kv_cache import (
+    _key_start,
     block_table_tensor,
     decode_attention,
     decode_segment,
@@ -57,8 +59,34 @@ class _Bucket:
         model, device = runner.model, runner.device
         cfg = model.config
         self.rows = rows
+        self.full = runner.full
+        groups = runner.num_groups
+        n_inputs = (2 + groups) * rows
+        # Full capture: the attention's row sizes (first key, key count per row, then the keys
+        # per split) sit after the inputs in one buffer, so a step's inputs are one copy.
+        size_len = 2 * rows + 1 if self.full else 0
+        self.small = torch.zeros(n_inputs + groups * size_len, dtype=torch.long, device=device)
+        self.small_host = _host_like(self.small)
         # Row 0: token ids, 1: positions, 2 + g: group g's cache slots.
-        self.inputs = torch.zeros((2 + runner.num_groups, rows), dtype=torch.long, device=device)
+        self.inputs = self.small[:n_inputs].view(2 + groups, rows)
+        self.sizes = [
+            self.small[n_inputs + g * size_len : n_inputs + (g + 1) * size_len]
+            for g in range(groups if self.full else 0)
+        ]
+        width = runner.kv_caches[0].shape[1]
+        self.tables = [
+            torch.zeros((rows, width), dtype=torch.int32, device=device) for _ in self.sizes
+        ]
+        self.tables_host = [_host_like(t) for t in self.tables]
+        kv_heads = cfg.num_kv_heads
+        capacity = [width * runner.kv_config.block_size] * len(self.sizes)
+        for g, window in enumerate(runner.windows[: len(self.sizes)]):
+            if window is not None:
+                capacity[g] = min(capacity[g], window)
+        self.splits = [triton_decode.num_splits(rows, kv_heads, c) for c in capacity]
+        for sizes in self.sizes:  # valid rows for the warm-up and the capture
+            sizes[rows : 2 * rows] = 1
+            sizes[2 * rows] = triton_decode.BLOCK_N
         self.attn = torch.zeros(
             (rows, cfg.num_heads, cfg.head_dim), dtype=runner.dtype, device=device
         )
@@ -92,7 +120,26 @@ class _Bucket:
             h = model.post_attention(last, x[0], self.attn)
             self.tokens = model.head(h, self.query_index).argmax(dim=-1)
 
-        pieces: list[Piece] = [first, *(middle(i) for i in range(1, cfg.num_layers)), final]
+        parts: list[Piece] = [first, *(middle(i) for i in range(1, cfg.num_layers)), final]
+        pieces = parts
+        if self.full:
+
+            def whole() -> None:
+                for i, piece in enumerate(parts[:-1]):
+                    piece()
+                    g = group_of[i]
+                    out = triton_decode.paged_decode_attention(
+                        self.q[i],
+                        caches[i],
+                        self.tables[g],
+                        self.sizes[g],
+                        0,
+                        splits=self.splits[g],
+                    )
+                    self.attn.copy_(out)
+                parts[-1]()
+
+            pieces = [whole]
         self.pieces = pieces
         if capture:
             self.pieces = self._capture(pieces, pool)
@@ -126,8 +173,15 @@ class _Bucket:
         return replays
 
 
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t``'s shape, pinned when ``t`` is on a GPU (its copies are then async)."""
+    host = torch.zeros(t.shape, dtype=t.dtype)
+    return host.pin_memory() if t.device.type == "cuda" else host
+
+
 class DecodeGraphs:
-    """Runs decode-only steps of up to ``max_rows`` rows from per-bucket pieces."""
+    """Runs decode-only steps of up to ``max_rows`` rows from per-bucket pieces, or, ``full``,
+    each step as one graph with the Triton paged attention captured too."""
 
     def __init__(
         self,
@@ -140,7 +194,11 @@ class DecodeGraphs:
         capture: bool,
         paged_decode: bool = False,
         flash_if_equal: bool = False,
+        full: bool = False,
     ) -> None:
+        if full and not paged_decode:
+            raise ValueError("full decode graphs capture the Triton paged attention: none here")
+        self.full = full
         self.model = model
         self.kv_config = kv_config
         self.kv_caches = list(kv_caches)
@@ -167,8 +225,9 @@ class DecodeGraphs:
         log.info(
             "decode_graphs_ready",
             buckets=self._sizes,
-            pieces_per_bucket=model.config.num_layers + 1,
+            pieces_per_bucket=1 if full else model.config.num_layers + 1,
             captured=capture,
+            full=full,
         )
 
     def bucket_for(self, rows: int) -> int:
@@ -195,12 +254,15 @@ class DecodeGraphs:
         self.steps_run += 1
         pad = [0] * (bucket.rows - b)
         bs = self.kv_config.block_size
-        host = [[*token_ids, *pad], [*num_computed, *pad]]
+        host = [*token_ids, *pad, *num_computed, *pad]
         for tables in block_tables:
-            host.append(
-                [t[c // bs] * bs + c % bs for t, c in zip(tables, num_computed, strict=True)] + pad
-            )
-        bucket.inputs.copy_(torch.tensor(host, dtype=torch.long), non_blocking=False)
+            host += [t[c // bs] * bs + c % bs for t, c in zip(tables, num_computed, strict=True)]
+            host += pad
+        if bucket.full:
+            self._full_inputs(bucket, host, num_computed, block_tables)
+            bucket.pieces[0]()
+            return bucket.tokens[:b]
+        bucket.inputs.copy_(torch.tensor(host, dtype=torch.long).view(bucket.inputs.shape))
         segments = []
         for g, tables in enumerate(block_tables):
             segments.append(
@@ -222,6 +284,36 @@ class DecodeGraphs:
                 bucket.attn[:b].copy_(out)
             pieces[-1]()
         return bucket.tokens[:b]
+
+    def _full_inputs(
+        self,
+        bucket: _Bucket,
+        host: list[int],
+        num_computed: Sequence[int],
+        block_tables: Sequence[Sequence[Sequence[int]]],
+    ) -> None:
+        """A full bucket's inputs for this step, copied without waiting: the pinned buffers are
+        written again only after this step's tokens were read, so after its copies ran.
+        Padding rows attend to slot 0 of the null block, one key, as the padding writes it."""
+        b, rows = len(num_computed), bucket.rows
+        pad = rows - b
+        for g, tables in enumerate(block_tables):
+            window = self.windows[g]
+            firsts = [_key_start(c, window) for c in num_computed]
+            counts = [c + 1 - f for c, f in zip(num_computed, firsts, strict=True)]
+            split = triton_decode.split_len_for(bucket.splits[g], max(counts))
+            host += [*firsts, *([0] * pad), *counts, *([1] * pad), split]
+            width = max(len(t) for t in tables)
+            flat = [0] * (b * width)
+            for i, t in enumerate(tables):
+                flat[i * width : i * width + len(t)] = t
+            table_host = bucket.tables_host[g]
+            table_host[:b, :width] = torch.tensor(flat, dtype=torch.int32).view(b, width)
+            if pad:
+                table_host[b:, 0] = 0
+            bucket.tables[g].copy_(table_host, non_blocking=True)
+        bucket.small_host.copy_(torch.tensor(host, dtype=torch.long))
+        bucket.small.copy_(bucket.small_host, non_blocking=True)
 
 
 def layer_groups(kv_config: KVCacheConfig, num_layers: int) -> list[int]:

@@ -61,6 +61,9 @@ def perf_clock() -> float:
     return time.perf_counter()
 
 
+DECODE_GRAPH_MODES = ("auto", "full", "piecewise", "pieces", "off")
+
+
 @frozen
 class EngineConfig:
     """How the engine runs a model. ``num_gpu_blocks`` is the one GPU pool every KV cache group
@@ -77,8 +80,10 @@ class EngineConfig:
     seed: int = 0
     weights: str | None = None  # a safetensors file; default: random weights from ``seed``
     max_idle_steps: int = 1_000_000  # steps in a row without progress before giving up
-    # Decode-only steps from CUDA graphs (kvflow.engine.decode_graphs): "auto" on a CUDA device,
-    # "pieces" the same pieces uncaptured on any device (tests the path on CPU), "off".
+    # Decode-only steps from CUDA graphs (kvflow.engine.decode_graphs): "auto" on a CUDA device
+    # ("full" where the Triton kernel serves decode attention, else "piecewise"), "full" (each
+    # step one graph), "piecewise" (attention between captured pieces), "pieces" (the
+    # piecewise pieces uncaptured on any device: tests the path on CPU), "off".
     decode_graphs: str = "auto"
     # Decode attention by kvflow.engine.triton_decode on CUDA when Triton imports.
     triton_decode: bool = True
@@ -90,8 +95,10 @@ class EngineConfig:
             raise ConfigError(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ConfigError(f"dtype {self.dtype!r}: one of {sorted(_DTYPES)}")
-        if self.decode_graphs not in ("auto", "pieces", "off"):
-            raise ConfigError(f"decode_graphs {self.decode_graphs!r}: one of auto, pieces, off")
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ConfigError(
+                f"decode_graphs {self.decode_graphs!r}: one of {', '.join(DECODE_GRAPH_MODES)}"
+            )
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

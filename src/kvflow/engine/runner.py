@@ -25,6 +25,7 @@ from kvflow.engine.kv_cache import (
 )
 from kvflow.engine.model import LlamaForCausalLM
 from kvflow.engine.scheduler import ScheduledChunk, StepBatch
+from kvflow.errors import ConfigError
 
 
 @frozen
@@ -107,26 +108,40 @@ class ModelRunner:
     def configure_decode(self, graphs: str, max_rows: int, triton: bool) -> None:
         """How decode rows run: ``triton`` uses ``kvflow.engine.triton_decode`` where it is
         available; ``graphs`` runs decode-only steps of up to ``max_rows`` rows from
-        ``DecodeGraphs``: ``"auto"`` captures CUDA graphs on a CUDA device for an unsharded
-        model (a tensor-parallel shard's reductions are not captured) and does nothing
-        otherwise, ``"pieces"`` runs the same pieces uncaptured on any device, ``"off"`` neither.
+        ``DecodeGraphs``: ``"full"`` captures each step whole, attention included (needs the
+        Triton kernel), ``"piecewise"`` captures the pieces between the attention, which runs
+        eagerly; ``"auto"`` is ``"full"`` where Triton serves the attention, else
+        ``"piecewise"``, on a CUDA device for an unsharded model (a tensor-parallel shard's
+        reductions are not captured) and nothing otherwise; ``"pieces"`` runs the piecewise
+        pieces uncaptured on any device, ``"off"`` none of it.
         """
         self._paged_decode = triton and triton_decode.available(
             self.device, self.model.config.head_dim
         )
-        if graphs == "off" or (
-            graphs == "auto" and (self.device.type != "cuda" or self.model.sharded)
-        ):
+        captures = self.device.type == "cuda" and not self.model.sharded
+        if graphs == "off" or (graphs == "auto" and not captures):
             return
+        full = graphs == "full" or (graphs == "auto" and self._paged_decode)
+        if graphs in ("full", "piecewise") and not captures:
+            raise ConfigError(
+                f"decode_graphs {graphs!r} captures CUDA graphs: needs an unsharded model on a "
+                f"CUDA device, not {self.device} (sharded: {self.model.sharded})"
+            )
+        if full and not self._paged_decode:
+            raise ConfigError(
+                "decode_graphs 'full' captures the Triton decode attention: it needs Triton, "
+                "triton_decode=True and a power-of-two head_dim >= 16"
+            )
         self._graphs = DecodeGraphs(
             self.model,
             self.kv_config,
             self._layers,
             self._layer_group,
             max_rows,
-            capture=graphs == "auto",
+            capture=graphs != "pieces",
             paged_decode=self._paged_decode,
             flash_if_equal=self._half,
+            full=full,
         )
 
     def execute(

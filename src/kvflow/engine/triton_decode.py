@@ -32,6 +32,9 @@ HAVE_TRITON = triton is not None
 BLOCK_N = 32
 """Keys per loop iteration of one program."""
 
+MERGE_SPLITS = 16
+"""Splits the merge kernel reads per iteration."""
+
 TARGET_PROGRAMS = 1024
 """Programs to aim for when splitting keys: several per SM of an H200 (132)."""
 
@@ -64,25 +67,35 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         REP: tl.constexpr,
         REP_P: tl.constexpr,
+        QR: tl.constexpr,
         BLOCK: tl.constexpr,
+        SPLIT_FROM_SIZES: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
+        if SPLIT_FROM_SIZES:
+            # A captured step: the grid is fixed, the keys per split follow the step's rows.
+            split_len = tl.load(sizes_ptr + 2 * rows)
         first = tl.load(sizes_ptr + b)
         count = tl.load(sizes_ptr + rows + b)
         lo = s * split_len
         hi = tl.minimum(lo + split_len, count)
-        r = tl.arange(0, REP_P)
+        # QR query rows: the KV head's REP query heads, padded to what tl.dot takes (16) when
+        # the tensor cores serve half precision; only the first REP_P rows are stored.
+        r = tl.arange(0, QR)
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(
             q_ptr + b * stride_qb + (h * REP + r)[:, None] * stride_qh + d[None, :],
             mask=(r < REP)[:, None],
             other=0.0,
-        ).to(tl.float32)
-        m = tl.full([REP_P], float("-inf"), tl.float32)
-        l_sum = tl.zeros([REP_P], tl.float32)
-        acc = tl.zeros([REP_P, HEAD_DIM], tl.float32)
+        )
+        if not DOT:
+            q = q.to(tl.float32)
+        m = tl.full([QR], float("-inf"), tl.float32)
+        l_sum = tl.zeros([QR], tl.float32)
+        acc = tl.zeros([QR, HEAD_DIM], tl.float32)
         for start in range(lo, hi, BLOCK):
             n = start + tl.arange(0, BLOCK)
             valid = n < hi
@@ -90,20 +103,28 @@ if triton is not None:
             blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             off = slot[:, None] * (KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d[None, :]
-            k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            k = tl.load(cache_ptr + off, mask=valid[:, None], other=0.0)
+            v = tl.load(cache_ptr + v_offset + off, mask=valid[:, None], other=0.0)
+            if DOT:
+                scores = tl.dot(q, tl.trans(k)) * scale
+            else:
+                scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+                acc = acc * alpha[:, None] + pv
             m = m_new
+        keep = r < REP_P
         base = ((b * KV_HEADS + h) * num_splits + s) * REP_P + r
-        tl.store(m_ptr + base, m)
-        tl.store(l_ptr + base, l_sum)
-        tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc)
+        tl.store(m_ptr + base, m, mask=keep)
+        tl.store(l_ptr + base, l_sum, mask=keep)
+        tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
 
     @triton.jit(do_not_specialize=["num_splits", "stride_ob", "stride_oh"])  # type: ignore[untyped-decorator]
     def _merge_splits_kernel(  # type: ignore[no-untyped-def]
@@ -118,26 +139,36 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         REP: tl.constexpr,
         REP_P: tl.constexpr,
+        SC: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         r = tl.arange(0, REP_P)
         d = tl.arange(0, HEAD_DIM)
-        base = (b * KV_HEADS + h) * num_splits * REP_P + r
-        # Split 0 always holds keys (every row has at least one), so the running maximum starts
-        # finite and a later empty split (m = -inf) weighs exp(-inf) = 0.
-        top = tl.load(m_ptr + base)
-        total = tl.load(l_ptr + base)
-        out = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :])
-        for s in range(1, num_splits):
-            at = base + s * REP_P
-            m_s = tl.load(m_ptr + at)
-            new_top = tl.maximum(top, m_s)
-            old_w = tl.exp(top - new_top)
-            new_w = tl.exp(m_s - new_top)
-            total = total * old_w + tl.load(l_ptr + at) * new_w
-            acc_s = tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :])
-            out = out * old_w[:, None] + acc_s * new_w[:, None]
+        c = tl.arange(0, SC)
+        base = (b * KV_HEADS + h) * num_splits * REP_P
+        top = tl.full([REP_P], float("-inf"), tl.float32)
+        total = tl.zeros([REP_P], tl.float32)
+        out = tl.zeros([REP_P, HEAD_DIM], tl.float32)
+        # SC splits per iteration: one split at a time, the merge was bound by the latency of
+        # its dependent loads (docs/benchmarks.md). An empty split (m = -inf) weighs 0; the
+        # maximum is taken as 0 while every split so far was empty, so no -inf - -inf arises.
+        for s0 in range(0, num_splits, SC):
+            sv = (s0 + c) < num_splits
+            at = base + (s0 + c)[:, None] * REP_P + r[None, :]
+            m_s = tl.load(m_ptr + at, mask=sv[:, None], other=float("-inf"))
+            l_s = tl.load(l_ptr + at, mask=sv[:, None], other=0.0)
+            new_top = tl.maximum(top, tl.max(m_s, axis=0))
+            ref = tl.where(new_top == float("-inf"), 0.0, new_top)
+            old_w = tl.exp(top - ref)
+            w = tl.exp(m_s - ref[None, :])
+            total = total * old_w + tl.sum(l_s * w, axis=0)
+            acc_s = tl.load(
+                acc_ptr + at[:, :, None] * HEAD_DIM + d[None, None, :],
+                mask=sv[:, None, None],
+                other=0.0,
+            )
+            out = out * old_w[:, None] + tl.sum(acc_s * w[:, :, None], axis=0)
             top = new_top
         out = out / total[:, None]
         dst = out_ptr + b * stride_ob + (h * REP + r)[:, None] * stride_oh + d[None, :]
@@ -163,8 +194,19 @@ def num_splits(rows: int, kv_heads: int, max_keys: int) -> int:
     return max(1, min(tiles, math.ceil(TARGET_PROGRAMS / (rows * kv_heads))))
 
 
+def split_len_for(splits: int, max_keys: int) -> int:
+    """Keys per split, a whole number of tiles, so that ``splits`` splits cover ``max_keys``."""
+    return math.ceil(math.ceil(max_keys / splits) / BLOCK_N) * BLOCK_N
+
+
 def paged_decode_attention(
-    q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, sizes: torch.Tensor, max_keys: int
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    sizes: torch.Tensor,
+    max_keys: int,
+    *,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of decode queries ``(B, heads, D)`` over their paged keys, as ``(B, heads, D)``.
 
@@ -172,6 +214,10 @@ def paged_decode_attention(
     ``sizes[0, b]`` on, found through its block table ``tables[b]``; ``max_keys`` is the largest
     count, given by the caller, who knows it without reading the device. ``cache`` is one layer's
     contiguous ``(2, num_blocks, block_size, kv_heads, head_dim)`` tensor.
+
+    ``splits`` fixes the grid for a CUDA graph: ``sizes`` is then flat, ``2 * B + 1`` long, its
+    last entry the keys per split (``split_len_for``) written on every replay, and ``max_keys``
+    is ignored.
     """
     assert _kernel is not None
     b, heads, head_dim = q.shape
@@ -180,8 +226,13 @@ def paged_decode_attention(
         raise ValueError("paged decode attention needs a contiguous cache, sizes and query rows")
     rep = heads // kv_heads
     rep_p = max(2, 1 << (rep - 1).bit_length())
-    splits = num_splits(b, kv_heads, max_keys)
-    split_len = math.ceil(math.ceil(max_keys / splits) / BLOCK_N) * BLOCK_N
+    dot = q.dtype in (torch.float16, torch.bfloat16) and cache.dtype == q.dtype
+    from_sizes = splits is not None
+    if splits is None:
+        splits = num_splits(b, kv_heads, max_keys)
+        split_len = split_len_for(splits, max_keys)
+    else:
+        split_len = BLOCK_N  # unused: the kernel reads it from ``sizes``
     acc = torch.empty((b, kv_heads, splits, rep_p, head_dim), dtype=torch.float32, device=q.device)
     m = torch.empty((b, kv_heads, splits, rep_p), dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
@@ -206,7 +257,10 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         REP=rep,
         REP_P=rep_p,
+        QR=max(16, rep_p) if dot else rep_p,
         BLOCK=BLOCK_N,
+        SPLIT_FROM_SIZES=from_sizes,
+        DOT=dot,
     )
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _merge[(b, kv_heads)](
@@ -221,8 +275,16 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         REP=rep,
         REP_P=rep_p,
+        SC=MERGE_SPLITS,
     )
     return out
 
 
-__all__ = ["BLOCK_N", "HAVE_TRITON", "available", "num_splits", "paged_decode_attention"]
+__all__ = [
+    "BLOCK_N",
+    "HAVE_TRITON",
+    "available",
+    "num_splits",
+    "paged_decode_attention",
+    "split_len_for",
+]
