@@ -2,8 +2,17 @@
 
 Both runs use the same model weights, the same workload and the same GPU cache size (a fraction
 of the workload's working set, so earlier users' histories are evicted before their next round).
-The offload run adds kvflow's CPU tier through ``OffloadConnector``. Outputs are greedy, so the two
-runs must produce the same tokens: ``outputs_identical`` checks it.
+The offload run adds kvflow's CPU tier through ``OffloadConnector``.
+
+Correctness (``CorrectnessCheck``). In float32 the engine's kernels give the same tokens whatever
+the batch, so the two runs' greedy outputs must be identical. In half precision they are not: the
+run without offload recomputes evicted histories in other batch shapes, and a bf16 GEMM's result
+depends on its shape. The reference there is a third, untimed run with a GPU cache large enough
+that nothing is evicted, replaying the offload run's prompts (its answers join the histories):
+its history KV is the originally computed KV, which is exactly what a CPU reload brings back.
+Its tokens must match the offload run's; where the question tails computed in other batches
+still move a token, the first-token logits of every request must agree within
+``LOGITS_TOLERANCE`` (relative L2 distance), which a wrong or stale block exceeds many times.
 """
 
 from __future__ import annotations
@@ -11,12 +20,13 @@ from __future__ import annotations
 import gc
 import math
 import platform
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from attrs import asdict, evolve, frozen
+from attrs import asdict, evolve, field, frozen
 
 from kvflow.bench.config import BenchConfig
 from kvflow.connector.api import KVCacheConfig
@@ -32,8 +42,32 @@ from kvflow.engine.engine import (
 )
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
 from kvflow.engine.workload import MultiRoundQA, WorkloadResult, run_multi_round
+from kvflow.errors import ConfigError
 from kvflow.runtime.clock import SystemClock
 from kvflow.tracing import trace_to
+
+LOGITS_TOLERANCE = 0.05
+"""Largest relative L2 distance of a request's first-token logits from the reference's."""
+
+REFERENCE_RUN = "reference (no eviction)"
+"""The name ``on_round`` gets for the half-precision check's run."""
+
+PHASES = ("queue", "match", "load_launch", "load_wait", "to_compute", "prefill", "first_step")
+"""``RequestTimeline``'s parts, in order."""
+
+
+@frozen
+class CorrectnessCheck:
+    """How the offload run's outputs were checked, and whether they passed."""
+
+    kind: str  # "tokens" or "first_token_logits"
+    reference: str
+    tokens_identical: bool
+    requests: int
+    requests_identical: int
+    max_rel_logits_err: float | None
+    tolerance: float | None
+    passed: bool
 
 
 @frozen
@@ -58,6 +92,10 @@ class RunResult:
     failed_transfers: int
     preemptions: int
     wall_s: float
+    # Mean and median ms of each TTFT phase over requests with a history (rounds after the
+    # first); the means add up to the mean TTFT of those requests.
+    history_ttft_phases_mean_ms: dict[str, float] = field(factory=dict)
+    history_ttft_phases_p50_ms: dict[str, float] = field(factory=dict)
 
 
 @frozen
@@ -65,6 +103,7 @@ class BenchResult:
     config: BenchConfig
     runs: tuple[RunResult, RunResult]
     outputs_identical: bool
+    check: CorrectnessCheck
     backend: str
     device: str
     model: str
@@ -75,6 +114,7 @@ class BenchResult:
         return {
             "runs": [asdict(r) for r in self.runs],
             "outputs_identical": self.outputs_identical,
+            "check": asdict(self.check),
             "backend": self.backend,
             "device": self.device,
             "model": self.model,
@@ -156,6 +196,8 @@ def _result(
     computed = result.total("prefill_tokens_computed")
     loaded = result.total("external_loaded_tokens")
     m = stats.manager if stats is not None else None
+    history = [r.result.timeline for r in result.records if r.round > 0]
+    phases = {p: [getattr(t, p) * 1e3 for t in history if t is not None] for p in PHASES}
     return RunResult(
         offload=offload,
         ttft_p50_s=result.ttft_percentile(50),
@@ -175,6 +217,8 @@ def _result(
         failed_transfers=m.failed_transfers if m else 0,
         preemptions=engine.stats.preemptions,
         wall_s=result.wall_s,
+        history_ttft_phases_mean_ms={p: statistics.fmean(v) for p, v in phases.items() if v},
+        history_ttft_phases_p50_ms={p: statistics.median(v) for p, v in phases.items() if v},
     )
 
 
@@ -186,13 +230,74 @@ def _settle(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _check_against_reference(
+    cfg: BenchConfig,
+    workload: MultiRoundQA,
+    model_cfg: ModelConfig,
+    engine_cfg: EngineConfig,
+    model: LlamaForCausalLM,
+    on: WorkloadResult,
+    clock: SystemClock,
+    on_round: Callable[[str, int], None],
+) -> CorrectnessCheck:
+    """The half-precision check: the offload run against an untimed replay of its prompts on a
+    GPU cache that holds the whole workload twice over, so that nothing is evicted."""
+    probe = make_kv_cache_config(model_cfg, engine_cfg)
+    roomy = evolve(
+        engine_cfg,
+        num_gpu_blocks=gpu_blocks_for(evolve(cfg, cache_fraction=2.0), workload, len(probe.groups)),
+        record_first_logits=True,
+    )
+    reference = Engine(model_cfg, roomy, model=model, clock=clock.now)
+    answers = on.outputs()
+    ref = run_multi_round(
+        reference,
+        workload,
+        answers=answers,
+        on_round_done=lambda rnd, _records: on_round(REFERENCE_RUN, rnd),
+    )
+    reference.shutdown()
+    del reference
+    _settle(cfg.device)
+    return compare_to_reference(on, ref)
+
+
+def compare_to_reference(
+    on: WorkloadResult, ref: WorkloadResult, tolerance: float = LOGITS_TOLERANCE
+) -> CorrectnessCheck:
+    """The offload run against the no-eviction replay of its prompts: tokens, else every
+    request's first-token logits within ``tolerance`` (relative L2 distance)."""
+    ref_by_key = {(r.user, r.round): r.result for r in ref.records}
+    same, worst = 0, 0.0
+    for rec in on.records:
+        theirs = ref_by_key[(rec.user, rec.round)]
+        same += theirs.output_token_ids == rec.result.output_token_ids
+        mine, expected = rec.result.first_logits, theirs.first_logits
+        if mine is None or expected is None:
+            raise ConfigError(f"request {rec.result.request_id}: first-token logits not recorded")
+        err = float(torch.linalg.vector_norm(mine - expected) / torch.linalg.vector_norm(expected))
+        worst = max(worst, err)
+    tokens_identical = same == len(on.records)
+    return CorrectnessCheck(
+        kind="tokens" if tokens_identical else "first_token_logits",
+        reference="no-eviction replay of the offload run's prompts",
+        tokens_identical=tokens_identical,
+        requests=len(on.records),
+        requests_identical=same,
+        max_rel_logits_err=worst,
+        tolerance=tolerance,
+        passed=tokens_identical or worst <= tolerance,
+    )
+
+
 def run_bench(
     cfg: BenchConfig,
     *,
     on_round: Callable[[str, int], None] = lambda _name, _round: None,
     trace: Path | None = None,
 ) -> BenchResult:
-    """Run the workload with offload off, then on; ``on_round(run, round)`` reports progress."""
+    """Run the workload with offload off, then on (then, in half precision, the reference run);
+    ``on_round(run, round)`` reports progress."""
     model_cfg = model_config(cfg.model)
     clock = SystemClock()
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -225,12 +330,14 @@ def run_bench(
     )
 
     built: list[OffloadConnector] = []
+    exact = dtype == torch.float32
+    on_cfg = engine_cfg if exact else evolve(engine_cfg, record_first_logits=True)
 
     def engine(offload: bool) -> Engine:
         if not offload:
             return Engine(model_cfg, engine_cfg, model=model, clock=clock.now)
         made, conn = offload_engine(
-            model_cfg, engine_cfg, model, offload_cfg, block_bytes, now=clock.now
+            model_cfg, on_cfg, model, offload_cfg, block_bytes, now=clock.now
         )
         built.append(conn)
         return made
@@ -274,11 +381,30 @@ def run_bench(
     )
     backend = connector.worker.backend.name
     offloaded.shutdown()
+    del offloaded
+    _settle(cfg.device)
+    if exact:
+        same = sum(off.outputs()[k] == v for k, v in on.outputs().items())
+        check = CorrectnessCheck(
+            kind="tokens",
+            reference="offload off",
+            tokens_identical=same == len(on.records),
+            requests=len(on.records),
+            requests_identical=same,
+            max_rel_logits_err=None,
+            tolerance=None,
+            passed=same == len(on.records),
+        )
+    else:
+        check = _check_against_reference(
+            cfg, workload, model_cfg, engine_cfg, model, on, clock, on_round
+        )
     device = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"
     return BenchResult(
         config=cfg,
         runs=(off_result, on_result),
-        outputs_identical=off.outputs() == on.outputs(),
+        outputs_identical=check.tokens_identical,
+        check=check,
         backend=backend,
         device=device,
         model=cfg.model,
@@ -288,10 +414,15 @@ def run_bench(
 
 
 __all__ = [
+    "LOGITS_TOLERANCE",
+    "PHASES",
+    "REFERENCE_RUN",
     "BenchConfig",
     "BenchResult",
+    "CorrectnessCheck",
     "RunResult",
     "block_bytes_per_group",
+    "compare_to_reference",
     "gpu_blocks_for",
     "offload_engine",
     "run_bench",

@@ -239,6 +239,36 @@ def validate(args: argparse.Namespace) -> BenchConfig:
     return cfg
 
 
+PHASE_LABELS = {
+    "queue": "queue for GPU blocks",
+    "match": "match (connector, within the queue's end)",
+    "load_launch": "load: blocks given → launched",
+    "load_wait": "load: launched → seen done by the scheduler",
+    "to_compute": "loaded → first step computing it",
+    "prefill": "prefill chunks before the last",
+    "first_step": "step sampling the first token",
+}
+
+
+def check_line(result: BenchResult) -> str:
+    """One line: how the offload run's outputs were checked, and the verdict."""
+    c = result.check
+    if c.reference == "offload off":
+        verdict = "[green]identical[/]" if c.passed else "[red]DIFFERENT[/]"
+        return f"greedy outputs, offload off vs on: {verdict}"
+    head = (
+        f"outputs vs a no-eviction replay ({result.config.dtype or 'bfloat16'}): tokens "
+        f"identical in {c.requests_identical}/{c.requests} requests"
+    )
+    if c.tokens_identical:
+        return f"{head}: [green]identical[/]"
+    verdict = "[green]equivalent[/]" if c.passed else "[red]MISMATCH[/]"
+    return (
+        f"{head}; first-token logits, largest relative L2 distance "
+        f"{c.max_rel_logits_err:.4f} (tolerance {c.tolerance}): {verdict}"
+    )
+
+
 def render(result: BenchResult, console: Console) -> None:
     off, on = result.runs
     table = Table(
@@ -299,8 +329,19 @@ def render(result: BenchResult, console: Console) -> None:
             "worker loop inline: a copy is seen done at the engine's next connector call; "
             "the GB/s figures are lower bounds (docs/benchmarks.md)"
         )
-    verdict = "[green]identical[/]" if result.outputs_identical else "[red]DIFFERENT[/]"
-    console.print(f"greedy outputs, offload off vs on: {verdict}")
+    console.print(check_line(result))
+    phases = Table(title="TTFT of requests with a history (rounds after the first), by phase, ms")
+    phases.add_column("phase")
+    for name in ("off mean", "off p50", "on mean", "on p50"):
+        phases.add_column(name, justify="right")
+    for name in PHASE_LABELS:
+        cells = [
+            f"{run_phases.get(name, 0.0):.2f}"
+            for run in (off, on)
+            for run_phases in (run.history_ttft_phases_mean_ms, run.history_ttft_phases_p50_ms)
+        ]
+        phases.add_row(PHASE_LABELS[name], *cells)
+    console.print(phases)
     per_round = Table(title="TTFT p50 per round (ms)")
     per_round.add_column("round", justify="right")
     per_round.add_column("offload off", justify="right")
@@ -442,13 +483,13 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
         return run_pd_command(args, cfg, console)
     # No logging set up here: unless the host configured structlog, kvflow's events go to stdlib
     # logging, whose default shows warnings only; --trace sends them to its file alone.
-    from kvflow.bench.multi_round import run_bench
+    from kvflow.bench.multi_round import REFERENCE_RUN, run_bench
 
+    runs = ["offload off", "offload on"]
+    if (cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16")) != "float32":
+        runs.append(REFERENCE_RUN)
     with _progress(console) as progress:
-        tasks = {
-            name: progress.add_task(name, total=cfg.rounds)
-            for name in ("offload off", "offload on")
-        }
+        tasks = {name: progress.add_task(name, total=cfg.rounds) for name in runs}
         result = run_bench(
             cfg, on_round=lambda name, _r: progress.advance(tasks[name]), trace=args.trace
         )
@@ -461,12 +502,13 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
         console.print(f"wrote {args.plot}")
     if args.trace is not None:
         console.print(f"wrote {args.trace} (summarize with: kvflow trace {args.trace})")
-    return 0 if result.outputs_identical else 1
+    return 0 if result.check.passed else 1
 
 
 __all__ = [
     "add_arguments",
     "check_cuda",
+    "check_line",
     "check_writable",
     "config_from_args",
     "figure",

@@ -87,6 +87,9 @@ class EngineConfig:
     decode_graphs: str = "auto"
     # Decode attention by kvflow.engine.triton_decode on CUDA when Triton imports.
     triton_decode: bool = True
+    # Keep each request's first-token logits (its result's ``first_logits``): for checks beyond
+    # the greedy tokens; steps that sample a first token then skip the decode graphs.
+    record_first_logits: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.block_size <= 0:
@@ -138,6 +141,45 @@ class GenerationRequest:
 
 
 @frozen
+class RequestTimeline:
+    """Where a request's time to first token went, in seconds; the parts sum to its TTFT.
+
+    ``queue``: arrival until it was given GPU blocks; ``match``: the connector's
+    ``get_num_new_matched_tokens`` at that admission (inside ``queue``'s end, not added);
+    ``load_launch``: blocks given until the step carrying its async load launched it;
+    ``load_wait``: launched until the scheduler took the finished load; ``to_compute``: until
+    a step that computes its tokens was scheduled; ``prefill``: its chunks before the last;
+    ``first_step``: the step that sampled its first token, from its schedule to the token.
+    """
+
+    queue: float
+    match: float
+    load_launch: float
+    load_wait: float
+    to_compute: float
+    prefill: float
+    first_step: float
+
+    @classmethod
+    def of(cls, st: RequestStats) -> RequestTimeline:
+        assert st.first_token_time is not None
+        admitted = st.arrival_time if st.admitted_time is None else st.admitted_time
+        launched = admitted if st.load_launched_time is None else st.load_launched_time
+        seen = launched if st.load_seen_time is None else st.load_seen_time
+        start = seen if st.compute_start_time is None else st.compute_start_time
+        last = start if st.first_token_step_time is None else st.first_token_step_time
+        return cls(
+            queue=admitted - st.arrival_time,
+            match=st.match_s,
+            load_launch=launched - admitted,
+            load_wait=seen - launched,
+            to_compute=start - seen,
+            prefill=last - start,
+            first_step=st.first_token_time - last,
+        )
+
+
+@frozen
 class RequestResult:
     """A finished request: its tokens and what it cost."""
 
@@ -152,6 +194,10 @@ class RequestResult:
     recomputed_tokens: int
     num_preemptions: int
     kv_transfer_params: dict[str, object] | None = None  # what the connector returned (PD: P's)
+    timeline: RequestTimeline | None = None
+    # float32 logits of the first token, on the host, when the engine records them
+    # (``EngineConfig.record_first_logits``).
+    first_logits: torch.Tensor | None = None
 
 
 @define
@@ -233,6 +279,11 @@ class Engine:
         self.runner.configure_decode(
             config.decode_graphs, config.max_num_seqs, config.triton_decode
         )
+        if config.record_first_logits:
+            self.runner.record_first_logits = True
+        if isinstance(self.runner, ModelRunner):
+            self.runner.now = clock
+        self._first_logits: dict[str, torch.Tensor] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._finished: dict[str, Request] = {}
@@ -290,12 +341,26 @@ class Engine:
         """One engine iteration; returns the tokens it produced."""
         sched = self.scheduler
         out, batch = sched.schedule()
+        scheduled = self.clock()
         meta = self.scheduler_connector.build_connector_meta(out)
         run = self.runner.launch(out, batch, meta)
+        if sched.loads_issued:
+            launched = run.loads_launched_at or self.clock()
+            for req in sched.loads_issued:
+                if req.stats.load_launched_time is None:
+                    req.stats.load_launched_time = launched
         # While the device computes the step: the host would otherwise idle in tokens().
         kv_output = sched.update_connector_output(run.kv_connector_output)
         alive = {c.request_id: sched.requests[c.request_id] for c in batch.chunks}
+        for c in batch.chunks:
+            st = alive[c.request_id].stats
+            if st.compute_start_time is None:
+                st.compute_start_time = scheduled
+            if c.first_token:
+                st.first_token_step_time = scheduled
         outputs = sched.update_from_output(out, batch, run.tokens(), kv_output)
+        if self.config.record_first_logits:
+            self._first_logits.update(run.first_logits)
         self.stats.steps += 1
         self.stats.preemptions = sched.num_preemptions
         if batch.chunks:
@@ -349,6 +414,8 @@ class Engine:
             recomputed_tokens=st.recomputed_tokens,
             num_preemptions=st.num_preemptions,
             kv_transfer_params=req.kv_transfer_params,
+            timeline=RequestTimeline.of(st),
+            first_logits=self._first_logits.pop(request_id, None),
         )
 
     def run_to_completion(self, requests: Sequence[GenerationRequest]) -> list[RequestResult]:
@@ -378,6 +445,7 @@ __all__ = [
     "EngineStats",
     "GenerationRequest",
     "RequestResult",
+    "RequestTimeline",
     "RunnerFactory",
     "block_bytes_per_group",
     "make_kv_cache_config",

@@ -10,6 +10,8 @@ while the forward runs on the device; only then does the host wait for the step'
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from attrs import define, frozen
 
@@ -37,6 +39,9 @@ class _Sampled:
     argmax: torch.Tensor | None
     host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    # Rows of ``request_ids`` whose token is their request's first, with their logits, when the
+    # runner records them (``record_first_logits``).
+    first_logits: dict[str, torch.Tensor] | None = None
 
     def tokens(self) -> dict[str, int]:
         if self.argmax is None:
@@ -64,6 +69,13 @@ class LaunchedStep:
     kv_connector_output: KVConnectorOutput
     _sampled: _Sampled | None = None
     _tokens: dict[str, int] | None = None
+    loads_launched_at: float | None = None  # right after ``start_load_kv``, on ``ModelRunner.now``
+
+    @property
+    def first_logits(self) -> dict[str, torch.Tensor]:
+        """float32 logits on the host of the step's first tokens (empty unless recorded)."""
+        found = None if self._sampled is None else self._sampled.first_logits
+        return {} if found is None else {rid: t.cpu() for rid, t in found.items()}
 
     @classmethod
     def finished(cls, output: ModelRunnerOutput) -> LaunchedStep:
@@ -100,6 +112,11 @@ class ModelRunner:
         self._graphs: DecodeGraphs | None = None
         self._paged_decode = False
         self._half = dtype in (torch.float16, torch.bfloat16)
+        # Off by default: an engine's consumer that checks outputs beyond greedy tokens
+        # (``kvflow bench``'s half-precision check) turns it on; such steps skip the graphs.
+        self.record_first_logits = False
+        # The engine's clock, set by the engine: when this step's loads were launched.
+        self.now: Callable[[], float] | None = None
         # Reused every step: a step reads its tokens back before the next one starts.
         self._readback_buf: torch.Tensor | None = None
         self._readback_event: torch.cuda.Event | None = None
@@ -161,6 +178,7 @@ class ModelRunner:
         conn.bind_connector_metadata(connector_meta)
         conn.handle_preemptions(connector_meta)
         conn.start_load_kv()
+        loads_at = None if self.now is None else self.now()
         pending = self._forward(batch) if batch.chunks else None
         if pending is not None:
             pending = self._start_readback(pending)
@@ -185,6 +203,7 @@ class ModelRunner:
                 reports=() if report is None else (report,),
             ),
             sampled=pending,
+            loads_launched_at=loads_at,
         )
 
     def _start_readback(self, sampled: _Sampled) -> _Sampled:
@@ -202,13 +221,17 @@ class ModelRunner:
         host = buf[:n]
         host.copy_(argmax.reshape(-1), non_blocking=True)
         self._readback_event.record()
-        return _Sampled(sampled.request_ids, argmax, host, self._readback_event)
+        return _Sampled(
+            sampled.request_ids, argmax, host, self._readback_event, sampled.first_logits
+        )
 
     def _forward(self, batch: StepBatch) -> _Sampled:
         chunks = batch.chunks
         graphs = self._graphs
+        recording = self.record_first_logits and any(c.first_token for c in chunks)
         if (
             graphs is not None
+            and not recording
             and len(chunks) <= graphs.max_rows
             and all(len(c.token_ids) == 1 for c in chunks)
         ):
@@ -249,7 +272,16 @@ class ModelRunner:
             logits_at,
         )
         ids_of_rows = [chunks[i].request_id for i in sample_rows]
-        return _Sampled(ids_of_rows, logits.argmax(dim=-1) if sample_rows else None)
+        first = None
+        if recording:
+            first = {
+                chunks[i].request_id: logits[row]
+                for row, i in enumerate(sample_rows)
+                if chunks[i].first_token
+            }
+        return _Sampled(
+            ids_of_rows, logits.argmax(dim=-1) if sample_rows else None, first_logits=first
+        )
 
     def _decode_from_graphs(
         self, graphs: DecodeGraphs, chunks: tuple[ScheduledChunk, ...]

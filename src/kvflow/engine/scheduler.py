@@ -93,6 +93,13 @@ class RequestStats:
     external_loaded_tokens: int = 0  # loaded through the connector (valid ones only)
     recomputed_tokens: int = 0  # rolled back after a failed load
     num_preemptions: int = 0
+    # When the first token's path happened, for the per-phase TTFT breakdown (engine clock).
+    admitted_time: float | None = None  # first given GPU blocks
+    match_s: float = 0.0  # the connector's get_num_new_matched_tokens, at that admission
+    load_launched_time: float | None = None  # the step that issued its async load launched
+    load_seen_time: float | None = None  # the scheduler took its finished load
+    compute_start_time: float | None = None  # first step computing its tokens, once scheduled
+    first_token_step_time: float | None = None  # the step sampling its first token, scheduled
 
 
 @define(eq=False)
@@ -173,6 +180,7 @@ class ScheduledChunk:
     num_computed_tokens: int
     block_ids: GroupBlockIds  # whole tables
     sample: bool  # the chunk reaches the last known token: sample the next one
+    first_token: bool = False  # that sample is the request's first output token
 
 
 @frozen
@@ -220,6 +228,7 @@ class Scheduler:
         self.blocks = blocks
         self.connector = connector
         self.clock = clock
+        self.loads_issued: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -281,6 +290,7 @@ class Scheduler:
     # ---- scheduling -------------------------------------------------------------------------
 
     def schedule(self) -> tuple[SchedulerOutput, StepBatch]:
+        self.loads_issued = []  # the async loads this step's connector metadata starts
         # Loads reported finished first (vLLM does it as it meets them in the waiting queue;
         # doing all at once lets the deadlock check below see only loads still in flight).
         if self._finished_recving:
@@ -385,7 +395,9 @@ class Scheduler:
         else:
             hit = self.blocks.find_prefix_hit(req.block_hashes, req.num_tokens)
             num_local = max((len(t) for t in hit), default=0) * self.blocks.block_size
+            asked = self.clock()
             ext_or_none, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+            req.stats.match_s = self.clock() - asked
             if ext_or_none is None:
                 return "skip"
             ext = ext_or_none
@@ -412,11 +424,14 @@ class Scheduler:
             return None
         if hit is not None:
             req.stats.gpu_cached_tokens += num_local
+        if req.stats.admitted_time is None:
+            req.stats.admitted_time = self.clock()
         self.connector.update_state_after_alloc(req, self.blocks.block_ids(req.request_id), ext)
         if load_async:
             req.load_target_tokens = start
             req.pending_external_tokens = ext
             transition(req, RI.WAIT_REMOTE, cause="async_external_hit")
+            self.loads_issued.append(req)
             return "skip"
         req.num_computed_tokens = start
         if ext:
@@ -456,6 +471,7 @@ class Scheduler:
             num_computed_tokens=c,
             block_ids=self.blocks.block_ids(req.request_id),
             sample=c + n == req.num_tokens,
+            first_token=c + n == req.num_tokens and not req.output_token_ids,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -511,6 +527,8 @@ class Scheduler:
     def _finish_remote_load(self, req: Request) -> None:
         """vLLM's ``_update_waiting_for_remote_kv``: the loaded blocks count as computed."""
         self._finished_recving.discard(req.request_id)
+        if req.stats.load_seen_time is None:
+            req.stats.load_seen_time = self.clock()
         if req.reset_after_load:
             # The load is over, so its blocks can go; the request starts again from scratch.
             req.reset_after_load = False

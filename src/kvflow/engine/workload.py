@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from attrs import field, frozen
 
@@ -110,10 +110,13 @@ def run_multi_round(
     workload: MultiRoundQA,
     *,
     on_round_done: Callable[[int, Sequence[RoundRecord]], None] | None = None,
+    answers: Mapping[tuple[int, int], Sequence[int]] | None = None,
 ) -> WorkloadResult:
     """Run the workload round by round on ``engine``; each answer joins its user's history.
 
     ``on_round_done(round, records)`` is called after each round (e.g. to advance a progress bar).
+    ``answers``, by ``(user, round)``: what joins the histories instead of this engine's answers,
+    so that every prompt is the one another run saw (a reference replaying that run).
     """
     if workload.vocab_size > engine.model_config.vocab_size:
         raise ConfigError(
@@ -135,7 +138,10 @@ def run_multi_round(
         results = engine.run_to_completion(requests)
         done = [RoundRecord(user, rnd, res) for user, res in enumerate(results)]
         for rec in done:
-            histories[rec.user] += list(rec.result.output_token_ids)
+            answer = None if answers is None else answers.get((rec.user, rnd))
+            if answers is not None and answer is None:
+                raise ConfigError(f"answers has no answer of user {rec.user} in round {rnd}")
+            histories[rec.user] += list(rec.result.output_token_ids if answer is None else answer)
         records += done
         if on_round_done is not None:
             on_round_done(rnd, done)

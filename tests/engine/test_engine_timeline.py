@@ -1,0 +1,108 @@
+"""Per-request TTFT phases and first-token logits: what ``kvflow bench``'s breakdown and its
+half-precision check read from the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.engine.engine import Engine, EngineConfig, RequestTimeline, make_kv_cache_config
+from kvflow.engine.model import model_config
+from kvflow.engine.workload import MultiRoundQA, run_multi_round
+from kvflow.errors import ConfigError
+from tests.engine.fake_connector import FakeConnector
+from tests.engine.helpers import make_engine, prompts, requests, shared_model
+
+PHASES = ("queue", "load_launch", "load_wait", "to_compute", "prefill", "first_step")
+
+
+class TickingClock:
+    """A fake engine clock that moves 1 ms at every read, so that every phase has a length."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        self.t += 1e-3
+        return self.t
+
+
+def _async_load_engine(clock: TickingClock) -> Engine:
+    cfg = model_config("tiny")
+    econf = EngineConfig(
+        block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
+    fake = FakeConnector(make_kv_cache_config(cfg, econf), load_async=True, load_delay_steps=2)
+    return Engine(
+        cfg,
+        econf,
+        model=shared_model("tiny"),
+        scheduler_connector=fake,
+        worker_connector=fake,
+        clock=clock.now,
+    )
+
+
+def test_timeline_parts_sum_to_the_ttft_and_none_is_negative() -> None:
+    """Chunked prefills and async loads on a ticking clock: each request's phases are >= 0 and
+    add up to its TTFT; a reloaded request's load phases and a long prompt's prefill are > 0."""
+    engine = _async_load_engine(TickingClock())
+    ps = prompts([40, 9, 23], seed=3)
+    first = engine.run_to_completion(requests(ps, 3))
+    again = engine.run_to_completion(requests(ps, 3))
+    for res in first + again:
+        t = res.timeline
+        assert isinstance(t, RequestTimeline)
+        parts = [getattr(t, p) for p in PHASES]
+        assert min(parts) >= 0
+        assert sum(parts) == pytest.approx(res.ttft_s)
+        assert 0 <= t.match <= t.queue
+    assert first[0].timeline is not None
+    assert first[0].timeline.prefill > 0
+    reloaded = [r for r in again if r.external_loaded_tokens > 0]
+    assert reloaded
+    for res in reloaded:
+        assert res.timeline is not None
+        assert res.timeline.load_launch > 0
+        assert res.timeline.load_wait > 0
+
+
+def test_first_token_logits_are_recorded_only_when_asked() -> None:
+    """With record_first_logits every result carries float32 logits whose argmax is its first
+    token, also when that token comes from a decode-shaped step; without it, none."""
+    ps = prompts([12, 5, 30], seed=4)
+    plain = make_engine(max_num_batched_tokens=16).run_to_completion(requests(ps, 4))
+    assert all(r.first_logits is None for r in plain)
+    recorded = make_engine(max_num_batched_tokens=16, record_first_logits=True)
+    results = recorded.run_to_completion(requests(ps, 4))
+    vocab = model_config("tiny").vocab_size
+    for r, p in zip(results, plain, strict=True):
+        assert r.first_logits is not None
+        assert r.first_logits.dtype == torch.float32
+        assert r.first_logits.shape == (vocab,)
+        assert int(r.first_logits.argmax()) == r.output_token_ids[0]
+        assert r.output_token_ids == p.output_token_ids
+
+
+def test_replayed_answers_give_every_prompt_the_other_run_saw() -> None:
+    """A run replaying another run's answers builds the same prompts, so in float32 it answers
+    the same; answers missing a request are a ConfigError naming it."""
+    workload = MultiRoundQA(
+        num_users=2,
+        num_rounds=3,
+        system_prompt_len=8,
+        first_question_len=8,
+        question_len=6,
+        answer_len=3,
+        vocab_size=512,
+    )
+    first = run_multi_round(make_engine(), workload)
+    replay = run_multi_round(make_engine(), workload, answers=first.outputs())
+    assert replay.outputs() == first.outputs()
+    assert [r.result.prompt_len for r in replay.records] == [
+        r.result.prompt_len for r in first.records
+    ]
+    missing = dict(first.outputs())
+    del missing[(1, 0)]
+    with pytest.raises(ConfigError, match="user 1 in round 0"):
+        run_multi_round(make_engine(), workload, answers=missing)
