@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
@@ -30,6 +29,7 @@ from kvflow.backends.pd.fake import FakeLink
 from kvflow.backends.pd.transport import KVTransport
 from kvflow.core.protocol import StepPlan
 from kvflow.integrations.vllm import KVFlowConnector, KVFlowConnectorMetadata
+from kvflow.runtime.clock import SystemClock
 from tests.integrations.vllm_fakes import worker_connector
 from tests.integrations.vllm_harness import (
     EOS_TOKEN_ID,
@@ -125,6 +125,7 @@ class Instance:
         config.kv_transfer_config.engine_id = engine_id
         self.h = VLLMHarness(make_scheduler(config, num_blocks), BS)
         self.link = link
+        self._clock = SystemClock()
         self.num_blocks = num_blocks
         self.worker = worker_connector(self.h.connector)
         self.caches = {
@@ -179,7 +180,7 @@ class Instance:
     def step(self) -> SchedulerOutput:
         """One engine step in the model runner's order; the copies of the CPU tier drained."""
         if self.link is not None:
-            self.link.step(time.monotonic())
+            self.link.step(self._clock.now())
         so = self.h.schedule()
         meta = so.kv_connector_metadata
         w = self.worker
@@ -324,6 +325,42 @@ class PDRig:
             self.p.shutdown()
 
 
+def serve_p(conn: Connection, extra: Mapping[str, Any], model_dir: str) -> None:
+    """A P instance over gloo in a process of its own: answers ``("prefill", prompt, id)`` with
+    P's params, steps its engine between messages (a CLAIM is answered at once), and answers
+    ``"stop"`` with whether it ended idle and with every block free. ``model_dir``: D's tiny
+    model folder (the model's name is part of what P and D must agree on)."""
+    from pathlib import Path
+
+    from tests.integrations import vllm_harness
+
+    torch.set_num_threads(1)
+    vllm_harness._model_dir = Path(model_dir)
+    p = Instance("kv_producer", "P", extra, connector="KVFlowConnector", module=KVFLOW_MODULE)
+    free = p.free_blocks()
+    try:
+        conn.send("ready")
+        while True:
+            p.step()
+            if not conn.poll(0.002):
+                continue
+            msg = conn.recv()
+            if msg == "stop":
+                for _ in range(1000):
+                    if p.idle():
+                        break
+                    p.step()
+                conn.send((p.idle(), p.free_blocks() == free))
+                return
+            _, prompt, rid = msg
+            p.add(prompt, PROXY_PARAMS, max_tokens=1, request_id=rid)
+            while rid not in p.outputs:
+                p.step()
+            conn.send(json.loads(json.dumps(p.outputs[rid].kv_transfer_params)))
+    finally:
+        p.shutdown()
+
+
 def waiting_for_kv(request: Request) -> bool:
     return bool(request.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
 
@@ -338,5 +375,6 @@ __all__ = [
     "expected_kv",
     "kv_value",
     "pd_request",
+    "serve_p",
     "waiting_for_kv",
 ]

@@ -108,32 +108,51 @@ def _pd_transport(value: object) -> PDTransportKind:
     return _choice(PDTransportKind, "pd_transport", value)
 
 
-def _positive_timeout(name: str) -> Any:
-    def check(value: object) -> float:
-        seconds = timeout_s(name, value)
-        if seconds <= 0:
-            raise ConfigError(f"{name} must be positive, got {value!r}")
-        return seconds
-
-    return check
+def _positive_timeout(name: str, value: object) -> float:
+    seconds = timeout_s(name, value)
+    if seconds <= 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+    return seconds
 
 
-def _port(name: str) -> Any:
-    def check(value: object) -> int:
-        if type(value) is not int or not 0 <= value < 65536:
-            raise ConfigError(f"{name} must be a port number (0: any free port), got {value!r}")
-        return value
-
-    return check
+def _port(name: str, value: object) -> int:
+    if type(value) is not int or not 0 <= value < 65536:
+        raise ConfigError(f"{name} must be a port number (0: any free port), got {value!r}")
+    return value
 
 
-def _text(name: str) -> Any:
-    def check(value: object) -> str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{name} must be a string, got {value!r}")
-        return value
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
 
-    return check
+
+def _pd_host(value: object) -> str:
+    return _text("pd_side_channel_host", value)
+
+
+def _pd_peer(value: object) -> str:
+    return _text("pd_peer_engine_id", value)
+
+
+def _pd_side_port(value: object) -> int:
+    return _port("pd_side_channel_port", value)
+
+
+def _pd_data_port(value: object) -> int:
+    return _port("pd_data_port", value)
+
+
+def _pd_lease(value: object) -> float:
+    return _positive_timeout("pd_lease_s", value)
+
+
+def _pd_claim(value: object) -> float:
+    return _positive_timeout("pd_claim_s", value)
+
+
+def _pd_timeout(value: object) -> float:
+    return _positive_timeout("pd_timeout_s", value)
 
 
 @frozen
@@ -153,13 +172,13 @@ class PDConfig:
     """
 
     transport: PDTransportKind = field(default=PDTransportKind.GLOO, converter=_pd_transport)
-    side_channel_host: str = field(default="127.0.0.1", converter=_text("pd_side_channel_host"))
-    side_channel_port: int = field(default=0, converter=_port("pd_side_channel_port"))
-    data_port: int = field(default=0, converter=_port("pd_data_port"))
-    peer_engine_id: str = field(default="", converter=_text("pd_peer_engine_id"))
-    lease_s: float = field(default=10.0, converter=_positive_timeout("pd_lease_s"))
-    claim_s: float = field(default=5.0, converter=_positive_timeout("pd_claim_s"))
-    timeout_s: float = field(default=30.0, converter=_positive_timeout("pd_timeout_s"))
+    side_channel_host: str = field(default="127.0.0.1", converter=_pd_host)
+    side_channel_port: int = field(default=0, converter=_pd_side_port)
+    data_port: int = field(default=0, converter=_pd_data_port)
+    peer_engine_id: str = field(default="", converter=_pd_peer)
+    lease_s: float = field(default=10.0, converter=_pd_lease)
+    claim_s: float = field(default=5.0, converter=_pd_claim)
+    timeout_s: float = field(default=30.0, converter=_pd_timeout)
     recompute_below_tokens: int = 0
 
     def __attrs_post_init__(self) -> None:

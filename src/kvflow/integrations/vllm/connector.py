@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvflow.backends.pd.transport import KVTransport
+    from kvflow.connector.offload import OffloadScheduler
     from kvflow.core.offload import OffloadManager
     from kvflow.integrations.vllm.pd_worker import PDWorkerSide
     from kvflow.runtime.clock import Clock
@@ -392,7 +393,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        outcome = None
+        outcome: OutcomeLike | None = None
         if self._pd is not None:
             # PD: the driver is polled every step the workers answer (its copies settle here).
             results = meta.pd_results if isinstance(meta, KVFlowPDWorkerMetadata) else ()

@@ -40,14 +40,14 @@ from kvflow.connector.pd import PDConnector, prompt_hashes
 from kvflow.connector.pd_offload import PDOffloadConnector
 from kvflow.core.block_pool import PoolEvent
 from kvflow.core.logs import get_logger
-from kvflow.core.pd.common import CancelCopies, LaunchCopies, PDTimeouts
+from kvflow.core.pd.common import LaunchCopies, PDTimeouts
 from kvflow.core.pd.consumer import ConsumerManager
 from kvflow.core.pd.messages import Compat, hashes_digest
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
-from kvflow.errors import ConfigError
+from kvflow.errors import ConfigError, KVFlowError
 from kvflow.integrations.vllm.relay import KVFlowConnectorMetadata, KVFlowWorkerMetadata
 from kvflow.integrations.vllm.requests import RequestViews, VLLMRequestView
 from kvflow.runtime.clock import Clock
@@ -264,7 +264,7 @@ class VLLMPDConnector(PDConnector):
     def _reachable(self, request: RequestLike, params: Mapping[str, Any]) -> bool:
         try:
             self.driver.connect(str(params["remote_address"]))
-        except Exception as e:  # any failure to meet P is a miss, never a parked request
+        except (KVFlowError, KeyError, ValueError) as e:  # a miss, never a parked request
             log.warning("pd_peer_unreachable", request_id=request.request_id, error=str(e))
             return False
         return True
@@ -286,7 +286,10 @@ class VLLMPDConnector(PDConnector):
             self._done.add(rid)
             return 0, False
         digest = params.get("digest")
-        if digest and digest != hashes_digest(tuple(prompt_hashes(request, self.kv.block_size))).hex():
+        if (
+            digest
+            and digest != hashes_digest(tuple(prompt_hashes(request, self.kv.block_size))).hex()
+        ):
             # The proxy paired this prompt with another prompt's KV: compute it here.
             log.warning("pd_digest_mismatch", request_id=rid, transfer_id=params["transfer_id"])
             return 0, False
@@ -300,9 +303,13 @@ class VLLMPDConnector(PDConnector):
         self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
     ) -> None:
         params = getattr(request, "kv_transfer_params", None) or {}
-        if self.role == "consumer" and num_external_tokens == 0 and params.get("do_remote_prefill"):
-            if request.request_id not in self._done:
-                self.stats["recomputed_locally"] += 1
+        if (
+            self.role == "consumer"
+            and num_external_tokens == 0
+            and params.get("do_remote_prefill")
+            and request.request_id not in self._done
+        ):
+            self.stats["recomputed_locally"] += 1  # nothing pulled from P: D computes it
         super().update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def request_finished(

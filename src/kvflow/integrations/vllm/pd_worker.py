@@ -43,9 +43,7 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def pd_groups(
-    kv_caches: Mapping[str, torch.Tensor], kv: KVCacheConfig
-) -> list[list[torch.Tensor]]:
+def pd_groups(kv_caches: Mapping[str, torch.Tensor], kv: KVCacheConfig) -> list[list[torch.Tensor]]:
     """Per KV cache group, the tensors whose first dimension is the block: K and V of each
     layer in vLLM's ``(2, num_blocks, ...)`` layout, or the layer's tensor when the block comes
     first."""
