@@ -208,7 +208,7 @@ class RelayTransport:
     pushes_completions = False
 
     def __init__(self, data_of: Callable[[str], str]) -> None:
-        self._data_of = data_of  # transfer id → the peer's data plane ("" on P)
+        self._data_of = data_of  # peer engine id → its data plane ("" on P)
         self._ids = itertools.count(1)
         self._outbox: list[PDLaunch | PDCancel] = []
         self._fences: dict[int, RelayFence] = {}
@@ -219,7 +219,7 @@ class RelayTransport:
     def launch(self, op: LaunchCopies) -> RelayFence:
         fence = RelayFence(next(self._ids))
         self._fences[fence.fence_id] = fence
-        self._outbox.append(PDLaunch(fence.fence_id, op, self._data_of(op.transfer_id)))
+        self._outbox.append(PDLaunch(fence.fence_id, op, self._data_of(op.peer)))
         return fence
 
     def query(self, fence: Fence) -> FenceStatus:
@@ -358,15 +358,16 @@ class PDSchedulerRole:
         self.role = role
         self.cfg = cfg
         self.tp_size = tp_size
-        self.data_endpoint = ""  # P: its worker's data plane, from the handshake
-        self._data: dict[str, str] = {}  # D: transfer id → P's data plane
+        # P: its worker's data plane, from the handshake (else the configured pd_data_port).
+        self.data_endpoint = ""
+        self._data: dict[str, str] = {}  # D: P's engine id → its data plane (one entry per P)
         timeouts = PDTimeouts(lease_s=cfg.lease_s, claim_s=cfg.claim_s)
         mgr: ProducerManager | ConsumerManager = (
             ProducerManager(engine_id, timeouts=timeouts)
             if role == "producer"
             else ConsumerManager(engine_id, timeouts=timeouts)
         )
-        self.relay = RelayTransport(lambda tid: self._data.pop(tid, ""))
+        self.relay = RelayTransport(lambda peer: self._data.get(peer, ""))
         driver = PDDriver(
             mgr,
             compat,
@@ -415,7 +416,7 @@ class PDSchedulerRole:
     ) -> None:
         params = getattr(request, "kv_transfer_params", None) or {}
         if params.get("data"):
-            self._data[str(params["transfer_id"])] = str(params["data"])
+            self._data[str(params["remote_engine_id"])] = str(params["data"])
         self.both.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
@@ -462,7 +463,8 @@ class PDSchedulerRole:
             "kvflow_transfer_id": params["transfer_id"],
             "kvflow_epoch": params["epoch"],
             "kvflow_digest": hashes_digest(tuple(hashes)).hex(),
-            "kvflow_data": self.data_endpoint,
+            "kvflow_data": self.data_endpoint
+            or (f"{self.cfg.side_channel_host}:{self.cfg.data_port}" if self.cfg.data_port else ""),
         }
 
     def reset_cache(self) -> bool:
