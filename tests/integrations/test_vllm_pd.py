@@ -133,13 +133,7 @@ def test_a_full_local_prefix_hit_still_releases_p(rig: PDRig) -> None:
     local = rig.d.add(prompt, None, max_tokens=1, request_id="warm")
     rig.run(lambda: "warm" in rig.d.outputs)
     assert local.num_computed_tokens >= len(prompt)
-    _, params = rig.prefill(prompt, "r1")
-    req = rig.d.add(prompt, params, max_tokens=2, request_id="r1")
-    rig.d.step()
-    assert not waiting_for_kv(req)
-    rig.run(lambda: "r1" not in rig.p.h.scheduler.requests, max_steps=20)
-    rig.run(lambda: "r1" in rig.d.outputs)
-    assert rig.d.computed["r1"] == 1
+    assert rig.serve_without_pulling(prompt) == 1
     rig.settle()
 
 
@@ -172,13 +166,7 @@ def test_below_the_recompute_threshold_d_prefills_itself_and_releases_p() -> Non
     at once."""
     rig = PDRig(d_extra={"pd_recompute_below_tokens": 1000})
     try:
-        _, params = rig.prefill(PROMPT, "r1")
-        req = rig.d.add(PROMPT, params, max_tokens=2, request_id="r1")
-        rig.d.step()
-        assert not waiting_for_kv(req)
-        rig.run(lambda: "r1" not in rig.p.h.scheduler.requests, max_steps=20)
-        rig.run(lambda: "r1" in rig.d.outputs)
-        assert rig.d.computed["r1"] == len(PROMPT)
+        assert rig.serve_without_pulling(PROMPT) == len(PROMPT)
         assert rig.d.pd.pd.stats["recomputed_locally"] == 1
         rig.settle()
     finally:
@@ -187,15 +175,9 @@ def test_below_the_recompute_threshold_d_prefills_itself_and_releases_p() -> Non
 
 def test_params_of_another_prompt_are_a_local_prefill_not_a_load_failure(rig: PDRig) -> None:
     """The proxy pairs P's params with a different prompt: D sees the digest differ, prefills
-    itself (no failure, even under the fail policy) and releases P."""
-    _, params = rig.prefill(PROMPT, "r1")
+    itself (a miss, not a load failure) and releases P."""
     other = [t + 1 for t in PROMPT]
-    req = rig.d.add(other, params, max_tokens=2, request_id="r1")
-    rig.d.step()
-    assert not waiting_for_kv(req)
-    rig.run(lambda: "r1" in rig.d.outputs)
-    assert rig.d.outputs["r1"].finish_reason == FinishReason.LENGTH
-    assert rig.d.computed["r1"] == len(other)
+    assert rig.serve_without_pulling(PROMPT, other) == len(other)
     rig.settle()
 
 

@@ -22,6 +22,7 @@ from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -304,6 +305,21 @@ class PDRig:
                 return
             self.step()
         raise AssertionError(f"not reached in {max_steps} steps")
+
+    def serve_without_pulling(
+        self, prompt: list[int], d_prompt: list[int] | None = None, request_id: str = "r1"
+    ) -> int:
+        """P prefills ``prompt``, D gets P's params with ``d_prompt`` (default the same) and
+        pulls nothing: it is never parked, P is released within a few steps, the request
+        finishes. The prompt tokens D computed."""
+        _, params = self.prefill(prompt, request_id)
+        req = self.d.add(d_prompt or prompt, params, max_tokens=2, request_id=request_id)
+        self.d.step()
+        assert not waiting_for_kv(req)
+        self.run(lambda: request_id not in self.p.h.scheduler.requests, max_steps=20)
+        self.run(lambda: request_id in self.d.outputs)
+        assert self.d.outputs[request_id].finish_reason == FinishReason.LENGTH
+        return self.d.computed[request_id]
 
     def until_scheduled(self, request_id: str, max_steps: int = 200) -> SchedulerOutput:
         """Step both until D schedules the request; D's output of that step."""

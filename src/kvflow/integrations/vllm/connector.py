@@ -399,7 +399,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             results = meta.pd_results if isinstance(meta, KVFlowPDWorkerMetadata) else ()
             reports = meta.reports if isinstance(meta, KVFlowWorkerMetadata) else ()
             outcome = self._pd.update_from_reports(reports, results)
-            self._stats_dirty = True
+            if reports or not outcome.is_empty:
+                self._stats_dirty = True
         elif isinstance(meta, KVFlowWorkerMetadata) and meta.reports:
             outcome = self.scheduler_role.update_from_reports(meta.reports)
             self._stats_dirty = True

@@ -118,19 +118,7 @@ class PDRequestViews(RequestViews):
     """``RequestViews`` that make ``PDRequestView`` objects (PD instances only)."""
 
     __slots__ = ()
-
-    def get(self, request: Request) -> VLLMRequestView:
-        view = self._views.get(request.request_id)
-        if view is None or view.request is not request:
-            view = PDRequestView(request, self._hash_block_size)
-            self._views[request.request_id] = view
-        return view
-
-    def pop(self, request: Request) -> VLLMRequestView:
-        view = self._views.pop(request.request_id, None)
-        if view is not None and view.request is request:
-            return view
-        return PDRequestView(request, self._hash_block_size)
+    view_type = PDRequestView
 
 
 # ---- what crosses to the workers and back -----------------------------------------------------
