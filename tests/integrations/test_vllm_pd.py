@@ -205,3 +205,24 @@ def test_producer_requires_kv_delivery_and_consumer_does_not(rig: PDRig) -> None
     never a D or a CPU-tier-only instance's."""
     assert rig.p.h.scheduler.requires_kv_delivery is True
     assert rig.d.h.scheduler.requires_kv_delivery is False
+
+
+def test_several_hand_offs_at_once_each_get_their_own_request_s_kv(rig: PDRig) -> None:
+    """Three prompts prefilled on P, then sent to D together: three hand-offs live at once, each
+    request runs on exactly its own prompt's KV, and both sides end with nothing held."""
+    prompts = [[(i * k) % 30000 + 10 for i in range(3 * BS + k)] for k in (3, 5, 7)]
+    params = [rig.prefill(p, f"r{k}")[1] for k, p in enumerate(prompts)]
+    reqs = [
+        rig.d.add(p, ps, max_tokens=2, request_id=f"r{k}")
+        for k, (p, ps) in enumerate(zip(prompts, params, strict=True))
+    ]
+    rig.d.step()
+    assert all(waiting_for_kv(r) for r in reqs)
+    so = rig.until_scheduled("r0")
+    assert set(so.num_scheduled_tokens) == {"r0", "r1", "r2"}
+    assert set(so.num_scheduled_tokens.values()) == {1}
+    for req, prompt in zip(reqs, prompts, strict=True):
+        assert rig.d.kv_of(req, len(prompt) - 1) == expected_kv(prompt, len(prompt) - 1)
+    rig.run(lambda: all(f"r{k}" in rig.d.outputs for k in range(3)))
+    assert rig.d.pd.pd.stats["handoffs_ok"] == 3
+    rig.settle()

@@ -308,6 +308,12 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
         assert self.pd_role is not None
         pd = self.config.pd
+        if str(self._vllm_config.device_config.device_type) != "cpu":
+            raise ConfigError(
+                f"pd_transport={pd.transport.value!r} moves CPU tensors; this worker's KV cache "
+                f"is on {self._vllm_config.device_config.device_type} (GPU data planes are not "
+                "wired into the vLLM connector yet)"
+            )
         return PDWorkerSide(
             self.pd_role,
             self.make_pd_transport,
