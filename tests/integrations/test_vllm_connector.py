@@ -80,15 +80,16 @@ def test_bad_extra_config_fails_scheduler_construction_with_a_named_error() -> N
         )
 
 
-def test_a_producer_or_consumer_role_is_refused() -> None:
-    """kvflow's CPU tier needs both directions: any kv_role but kv_both fails at start-up."""
-    with pytest.raises(ConfigError, match="kv_both"):
+def test_a_producer_or_consumer_role_with_several_ranks_is_refused() -> None:
+    """PD roles run one rank per instance today: kv_consumer with 2 ranks fails at start-up."""
+    with pytest.raises(ConfigError, match="2 ranks"):
         VLLMHarness.build(
             num_blocks=32,
             connector="ScriptedConnector",
             module_path=FAKES_MODULE,
             extra_config={"cpu_bytes_to_use": 1 << 20},
-            kv_role="kv_producer",
+            kv_role="kv_consumer",
+            dcp=2,
         )
 
 

@@ -100,6 +100,98 @@ def _flush_timeout(value: object) -> float:
     return timeout_s("flush_timeout_s", value)
 
 
+class PDTransportKind(enum.StrEnum):
+    GLOO = "gloo"  # torch.distributed gloo between the two engines' worker processes (CPU)
+
+
+def _pd_transport(value: object) -> PDTransportKind:
+    return _choice(PDTransportKind, "pd_transport", value)
+
+
+def _positive_timeout(name: str, value: object) -> float:
+    seconds = timeout_s(name, value)
+    if seconds <= 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+    return seconds
+
+
+def _port(name: str, value: object) -> int:
+    if type(value) is not int or not 0 <= value < 65536:
+        raise ConfigError(f"{name} must be a port number (0: any free port), got {value!r}")
+    return value
+
+
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _pd_host(value: object) -> str:
+    return _text("pd_side_channel_host", value)
+
+
+def _pd_peer(value: object) -> str:
+    return _text("pd_peer_engine_id", value)
+
+
+def _pd_side_port(value: object) -> int:
+    return _port("pd_side_channel_port", value)
+
+
+def _pd_data_port(value: object) -> int:
+    return _port("pd_data_port", value)
+
+
+def _pd_lease(value: object) -> float:
+    return _positive_timeout("pd_lease_s", value)
+
+
+def _pd_claim(value: object) -> float:
+    return _positive_timeout("pd_claim_s", value)
+
+
+def _pd_timeout(value: object) -> float:
+    return _positive_timeout("pd_timeout_s", value)
+
+
+@frozen
+class PDConfig:
+    """PD (prefill → decode hand-off) options; a plain mapping spells each ``pd_<name>``.
+
+    - ``transport``: the data plane between the two engines (``gloo``);
+    - ``side_channel_host`` / ``side_channel_port``: where this engine's control plane listens
+      (port 0: any free port; the producer's is in the ``kv_transfer_params`` it returns);
+    - ``data_port``: the producer's data-plane port (0: a free port chosen at start-up);
+    - ``peer_engine_id``: on a producer, the consumer engine its hand-offs go to;
+    - ``lease_s``: how long a producer holds KV nobody claimed; ``claim_s``: how long a consumer
+      waits for the producer's answer to its claim;
+    - ``timeout_s``: a HELLO's and the data plane's rendezvous and per-copy bound;
+    - ``recompute_below_tokens``: a consumer computes the prompt itself (and releases the
+      producer at once) when fewer tokens than this would come from the producer.
+    """
+
+    transport: PDTransportKind = field(default=PDTransportKind.GLOO, converter=_pd_transport)
+    side_channel_host: str = field(default="127.0.0.1", converter=_pd_host)
+    side_channel_port: int = field(default=0, converter=_pd_side_port)
+    data_port: int = field(default=0, converter=_pd_data_port)
+    peer_engine_id: str = field(default="", converter=_pd_peer)
+    lease_s: float = field(default=10.0, converter=_pd_lease)
+    claim_s: float = field(default=5.0, converter=_pd_claim)
+    timeout_s: float = field(default=30.0, converter=_pd_timeout)
+    recompute_below_tokens: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        value = self.recompute_below_tokens
+        if type(value) is not int or value < 0:
+            raise ConfigError(f"pd_recompute_below_tokens must be an int >= 0, got {value!r}")
+
+    @staticmethod
+    def keys() -> list[str]:
+        """The mapping keys: ``pd_`` and each field's name."""
+        return [f"pd_{f.name}" for f in fields(PDConfig)]
+
+
 EAGER_STORE_INTERVAL = 4
 """Default decode steps per eager store: four steps' completed blocks cost one transfer's
 planning, launch and commit (docs/benchmarks.md, issue 7), and wait at most three steps."""
@@ -123,6 +215,7 @@ class OffloadConfig:
       docs/architecture.md, "Where the worker runtime's loop runs".
     - ``drain_timeout_s`` / ``flush_timeout_s``: bounds of the worker's drain at shutdown and of
       a flush (preemption); past them the call raises ``DeadlineError`` naming the wait.
+    - ``pd``: the PD options (``PDConfig``), spelled ``pd_<name>`` in a mapping.
 
     A ``cpu_bytes`` larger than this machine's physical memory is refused: the tier would be
     killed for memory rather than fail cleanly.
@@ -137,6 +230,7 @@ class OffloadConfig:
     worker_loop: WorkerLoop = field(default=WorkerLoop.INLINE, converter=_worker_loop)
     drain_timeout_s: float = field(default=DRAIN_TIMEOUT_S, converter=_drain_timeout)
     flush_timeout_s: float = field(default=FLUSH_TIMEOUT_S, converter=_flush_timeout)
+    pd: PDConfig = field(factory=PDConfig)
 
     def __attrs_post_init__(self) -> None:
         if self.cpu_bytes <= 0:
@@ -154,14 +248,19 @@ class OffloadConfig:
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> OffloadConfig:
         """Build from plain data; unknown keys and bad values raise ``ConfigError`` naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
+        known = {f.name for f in fields(cls)} - {"pd"}
+        pd_keys = set(PDConfig.keys())
+        unknown = sorted(set(options) - known - pd_keys)
         if unknown:
-            raise ConfigError(f"unknown kvflow option(s) {unknown}; known: {sorted(known)}")
+            raise ConfigError(
+                f"unknown kvflow option(s) {unknown}; known: {sorted(known | pd_keys)}"
+            )
         if "cpu_bytes" not in options:
             raise ConfigError("kvflow option 'cpu_bytes' is required (e.g. '8GiB')")
+        plain = {k: v for k, v in options.items() if k not in pd_keys}
+        pd = {k.removeprefix("pd_"): v for k, v in options.items() if k in pd_keys}
         try:
-            return cls(**options)
+            return cls(**plain, pd=PDConfig(**pd))
         except (ValueError, TypeError, OverflowError) as exc:
             if isinstance(exc, ConfigError):
                 raise
@@ -215,4 +314,12 @@ class OffloadConfig:
         return (n,) * len(block_bytes)
 
 
-__all__ = ["EAGER_STORE_INTERVAL", "BackendKind", "OffloadConfig", "WorkerLoop", "parse_size"]
+__all__ = [
+    "EAGER_STORE_INTERVAL",
+    "BackendKind",
+    "OffloadConfig",
+    "PDConfig",
+    "PDTransportKind",
+    "WorkerLoop",
+    "parse_size",
+]

@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec
-from kvflow.connector.config import OffloadConfig, WorkerLoop, parse_size
+from kvflow.connector.config import OffloadConfig, PDConfig, WorkerLoop, parse_size
 from kvflow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,7 +47,8 @@ holds)."""
 
 
 def _passthrough_keys() -> frozenset[str]:
-    return frozenset(f.name for f in fields(OffloadConfig)) - {"cpu_bytes", "world_size"}
+    plain = frozenset(f.name for f in fields(OffloadConfig)) - {"cpu_bytes", "world_size", "pd"}
+    return plain | frozenset(PDConfig.keys())
 
 
 def valid_keys() -> list[str]:

@@ -5,7 +5,9 @@ block pool), the worker-role instance an ``OffloadWorker``; both are built from 
 ``OffloadConfig`` (``config.offload_config``), so every option is parsed and validated there.
 This class only translates: requests and scheduler outputs (``requests``), block ids of the groups
 kvflow offloads, the plan and reports through vLLM's metadata (``relay``), events and stats
-(``telemetry``).
+(``telemetry``). With ``kv_role`` ``kv_producer`` / ``kv_consumer`` the scheduler role is a P or D
+instance's (``pd``: PD beside the CPU tier in one connector object) and the worker role also runs
+the PD data plane (``pd_worker``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.config import KVGeometry, kv_cache_geometry, offload_config
 from kvflow.integrations.vllm.gpu_view import VLLMGpuCacheView
+from kvflow.integrations.vllm.pd import (
+    PD_ROLES,
+    KVFlowHandshake,
+    KVFlowPDConnectorMetadata,
+    KVFlowPDWorkerMetadata,
+    PDRequestViews,
+    PDSchedulerRole,
+    vllm_compat,
+)
 from kvflow.integrations.vllm.relay import (
     KVFlowConnectorMetadata,
     KVFlowWorkerMetadata,
@@ -72,7 +83,10 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvflow.backends.pd.transport import KVTransport
+    from kvflow.connector.offload import OffloadScheduler
     from kvflow.core.offload import OffloadManager
+    from kvflow.integrations.vllm.pd_worker import PDWorkerSide
     from kvflow.runtime.clock import Clock
 
 log = get_logger("kvflow.integrations.vllm")
@@ -158,10 +172,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         # kvflow's events (stdlib logging unless structlog is configured) take vLLM's handler,
         # format and VLLM_LOGGING_LEVEL, unless the application set the kvflow logger up itself.
         follow_host_logging(logging.getLogger("vllm"))
-        if self._kv_transfer_config.kv_role != "kv_both":
+        kv_role = self._kv_transfer_config.kv_role
+        if kv_role != "kv_both" and kv_role not in PD_ROLES:
             raise ConfigError(
-                f"KVFlowConnector needs kv_role='kv_both' (it stores to and loads from its own CPU "
-                f"tier), got {self._kv_transfer_config.kv_role!r}"
+                f"KVFlowConnector: kv_role must be kv_both, kv_producer or kv_consumer, "
+                f"got {kv_role!r}"
             )
         if kv_cache_config is None:
             raise ConfigError("KVFlowConnector needs vLLM's KVCacheConfig (vLLM >= 0.11)")
@@ -170,6 +185,18 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.config: OffloadConfig = offload_config(
             self._kv_transfer_config.kv_connector_extra_config, self.world_size
         )
+        self.pd_role: str | None = PD_ROLES.get(str(kv_role))
+        if self.pd_role is not None:
+            if self.world_size != 1:
+                raise ConfigError(
+                    f"KVFlowConnector {kv_role}: PD with {self.world_size} ranks is not "
+                    "supported yet (one rank per instance)"
+                )
+            if self.pd_role == "producer" and not self.config.pd.peer_engine_id:
+                raise ConfigError(
+                    "KVFlowConnector kv_producer needs kv_connector_extra_config"
+                    "['pd_peer_engine_id']: the engine_id of the consumer its hand-offs go to"
+                )
         # Every group kind is checked here, at start-up, in both roles.
         self.geometry: KVGeometry = kv_cache_geometry(
             kv_cache_config, int(parallel.decode_context_parallel_size)
@@ -184,7 +211,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._boundary = math.gcd(*(g.block_size for g in groups))
         # vLLM sets hash_block_size on the config it hands connectors (None in older versions).
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
-        self._views = RequestViews(None if hash_block_size is None else int(hash_block_size))
+        views = RequestViews if self.pd_role is None else PDRequestViews
+        self._views = views(None if hash_block_size is None else int(hash_block_size))
         self._held = HeldBlockIds(self._num_groups) if self.config.store_policy == "eager" else None
         # vLLM maps failed block ids back to requests only with a single KV cache group.
         self._per_request_failures = self.geometry.num_vllm_groups > 1
@@ -192,7 +220,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._events = _events_enabled(vllm_config)
         self._step = 0
         self._scheduler: SchedulerRole | None = None
+        self._pd: PDSchedulerRole | None = None
         self._worker: WorkerRole | None = None
+        self._pd_worker: PDWorkerSide | None = None
+        self._pd_reply = False  # worker: the scheduler wants this step's answer
         self._stats: StatsDelta | None = None
         self._stats_dirty = False
         self._report: StepReport | None = None
@@ -207,6 +238,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         # sliding-window models hold references on their GPU blocks.
         if role == KVConnectorRole.WORKER:
             self._worker = self.make_worker_role()
+            if self.pd_role is not None:
+                self._pd_worker = self.make_pd_worker()
         log.info(
             "vllm_connector_created",
             role=role.name,
@@ -219,8 +252,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        # A best-effort cache: a store dropped by preemption is a later cache miss, not an error.
-        return False
+        # The CPU tier is a best-effort cache (a store dropped by preemption is a later miss);
+        # a producer's hand-off is not: D waits for exactly that KV.
+        return self.pd_role == "producer"
 
     # -- role construction (overridable) ----------------------------------------------------------
 
@@ -240,6 +274,52 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             now=self.clock().now,
             enable_events=self._events,
             record_latencies=True,
+        )
+
+    def make_pd_scheduler(self, offload: OffloadScheduler) -> PDSchedulerRole:
+        """The P or D scheduler role: the CPU tier and PD in one ``PDOffloadConnector``."""
+        assert self.pd_role is not None
+        kv = self.kvflow_cache_config()
+        model = self._vllm_config.model_config
+        spec = self._kv_cache_config.kv_cache_groups[self.geometry.groups[0].vllm_group]
+        return PDSchedulerRole(
+            offload,
+            self.pd_role,
+            kv,
+            self.config.pd,
+            engine_id=str(self._kv_transfer_config.engine_id),
+            compat=vllm_compat(
+                str(model.model), str(model.dtype), kv, spec.kv_cache_spec, self.world_size
+            ),
+            clock=self.clock(),
+            tp_size=self.world_size,
+        )
+
+    def make_pd_transport(self, pair_rank: int, host: str, port: int) -> KVTransport:
+        """The worker's data plane to one peer (``pd_transport``; tests override it)."""
+        from kvflow.backends.pd.gloo import GlooTransport
+
+        return GlooTransport(
+            pair_rank=pair_rank, host=host, port=port, timeout_s=self.config.pd.timeout_s
+        )
+
+    def make_pd_worker(self) -> PDWorkerSide:
+        from kvflow.integrations.vllm.pd_worker import PDWorkerSide
+
+        assert self.pd_role is not None
+        pd = self.config.pd
+        if str(self._vllm_config.device_config.device_type) != "cpu":
+            raise ConfigError(
+                f"pd_transport={pd.transport.value!r} moves CPU tensors; this worker's KV cache "
+                f"is on {self._vllm_config.device_config.device_type} (GPU data planes are not "
+                "wired into the vLLM connector yet)"
+            )
+        return PDWorkerSide(
+            self.pd_role,
+            self.make_pd_transport,
+            host=pd.side_channel_host,
+            data_port=pd.data_port,
+            transport_name=pd.transport.value,
         )
 
     def make_worker_role(self) -> WorkerRole:
@@ -280,6 +360,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         if self._scheduler is None and self.role == KVConnectorRole.SCHEDULER:
             self._scheduler = self.make_scheduler_role(VLLMGpuCacheView(gpu_block_pool))
+            if self.pd_role is not None:
+                from kvflow.connector.offload import OffloadScheduler
+
+                assert isinstance(self._scheduler, OffloadScheduler)
+                self._scheduler = self._pd = self.make_pd_scheduler(self._scheduler)
             self._stats = StatsDelta(sum(self.cpu_blocks))
 
     def get_num_new_matched_tokens(
@@ -309,12 +394,20 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if plan.stores or plan.loads or plan.abandoned:
             self._stats_dirty = True
-        return KVFlowConnectorMetadata(plan, *self._relay.take_echo())
+        meta = KVFlowConnectorMetadata(plan, *self._relay.take_echo())
+        return meta if self._pd is None else self._pd.wrap_meta(meta)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        outcome = None
-        if isinstance(meta, KVFlowWorkerMetadata) and meta.reports:
+        outcome: OutcomeLike | None = None
+        if self._pd is not None:
+            # PD: the driver is polled every step the workers answer (its copies settle here).
+            results = meta.pd_results if isinstance(meta, KVFlowPDWorkerMetadata) else ()
+            reports = meta.reports if isinstance(meta, KVFlowWorkerMetadata) else ()
+            outcome = self._pd.update_from_reports(reports, results)
+            if reports or not outcome.is_empty:
+                self._stats_dirty = True
+        elif isinstance(meta, KVFlowWorkerMetadata) and meta.reports:
             outcome = self.scheduler_role.update_from_reports(meta.reports)
             self._stats_dirty = True
         self._relay.apply(connector_output, outcome)
@@ -354,6 +447,13 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         return self._relay.pending or (
             self._scheduler is not None and self._scheduler.has_pending_push_work()
         )
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """P: its workers' data-plane endpoints (vLLM's engine core collects them at start-up);
+        the producer's params name rank 0's, where D's worker meets it."""
+        ours = metadata.get(0)
+        if self._pd is not None and isinstance(ours, KVFlowHandshake):
+            self._pd.data_endpoint = f"{ours.host}:{ours.port}"
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The CPU tier's KV cache events since the last call (with vLLM's KV events on)."""
@@ -406,6 +506,17 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         # Only the offloaded groups' layers: a group vLLM does not prefix-cache is never copied.
         layers = self.geometry.layer_groups
         self.worker.register_kv_caches({n: t for n, t in kv_caches.items() if n in layers})
+        if self._pd_worker is not None:
+            from kvflow.integrations.vllm.pd_worker import pd_groups
+
+            self._pd_worker.register(pd_groups(kv_caches, self.kvflow_cache_config()))
+
+    def get_handshake_metadata(self) -> KVFlowHandshake | None:
+        """A PD worker's data-plane endpoint, for its scheduler (None without PD)."""
+        pd = self._pd_worker
+        if pd is None:
+            return None
+        return KVFlowHandshake(pd.transport_name, pd.host, pd.data_port)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         if not isinstance(connector_metadata, KVFlowConnectorMetadata):
@@ -417,6 +528,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._echo |= connector_metadata.echo_invalid_block_ids
         self._echo_failed |= connector_metadata.echo_failed_request_ids
         plan = connector_metadata.plan
+        if self._pd_worker is not None and isinstance(
+            connector_metadata, KVFlowPDConnectorMetadata
+        ):
+            self._pd_worker.apply(connector_metadata.pd_ops)
+            self._pd_reply = connector_metadata.want_reply
         if plan.loads:
             self._load_requests.update((t.transfer_id, t.request_id) for t in plan.loads)
         self.worker.bind_connector_metadata(plan)
@@ -485,13 +601,26 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVFlowWorkerMetadata | None:
         self._collect_report()
         report, self._report = self._report, None
-        if report is None or not report_has_news(report):
+        news = report is not None and report_has_news(report)
+        if self._pd_worker is not None:
+            results = self._pd_worker.take_results()
+            if news or results or self._pd_reply:
+                self._pd_reply = False
+                return KVFlowPDWorkerMetadata((report,) if news and report else (), results)
+            return None
+        if not news or report is None:
             return None
         return KVFlowWorkerMetadata((report,))
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
+        try:
+            if self._worker is not None:
+                self._worker.shutdown()
+        finally:
+            if self._pd_worker is not None:
+                self._pd_worker.close()
+            if self._pd is not None:
+                self._pd.close()
 
 
 __all__ = ["VLLM_VERSION_TESTED", "KVFlowConnector", "SchedulerRole", "WorkerRole"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import compress
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.core.requests import (
@@ -109,6 +109,7 @@ class RequestViews:
     ``hash_block_size``: vLLM's block-hash granularity (None: kvflow hashes every request)."""
 
     __slots__ = ("_hash_block_size", "_views")
+    view_type: ClassVar[type[VLLMRequestView]] = VLLMRequestView  # PD: PDRequestView
 
     def __init__(self, hash_block_size: int | None = None) -> None:
         self._views: dict[str, VLLMRequestView] = {}
@@ -117,7 +118,7 @@ class RequestViews:
     def get(self, request: Request) -> VLLMRequestView:
         view = self._views.get(request.request_id)
         if view is None or view.request is not request:
-            view = VLLMRequestView(request, self._hash_block_size)
+            view = self.view_type(request, self._hash_block_size)
             self._views[request.request_id] = view
         return view
 
@@ -125,7 +126,7 @@ class RequestViews:
         view = self._views.pop(request.request_id, None)
         if view is not None and view.request is request:
             return view
-        return VLLMRequestView(request, self._hash_block_size)
+        return self.view_type(request, self._hash_block_size)
 
     def __len__(self) -> int:
         return len(self._views)

@@ -1,0 +1,505 @@
+"""PD in vLLM, the scheduler side: ``kv_producer`` / ``kv_consumer`` on kvflow's PD connector.
+
+The scheduler role of a P or D instance is ``kvflow.connector``'s ``PDOffloadConnector`` over the
+instance's CPU tier (``OffloadScheduler``) and a ``PDConnector`` whose ``PDDriver`` owns the
+control plane and the hand-off manager. The copies are the workers': the driver's transport here
+is a ``RelayTransport``, which hands each launch to the workers in the connector metadata and
+settles its fence when the workers' metadata reports it done (``pd_worker`` moves the bytes).
+
+``kv_transfer_params`` are spelled as vLLM's NIXL connector spells them, so vLLM's example
+disaggregation proxy works unchanged: P returns ``do_remote_prefill``, ``remote_engine_id``,
+``remote_host`` / ``remote_port`` (P's control plane), ``remote_block_ids``,
+``remote_request_id`` and ``tp_size``, plus ``kvflow_transfer_id``, ``kvflow_epoch``,
+``kvflow_digest`` (the prompt's chained block hashes) and ``kvflow_data`` (P's data plane). A
+request's params are translated once, into the names ``PDConnector`` reads, by its request view.
+
+What the vLLM layer adds to ``PDConnector`` (``VLLMPDConnector``): a transfer id when the proxy
+sent none; the recompute threshold; D checks P's digest before claiming (params of another
+prompt are a local prefill, not a load failure); D releases P for a request it finished without
+ever admitting it (aborted or rejected while waiting), and for a full local hit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvflow.backends.base import Fence, FenceStatus
+from kvflow.connector.api import KVCacheConfig, KVConnectorOutput
+from kvflow.connector.config import PDConfig
+from kvflow.connector.offload import OffloadConnector, OffloadScheduler, OffloadWorker
+from kvflow.connector.pd import PDConnector, prompt_hashes
+from kvflow.connector.pd_offload import PDOffloadConnector
+from kvflow.core.block_pool import PoolEvent
+from kvflow.core.logs import get_logger
+from kvflow.core.pd.common import LaunchCopies, PDTimeouts
+from kvflow.core.pd.consumer import ConsumerManager
+from kvflow.core.pd.messages import Compat, hashes_digest
+from kvflow.core.pd.producer import ProducerManager
+from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
+from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.transfer import Direction
+from kvflow.errors import ConfigError, KVFlowError
+from kvflow.integrations.vllm.relay import KVFlowConnectorMetadata, KVFlowWorkerMetadata
+from kvflow.integrations.vllm.requests import RequestViews, VLLMRequestView
+from kvflow.runtime.clock import Clock
+from kvflow.runtime.pd_driver import PDDriver
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from kvflow.core.offload import OffloadManager
+
+log = get_logger("kvflow.integrations.vllm.pd")
+
+PD_ROLES: Mapping[str, str] = {"kv_producer": "producer", "kv_consumer": "consumer"}
+"""vLLM's ``kv_role`` → kvflow's PD role (``kv_both``: the CPU tier only)."""
+
+
+# ---- kv_transfer_params -----------------------------------------------------------------------
+
+
+def kvflow_params(params: Mapping[str, Any] | None, request_id: str) -> dict[str, Any]:
+    """A request's vLLM ``kv_transfer_params`` in the names ``PDConnector`` reads ({} when the
+    request is no kvflow hand-off: no params, or a D request whose P was not kvflow)."""
+    if not params:
+        return {}
+    if params.get("do_remote_decode"):
+        tid = params.get("kvflow_transfer_id")
+        return {
+            "do_remote_decode": True,
+            # The proxy names no transfer: one id per hand-off, never reused.
+            "transfer_id": str(tid) if tid else f"{request_id}/{uuid.uuid4().hex}",
+            "epoch": int(params.get("kvflow_epoch") or 1),
+            "remote_engine_id": params.get("remote_engine_id") or "",
+        }
+    if params.get("do_remote_prefill"):
+        if not params.get("kvflow_transfer_id") or not params.get("remote_host"):
+            log.warning("pd_params_not_kvflow", request_id=request_id, keys=sorted(params))
+            return {}
+        return {
+            "do_remote_prefill": True,
+            "transfer_id": str(params["kvflow_transfer_id"]),
+            "epoch": int(params.get("kvflow_epoch") or 1),
+            "remote_engine_id": str(params.get("remote_engine_id") or ""),
+            "remote_address": f"tcp://{params['remote_host']}:{int(params['remote_port'])}",
+            "digest": str(params.get("kvflow_digest") or ""),
+            "data": str(params.get("kvflow_data") or ""),
+        }
+    return {}
+
+
+class PDRequestView(VLLMRequestView):
+    """A request view that also carries the request's translated PD params and its computed
+    tokens (P holds nothing for a request aborted before its prompt was computed)."""
+
+    __slots__ = ("kv_transfer_params",)
+
+    def __init__(self, request: Request, hash_block_size: int | None = None) -> None:
+        super().__init__(request, hash_block_size)
+        self.kv_transfer_params = kvflow_params(
+            getattr(request, "kv_transfer_params", None), str(request.request_id)
+        )
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return int(self.request.num_computed_tokens)
+
+
+class PDRequestViews(RequestViews):
+    """``RequestViews`` that make ``PDRequestView`` objects (PD instances only)."""
+
+    __slots__ = ()
+    view_type = PDRequestView
+
+
+# ---- what crosses to the workers and back -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PDLaunch:
+    """One launch for the workers' transport; ``data`` is the peer's data plane (D), or ""."""
+
+    fence_id: int
+    op: LaunchCopies
+    data: str
+
+
+@dataclass(frozen=True)
+class PDCancel:
+    fence_id: int
+
+
+class KVFlowPDConnectorMetadata(KVFlowConnectorMetadata):
+    """The CPU tier's plan plus the PD copies to start or cancel; ``want_reply``: a hand-off is
+    live, so the workers answer this step even with nothing to say (vLLM calls the scheduler's
+    ``update_connector_output`` only when some worker output came back)."""
+
+    def __init__(
+        self,
+        base: KVFlowConnectorMetadata,
+        pd_ops: tuple[PDLaunch | PDCancel, ...],
+        want_reply: bool,
+    ) -> None:
+        super().__init__(base.plan, base.echo_invalid_block_ids, base.echo_failed_request_ids)
+        self.pd_ops = pd_ops
+        self.want_reply = want_reply
+
+
+class KVFlowPDWorkerMetadata(KVFlowWorkerMetadata):
+    """A worker's reports plus its settled PD copies: (fence id, ok)."""
+
+    def __init__(
+        self, reports: tuple[StepReport, ...], pd_results: tuple[tuple[int, bool], ...]
+    ) -> None:
+        super().__init__(reports)
+        self.pd_results = pd_results
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVFlowPDWorkerMetadata:
+        if not isinstance(other, KVFlowWorkerMetadata):
+            raise ConfigError(f"cannot merge kvflow worker metadata with {type(other).__name__}")
+        theirs = other.pd_results if isinstance(other, KVFlowPDWorkerMetadata) else ()
+        return KVFlowPDWorkerMetadata(self.reports + other.reports, self.pd_results + theirs)
+
+
+@dataclass
+class KVFlowHandshake(KVConnectorHandshakeMetadata):
+    """A worker's data-plane endpoint, collected by vLLM's engine core for the scheduler."""
+
+    transport: str
+    host: str
+    port: int
+
+
+# ---- the scheduler's transport: copies relayed to the workers ---------------------------------
+
+
+@dataclass(eq=False)
+class RelayFence:
+    fence_id: int
+    status: FenceStatus = FenceStatus.PENDING
+
+
+class RelayTransport:
+    """The scheduler-side ``KVTransport`` of a ``PDDriver``: a launch becomes a ``PDLaunch`` in
+    the next metadata, its fence settles when a worker reports it (TP 1: one rank)."""
+
+    name = "vllm-relay"
+    pushes_completions = False
+
+    def __init__(self, data_of: Callable[[str], str]) -> None:
+        self._data_of = data_of  # peer engine id → its data plane ("" on P)
+        self._ids = itertools.count(1)
+        self._outbox: list[PDLaunch | PDCancel] = []
+        self._fences: dict[int, RelayFence] = {}
+
+    def register(self, groups: Sequence[Sequence[Any]]) -> None:
+        raise ConfigError("the scheduler has no KV tensors: the workers register theirs")
+
+    def launch(self, op: LaunchCopies) -> RelayFence:
+        fence = RelayFence(next(self._ids))
+        self._fences[fence.fence_id] = fence
+        self._outbox.append(PDLaunch(fence.fence_id, op, self._data_of(op.peer)))
+        return fence
+
+    def query(self, fence: Fence) -> FenceStatus:
+        assert isinstance(fence, RelayFence)
+        return fence.status
+
+    def cancel(self, fence: Fence) -> None:
+        assert isinstance(fence, RelayFence)
+        if fence.status is FenceStatus.PENDING:
+            self._outbox.append(PDCancel(fence.fence_id))
+
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        return None
+
+    def close(self) -> None:
+        self._fences.clear()
+
+    def settle(self, results: Sequence[tuple[int, bool]]) -> None:
+        for fence_id, ok in results:
+            fence = self._fences.pop(fence_id, None)
+            if fence is not None:
+                fence.status = FenceStatus.DONE if ok else FenceStatus.FAILED
+
+    def take_ops(self) -> tuple[PDLaunch | PDCancel, ...]:
+        out, self._outbox = tuple(self._outbox), []
+        return out
+
+
+# ---- PDConnector with vLLM's extras -----------------------------------------------------------
+
+
+class VLLMPDConnector(PDConnector):
+    """``PDConnector`` plus the recompute threshold, D's digest check, and D releasing P for
+    requests it never admitted or has nothing to pull for."""
+
+    def __init__(self, role: str, kv: KVCacheConfig, driver: PDDriver, cfg: PDConfig) -> None:
+        super().__init__(role, kv, driver, peer=cfg.peer_engine_id)
+        self.recompute_below = cfg.recompute_below_tokens
+        self.stats["recomputed_locally"] = 0
+        self.stats["released_unadmitted"] = 0
+
+    def _reachable(self, request: RequestLike, params: Mapping[str, Any]) -> bool:
+        try:
+            self.driver.connect(str(params["remote_address"]))
+        except (KVFlowError, KeyError, ValueError) as e:  # a miss, never a parked request
+            log.warning("pd_peer_unreachable", request_id=request.request_id, error=str(e))
+            return False
+        return True
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        rid = request.request_id
+        if (
+            self.role != "consumer"
+            or not params.get("do_remote_prefill")
+            or rid in self._done
+            or rid in self._by_request
+        ):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        # P reached first, even for a full local hit: D's RELEASE must reach it at once.
+        if not self._reachable(request, params):
+            self._done.add(rid)
+            return 0, False
+        digest = params.get("digest")
+        if (
+            digest
+            and digest != hashes_digest(tuple(prompt_hashes(request, self.kv.block_size))).hex()
+        ):
+            # The proxy paired this prompt with another prompt's KV: compute it here.
+            log.warning("pd_digest_mismatch", request_id=rid, transfer_id=params["transfer_id"])
+            return 0, False
+        n, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if n and n < self.recompute_below:
+            log.info("pd_recompute_locally", request_id=rid, tokens=n, below=self.recompute_below)
+            return 0, False
+        return n, is_async
+
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
+    ) -> None:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if (
+            self.role == "consumer"
+            and num_external_tokens == 0
+            and params.get("do_remote_prefill")
+            and request.request_id not in self._done
+        ):
+            self.stats["recomputed_locally"] += 1  # nothing pulled from P: D computes it
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def request_finished(
+        self, request: RequestLike, block_ids: GroupBlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        rid = request.request_id
+        if (
+            self.role == "consumer"
+            and params.get("do_remote_prefill")
+            and rid not in self._done
+            and rid not in self._by_request
+        ):
+            # Finished before D ever admitted it (aborted or rejected while waiting): P's hold
+            # is released now, not when its lease runs out.
+            if self._reachable(request, params):
+                self.stats["released_unadmitted"] += 1
+                PDConnector.update_state_after_alloc(
+                    self, request, tuple(() for _ in self.kv.groups), 0
+                )
+            self._done.discard(rid)
+            return False, None
+        return super().request_finished(request, block_ids)
+
+
+# ---- the scheduler role -----------------------------------------------------------------------
+
+
+class PDSchedulerRole:
+    """The adapter's scheduler role on a P or D instance: ``PDOffloadConnector`` over the CPU
+    tier and a ``VLLMPDConnector``; speaks vLLM's param names and relays the copies."""
+
+    def __init__(
+        self,
+        offload: OffloadScheduler,
+        role: str,
+        kv: KVCacheConfig,
+        cfg: PDConfig,
+        *,
+        engine_id: str,
+        compat: Compat,
+        clock: Clock,
+        tp_size: int,
+    ) -> None:
+        self.offload = offload
+        self.role = role
+        self.cfg = cfg
+        self.tp_size = tp_size
+        # P: its worker's data plane, from the handshake (else the configured pd_data_port).
+        self.data_endpoint = ""
+        self._data: dict[str, str] = {}  # D: P's engine id → its data plane (one entry per P)
+        timeouts = PDTimeouts(lease_s=cfg.lease_s, claim_s=cfg.claim_s)
+        mgr: ProducerManager | ConsumerManager = (
+            ProducerManager(engine_id, timeouts=timeouts)
+            if role == "producer"
+            else ConsumerManager(engine_id, timeouts=timeouts)
+        )
+        self.relay = RelayTransport(lambda peer: self._data.get(peer, ""))
+        driver = PDDriver(
+            mgr,
+            compat,
+            self.relay,
+            clock=clock,
+            bind=f"tcp://{cfg.side_channel_host}:{cfg.side_channel_port}",
+            hello_timeout_s=cfg.timeout_s,
+        )
+        try:
+            self.pd = VLLMPDConnector(role, kv, driver, cfg)
+        except BaseException:
+            driver.close()
+            raise
+        # The scheduler process has no worker: only PDOffloadConnector's scheduler-role
+        # methods are called here.
+        self.both = PDOffloadConnector(
+            OffloadConnector(offload, cast(OffloadWorker, None)), self.pd
+        )
+        host, _, port = driver.address.removeprefix("tcp://").rpartition(":")
+        self.host, self.port = host, int(port)
+        log.info(
+            "vllm_pd_ready",
+            role=role,
+            engine_id=engine_id,
+            control=driver.address,
+            transport=cfg.transport.value,
+        )
+
+    @property
+    def driver(self) -> PDDriver:
+        return self.pd.driver
+
+    # -- the SchedulerRole calls --------------------------------------------------------------
+
+    @property
+    def manager(self) -> OffloadManager:
+        return self.offload.manager
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.both.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
+    ) -> None:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if params.get("data"):
+            self._data[str(params["remote_engine_id"])] = str(params["data"])
+        self.both.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        plan = self.both.build_connector_meta(scheduler_output)
+        assert isinstance(plan, StepPlan)
+        return plan
+
+    def wrap_meta(self, base: KVFlowConnectorMetadata) -> KVFlowPDConnectorMetadata:
+        """This step's metadata with the PD copies; CLAIMs and GRANTs that arrived are answered
+        first, so their copies start this step."""
+        self.driver.poll()
+        ops = self.relay.take_ops()
+        return KVFlowPDConnectorMetadata(base, ops, bool(ops) or self.driver.busy())
+
+    def update_from_reports(
+        self, reports: Sequence[StepReport], pd_results: Sequence[tuple[int, bool]] = ()
+    ) -> KVConnectorOutput:
+        self.relay.settle(pd_results)
+        return self.both.update_connector_output(KVConnectorOutput(reports=reports))
+
+    def request_finished(
+        self, request: RequestLike, block_ids: GroupBlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = self.both.request_finished(request, block_ids)
+        if params is None or not params.get("do_remote_prefill"):
+            return delay, params
+        return delay, self._nixl_params(request, block_ids, params)
+
+    def _nixl_params(
+        self, request: RequestLike, block_ids: GroupBlockIds, params: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """P's params for D, in NIXL's names plus kvflow's."""
+        bs = self.pd.kv.block_size
+        hashes = prompt_hashes(request, bs)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": params["remote_engine_id"],
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_block_ids": list(block_ids[0][: len(hashes)]) if block_ids else [],
+            "remote_request_id": request.request_id,
+            "tp_size": self.tp_size,
+            "kvflow_transfer_id": params["transfer_id"],
+            "kvflow_epoch": params["epoch"],
+            "kvflow_digest": hashes_digest(tuple(hashes)).hex(),
+            "kvflow_data": self.data_endpoint
+            or (f"{self.cfg.side_channel_host}:{self.cfg.data_port}" if self.cfg.data_port else ""),
+        }
+
+    def reset_cache(self) -> bool:
+        return self.both.reset_cache()
+
+    def has_pending_push_work(self) -> bool:
+        return self.both.has_pending_push_work()
+
+    def take_events(self) -> list[tuple[int, PoolEvent]]:
+        return self.offload.take_events()
+
+    def take_latencies(self) -> list[tuple[Direction, float]]:
+        return self.offload.take_latencies()
+
+    def close(self) -> None:
+        self.driver.close()
+
+
+def vllm_compat(model: str, dtype: str, kv: KVCacheConfig, spec: Any, tp_size: int) -> Compat:
+    """What P and D must agree on, from vLLM's model and KV cache spec."""
+    from kvflow import __version__
+
+    return Compat(
+        model=model,
+        dtype=dtype,
+        block_size=kv.block_size,
+        layout="vllm",
+        num_kv_heads=int(getattr(spec, "num_kv_heads", 0)),
+        head_dim=int(getattr(spec, "head_size", 0)),
+        num_layers=sum(len(g.layer_names) for g in kv.groups),
+        shard=f"tp{tp_size}/0",
+        kvflow_version=__version__,
+    )
+
+
+__all__ = [
+    "PD_ROLES",
+    "KVFlowHandshake",
+    "KVFlowPDConnectorMetadata",
+    "KVFlowPDWorkerMetadata",
+    "PDCancel",
+    "PDLaunch",
+    "PDRequestView",
+    "PDRequestViews",
+    "PDSchedulerRole",
+    "RelayTransport",
+    "VLLMPDConnector",
+    "kvflow_params",
+    "vllm_compat",
+]

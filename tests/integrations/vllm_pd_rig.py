@@ -1,0 +1,396 @@
+"""A vLLM P instance and a vLLM D instance with kvflow as producer and consumer, driven by hand.
+
+Each instance is vLLM's real v1 ``Scheduler`` with the scheduler-role ``KVFlowConnector`` and
+one worker-role twin over CPU tensors in vLLM's layout; a stand-in model writes each computed
+token's KV (a value of token, position, layer and K/V), so KV that arrives from P can be checked
+byte for byte. The requests carry exactly what vLLM's example disaggregation proxy sends, and D
+gets P's returned ``kv_transfer_params`` after a JSON round trip, as the proxy forwards them. In
+one process the data plane is a ``FakeLink`` (``FakeLinkConnector``); ``serve_p`` runs a P
+instance in a process of its own over gloo.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from typing import Any, ClassVar
+
+import torch
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+
+from kvflow.backends.pd.fake import FakeLink
+from kvflow.backends.pd.transport import KVTransport
+from kvflow.core.protocol import StepPlan
+from kvflow.integrations.vllm import KVFlowConnector, KVFlowConnectorMetadata
+from kvflow.runtime.clock import SystemClock
+from tests.integrations.vllm_fakes import worker_connector
+from tests.integrations.vllm_harness import (
+    EOS_TOKEN_ID,
+    HEAD_SIZE,
+    KVFLOW_MODULE,
+    LAYERS,
+    NUM_KV_HEADS,
+    VLLMHarness,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    model_runner_output,
+)
+
+BS = 16
+RIG_MODULE = "tests.integrations.vllm_pd_rig"
+PROXY_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""What vLLM's example proxy (``toy_proxy_server.py``) sends to P, with ``max_tokens=1``."""
+
+_ids = itertools.count(1)
+
+
+class FakeLinkConnector(KVFlowConnector):
+    """``KVFlowConnector`` whose workers' data plane is one end of the rig's ``FakeLink``."""
+
+    ENDS: ClassVar[dict[int, KVTransport]] = {}
+
+    def make_pd_transport(self, pair_rank: int, host: str, port: int) -> KVTransport:
+        return self.ENDS[pair_rank]
+
+
+def kv_value(token: int, pos: int, layer: int, kv: int) -> float:
+    """What the stand-in model writes for one token: exact in fp16, distinct per slot."""
+    return float((token * 7 + pos * 3 + layer * 11 + kv * 5) % 2000)
+
+
+def pd_request(
+    prompt: list[int], params: Mapping[str, Any] | None, max_tokens: int, request_id: str
+) -> Request:
+    """A vLLM ``Request`` carrying ``kv_transfer_params`` as the OpenAI server puts them."""
+    make_request([1], block_size=BS)  # vLLM's none-hash, set once
+    sp = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        extra_args=None if params is None else {"kv_transfer_params": dict(params)},
+    )
+    sp.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=sp,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+    )
+
+
+class Instance:
+    """One vLLM instance: its scheduler, its connector's worker twin, its KV tensors."""
+
+    def __init__(
+        self,
+        kv_role: str,
+        engine_id: str,
+        extra: Mapping[str, Any],
+        *,
+        connector: str = "FakeLinkConnector",
+        module: str = RIG_MODULE,
+        num_blocks: int = 64,
+        policy: str = "recompute",
+        link: FakeLink | None = None,
+    ) -> None:
+        config = make_vllm_config(
+            connector=connector,
+            module_path=module,
+            extra_config={
+                "cpu_bytes_to_use": 1 << 20,
+                "backend": "host",
+                "worker_loop": "inline",
+                **extra,
+            },
+            kv_role=kv_role,
+            kv_load_failure_policy=policy,
+        )
+        assert config.kv_transfer_config is not None
+        config.kv_transfer_config.engine_id = engine_id
+        self.h = VLLMHarness(make_scheduler(config, num_blocks), BS)
+        self.link = link
+        self._clock = SystemClock()
+        self.num_blocks = num_blocks
+        self.worker = worker_connector(self.h.connector)
+        self.caches = {
+            name: torch.zeros(2, num_blocks, BS, NUM_KV_HEADS, HEAD_SIZE, dtype=torch.float16)
+            for name in LAYERS
+        }
+        self.worker.register_kv_caches(self.caches)
+        # As vLLM's engine core does after the workers registered their KV caches.
+        handshake = self.worker.get_handshake_metadata()
+        self.h.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+        self.outputs: dict[str, Any] = {}  # request id → its final EngineCoreOutput
+        self.computed: dict[str, int] = {}  # request id → prompt tokens the model computed
+
+    @property
+    def connector(self) -> KVFlowConnector:
+        c: KVFlowConnector = self.h.connector
+        return c
+
+    @property
+    def pd(self) -> Any:
+        return self.connector._pd
+
+    def add(
+        self,
+        prompt: list[int],
+        params: Mapping[str, Any] | None,
+        *,
+        max_tokens: int = 4,
+        request_id: str | None = None,
+    ) -> Request:
+        request = pd_request(prompt, params, max_tokens, request_id or f"r{next(_ids)}")
+        self.h.scheduler.add_request(request)
+        return request
+
+    def forward(self, so: SchedulerOutput) -> None:
+        """The stand-in model: writes the KV of every token scheduled this step."""
+        for rid, n in so.num_scheduled_tokens.items():
+            request = self.h.scheduler.requests[rid]
+            table = self.h.block_ids(request)[0]
+            start = request.num_computed_tokens - n  # vLLM advanced it when it scheduled
+            prompt = request.num_prompt_tokens
+            self.computed[rid] = self.computed.get(rid, 0) + max(
+                0, min(start + n, prompt) - min(start, prompt)
+            )
+            for pos in range(start, start + n):
+                block, offset = table[pos // BS], pos % BS
+                token = request.all_token_ids[pos]
+                for layer, name in enumerate(LAYERS):
+                    for kv in (0, 1):
+                        self.caches[name][kv, block, offset] = kv_value(token, pos, layer, kv)
+
+    def step(self) -> SchedulerOutput:
+        """One engine step in the model runner's order; the copies of the CPU tier drained."""
+        if self.link is not None:
+            self.link.step(self._clock.now())
+        so = self.h.schedule()
+        meta = so.kv_connector_metadata
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        self.forward(so)
+        w.wait_for_save()
+        assert isinstance(meta, KVFlowConnectorMetadata)
+        w.handle_preemptions(KVFlowConnectorMetadata(StepPlan(meta.plan.step, flush=True)))
+        results = w.get_transfer_results(so.finished_req_ids)
+        output = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            failed_recving=results.failed_recving,
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=w.build_connector_worker_meta(),
+        )
+        w.clear_connector_metadata()
+        outputs = self.h.scheduler.update_from_output(
+            so,
+            model_runner_output(self.h.scheduler, so, None if output.is_empty() else output),
+        )
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.outputs[o.request_id] = o
+        return so
+
+    def kv_of(self, request: Request, upto: int) -> list[float]:
+        """The KV this instance holds for the request's first ``upto`` tokens, flattened."""
+        table = self.h.block_ids(request)[0]
+        out: list[float] = []
+        for pos in range(upto):
+            for name in LAYERS:
+                for kv in (0, 1):
+                    cell = self.caches[name][kv, table[pos // BS], pos % BS]
+                    out.extend(cell.flatten().tolist())
+        return out
+
+    def free_blocks(self) -> int:
+        return self.h.free_blocks()
+
+    def idle(self) -> bool:
+        """No request, no hand-off, no copy left (the leak check)."""
+        pd = self.pd
+        return (
+            not self.h.scheduler.requests
+            and not pd.driver.busy()
+            and not self.worker._pd_worker.busy  # type: ignore[union-attr]
+            and not pd.pd._by_request
+            and not self.h.scheduler.connector.has_pending_push_work()
+        )
+
+    def shutdown(self) -> None:
+        try:
+            self.worker.shutdown()
+        finally:
+            self.connector.shutdown()
+
+
+def expected_kv(prompt: list[int], upto: int) -> list[float]:
+    """The KV the stand-in model computes for the prompt's first ``upto`` tokens."""
+    out: list[float] = []
+    for pos in range(upto):
+        for layer, _name in enumerate(LAYERS):
+            for kv in (0, 1):
+                out.extend([kv_value(prompt[pos], pos, layer, kv)] * (NUM_KV_HEADS * HEAD_SIZE))
+    return out
+
+
+class PDRig:
+    """A P and a D instance over one ``FakeLink``, stepped in turn."""
+
+    def __init__(
+        self,
+        link: FakeLink | None = None,
+        *,
+        p_extra: Mapping[str, Any] | None = None,
+        d_extra: Mapping[str, Any] | None = None,
+        policy: str = "recompute",
+    ) -> None:
+        self.link = link or FakeLink()
+        p_end, d_end = self.link.pair()
+        FakeLinkConnector.ENDS = {0: p_end, 1: d_end}
+        timeouts = {"pd_lease_s": 5.0, "pd_claim_s": 5.0, "pd_timeout_s": 5.0}
+        self.p = Instance(
+            "kv_producer",
+            "P",
+            {**timeouts, "pd_peer_engine_id": "D", **(p_extra or {})},
+            link=self.link,
+        )
+        try:
+            self.d = Instance(
+                "kv_consumer", "D", {**timeouts, **(d_extra or {})}, policy=policy, link=self.link
+            )
+        except BaseException:
+            self.p.shutdown()
+            raise
+
+    def prefill(
+        self, prompt: list[int], request_id: str, max_steps: int = 50
+    ) -> tuple[Request, dict[str, Any]]:
+        """The proxy's first leg: P prefills with one output token; returns P's request and
+        the params D gets (after a JSON round trip)."""
+        req = self.p.add(prompt, PROXY_PARAMS, max_tokens=1, request_id=request_id)
+        for _ in range(max_steps):
+            self.p.step()
+            if request_id in self.p.outputs:
+                params = self.p.outputs[request_id].kv_transfer_params
+                assert params is not None, "P returned no kv_transfer_params"
+                return req, json.loads(json.dumps(params))
+        raise AssertionError(f"P did not finish {request_id} in {max_steps} steps")
+
+    def step(self) -> None:
+        self.p.step()
+        self.d.step()
+
+    def run(self, until: Any, max_steps: int = 200) -> None:
+        for _ in range(max_steps):
+            if until():
+                return
+            self.step()
+        raise AssertionError(f"not reached in {max_steps} steps")
+
+    def serve_without_pulling(
+        self, prompt: list[int], d_prompt: list[int] | None = None, request_id: str = "r1"
+    ) -> int:
+        """P prefills ``prompt``, D gets P's params with ``d_prompt`` (default the same) and
+        pulls nothing: it is never parked, P is released within a few steps, the request
+        finishes. The prompt tokens D computed."""
+        _, params = self.prefill(prompt, request_id)
+        req = self.d.add(d_prompt or prompt, params, max_tokens=2, request_id=request_id)
+        self.d.step()
+        assert not waiting_for_kv(req)
+        self.run(lambda: request_id not in self.p.h.scheduler.requests, max_steps=20)
+        self.run(lambda: request_id in self.d.outputs)
+        assert self.d.outputs[request_id].finish_reason == FinishReason.LENGTH
+        return self.d.computed[request_id]
+
+    def until_scheduled(self, request_id: str, max_steps: int = 200) -> SchedulerOutput:
+        """Step both until D schedules the request; D's output of that step."""
+        for _ in range(max_steps):
+            self.p.step()
+            so = self.d.step()
+            if request_id in so.num_scheduled_tokens:
+                return so
+        raise AssertionError(f"D did not schedule {request_id} in {max_steps} steps")
+
+    def settle(self, max_steps: int = 400) -> None:
+        """Step both until neither holds anything."""
+        self.run(lambda: self.p.idle() and self.d.idle(), max_steps)
+
+    def close(self) -> None:
+        try:
+            self.d.shutdown()
+        finally:
+            self.p.shutdown()
+
+
+def serve_p(conn: Connection, extra: Mapping[str, Any], model_dir: str) -> None:
+    """A P instance over gloo in a process of its own: answers ``("prefill", prompt, id)`` with
+    P's params, steps its engine between messages (a CLAIM is answered at once), and answers
+    ``"stop"`` with whether it ended idle and with every block free. ``model_dir``: D's tiny
+    model folder (the model's name is part of what P and D must agree on)."""
+    from pathlib import Path
+
+    from tests.integrations import vllm_harness
+
+    torch.set_num_threads(1)
+    vllm_harness._model_dir = Path(model_dir)
+    p = Instance("kv_producer", "P", extra, connector="KVFlowConnector", module=KVFLOW_MODULE)
+    free = p.free_blocks()
+    try:
+        conn.send("ready")
+        while True:
+            p.step()
+            if not conn.poll(0.002):
+                continue
+            msg = conn.recv()
+            if msg == "stop":
+                for _ in range(1000):
+                    if p.idle():
+                        break
+                    p.step()
+                conn.send((p.idle(), p.free_blocks() == free))
+                return
+            _, prompt, rid = msg
+            p.add(prompt, PROXY_PARAMS, max_tokens=1, request_id=rid)
+            while rid not in p.outputs:
+                p.step()
+            conn.send(json.loads(json.dumps(p.outputs[rid].kv_transfer_params)))
+    finally:
+        p.shutdown()
+
+
+def waiting_for_kv(request: Request) -> bool:
+    return bool(request.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+
+__all__ = [
+    "BS",
+    "KVFLOW_MODULE",
+    "PROXY_PARAMS",
+    "FakeLinkConnector",
+    "Instance",
+    "PDRig",
+    "expected_kv",
+    "kv_value",
+    "pd_request",
+    "serve_p",
+    "waiting_for_kv",
+]
