@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from kvflow.engine.decode_graphs import DecodeGraphs, bucket_sizes
+from kvflow.engine.decode_graphs import DecodeGraphs, bucket_sizes, mixed_bucket_sizes
 from kvflow.engine.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from tests.engine.helpers import dense_greedy, make_engine, prompts, requests, shared_model
@@ -54,7 +54,20 @@ def test_pieces_give_the_dense_reference_tokens(name: str) -> None:
     for p, r in zip(ps, results, strict=True):
         assert r.output_token_ids == dense_greedy(model, p, 12)
     assert _graphs_used(engine) > 0
+    graphs = engine.runner._graphs
+    assert graphs is not None
+    assert graphs.mixed_steps_run > 0
     assert engine.stats.preemptions > 0
+
+
+def test_mixed_buckets_pad_a_step_by_at_most_half_within_the_step_budget() -> None:
+    """Mixed buckets start at 32 tokens, go up by 1.5× and 4/3× in turn, and end at the step
+    budget (at most 1,024); a budget under 32 gets one bucket of its size, 0 none."""
+    assert mixed_bucket_sizes(48) == [32, 48]
+    assert mixed_bucket_sizes(100) == [32, 48, 64, 96, 100]
+    assert mixed_bucket_sizes(8192) == [32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert mixed_bucket_sizes(20) == [20]
+    assert mixed_bucket_sizes(0) == []
 
 
 def test_padding_rows_leave_every_real_block_as_the_eager_path_does() -> None:
@@ -68,6 +81,9 @@ def test_padding_rows_leave_every_real_block_as_the_eager_path_does() -> None:
         caches.append({n: t[:, 1:].clone() for n, t in engine.kv_caches.items()})
         if mode == "pieces":
             assert _graphs_used(engine) > 0
+            graphs = engine.runner._graphs
+            assert graphs is not None
+            assert graphs.mixed_steps_run > 0
     off, pieces = caches
     for name, tensor in off.items():
         torch.testing.assert_close(pieces[name], tensor, rtol=1e-5, atol=1e-5)

@@ -67,13 +67,16 @@ def test_timeline_parts_sum_to_the_ttft_and_none_is_negative() -> None:
         assert res.timeline.load_wait > 0
 
 
-def test_first_token_logits_are_recorded_only_when_asked() -> None:
+@pytest.mark.parametrize("graphs", ["off", "pieces"])
+def test_first_token_logits_are_recorded_only_when_asked(graphs: str) -> None:
     """With record_first_logits every result carries float32 logits whose argmax is its first
-    token, also when that token comes from a decode-shaped step; without it, none."""
+    token, from eager steps or mixed-bucket pieces; without it, none."""
     ps = prompts([12, 5, 30], seed=4)
     plain = make_engine(max_num_batched_tokens=16).run_to_completion(requests(ps, 4))
     assert all(r.first_logits is None for r in plain)
-    recorded = make_engine(max_num_batched_tokens=16, record_first_logits=True)
+    recorded = make_engine(
+        max_num_batched_tokens=16, record_first_logits=True, decode_graphs=graphs
+    )
     results = recorded.run_to_completion(requests(ps, 4))
     vocab = model_config("tiny").vocab_size
     for r, p in zip(results, plain, strict=True):
@@ -82,6 +85,8 @@ def test_first_token_logits_are_recorded_only_when_asked() -> None:
         assert r.first_logits.shape == (vocab,)
         assert int(r.first_logits.argmax()) == r.output_token_ids[0]
         assert r.output_token_ids == p.output_token_ids
+    used = recorded.runner._graphs
+    assert (used is not None and used.mixed_steps_run > 0) == (graphs == "pieces")
 
 
 def test_replayed_answers_give_every_prompt_the_other_run_saw() -> None:

@@ -28,17 +28,41 @@ from kvflow.connector.api import KVCacheConfig
 from kvflow.core.logs import get_logger
 from kvflow.engine import triton_decode
 from kvflow.engine.kv_cache import (
+    AttentionMetadata,
     _key_start,
     block_table_tensor,
     decode_attention,
     decode_segment,
     layer_name,
+    paged_attention,
 )
 from kvflow.engine.model import SDPA_BACKENDS, LlamaForCausalLM
 
 log = get_logger("kvflow.engine.decode_graphs")
 
 Piece = Callable[[], None]
+
+
+MIXED_MIN_TOKENS = 32
+"""The smallest mixed bucket: smaller mixed steps are rare and pad up to it."""
+
+MIXED_MAX_TOKENS = 1024
+"""The largest mixed bucket: steps of more tokens keep the eager path, where the device's work,
+not the launches, sets their time."""
+
+
+def mixed_bucket_sizes(max_tokens: int) -> list[int]:
+    """Token buckets of mixed steps: powers of two from ``MIXED_MIN_TOKENS`` and the midpoints
+    between them (a step pads to at most 1.5× its tokens), capped by ``min(max_tokens,
+    MIXED_MAX_TOKENS)``, which is a bucket itself; none for 0."""
+    top = min(max_tokens, MIXED_MAX_TOKENS)
+    if top <= 0:
+        return []
+    sizes, n = [], MIXED_MIN_TOKENS
+    while n < top:
+        sizes += [s for s in (n, n * 3 // 2) if s < top]
+        n *= 2
+    return [*sizes, top]
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -53,25 +77,41 @@ def bucket_sizes(max_rows: int) -> list[int]:
 
 
 class _Bucket:
-    """Static inputs, outputs and pieces of decode steps of up to ``rows`` rows."""
+    """Static inputs, outputs and pieces of decode steps of up to ``rows`` rows, or of mixed
+    steps of up to ``rows`` tokens."""
 
-    def __init__(self, runner: DecodeGraphs, rows: int, capture: bool, pool: Any) -> None:
+    def __init__(
+        self,
+        runner: DecodeGraphs,
+        rows: int,
+        capture: bool,
+        pool: Any,
+        *,
+        full: bool = False,
+        samples: int | None = None,
+    ) -> None:
         model, device = runner.model, runner.device
         cfg = model.config
         self.rows = rows
-        self.full = runner.full
+        self.full = full
+        # A mixed bucket's rows are tokens, of which up to ``samples`` are sampled: their
+        # indices are an input too. A decode bucket samples every row.
+        self.samples = rows if samples is None else samples
         groups = runner.num_groups
         n_inputs = (2 + groups) * rows
+        n_index = 0 if samples is None else samples
         # Full capture: the attention's row sizes (first key, key count per row, then the keys
         # per split) sit after the inputs in one buffer, so a step's inputs are one copy.
-        size_len = 2 * rows + 1 if self.full else 0
-        self.small = torch.zeros(n_inputs + groups * size_len, dtype=torch.long, device=device)
+        size_len = 2 * rows + 1 if full else 0
+        n_small = n_inputs + n_index + groups * size_len
+        self.small = torch.zeros(n_small, dtype=torch.long, device=device)
         self.small_host = _host_like(self.small)
         # Row 0: token ids, 1: positions, 2 + g: group g's cache slots.
         self.inputs = self.small[:n_inputs].view(2 + groups, rows)
+        sizes_at = n_inputs + n_index
         self.sizes = [
-            self.small[n_inputs + g * size_len : n_inputs + (g + 1) * size_len]
-            for g in range(groups if self.full else 0)
+            self.small[sizes_at + g * size_len : sizes_at + (g + 1) * size_len]
+            for g in range(groups if full else 0)
         ]
         width = runner.kv_caches[0].shape[1]
         self.tables = [
@@ -90,9 +130,14 @@ class _Bucket:
         self.attn = torch.zeros(
             (rows, cfg.num_heads, cfg.head_dim), dtype=runner.dtype, device=device
         )
-        self.query_index = torch.arange(rows, device=device)
+        self.query_index = (
+            torch.arange(rows, device=device)
+            if samples is None
+            else self.small[n_inputs : n_inputs + n_index]
+        )
         self.q: list[torch.Tensor] = []
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(self.samples, dtype=torch.long, device=device)
+        self.logits = torch.zeros((self.samples, 1), device=device)  # the head's, once run
         # The residual and the rotary tables one piece hands the next. Once captured, these hold
         # the tensors the previous graph writes on every replay, which the next graph reads.
         x: list[torch.Tensor] = []
@@ -118,7 +163,8 @@ class _Bucket:
 
         def final() -> None:
             h = model.post_attention(last, x[0], self.attn)
-            self.tokens = model.head(h, self.query_index).argmax(dim=-1)
+            self.logits = model.head(h, self.query_index)
+            self.tokens = self.logits.argmax(dim=-1)
 
         parts: list[Piece] = [first, *(middle(i) for i in range(1, cfg.num_layers)), final]
         pieces = parts
@@ -195,6 +241,7 @@ class DecodeGraphs:
         paged_decode: bool = False,
         flash_if_equal: bool = False,
         full: bool = False,
+        max_mixed_tokens: int = 0,
     ) -> None:
         if full and not paged_decode:
             raise ValueError("full decode graphs capture the Triton paged attention: none here")
@@ -215,16 +262,22 @@ class DecodeGraphs:
         self.steps_run = 0
         pool = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[int, _Bucket] = {}
+        self._mixed: dict[int, _Bucket] = {}
+        self.mixed_steps_run = 0
         # Largest first, as vLLM does: smaller graphs then fit in the memory the largest freed.
         with torch.inference_mode():
+            for tokens in reversed(mixed_bucket_sizes(max_mixed_tokens)):
+                self._mixed[tokens] = _Bucket(self, tokens, capture, pool, samples=max_rows)
             for rows in reversed(bucket_sizes(max_rows)):
-                self._buckets[rows] = _Bucket(self, rows, capture, pool)
+                self._buckets[rows] = _Bucket(self, rows, capture, pool, full=full)
         if capture:
             torch.cuda.synchronize(self.device)
         self._sizes = sorted(self._buckets)
+        self._mixed_sizes = sorted(self._mixed)
         log.info(
             "decode_graphs_ready",
             buckets=self._sizes,
+            mixed_buckets=self._mixed_sizes,
             pieces_per_bucket=1 if full else model.config.num_layers + 1,
             captured=capture,
             full=full,
@@ -236,6 +289,53 @@ class DecodeGraphs:
             if size >= rows:
                 return size
         raise ValueError(f"{rows} decode rows exceed the largest bucket {self.max_rows}")
+
+    def mixed_bucket_for(self, tokens: int, samples: int) -> int | None:
+        """The smallest mixed bucket that holds ``tokens`` tokens, or None: too many tokens
+        (such steps are bound by the device, not by their launches) or sampled rows."""
+        if samples > self.max_rows:
+            return None
+        for size in self._mixed_sizes:
+            if size >= tokens:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def run_mixed(
+        self,
+        size: int,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slot_mappings: Sequence[torch.Tensor],
+        sample_at: Sequence[int],
+        metadata: Sequence[AttentionMetadata],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy tokens and float32 logits (rewritten by the bucket's next step) at the flat
+        tokens ``sample_at`` of a step of any shape (prefill chunks
+        and decode rows), from mixed bucket ``size`` (``mixed_bucket_for``): the pieces between
+        the attention are replayed, the attention runs eagerly on ``metadata``, cache group
+        ``g``'s tokens write to ``slot_mappings[g]`` (on the device). Padding tokens compute
+        token 0 at position 0 into slot 0 of the null block, as padding decode rows do."""
+        bucket = self._mixed[size]
+        self.mixed_steps_run += 1
+        t, rows = len(token_ids), bucket.rows
+        pad = [0] * (rows - t)
+        host = [*token_ids, *pad, *positions, *pad]
+        host += [0] * (self.num_groups * rows)
+        host += [*sample_at, *([0] * (bucket.samples - len(sample_at)))]
+        bucket.small_host.copy_(torch.tensor(host, dtype=torch.long))
+        bucket.small.copy_(bucket.small_host, non_blocking=bucket.small.is_cuda)
+        for g, slots in enumerate(slot_mappings):
+            bucket.inputs[2 + g, :t].copy_(slots)
+        caches, group_of = self.kv_caches, self.layer_group
+        with sdpa_kernel(SDPA_BACKENDS):
+            for i, piece in enumerate(bucket.pieces[:-1]):
+                piece()
+                out = paged_attention(bucket.q[i][:t], caches[i], metadata[group_of[i]])
+                bucket.attn[:t].copy_(out)
+            bucket.pieces[-1]()
+        n = len(sample_at)
+        return bucket.tokens[:n], bucket.logits[:n]
 
     @torch.inference_mode()
     def run(
@@ -322,4 +422,10 @@ def layer_groups(kv_config: KVCacheConfig, num_layers: int) -> list[int]:
     return [group_of[layer_name(i)] for i in range(num_layers)]
 
 
-__all__ = ["DecodeGraphs", "bucket_sizes", "layer_groups"]
+__all__ = [
+    "MIXED_MAX_TOKENS",
+    "DecodeGraphs",
+    "bucket_sizes",
+    "layer_groups",
+    "mixed_bucket_sizes",
+]

@@ -277,7 +277,10 @@ class Engine:
             self.model, self.kv_cache_config, self.worker_connector, self.device
         )
         self.runner.configure_decode(
-            config.decode_graphs, config.max_num_seqs, config.triton_decode
+            config.decode_graphs,
+            config.max_num_seqs,
+            config.triton_decode,
+            max_tokens=config.max_num_batched_tokens,
         )
         if config.record_first_logits:
             self.runner.record_first_logits = True

@@ -122,7 +122,9 @@ class ModelRunner:
         self._readback_event: torch.cuda.Event | None = None
         connector.register_kv_caches(dict(self.kv_caches))
 
-    def configure_decode(self, graphs: str, max_rows: int, triton: bool) -> None:
+    def configure_decode(
+        self, graphs: str, max_rows: int, triton: bool, max_tokens: int = 0
+    ) -> None:
         """How decode rows run: ``triton`` uses ``kvflow.engine.triton_decode`` where it is
         available; ``graphs`` runs decode-only steps of up to ``max_rows`` rows from
         ``DecodeGraphs``: ``"full"`` captures each step whole, attention included (needs the
@@ -130,7 +132,9 @@ class ModelRunner:
         eagerly; ``"auto"`` is ``"full"`` where Triton serves the attention, else
         ``"piecewise"``, on a CUDA device for an unsharded model (a tensor-parallel shard's
         reductions are not captured) and nothing otherwise; ``"pieces"`` runs the piecewise
-        pieces uncaptured on any device, ``"off"`` none of it.
+        pieces uncaptured on any device, ``"off"`` none of it. Every mode but ``"off"`` also
+        runs steps of up to ``max_tokens`` tokens of any shape (prefill chunks beside decode
+        rows) from piecewise mixed buckets (``DecodeGraphs.run_mixed``).
         """
         self._paged_decode = triton and triton_decode.available(
             self.device, self.model.config.head_dim
@@ -159,6 +163,7 @@ class ModelRunner:
             paged_decode=self._paged_decode,
             flash_if_equal=self._half,
             full=full,
+            max_mixed_tokens=max_tokens,
         )
 
     def execute(
@@ -260,6 +265,22 @@ class ModelRunner:
             acc += n
             ends.append(acc - 1)
         sample_rows = [i for i, c in enumerate(chunks) if c.sample]
+        ids_of_rows = [chunks[i].request_id for i in sample_rows]
+        size = None if graphs is None else graphs.mixed_bucket_for(len(ids), len(sample_rows))
+        if graphs is not None and size is not None:
+            tokens, logits = graphs.run_mixed(
+                size,
+                ids,
+                positions,
+                [m.slot_mapping for m in group_meta],
+                [ends[i] for i in sample_rows],
+                group_meta,
+            )
+            return _Sampled(
+                ids_of_rows,
+                tokens if sample_rows else None,
+                first_logits=self._first_rows(chunks, sample_rows, logits) if recording else None,
+            )
         if not sample_rows:
             logits_at = torch.tensor([ends[0]], device=device)
         else:
@@ -271,17 +292,22 @@ class ModelRunner:
             [group_meta[g] for g in self._layer_group],
             logits_at,
         )
-        ids_of_rows = [chunks[i].request_id for i in sample_rows]
-        first = None
-        if recording:
-            first = {
-                chunks[i].request_id: logits[row]
-                for row, i in enumerate(sample_rows)
-                if chunks[i].first_token
-            }
         return _Sampled(
-            ids_of_rows, logits.argmax(dim=-1) if sample_rows else None, first_logits=first
+            ids_of_rows,
+            logits.argmax(dim=-1) if sample_rows else None,
+            first_logits=self._first_rows(chunks, sample_rows, logits) if recording else None,
         )
+
+    @staticmethod
+    def _first_rows(
+        chunks: tuple[ScheduledChunk, ...], sample_rows: list[int], logits: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The logits rows of chunks that sample their request's first token."""
+        return {
+            chunks[i].request_id: logits[row]
+            for row, i in enumerate(sample_rows)
+            if chunks[i].first_token
+        }
 
     def _decode_from_graphs(
         self, graphs: DecodeGraphs, chunks: tuple[ScheduledChunk, ...]
