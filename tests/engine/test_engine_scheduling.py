@@ -17,7 +17,7 @@ from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest
 from kvflow.engine.model import build_model, model_config, read_safetensors, save_weights
 from kvflow.engine.scheduler import Request, RequestInput, RequestStats, RequestStatus, transition
 from kvflow.errors import ConfigError, TransitionError
-from tests.engine.helpers import make_engine, prompts, requests, shared_prefix_prompts
+from tests.engine.helpers import make_engine, prompts, requests, shared_model, shared_prefix_prompts
 
 
 class RecordingConnector(NullConnector):
@@ -200,3 +200,43 @@ def test_safetensors_missing_tensor_is_named(tmp_path: Path) -> None:
     write_safetensors({"model.norm.weight": torch.ones(128)}, path)
     with pytest.raises(ConfigError, match="missing tensors"):
         build_model(model_config("tiny"), weights=path)
+
+
+class CountingConnector(NullConnector):
+    """A connector that matches nothing and counts how often it was asked, per request."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: object, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid = str(getattr(request, "request_id", ""))
+        self.asked[rid] = self.asked.get(rid, 0) + 1
+        return 0, False
+
+
+def test_a_head_without_blocks_is_asked_again_only_once_blocks_change() -> None:
+    """While nothing comes free or is cached, the waiting head that found no blocks is not
+    re-matched every step; it is admitted once a request finishes, with the same tokens."""
+    counting = CountingConnector()
+    cfg = model_config("tiny")
+    # 11 usable blocks: the first request's 36 tokens take 9, the second needs 6 to start, so
+    # it waits out the first one's 12 steps.
+    econf = EngineConfig(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64)
+    engine = Engine(
+        cfg,
+        econf,
+        model=shared_model("tiny"),
+        scheduler_connector=counting,
+        worker_connector=counting,
+    )
+    ps = prompts([24, 24], seed=9)
+    results = engine.run_to_completion(requests(ps, 12))
+    assert [r.output_token_ids for r in results] == [
+        r.output_token_ids for r in make_engine().run_to_completion(requests(ps, 12))
+    ]
+    assert engine.stats.steps >= 24
+    # Asked when it first failed, after each of the first request's three new cached blocks,
+    # and when that request finished: not at each of the 12 steps it waited.
+    assert counting.asked["r1"] <= 6

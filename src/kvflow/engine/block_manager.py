@@ -42,6 +42,9 @@ class BlockManager:
         self.block_size = config.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(config.num_blocks, name="gpu")
+        # Bumped whenever blocks come free or enter or leave the prefix cache: until it moves,
+        # a request that could not get blocks cannot get them (the scheduler skips asking).
+        self.changes = 0
         # One entry per group, all the same pool: per-group code reads naturally.
         self.pools = [self.pool] * len(config.groups)
         (null,) = self.pool.get_new_blocks(1)
@@ -176,6 +179,7 @@ class BlockManager:
             table = tables[g]
             gone = [b for b in table[: min(first, len(table))] if b != NULL_BLOCK_ID]
             if gone:
+                self.changes += 1
                 pool.free(reversed(gone))
                 for j in range(min(first, len(table))):
                     table[j] = NULL_BLOCK_ID
@@ -186,6 +190,7 @@ class BlockManager:
         self._num_cached.pop(request_id, None)
         if tables is None:
             return
+        self.changes += 1
         for pool, table in zip(self.pools, tables, strict=True):
             pool.free(b for b in reversed(table) if b != NULL_BLOCK_ID)
 
@@ -209,6 +214,7 @@ class BlockManager:
                 if bid != NULL_BLOCK_ID and pool.block(bid).block_hash is None
             ]
             if pairs:
+                self.changes += 1
                 pool.cache([p[0] for p in pairs], [p[1] for p in pairs])
             done[g] = full
 
@@ -247,6 +253,7 @@ class BlockManager:
 
     def uncache(self, block_ids: Iterable[int]) -> None:
         """Drop invalid blocks from every group's prefix cache (their data is garbage)."""
+        self.changes += 1
         self.pool.uncache(
             b for b in block_ids if b != NULL_BLOCK_ID and 0 <= b < self.pool.num_blocks
         )
@@ -255,6 +262,7 @@ class BlockManager:
         """Forget every cached hash; refuses while any request holds blocks."""
         if self.tables:
             return False
+        self.changes += 1
         self.pool.free([NULL_BLOCK_ID])
         ok = self.pool.reset_prefix_cache()
         self.pool.touch([NULL_BLOCK_ID])

@@ -229,6 +229,7 @@ class Scheduler:
         self.connector = connector
         self.clock = clock
         self.loads_issued: list[Request] = []
+        self._blocked_at: tuple[str, int] | None = None  # (head, blocks.changes) it failed at
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -352,10 +353,18 @@ class Scheduler:
             if req.status is RS.WAITING_FOR_REMOTE_KVS:  # its load is still in flight
                 skipped.append(req)
                 continue
+            if self._blocked_at == (req.request_id, self.blocks.changes):
+                # Nothing came free or was cached since it last failed: it fails again, and
+                # asking costs a prefix-hit walk and a connector match per step.
+                self.waiting.appendleft(req)
+                blocked = req
+                break
             result = self._admit(req, budget)
             if result is None:  # no blocks: keep the order, try again next step
                 self.waiting.appendleft(req)
                 blocked = req
+                if self.config.enable_chunked_prefill:  # else the step's budget may be why
+                    self._blocked_at = (req.request_id, self.blocks.changes)
                 break
             if isinstance(result, str):  # not now: waits for its load, or for the connector
                 skipped.append(req)
