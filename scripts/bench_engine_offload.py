@@ -55,6 +55,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-bytes", default="4GiB")
     p.add_argument("--store-policy", choices=("eager", "lazy"), default="eager")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="model and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
     p.add_argument("--worker-loop", choices=("thread", "inline"), default="inline")
     p.add_argument("--scenario", choices=("reload", "noreuse", "both"), default="both")
     p.add_argument("--json", type=Path, default=None)
@@ -70,7 +76,13 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.cfg: ModelConfig = model_config(args.model)
-        self.model: LlamaForCausalLM = build_model(self.cfg, device=args.device, seed=0)
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        self.model: LlamaForCausalLM = build_model(
+            self.cfg,
+            device=args.device,
+            seed=0,
+            dtype=None if args.dtype is None else dtypes[args.dtype],
+        )
         self.dtype = next(self.model.parameters()).dtype
         self.clock = SystemClock()
         self.connectors: list[OffloadConnector] = []
@@ -83,6 +95,7 @@ class Bench:
             max_num_batched_tokens=args.budget,
             max_num_seqs=256,
             device=args.device,
+            dtype=args.dtype,
         )
         if not offload:
             return Engine(self.cfg, econf, model=self.model, clock=self.clock.now)

@@ -41,15 +41,15 @@ run() {  # run NAME LIMIT_S COMMAND...: one step, its log under OUT/logs
 
 model=(--model llama-1b --device cuda)
 multi=(--users 8 --rounds 4 --system 2048 --first-question 4096 --question 256 --answer 16
-  --cache-fraction 0.3 --max-batched-tokens 8192 --dtype float32)
+  --cache-fraction 0.3 --max-batched-tokens 8192)
 for step in $STEPS; do
   case $step in
     tests) run gpu_tests 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider ;;
     step)
       run decode_step 240 python3 scripts/bench_decode_step.py --model llama-1b --device cuda \
-        --modes eager-torch eager graphs-torch graphs --json "$OUT/decode_step_bf16.json"
+        --modes piecewise graphs --json "$OUT/decode_step_bf16.json"
       run decode_step_fp32 240 python3 scripts/bench_decode_step.py --model llama-1b \
-        --device cuda --dtype float32 --modes eager-torch eager graphs-torch graphs \
+        --device cuda --dtype float32 --modes piecewise graphs \
         --json "$OUT/decode_step_fp32.json" ;;
     reload)
       run engine_offload 300 python3 scripts/bench_engine_offload.py "${model[@]}" \
@@ -58,12 +58,17 @@ for step in $STEPS; do
     noreuse-lazy)
       run noreuse_lazy 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat 9 --store-policy lazy --json "$OUT/noreuse_lazy.json" ;;
+    noreuse-fp32)
+      run noreuse_fp32 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
+        --scenario noreuse --repeat 9 --dtype float32 --json "$OUT/noreuse_fp32.json" ;;
     noreuse-thread)
       run noreuse_thread 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat 9 --worker-loop thread --json "$OUT/noreuse_thread.json" ;;
-    multiround)
+    multiround)  # bf16, the dtype users serve in, is the headline; float32 beside it
       run multiround 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
-        --json "$OUT/multiround.json" --plot "$OUT/multiround.png" ;;
+        --json "$OUT/multiround.json" --plot "$OUT/multiround.png"
+      run multiround_fp32 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
+        --dtype float32 --json "$OUT/multiround_fp32.json" ;;
     decode) run decode_attention 120 python3 scripts/bench_decode_attention.py ;;
     contention)
       run copy_contention 120 python3 scripts/bench_copy_contention.py \

@@ -267,7 +267,8 @@ class DecodeGraphs:
         # Largest first, as vLLM does: smaller graphs then fit in the memory the largest freed.
         with torch.inference_mode():
             for tokens in reversed(mixed_bucket_sizes(max_mixed_tokens)):
-                self._mixed[tokens] = _Bucket(self, tokens, capture, pool, samples=max_rows)
+                samples = min(max_rows, tokens)
+                self._mixed[tokens] = _Bucket(self, tokens, capture, pool, samples=samples)
             for rows in reversed(bucket_sizes(max_rows)):
                 self._buckets[rows] = _Bucket(self, rows, capture, pool, full=full)
         if capture:
@@ -293,11 +294,9 @@ class DecodeGraphs:
     def mixed_bucket_for(self, tokens: int, samples: int) -> int | None:
         """The smallest mixed bucket that holds ``tokens`` tokens, or None: too many tokens
         (such steps are bound by the device, not by their launches) or sampled rows."""
-        if samples > self.max_rows:
-            return None
         for size in self._mixed_sizes:
             if size >= tokens:
-                return size
+                return size if samples <= self._mixed[size].samples else None
         return None
 
     @torch.inference_mode()
