@@ -9,6 +9,7 @@ import pytest
 import structlog
 import torch
 from scripts import (
+    bench_connector_transfer,
     bench_copy_contention,
     bench_decode_step,
     bench_engine_offload,
@@ -94,3 +95,39 @@ def test_pd_transfer_bench_compares_the_transport_with_raw_gloo(tmp_path: Path) 
         assert f["bytes_match"]
         assert f["kvflow_gbs"] > 0
         assert f["raw_gbs"] > 0
+
+
+def test_connector_transfer_bench_drives_every_layout_through_the_connector(
+    tmp_path: Path,
+) -> None:
+    """On the host backend every layout's store and load go through the connector's engine
+    calls, come back byte for byte, and are reported against a same-run ceiling."""
+    out = tmp_path / "connector_transfer.json"
+    rc = bench_connector_transfer.main(
+        [
+            "--device", "cpu", "--blocks", "6", "--layers", "2", "--steps", "2",
+            "--warmup", "1", "--ceiling-reps", "1", "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    f = json.loads(out.read_text())
+    results = f["results"]
+    assert [r["layout"] for r in results] == list(bench_connector_transfer.LAYOUTS)
+    for r in results:
+        assert r["bytes_match"] is True
+        assert r["copy_time_measured"] is True  # the host backend's copy thread timed them
+        assert r["step_bytes"] == 6 * r["block_bytes"]
+        for d in ("store", "load"):
+            fig = r[d]
+            assert fig["ceiling_gbps"] > 0
+            assert 0 < fig["copy_ms"] <= fig["wall_ms"]
+            assert fig["launch_us"] > 0
+            assert len(fig["walls_ms"]) == 2
+            bytes_at_ceiling_ms = r["step_bytes"] / (fig["ceiling_gbps"] * 1e9) * 1e3
+            assert fig["fixed_ms"] == pytest.approx(fig["wall_ms"] - bytes_at_ceiling_ms)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_connector_transfer_bench_says_it_needs_cuda() -> None:
+    """Without a GPU the default --device cuda exits with status 2 instead of failing."""
+    assert bench_connector_transfer.main(["--steps", "1"]) == 2

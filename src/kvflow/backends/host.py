@@ -6,6 +6,7 @@ region's page at its ``cpu_offsets`` slot, so a whole block is one contiguous pi
 batches run in order on the copy thread (torch releases the GIL while copying); each finished
 fence calls the reactor's wakeup, so completion is seen at once instead of at the next poll.
 Compute on the host is synchronous in the engine's thread, so ``compute_fence`` is already done.
+The copy thread times each batch's copies (``copy_seconds``, the ``TimesCopies`` protocol).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -36,6 +38,7 @@ class HostFence:
     status: FenceStatus = FenceStatus.PENDING
     finished: threading.Event = field(factory=threading.Event)
     error: str | None = None
+    copy_s: float | None = None  # the copy thread's own timing of the batch's copies
 
 
 @define(eq=False, slots=True)
@@ -138,6 +141,11 @@ class HostBackend:
     def query(self, fence: Fence) -> FenceStatus:
         return self._own(fence).status
 
+    def copy_seconds(self, fence: Fence) -> float | None:
+        """How long the copy thread took for this batch's copies (after its dependencies);
+        batches on the one thread never overlap. None until it has run."""
+        return self._own(fence).copy_s
+
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
 
@@ -175,8 +183,10 @@ class HostBackend:
             batch, deps, fence = job
             for dep in deps:
                 dep.finished.wait()
+            began = time.perf_counter()
             try:
                 self._copy(batch)
+                fence.copy_s = time.perf_counter() - began
             except Exception as exc:  # any copy error fails the batch, never the thread
                 fence.error = f"{type(exc).__name__}: {exc}"
                 fence.status = FenceStatus.FAILED
