@@ -31,12 +31,13 @@ with what was stored (a sample of blocks).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvflow.backends.base import CopyBatch, FenceStatus
+from kvflow.backends.torch_layout import layout_of
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig
 from kvflow.connector.offload import OffloadConnector
+from kvflow.core.layout import KVLayout
 from kvflow.core.requests import KVRequest, NewRequest, SchedulerOutput
 from kvflow.core.transfer import Direction
 
@@ -102,6 +106,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     p.add_argument("--worker-loop", choices=("inline", "thread"), default="inline")
     p.add_argument("--ceiling-reps", type=int, default=5)
+    p.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the second run per case with copies that finish at once (kvflow's own cost)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--torch-threads",
@@ -180,7 +190,6 @@ class Driver:
         self.rng = np.random.default_rng(seed)
         self.num_gpu_blocks = num_gpu_blocks
         self.step_no = 0
-        self.polls = 0
 
     def gpu_ids(self, n: int) -> tuple[int, ...]:
         """``n`` scattered GPU block ids (block 0 is the engine's null block)."""
@@ -194,7 +203,6 @@ class Driver:
         sched, worker = self.conn.scheduler, self.conn.worker
         deadline = time.perf_counter() + DEADLINE_S
         while True:
-            self.polls += 1
             worker.get_finished(set())
             report = worker.build_worker_report()
             out = sched.update_connector_output(KVConnectorOutput(reports=(report,)))
@@ -263,82 +271,161 @@ def sample_pages(tensors: dict[str, torch.Tensor], ids: Sequence[int]) -> list[t
     return out
 
 
-def bench_layout(
+class NullCopies:
+    """A backend whose copies finish at once and move nothing: what is left of a step is
+    kvflow's own work on the engine's thread (the connector floor)."""
+
+    name = "null"
+
+    def __init__(self) -> None:
+        self.layout: KVLayout | None = None
+
+    def register_kv_caches(
+        self,
+        tensors: Mapping[str, object],
+        num_blocks: int | Mapping[int, int],
+        groups: Mapping[str, int] | None = None,
+    ) -> KVLayout:
+        self.layout = layout_of(tensors, num_blocks, groups)
+        return self.layout
+
+    def allocate_cpu_tier(self, num_blocks: Sequence[int]) -> None:
+        return None
+
+    def compute_fence(self) -> object:
+        return self
+
+    def submit(self, batch: CopyBatch, wait_for: Sequence[object] = ()) -> object:
+        return self
+
+    def query(self, fence: object) -> FenceStatus:
+        return FenceStatus.DONE
+
+    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def build_connector(
     args: argparse.Namespace,
-    spec: LayoutSpec,
-    blocks: int,
-    progress: Progress,
-    task: Any,
-) -> dict[str, Any]:
+    tensors: dict[str, torch.Tensor],
+    num_gpu: int,
+    block_bytes: int,
+    cpu_blocks: int,
+    backend: Any = None,
+) -> OffloadConnector:
     device = args.device
-    on_cuda = device.startswith("cuda")
-    num_gpu = 2 * blocks + 2
-    tensors = spec.tensors(args.layers, num_gpu, device)
-    for t in tensors.values():
-        t.view(torch.uint8).random_(0, 256)
-    block_bytes = sum(t.numel() * t.element_size() for t in tensors.values()) // num_gpu
     kv = KVCacheConfig(
         block_size=TOKENS,
         num_blocks=num_gpu,
         groups=(KVCacheGroupSpec(0, tuple(tensors)),),
         device=device,
     )
-    cpu_blocks = 2 * blocks + 8  # two steps' worth: every store from the third on evicts
     config = OffloadConfig(
         cpu_bytes=cpu_blocks * block_bytes,
-        backend="cuda" if on_cuda else "host",
+        backend="cuda" if device.startswith("cuda") else "host",
         worker_loop=args.worker_loop,
         eager_store_interval=1,
     )
-    conn = OffloadConnector.build(config, kv, [block_bytes], now=time.perf_counter)
+    conn = OffloadConnector.build(config, kv, [block_bytes], now=time.perf_counter, backend=backend)
+    conn.worker.register_kv_caches(tensors)
+    conn.worker.wait_cpu_tier()
+    return conn
+
+
+def issued_s(conn: OffloadConnector) -> dict[Direction, float]:
+    """Host seconds the CUDA backend has spent issuing each direction's copies (else 0)."""
+    stats = getattr(conn.worker.backend, "issue_stats", None)
+    return {d: stats[d].seconds if stats else 0.0 for d in Direction}
+
+
+def measure(
+    args: argparse.Namespace,
+    conn: OffloadConnector,
+    tensors: dict[str, torch.Tensor] | None,
+    blocks: int,
+    num_gpu: int,
+    tick: Callable[[], None],
+) -> tuple[dict[str, dict[str, list[float]]], bool | None]:
+    """The measured store and load steps on one connector: per direction the wall, launch,
+    copy (measured by the backend) and issue seconds of each step; and whether the sampled
+    blocks came back byte for byte (None when ``tensors`` is None: not checked)."""
+    device = args.device
+    drv = Driver(conn, num_gpu, args.seed)
+    rows: dict[str, dict[str, list[float]]] = {
+        d: {"wall": [], "launch": [], "copy": [], "issue": []} for d in DIRECTIONS
+    }
+    verified: bool | None = None
+    for i in range(args.warmup + args.steps):
+        measured = i >= args.warmup
+        store_req = KVRequest.from_prompt(f"s{i}", drv.prompt(blocks, i))
+        src = drv.gpu_ids(blocks)
+        check = measured and verified is None and tensors is not None
+        if check:
+            assert tensors is not None
+            positions = sorted(drv.rng.choice(blocks, size=min(blocks, 8), replace=False))
+            want = sample_pages(tensors, [src[p] for p in positions])
+        settle(device)
+        copies0, issued0 = conn.worker.copy_stats(), issued_s(conn)
+        wall, launch = drv.store(store_req, src)
+        copies1, issued1 = conn.worker.copy_stats(), issued_s(conn)
+        drv.finish(store_req, src)
+        load_req = KVRequest.from_prompt(f"l{i}", [*store_req.all_token_ids, 1])
+        dst = drv.gpu_ids(blocks + 1)  # the hit's blocks and one for the new token
+        settle(device)
+        copies_l, issued_l = conn.worker.copy_stats(), issued_s(conn)
+        wall_l, launch_l = drv.load(load_req, dst)
+        copies2, issued2 = conn.worker.copy_stats(), issued_s(conn)
+        if check:
+            assert tensors is not None
+            got = sample_pages(tensors, [dst[p] for p in positions])
+            verified = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        drv.finish(load_req, dst)
+        if measured:
+            for d, direction, w, la, c0, c1, i0, i1 in (
+                ("store", Direction.STORE, wall, launch, copies0, copies1, issued0, issued1),
+                ("load", Direction.LOAD, wall_l, launch_l, copies_l, copies2, issued_l, issued2),
+            ):
+                rows[d]["wall"].append(w)
+                rows[d]["launch"].append(la)
+                rows[d]["copy"].append(c1[direction].copy_s - c0[direction].copy_s)
+                rows[d]["issue"].append(i1[direction] - i0[direction])
+        tick()
+    return rows, verified
+
+
+def bench_layout(
+    args: argparse.Namespace,
+    spec: LayoutSpec,
+    blocks: int,
+    tick: Callable[[], None],
+) -> dict[str, Any]:
+    device = args.device
+    num_gpu = 2 * blocks + 2
+    tensors = spec.tensors(args.layers, num_gpu, device)
+    for t in tensors.values():
+        t.view(torch.uint8).random_(0, 256)
+    block_bytes = sum(t.numel() * t.element_size() for t in tensors.values()) // num_gpu
+    step_bytes = blocks * block_bytes
+    cpu_blocks = 2 * blocks + 8  # two steps' worth: every store from the third on evicts
+    conn = build_connector(args, tensors, num_gpu, block_bytes, cpu_blocks)
     try:
-        conn.worker.register_kv_caches(tensors)
-        conn.worker.wait_cpu_tier()
         backend: Any = conn.worker.backend
         path = backend.path(0) if hasattr(backend, "path") else "host"
-        step_bytes = blocks * block_bytes
         ceiling = ceiling_gbps(conn, step_bytes, block_bytes, device, args.ceiling_reps)
-        drv = Driver(conn, num_gpu, args.seed)
-        rows: dict[str, dict[str, list[float]]] = {
-            d: {"wall": [], "launch": [], "copy": []} for d in DIRECTIONS
-        }
-        verified: bool | None = None
-        for i in range(args.warmup + args.steps):
-            measured = i >= args.warmup
-            store_req = KVRequest.from_prompt(f"s{i}", drv.prompt(blocks, i))
-            src = drv.gpu_ids(blocks)
-            check = measured and verified is None
-            if check:
-                positions = sorted(drv.rng.choice(blocks, size=min(blocks, 8), replace=False))
-                want = sample_pages(tensors, [src[p] for p in positions])
-            settle(device)
-            before = conn.worker.copy_stats()
-            wall, launch = drv.store(store_req, src)
-            after = conn.worker.copy_stats()
-            drv.finish(store_req, src)
-            load_req = KVRequest.from_prompt(f"l{i}", [*store_req.all_token_ids, 1])
-            dst = drv.gpu_ids(blocks + 1)  # the hit's blocks and one for the new token
-            settle(device)
-            wall_l, launch_l = drv.load(load_req, dst)
-            after_l = conn.worker.copy_stats()
-            if check:
-                got = sample_pages(tensors, [dst[p] for p in positions])
-                verified = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
-            drv.finish(load_req, dst)
-            if measured:
-                for d, w, la, b0, b1 in (
-                    ("store", wall, launch, before, after),
-                    ("load", wall_l, launch_l, after, after_l),
-                ):
-                    direction = Direction.STORE if d == "store" else Direction.LOAD
-                    copied = b1[direction].copy_s - b0[direction].copy_s
-                    rows[d]["wall"].append(w)
-                    rows[d]["launch"].append(la)
-                    rows[d]["copy"].append(copied)
-            progress.advance(task)
+        rows, verified = measure(args, conn, tensors, blocks, num_gpu, tick)
         stats = conn.worker.copy_stats()
     finally:
         conn.worker.shutdown()
+    floor: dict[str, dict[str, list[float]]] | None = None
+    if args.floor:
+        null = build_connector(args, tensors, num_gpu, block_bytes, cpu_blocks, NullCopies())
+        try:
+            floor, _ = measure(args, null, None, blocks, num_gpu, tick)
+        finally:
+            null.worker.shutdown()
     result: dict[str, Any] = {
         "layout": spec.name,
         "what": spec.what,
@@ -349,11 +436,12 @@ def bench_layout(
         "path": path,
         "bytes_match": verified,
         "copy_time_measured": all(s.measured for s in stats.values() if s.batches),
-        "polls_per_step": drv.polls / max(1, 3 * (args.warmup + args.steps)),
     }
     for d in DIRECTIONS:
         r = rows[d]
-        wall, copy, launch = (statistics.median(r[k]) for k in ("wall", "copy", "launch"))
+        wall, copy, launch, issue = (
+            statistics.median(r[k]) for k in ("wall", "copy", "launch", "issue")
+        )
         ceil = ceiling[d]
         result[d] = {
             "ceiling_gbps": ceil,
@@ -367,8 +455,12 @@ def bench_layout(
             "fixed_ms": (wall - step_bytes / (ceil * 1e9)) * 1e3,
             "launch_us": launch * 1e6,
             "launch_us_max": max(r["launch"]) * 1e6,
+            "issue_us": issue * 1e6,
             "walls_ms": [w * 1e3 for w in r["wall"]],
         }
+        if floor is not None:
+            result[d]["floor_ms"] = statistics.median(floor[d]["wall"]) * 1e3
+            result[d]["floor_launch_us"] = statistics.median(floor[d]["launch"]) * 1e6
     return result
 
 
@@ -383,7 +475,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
             f"scattered GPU ids, on {device_name(args.device)}: medians of {args.steps} steps"
         )
     )
-    for col in (
+    columns = [
         "layout",
         "blocks",
         "MiB",
@@ -396,13 +488,17 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
         "wall ms",
         "fixed ms",
         "launch µs",
-        "bytes ok",
-    ):
+        "issue µs",
+    ]
+    if args.floor:
+        columns += ["floor ms", "floor launch µs"]
+    columns.append("bytes ok")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("layout", "path", "dir") else "right")
     for r in results:
         for d in DIRECTIONS:
             f = r[d]
-            table.add_row(
+            row = [
                 r["layout"],
                 f"{r['blocks']:,}",
                 f"{r['step_bytes'] / 2**20:,.0f}",
@@ -415,9 +511,18 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
                 f"{f['wall_ms']:.2f}",
                 f"{f['fixed_ms']:.2f}",
                 f"{f['launch_us']:.0f}",
-                {True: "yes", False: "NO", None: "—"}[r["bytes_match"]],
-            )
+                f"{f['issue_us']:.0f}" if f["issue_us"] else "—",
+            ]
+            if args.floor:
+                row += [f"{f['floor_ms']:.2f}", f"{f['floor_launch_us']:.0f}"]
+            row.append({True: "yes", False: "NO", None: "—"}[r["bytes_match"]])
+            table.add_row(*row)
     console.print(table)
+    console.print(
+        "fixed = wall − bytes / ceiling; launch = the engine thread's time in wait_for_save "
+        "(store) / start_load_kv (load); issue = the CUDA backend's planning and driver calls; "
+        "floor = the same steps with copies that finish at once (kvflow's own cost)"
+    )
     console.print(
         "goals (issue 25): wall ≥ 90 % of the ceiling, fixed ≤ ~0.25 ms per step, launch ≤ 200 µs"
     )
@@ -440,11 +545,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = [(LAYOUTS[n], b) for b in args.block_counts for n in args.layout_names]
     try:
         with Progress(console=console, transient=True) as progress:
+            runs = (args.warmup + args.steps) * (2 if args.floor else 1)
             for spec, blocks in cases:
-                task = progress.add_task(
-                    f"{spec.name}, {blocks} blocks", total=args.warmup + args.steps
-                )
-                results.append(bench_layout(args, spec, blocks, progress, task))
+                task = progress.add_task(f"{spec.name}, {blocks} blocks", total=runs)
+                tick = functools.partial(progress.advance, task)
+                results.append(bench_layout(args, spec, blocks, tick))
                 progress.remove_task(task)
     finally:
         structlog.reset_defaults()

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -59,6 +60,9 @@ class CudaConfig:
     slot_bytes: int = 128 * MiB
     num_slots: int = 2
     """Staging ring per direction: ``num_slots`` slots of ``slot_bytes`` on the GPU."""
+    ramp_bytes: int = 16 * MiB
+    """Staged path: a store's first sub-batch and a load's last hold at most this many bytes
+    (at least one block; 0: full slots only). They are the part of a batch no DMA overlaps."""
     gather_ctas: int = 64
     """CTAs of one gather/scatter launch: few enough to leave compute most of the GPU."""
     register_chunk_bytes: int = 64 * MiB
@@ -71,6 +75,9 @@ class CudaConfig:
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
     ``InlineSyncWorker``, polls at every call: no thread of kvflow takes the GIL)."""
+    time_copies: bool = True
+    """Record timing events around each batch's copies: ``copy_seconds`` (the runtime's copy
+    throughput) is then the device's own time, not the time until a poll saw the fence."""
 
     def __attrs_post_init__(self) -> None:
         if self.method not in ("auto", "staged", "direct"):
@@ -80,22 +87,47 @@ class CudaConfig:
         for name in ("slot_bytes", "num_slots", "gather_ctas", "register_chunk_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"CudaConfig.{name} must be positive")
+        if self.ramp_bytes < 0:
+            raise ConfigError("CudaConfig.ramp_bytes must not be negative")
+
+
+class _Timing:
+    """Two timing events around one batch's copies: ``start`` after its waits, ``end`` after
+    its last work. Owns them: they go when the last fence referring to them goes."""
+
+    __slots__ = ("end", "start")
+
+    def __init__(self) -> None:
+        self.start = drv.new_event(timing=True)
+        self.end = drv.new_event(timing=True)
+
+    def __del__(self) -> None:
+        # At interpreter shutdown the driver may already be gone.
+        with contextlib.suppress(Exception):
+            drv.cu.cuEventDestroy(self.start)
+        with contextlib.suppress(Exception):
+            drv.cu.cuEventDestroy(self.end)
 
 
 class CudaFence:
     """A CUDA event; created by one backend and only meaningful to it.
 
     ``launched`` turns true once the event is recorded after its copies (at once, or on the
-    launch thread); until then the fence is pending whatever the event says.
+    launch thread); until then the fence is pending whatever the event says. ``timing`` (with
+    ``CudaConfig.time_copies``) times the copies; ``prev_timing`` is the previous batch of the
+    same direction's, so that time both were copying counts once. It is dropped once the fence
+    is settled, so fences never chain.
     """
 
-    __slots__ = ("error", "event", "launched", "owner")
+    __slots__ = ("error", "event", "launched", "owner", "prev_timing", "timing")
 
     def __init__(self, event: Any, owner: CudaBackend, *, launched: bool = True) -> None:
         self.event = event
         self.owner = owner
         self.launched = launched
         self.error: str | None = None
+        self.timing: _Timing | None = None
+        self.prev_timing: _Timing | None = None
 
     def __del__(self) -> None:
         # At interpreter shutdown the driver may already be gone.
@@ -135,6 +167,19 @@ class _JobThread:
         while (job := self._jobs.get()) is not None:
             job()
             del job  # drop what it holds (a fence's event) now, not at the next get()
+
+
+@define(eq=False)
+class IssueStats:
+    """Batches issued in one direction and the host seconds issuing them took (the planning and
+    every driver call, on the launch thread or, without one, inside ``submit``)."""
+
+    batches: int = 0
+    seconds: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.batches += 1
+        self.seconds += seconds
 
 
 @define(eq=False)
@@ -220,6 +265,9 @@ class CudaBackend:
         self._staging: list[Any] = []
         self._tier: PinnedTier | None = None
         self._staged: list[bool] = []
+        self._last_timing: dict[Direction, _Timing | None] = dict.fromkeys(Direction)
+        self.issue_stats: dict[Direction, IssueStats] = {d: IssueStats() for d in Direction}
+        """Host time spent issuing each direction's batches (planning and driver calls)."""
         self._closed = False
         log.info(
             "cuda_backend_opened",
@@ -349,14 +397,41 @@ class CudaBackend:
         event = self._event_of(fence)
         assert isinstance(fence, CudaFence)
         if not fence.launched:
-            return FenceStatus.FAILED if fence.error is not None else FenceStatus.PENDING
+            if fence.error is not None:
+                fence.prev_timing = None
+                return FenceStatus.FAILED
+            return FenceStatus.PENDING
         (err,) = drv.cu.cuEventQuery(event)
         if err == drv.cu.CUresult.CUDA_SUCCESS:
             return FenceStatus.DONE
         if err == drv.cu.CUresult.CUDA_ERROR_NOT_READY:
             return FenceStatus.PENDING
+        fence.prev_timing = None
         log.error("cuda_fence_failed", error=getattr(err, "name", str(err)))
         return FenceStatus.FAILED
+
+    def copy_seconds(self, fence: Fence) -> float | None:
+        """Device seconds of a finished batch's copies (``TimesCopies``): from its start event
+        (after its waits) to its end event; where it began before the previous batch of its
+        direction had ended, from that end instead (so overlapping batches count once). None
+        without ``time_copies``, or when the driver cannot say."""
+        self._event_of(fence)
+        assert isinstance(fence, CudaFence)
+        timing, prev = fence.timing, fence.prev_timing
+        fence.prev_timing = None
+        if timing is None or not fence.launched:
+            return None
+        self._ctx.enter()
+        seconds = drv.elapsed_s(timing.start, timing.end)
+        if seconds is None:
+            return None
+        if prev is not None:
+            gap = drv.elapsed_s(prev.end, timing.start)
+            if gap is not None and gap < 0:
+                since_prev = drv.elapsed_s(prev.end, timing.end)
+                if since_prev is not None:
+                    seconds = max(0.0, since_prev)
+        return seconds
 
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
@@ -412,6 +487,8 @@ class CudaBackend:
                 work.append((g, table, gpu, cpu))
         self._ctx.enter()
         fence = CudaFence(drv.new_event(blocking=True), self, launched=False)
+        if self.config.time_copies:
+            fence.timing = _Timing()
         job = functools.partial(self._issue, batch.direction, work, waits, fence)
         if self._launcher is not None:
             self._launcher.put(job)
@@ -424,15 +501,22 @@ class CudaBackend:
     ) -> None:
         # ``waits`` holds CudaFence objects (checked by ``submit``), kept alive until used here.
         """Queue one batch's copies after ``waits`` and record ``fence`` after them."""
+        began = time.perf_counter()
         tier = self._tier
         assert tier is not None
         store = direction is Direction.STORE
         lane = self._lanes[direction]
         staged = direct = False
+        timing = fence.timing
         try:
             for stream in (lane.sm, lane.dma):
                 for waited in waits:
                     drv.wait(stream, waited.event)
+            if timing is not None:
+                # On the stream of the batch's first work: a staged store starts with the
+                # gather kernel, everything else with a DMA.
+                gathers = bool(work) and store and self._staged[work[0][0]]
+                drv.record(timing.start, lane.sm if gathers else lane.dma)
             for g, table, gpu, cpu in work:
                 tier.ensure(g, int(cpu.max()))
                 if self._staged[g]:
@@ -447,6 +531,8 @@ class CudaBackend:
             if staged and direct and not store:
                 drv.record(self._join, lane.dma)
                 drv.wait(lane.sm, self._join)
+            if timing is not None:
+                drv.record(timing.end, last)
             drv.record(fence.event, last)
         except Exception as exc:
             fence.error = str(exc)
@@ -455,6 +541,10 @@ class CudaBackend:
             if self._launcher is None:
                 raise
             return
+        if timing is not None:
+            fence.prev_timing = self._last_timing[direction]
+            self._last_timing[direction] = timing
+        self.issue_stats[direction].observe(time.perf_counter() - began)
         fence.launched = True
         self._notify(direction, fence)
 
@@ -502,6 +592,9 @@ class CudaBackend:
             blocks_per_slot=per_slot,
             chunk_blocks=tier.chunk_blocks(g),
             store=store,
+            ramp_blocks=max(1, self.config.ramp_bytes // table.block_bytes)
+            if self.config.ramp_bytes
+            else 0,
         )
         nsub = plan.num_subbatches
         nslots = len(ring.filled)
@@ -602,4 +695,4 @@ class CudaBackend:
             raise ClosedError("the CUDA backend is closed")
 
 
-__all__ = ["CudaBackend", "CudaConfig", "CudaFence"]
+__all__ = ["CudaBackend", "CudaConfig", "CudaFence", "IssueStats"]

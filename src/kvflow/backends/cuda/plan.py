@@ -151,6 +151,31 @@ class StagedPlan:
         return len(self.bounds) - 1
 
 
+def subbatch_bounds(n: int, blocks_per_slot: int, ramp_blocks: int, *, store: bool) -> I64:
+    """Where ``n`` blocks are cut into sub-batches of at most ``blocks_per_slot``.
+
+    With ``ramp_blocks`` (0 for none) a store's first sub-batch, and a load's last, holds at most
+    that many blocks: a store's first gather and a load's last scatter are the parts of a batch
+    that overlap no DMA, so making them short cuts the batch's fixed cost; every other
+    sub-batch is a full slot.
+    """
+    if blocks_per_slot <= 0:
+        raise ConfigError(f"blocks_per_slot must be positive, got {blocks_per_slot}")
+    ramp = min(ramp_blocks, blocks_per_slot) if ramp_blocks > 0 else 0
+    if n == 0:
+        return np.zeros(1, dtype=np.int64)
+    if not ramp or n <= ramp:
+        cuts = list(range(0, n, blocks_per_slot))
+    elif store:
+        cuts = [0, *range(ramp, n, blocks_per_slot)]
+    else:
+        # Full slots from the start, then whatever is left before the short last one.
+        body = n - ramp
+        cuts = [*range(0, body, blocks_per_slot), body]
+    cuts.append(n)
+    return np.asarray(cuts, dtype=np.int64)
+
+
 def staged_plan(
     table: RegionTable,
     cpu_ids: I64,
@@ -159,22 +184,17 @@ def staged_plan(
     blocks_per_slot: int,
     chunk_blocks: int,
     store: bool,
+    ramp_blocks: int = 0,
 ) -> StagedPlan:
-    """Sub-batches of ``blocks_per_slot`` blocks and whole-block DMA runs between slot and CPU.
+    """Sub-batches (``subbatch_bounds``) and whole-block DMA runs between slot and CPU.
 
     Inside a slot, block ``i`` of the sub-batch sits at ``i * block_bytes``; consecutive CPU ids
     therefore make one contiguous copy (split at registration-chunk and sub-batch boundaries).
     """
-    if blocks_per_slot <= 0:
-        raise ConfigError(f"blocks_per_slot must be positive, got {blocks_per_slot}")
     n = len(cpu_ids)
-    bounds = np.arange(0, n + blocks_per_slot, blocks_per_slot, dtype=np.int64)
-    bounds[-1] = n
-    if len(bounds) >= 2 and bounds[-2] == n:
-        bounds = bounds[:-1]
-    position = np.arange(n, dtype=np.int64)
-    # A new sub-batch restarts at slot offset 0, so runs must break there too.
-    slot_pos = position % blocks_per_slot
+    bounds = subbatch_bounds(n, blocks_per_slot, ramp_blocks, store=store)
+    # A new sub-batch restarts at slot offset 0, so runs break there too.
+    slot_pos = np.arange(n, dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
     starts, lengths = runs(slot_pos, cpu_ids, chunk_blocks)
     bb = table.block_bytes
     slot_off = slot_pos[starts] * bb
@@ -197,4 +217,5 @@ __all__ = [
     "direct_descriptors",
     "runs",
     "staged_plan",
+    "subbatch_bounds",
 ]
