@@ -105,6 +105,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured store + load steps")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     p.add_argument("--worker-loop", choices=("inline", "thread"), default="inline")
+    p.add_argument(
+        "--method",
+        choices=("auto", "staged", "direct"),
+        default="auto",
+        help="--device cuda: the CUDA backend's copy path (auto: what kvflow picks per layout)",
+    )
     p.add_argument("--ceiling-reps", type=int, default=5)
     p.add_argument(
         "--no-floor",
@@ -329,6 +335,15 @@ def build_connector(
         worker_loop=args.worker_loop,
         eager_store_interval=1,
     )
+    if backend is None and device.startswith("cuda") and args.method != "auto":
+        from kvflow.backends.cuda import CudaBackend, CudaConfig
+
+        # As make_backend builds it for this worker loop, with the path forced.
+        threads = args.worker_loop == "thread"
+        backend = CudaBackend(
+            int(device.split(":", 1)[1]) if ":" in device else 0,
+            CudaConfig(method=args.method, launch_thread=threads, completion_threads=threads),
+        )
     conn = OffloadConnector.build(config, kv, [block_bytes], now=time.perf_counter, backend=backend)
     conn.worker.register_kv_caches(tensors)
     conn.worker.wait_cpu_tier()
@@ -471,7 +486,8 @@ def device_name(device: str) -> str:
 def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
     table = Table(
         title=(
-            f"through the connector ({args.worker_loop} worker loop), {args.layers} layers, "
+            f"through the connector ({args.worker_loop} worker loop, {args.method} path), "
+            f"{args.layers} layers, "
             f"scattered GPU ids, on {device_name(args.device)}: medians of {args.steps} steps"
         )
     )
@@ -557,6 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = {
         "device": device_name(args.device),
         "worker_loop": args.worker_loop,
+        "method": args.method,
         "layers": args.layers,
         "steps": args.steps,
         "results": results,

@@ -377,3 +377,73 @@ def test_pinned_tier_rejects_bad_sizes() -> None:
         pinned.PinnedTier(ctx, [-1], [10], chunk_bytes=10, register="now")
     with pytest.raises(ConfigError, match="chunk_bytes"):
         pinned.PinnedTier(ctx, [1], [10], chunk_bytes=0, register="now")
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6),
+    blocks_per_slot=st.integers(1, 40),
+    chunk_blocks=st.integers(0, 17),
+    ramp_blocks=st.integers(0, 9),
+    store=st.booleans(),
+)
+def test_few_runs_plan_equals_the_array_plan(
+    pieces: list[tuple[int, int]],
+    blocks_per_slot: int,
+    chunk_blocks: int,
+    ramp_blocks: int,
+    store: bool,
+) -> None:
+    """CPU ids in a few ascending runs (however they meet sub-batch and chunk boundaries) get
+    exactly the descriptors and bounds of the numpy path."""
+    from kvflow.backends.cuda import plan as p
+
+    ids: list[int] = []
+    at = 0
+    for gap, length in pieces:
+        at += gap
+        ids += range(at, at + length)
+        at += length
+    cpu = np.array(ids, dtype=np.int64)
+    table = flash_table(1, 4, 16)
+    base = 1 << 30
+    fast = staged_plan(
+        table,
+        cpu,
+        base,
+        blocks_per_slot=blocks_per_slot,
+        chunk_blocks=chunk_blocks,
+        store=store,
+        ramp_blocks=ramp_blocks,
+    )
+    bounds = subbatch_bounds(len(cpu), blocks_per_slot, ramp_blocks, store=store)
+    slow = p._staged_plan_arrays(table, cpu, base, bounds, chunk_blocks, store)
+    assert len(pieces) < p.FEW_RUNS
+    assert fast.bounds.tolist() == slow.bounds.tolist()
+    assert fast.desc_bounds.tolist() == slow.desc_bounds.tolist()
+    for a, b in ((fast.dma.dst, slow.dma.dst), (fast.dma.src, slow.dma.src)):
+        assert a.tolist() == b.tolist()
+    assert fast.dma.size.tolist() == slow.dma.size.tolist()
+
+
+@pytest.mark.parametrize("page", [16, 1000, 4096, 70_000, 2 << 20])
+def test_device_rows_cut_large_pages_into_pieces_of_the_same_block(page: int) -> None:
+    """The kernel's rows cover each page exactly once, in pieces of at most about the limit
+    (16-byte multiples where the page is one), and map to the same CPU offsets: a gather over
+    the rows builds the same block-major block as over the regions."""
+    table = flash_table(2, 3, page)
+    rows = table.as_device_rows(64 * 1024)
+    assert rows.shape[1] == 4
+    if page <= 64 * 1024:
+        assert rows.tolist() == table.as_device_rows().tolist()
+    assert int(rows[:, 2].sum()) == table.block_bytes
+    assert int(rows[:, 2].max()) <= 64 * 1024 + 16
+    if page % 16 == 0:
+        assert all(int(p) % 16 == 0 for p in rows[:, 2])
+    gpu = np.random.default_rng(page).integers(0, 256, GPU_BASE + 2 * 2 * 3 * page, dtype=np.uint8)
+    for b in range(3):
+        block = np.zeros(table.block_bytes, dtype=np.uint8)
+        for base, stride, size, off in rows.tolist():
+            at = base + b * stride
+            block[off : off + size] = gpu[at : at + size]
+        assert np.array_equal(block, reference_block(gpu, table, b))

@@ -27,7 +27,7 @@ from attrs import define, evolve, frozen
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.cuda import driver as drv
-from kvflow.backends.cuda.kernels import MAX_IDS, StageKernel
+from kvflow.backends.cuda.kernels import MAX_IDS, PIECE_BYTES, StageKernel
 from kvflow.backends.cuda.pinned import PinnedTier
 from kvflow.backends.cuda.plan import (
     Descriptors,
@@ -262,6 +262,7 @@ class CudaBackend:
         self.layout: KVLayout | None = None
         self._tables: list[RegionTable] = []
         self._table_dev: list[Any] = []  # torch tensors keeping the region tables alive
+        self._kernel_rows: list[int] = []  # rows of each table: regions, large pages cut up
         self._staging: list[Any] = []
         self._tier: PinnedTier | None = None
         self._staged: list[bool] = []
@@ -299,9 +300,9 @@ class CudaBackend:
         self._ctx.enter()
         self._tables = [RegionTable.from_group(g) for g in layout.groups]
         torch = self._torch
-        self._table_dev = [
-            torch.from_numpy(t.as_device_rows()).to(f"cuda:{self.device}") for t in self._tables
-        ]
+        rows = [t.as_device_rows(PIECE_BYTES) for t in self._tables]
+        self._table_dev = [torch.from_numpy(r).to(f"cuda:{self.device}") for r in rows]
+        self._kernel_rows = [len(r) for r in rows]
         self._staged = [self._wants_staging(t) for t in self._tables]
         self.layout = layout
         log.info(
@@ -487,8 +488,6 @@ class CudaBackend:
                 work.append((g, table, gpu, cpu))
         self._ctx.enter()
         fence = CudaFence(drv.new_event(blocking=True), self, launched=False)
-        if self.config.time_copies:
-            fence.timing = _Timing()
         job = functools.partial(self._issue, batch.direction, work, waits, fence)
         if self._launcher is not None:
             self._launcher.put(job)
@@ -507,8 +506,9 @@ class CudaBackend:
         store = direction is Direction.STORE
         lane = self._lanes[direction]
         staged = direct = False
-        timing = fence.timing
         try:
+            # Made here, not in ``submit``: the caller's thread does as little as it can.
+            timing = fence.timing = _Timing() if self.config.time_copies else None
             for stream in (lane.sm, lane.dma):
                 for waited in waits:
                     drv.wait(stream, waited.event)
@@ -610,7 +610,7 @@ class CudaBackend:
             else Descriptors(staging, plan.dma.src, plan.dma.size)
         )
         regions_ptr = int(self._table_dev[g].data_ptr())
-        nreg, bb = table.num_regions, table.block_bytes
+        nreg, bb = self._kernel_rows[g], table.block_bytes
         bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
         for k, (slot, slot_ptr) in enumerate(zip(slots.tolist(), slot_ptrs.tolist(), strict=True)):
             lo, hi, dlo, dhi = bounds[k], bounds[k + 1], dbounds[k], dbounds[k + 1]
