@@ -4,24 +4,28 @@
 Not the backend alone (that is ``bench_transfer.py``): one ``OffloadConnector`` per layout over a
 real KV cache, and per measured step the engine's own calls, in its order.
 
-- store: the scheduler role matches and allocates a new request of ``--blocks`` full blocks on
-  scattered GPU ids and plans the step that computes them (``build_connector_meta``); the worker
-  role binds the plan, ``start_load_kv``, ``wait_for_save``; then ``get_finished`` /
-  ``build_worker_report`` → ``update_connector_output`` until the scheduler has committed the
-  store (it has no live transfer left);
+- store: a new request of ``--blocks`` full blocks is matched and allocated on scattered GPU ids
+  (untimed: that is scheduling, before the forward pass); then, timed, the scheduler role plans
+  the step that computes the blocks (``build_connector_meta``), the worker role binds the plan,
+  ``start_load_kv``, ``wait_for_save``, and ``get_finished`` / ``build_worker_report`` →
+  ``update_connector_output`` run until the scheduler has committed the store (no live
+  transfer left);
 - load: a request whose prompt is the stored one plus a token: ``get_num_new_matched_tokens``
   (a ``--blocks`` hit), ``update_state_after_alloc`` on fresh scattered GPU ids,
   ``build_connector_meta``, bind, ``start_load_kv``, ``wait_for_save``, then the same poll until
   the request is in ``finished_recving``.
 
-Wall time runs from the step's first engine call until the scheduler sees the result; copy time
-is what the backend measured of the copies (CUDA events around each batch, the host backend's
-copy thread: ``OffloadWorker.copy_stats``); launch is the time the engine's thread spends in
-``wait_for_save`` (store) or ``start_load_kv`` (load). The ceiling is measured in the same run:
-contiguous copies of the same bytes between one GPU buffer and the connector's own CPU tier
-(one ``cuMemcpyAsync`` per pinned chunk, CUDA events; on CPU a ``copy_`` of one tensor).
-Fixed cost per step = wall − bytes / ceiling. The first measured load is compared byte for byte
-with what was stored (a sample of blocks).
+Wall time runs from the step's first timed engine call until the scheduler sees the result;
+copy time is what the backend measured of the copies (CUDA events around each batch, the host
+backend's copy thread: ``OffloadWorker.copy_stats``); launch is the time the engine's thread
+spends in ``wait_for_save`` (store) or ``start_load_kv`` (load); issue is the CUDA backend's
+own time planning and making the driver calls (``CudaBackend.issue_stats``). The ceiling is
+measured in the same run: contiguous copies of the same bytes between one GPU buffer and the
+connector's own CPU tier (one ``cuMemcpyAsync`` per pinned chunk, CUDA events; on CPU a
+``copy_`` of one tensor). Fixed cost per step = wall − bytes / ceiling. The floor is a second
+run of the same steps on a backend whose copies finish at once: kvflow's own work per step.
+The first measured load is compared byte for byte with what was stored (a sample of blocks).
+Start-up objects are frozen out of the garbage collector (``gc.freeze``), as vLLM does.
 
     PYTHONPATH=src python scripts/bench_connector_transfer.py --json out.json        # on a GPU
     PYTHONPATH=src python scripts/bench_connector_transfer.py --device cpu --blocks 16 \\
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import logging
 import statistics
@@ -235,13 +240,15 @@ class Driver:
         return self.step_no
 
     def store(self, req: KVRequest, gpu: tuple[int, ...]) -> tuple[float, float]:
-        """The store step of a new request on ``gpu``; (wall seconds, launch seconds)."""
+        """The step that computes a new request's blocks on ``gpu`` and stores them; (wall
+        seconds, launch seconds). The wall starts at the step's plan: the match and the
+        allocation came at scheduling time, before the step's forward pass."""
         sched = self.conn.scheduler
-        t0 = time.perf_counter()
         sched.get_num_new_matched_tokens(req, 0)
         sched.update_state_after_alloc(req, (gpu,), 0)
         n = len(req.all_token_ids)
         new = NewRequest(req.request_id, (gpu,), 0, n)
+        t0 = time.perf_counter()
         launch = self._step(SchedulerOutput(self.next_step(), new_requests=(new,)))
         self._poll(lambda _: not sched.has_pending_push_work(), f"store of {req.request_id}")
         return time.perf_counter() - t0, launch
@@ -347,6 +354,8 @@ def build_connector(
     conn = OffloadConnector.build(config, kv, [block_bytes], now=time.perf_counter, backend=backend)
     conn.worker.register_kv_caches(tensors)
     conn.worker.wait_cpu_tier()
+    gc.collect()
+    gc.freeze()
     return conn
 
 

@@ -131,3 +131,30 @@ def test_connector_transfer_bench_drives_every_layout_through_the_connector(
 def test_connector_transfer_bench_says_it_needs_cuda() -> None:
     """Without a GPU the default --device cuda exits with status 2 instead of failing."""
     assert bench_connector_transfer.main(["--steps", "1"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["auto", "staged"])
+def test_connector_transfer_bench_on_cuda_is_byte_exact_and_timed_by_events(
+    tmp_path: Path, method: str
+) -> None:
+    """On the CUDA backend every layout's round trip through the connector is byte-exact, every
+    copy is timed by CUDA events, and the copy time is within the step's wall time."""
+    out = tmp_path / "connector_transfer_cuda.json"
+    rc = bench_connector_transfer.main(
+        [
+            "--blocks", "64", "--layers", "4", "--steps", "3", "--warmup", "1",
+            "--method", method, "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    for r in json.loads(out.read_text())["results"]:
+        assert r["bytes_match"] is True
+        assert r["copy_time_measured"] is True
+        if method == "staged":
+            assert r["path"] == "staged"
+        for d in ("store", "load"):
+            assert 0 < r[d]["copy_ms"] <= r[d]["wall_ms"]
+            assert r[d]["issue_us"] > 0
+            assert r[d]["ceiling_gbps"] > 1

@@ -258,6 +258,7 @@ class DmaExecutor:
         if self._outstanding == 0:
             self._no_outstanding = anyio.Event()
         self._outstanding += 1
+        started = self.now()  # before submit: a copy thread may start at once
         try:
             fence = self.backend.submit(batch, wait_for)
         except Exception as exc:  # a refused submit fails its transfers, never the actor
@@ -279,7 +280,6 @@ class DmaExecutor:
             blocks=batch.num_blocks,
             waits=len(wait_for),
         )
-        started = self.now()
         per_group = [len(ids) for ids in batch.gpu_block_ids]
         stats = self.throughput[order.direction]
 
