@@ -407,7 +407,11 @@ def test_few_runs_plan_equals_the_array_plan(
     cpu = np.array(ids, dtype=np.int64)
     table = flash_table(1, 4, 16)
     base = 1 << 30
-    fast = staged_plan(
+    bounds = subbatch_bounds(len(cpu), blocks_per_slot, ramp_blocks, store=store)
+    starts = (np.flatnonzero(np.diff(cpu) != 1) + 1).tolist()
+    fast = p._staged_plan_runs(table, cpu, base, bounds, starts, chunk_blocks, store)
+    slow = p._staged_plan_arrays(table, cpu, base, bounds, chunk_blocks, store)
+    chosen = staged_plan(
         table,
         cpu,
         base,
@@ -416,9 +420,7 @@ def test_few_runs_plan_equals_the_array_plan(
         store=store,
         ramp_blocks=ramp_blocks,
     )
-    bounds = subbatch_bounds(len(cpu), blocks_per_slot, ramp_blocks, store=store)
-    slow = p._staged_plan_arrays(table, cpu, base, bounds, chunk_blocks, store)
-    assert len(pieces) < p.FEW_RUNS
+    assert chosen.dma.size.tolist() == slow.dma.size.tolist()
     assert fast.bounds.tolist() == slow.bounds.tolist()
     assert fast.desc_bounds.tolist() == slow.desc_bounds.tolist()
     for a, b in ((fast.dma.dst, slow.dma.dst), (fast.dma.src, slow.dma.src)):

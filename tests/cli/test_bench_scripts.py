@@ -16,6 +16,7 @@ from scripts import (
     bench_logging,
     bench_pd_control,
     bench_pd_transfer,
+    bench_transfer,
 )
 
 
@@ -158,3 +159,19 @@ def test_connector_transfer_bench_on_cuda_is_byte_exact_and_timed_by_events(
             assert 0 < r[d]["copy_ms"] <= r[d]["wall_ms"]
             assert r[d]["issue_us"] > 0
             assert r[d]["ceiling_gbps"] > 1
+
+
+def test_transfer_bench_plans_without_a_gpu(tmp_path: Path) -> None:
+    """--plan-only times the host side of a staged step: CPU ids in runs need far fewer DMA
+    descriptors than scattered ones."""
+    out = tmp_path / "plan.json"
+    rc = bench_transfer.main(
+        ["--plan-only", "--chunks", "4,32", "--layers", "2", "--blocks", "64", "--json", str(out)]
+    )
+    assert rc == 0
+    rows = json.loads(out.read_text())["plan_only"]
+    assert [r["chunk_kib"] for r in rows] == [4, 32]
+    for r in rows:
+        assert r["one_run_descriptors"] <= r["churned_pool_descriptors"] < 64
+        assert r["scattered_descriptors"] > 32
+        assert r["one_run_plan_us"] > 0

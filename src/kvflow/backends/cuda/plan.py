@@ -194,9 +194,10 @@ def subbatch_bounds(n: int, blocks_per_slot: int, ramp_blocks: int, *, store: bo
 
 
 FEW_RUNS = 48
-"""Below this many CPU-id runs, ``staged_plan`` cuts the runs in Python: a handful of pieces
-cost less than the numpy path's few dozen array calls (what a CPU pool that hands out
-ascending runs gives)."""
+"""Below about this many DMA pieces (CPU-id runs, sub-batches, pinned-chunk crossings),
+``staged_plan`` cuts them in Python: a handful of pieces cost less than the numpy path's few
+dozen array calls (what a CPU pool that hands out ascending runs gives); more cost more
+(``scripts/bench_transfer.py --plan-only``)."""
 
 
 def _staged_plan_runs(
@@ -266,7 +267,9 @@ def staged_plan(
     bounds = subbatch_bounds(n, blocks_per_slot, ramp_blocks, store=store)
     if n:
         run_starts = np.flatnonzero(np.diff(cpu_ids) != 1)
-        if len(run_starts) < FEW_RUNS:
+        # About how many pieces the loop would cut: runs, sub-batches, chunk crossings.
+        pieces = len(run_starts) + len(bounds) + (n // chunk_blocks if chunk_blocks > 0 else 0)
+        if pieces < FEW_RUNS:
             return _staged_plan_runs(
                 table, cpu_ids, cpu_base, bounds, (run_starts + 1).tolist(), chunk_blocks, store
             )
