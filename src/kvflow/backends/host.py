@@ -220,13 +220,16 @@ class HostBackend:
             wide = all(_fits_words(rc.view) for rc in regions) and _fits_words(cpu)
             tier = _words(cpu) if wide else cpu
             unit = 8 if wide else 1
+            # index_select / index_copy_, not ``t[ids]``: torch's indexing operators hold the
+            # GIL for the whole copy, which would stall the engine's thread.
             if batch.direction is Direction.STORE:
                 # Region by region into the block-major rows: page r of block b at its offset.
                 for rc in regions:
                     lo, hi = rc.cpu_offset // unit, (rc.cpu_offset + rc.page_bytes) // unit
-                    tier[:, lo:hi].index_copy_(0, ci, (_words(rc.view) if wide else rc.view)[gi])
+                    pages = (_words(rc.view) if wide else rc.view).index_select(0, gi)
+                    tier[:, lo:hi].index_copy_(0, ci, pages)
             else:
-                rows = tier[ci]
+                rows = tier.index_select(0, ci)
                 for rc in regions:
                     lo, hi = rc.cpu_offset // unit, (rc.cpu_offset + rc.page_bytes) // unit
                     (_words(rc.view) if wide else rc.view).index_copy_(0, gi, rows[:, lo:hi])
