@@ -36,6 +36,7 @@ from kvflow.backends.cuda.plan import (
     direct_descriptors,
     staged_plan,
 )
+from kvflow.backends.cuda.timing import IssueStats, Timing
 from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
 from kvflow.core.logs import get_logger
@@ -91,24 +92,6 @@ class CudaConfig:
             raise ConfigError("CudaConfig.ramp_bytes must not be negative")
 
 
-class _Timing:
-    """Two timing events around one batch's copies: ``start`` after its waits, ``end`` after
-    its last work. Owns them: they go when the last fence referring to them goes."""
-
-    __slots__ = ("end", "start")
-
-    def __init__(self) -> None:
-        self.start = drv.new_event(timing=True)
-        self.end = drv.new_event(timing=True)
-
-    def __del__(self) -> None:
-        # At interpreter shutdown the driver may already be gone.
-        with contextlib.suppress(Exception):
-            drv.cu.cuEventDestroy(self.start)
-        with contextlib.suppress(Exception):
-            drv.cu.cuEventDestroy(self.end)
-
-
 class CudaFence:
     """A CUDA event; created by one backend and only meaningful to it.
 
@@ -126,8 +109,8 @@ class CudaFence:
         self.owner = owner
         self.launched = launched
         self.error: str | None = None
-        self.timing: _Timing | None = None
-        self.prev_timing: _Timing | None = None
+        self.timing: Timing | None = None
+        self.prev_timing: Timing | None = None
 
     def __del__(self) -> None:
         # At interpreter shutdown the driver may already be gone.
@@ -167,19 +150,6 @@ class _JobThread:
         while (job := self._jobs.get()) is not None:
             job()
             del job  # drop what it holds (a fence's event) now, not at the next get()
-
-
-@define(eq=False)
-class IssueStats:
-    """Batches issued in one direction and the host seconds issuing them took (the planning and
-    every driver call, on the launch thread or, without one, inside ``submit``)."""
-
-    batches: int = 0
-    seconds: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.batches += 1
-        self.seconds += seconds
 
 
 @define(eq=False)
@@ -266,7 +236,7 @@ class CudaBackend:
         self._staging: list[Any] = []
         self._tier: PinnedTier | None = None
         self._staged: list[bool] = []
-        self._last_timing: dict[Direction, _Timing | None] = dict.fromkeys(Direction)
+        self._last_timing: dict[Direction, Timing | None] = dict.fromkeys(Direction)
         self.issue_stats: dict[Direction, IssueStats] = {d: IssueStats() for d in Direction}
         """Host time spent issuing each direction's batches (planning and driver calls)."""
         self._closed = False
@@ -508,7 +478,7 @@ class CudaBackend:
         staged = direct = False
         try:
             # Made here, not in ``submit``: the caller's thread does as little as it can.
-            timing = fence.timing = _Timing() if self.config.time_copies else None
+            timing = fence.timing = Timing() if self.config.time_copies else None
             for stream in (lane.sm, lane.dma):
                 for waited in waits:
                     drv.wait(stream, waited.event)
@@ -688,6 +658,7 @@ class CudaBackend:
         drv.cu.cuEventDestroy(self._join)
         self._staging.clear()
         self._table_dev.clear()
+        self._last_timing = dict.fromkeys(Direction)  # its events go now, not at exit
         log.info("cuda_backend_closed", device=self.device)
 
     def _check_open(self) -> None:
