@@ -578,6 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress.remove_task(task)
     finally:
         structlog.reset_defaults()
+        gc.unfreeze()
     render(results, args, console)
     out = {
         "device": device_name(args.device),
