@@ -289,6 +289,8 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
         if batch is not None:
             parts["batch_512_blocks"] = timed(lambda: batch(scattered, lane.attrs, own))
             parts["batch_1_copy"] = timed(lambda: batch(one, lane.attrs, own))
+        # What CudaConfig.batch_min_copies weighs: the same single copy as one cuMemcpyAsync.
+        parts["memcpy_1_copy"] = timed(lambda: drv.memcpy_each(one, own))
         backend.set_method("auto")
         return parts
 
@@ -429,7 +431,14 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     console.print(t3)
     t4 = new_table(
         "launch cost breakdown, µs (each part alone, queues drained)",
-        ["chunk", "kvflow issued", "numpy plan", "1 cuMemcpyBatchAsync, 512 blocks", "…, 1 block"],
+        [
+            "chunk",
+            "kvflow issued",
+            "numpy plan",
+            "1 cuMemcpyBatchAsync, 512 blocks",
+            "…, 1 block",
+            "1 cuMemcpyAsync, 1 block",
+        ],
     )
     for r in results:
         lu = r["launch_us"]
@@ -437,7 +446,13 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             f"{r['chunk_kib']} KiB",
             *(
                 f"{lu.get(k, float('nan')):.0f}"
-                for k in ("kvflow_issued", "plan", "batch_512_blocks", "batch_1_copy")
+                for k in (
+                    "kvflow_issued",
+                    "plan",
+                    "batch_512_blocks",
+                    "batch_1_copy",
+                    "memcpy_1_copy",
+                )
             ),
         )
     console.print(t4)

@@ -384,14 +384,16 @@ def test_without_completion_threads_a_fence_is_found_by_polling(make_backend: An
     backend.set_wakeup(None)
 
 
+@pytest.mark.parametrize("batch_min_copies", [1, 4])
 @pytest.mark.parametrize("method", ["staged", "direct"])
 @pytest.mark.parametrize("style", ["flash", "mla", "cross"])
 def test_round_trip_in_cpu_runs_across_chunks_and_slots(
-    make_backend: Any, style: str, method: str
+    make_backend: Any, style: str, method: str, batch_min_copies: int
 ) -> None:
     """CPU ids in ascending runs (what the CPU block pool hands out) that cross pinned-chunk and
     staging-slot boundaries, with scattered GPU ids and a short first / last sub-batch, come
-    back byte for byte, and each batch's copy time is measured."""
+    back byte for byte (few copies batched, or one cuMemcpyAsync each), and each batch's copy
+    time is measured."""
     n, cpu_blocks = 96, 90
     kv = make_kv(style, torch.bfloat16, 4 * KiB, n)
     backend = make_backend(
@@ -399,6 +401,7 @@ def test_round_trip_in_cpu_runs_across_chunks_and_slots(
         slot_bytes=512 * KiB,
         ramp_bytes=100 * KiB,
         register_chunk_bytes=7 * 3 * 2 * 4 * KiB,  # 7 blocks of the flash layout per chunk
+        batch_min_copies=batch_min_copies,
     )
     layout = backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([cpu_blocks])

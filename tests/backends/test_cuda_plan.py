@@ -449,3 +449,14 @@ def test_device_rows_cut_large_pages_into_pieces_of_the_same_block(page: int) ->
             at = base + b * stride
             block[off : off + size] = gpu[at : at + size]
         assert np.array_equal(block, reference_block(gpu, table, b))
+
+
+@pytest.mark.parametrize("field", ["batch_min_copies", "slot_bytes", "ramp_bytes"])
+def test_cuda_config_rejects_bad_sizes(field: str) -> None:
+    """A count or size that cannot work is a ConfigError at construction, naming the field."""
+    from kvflow.backends.cuda import CudaConfig
+
+    bad = -1 if field == "ramp_bytes" else 0
+    with pytest.raises(ConfigError, match=field):
+        CudaConfig(**{field: bad})
+    assert CudaConfig(ramp_bytes=0).ramp_bytes == 0

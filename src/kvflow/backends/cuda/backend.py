@@ -68,6 +68,11 @@ class CudaConfig:
     """CTAs of one gather/scatter launch: few enough to leave compute most of the GPU."""
     register_chunk_bytes: int = 64 * MiB
     """Pinning granularity: a transfer waits for at most the one chunk it needs."""
+    batch_min_copies: int = 4
+    """Fewer copies than this in one call go as one ``cuMemcpyAsync`` each: on the H200's host
+    one such call cost at most about 3.7 µs (the per-page baseline's rate at 4 KiB), one
+    ``cuMemcpyBatchAsync`` 11–21 µs even for a single copy (docs/benchmarks.md), and a staged
+    sub-batch of CPU ids in runs has one to three copies."""
     use_batch_memcpy: bool = True
     """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
     launch_thread: bool = True
@@ -85,7 +90,13 @@ class CudaConfig:
             raise ConfigError(
                 f"CudaConfig.method must be auto, staged or direct, not {self.method!r}"
             )
-        for name in ("slot_bytes", "num_slots", "gather_ctas", "register_chunk_bytes"):
+        for name in (
+            "slot_bytes",
+            "num_slots",
+            "gather_ctas",
+            "register_chunk_bytes",
+            "batch_min_copies",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"CudaConfig.{name} must be positive")
         if self.ramp_bytes < 0:
@@ -525,9 +536,10 @@ class CudaBackend:
             waiter.put(functools.partial(self._await, fence))
 
     def _copy(self, desc: Descriptors, lane: _Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
-        """Copy descriptors ``lo:hi`` of ``desc`` on ``stream`` (one driver call when batched)."""
+        """Copy descriptors ``lo:hi`` of ``desc`` on ``stream``: one batched driver call, or
+        for a few copies (or without ``cuMemcpyBatchAsync``) one ``cuMemcpyAsync`` each."""
         hi = len(desc) if hi < 0 else hi
-        if self._batch is not None:
+        if self._batch is not None and hi - lo >= self.config.batch_min_copies:
             self._batch.raw(
                 desc.dst.ctypes.data + 8 * lo,
                 desc.src.ctypes.data + 8 * lo,
