@@ -450,6 +450,12 @@ def bench_layout(
             floor, _ = measure(args, null, None, blocks, num_gpu, tick)
         finally:
             null.worker.shutdown()
+    # The next case must not find this one's pinned tier or KV tensors held by frozen cycles.
+    del conn, tensors
+    gc.unfreeze()
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     result: dict[str, Any] = {
         "layout": spec.name,
         "what": spec.what,

@@ -458,5 +458,5 @@ def test_cuda_config_rejects_bad_sizes(field: str) -> None:
 
     bad = -1 if field == "ramp_bytes" else 0
     with pytest.raises(ConfigError, match=field):
-        CudaConfig(**{field: bad})
+        CudaConfig(**{field: bad})  # type: ignore[arg-type]
     assert CudaConfig(ramp_bytes=0).ramp_bytes == 0
