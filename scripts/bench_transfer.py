@@ -289,6 +289,8 @@ def bench_chunk(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
         if batch is not None:
             parts["batch_512_blocks"] = timed(lambda: batch(scattered, lane.attrs, own))
             parts["batch_1_copy"] = timed(lambda: batch(one, lane.attrs, own))
+        # What CudaConfig.batch_min_copies weighs: the same single copy as one cuMemcpyAsync.
+        parts["memcpy_1_copy"] = timed(lambda: drv.memcpy_each(one, own))
         backend.set_method("auto")
         return parts
 
@@ -429,7 +431,14 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     console.print(t3)
     t4 = new_table(
         "launch cost breakdown, µs (each part alone, queues drained)",
-        ["chunk", "kvflow issued", "numpy plan", "1 cuMemcpyBatchAsync, 512 blocks", "…, 1 block"],
+        [
+            "chunk",
+            "kvflow issued",
+            "numpy plan",
+            "1 cuMemcpyBatchAsync, 512 blocks",
+            "…, 1 block",
+            "1 cuMemcpyAsync, 1 block",
+        ],
     )
     for r in results:
         lu = r["launch_us"]
@@ -437,7 +446,13 @@ def show(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             f"{r['chunk_kib']} KiB",
             *(
                 f"{lu.get(k, float('nan')):.0f}"
-                for k in ("kvflow_issued", "plan", "batch_512_blocks", "batch_1_copy")
+                for k in (
+                    "kvflow_issued",
+                    "plan",
+                    "batch_512_blocks",
+                    "batch_1_copy",
+                    "memcpy_1_copy",
+                )
             ),
         )
     console.print(t4)
@@ -469,6 +484,102 @@ def plot(results: list[dict[str, Any]], meta: dict[str, Any], path: str) -> None
     fig.savefig(path, dpi=120)
 
 
+def plan_only(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The host side of one staged step without a GPU: planning time and DMA descriptors for
+    scattered CPU ids, ascending runs from a churned CPU pool, and one run (numpy timing only)."""
+    import numpy as np
+
+    from kvflow.backends.cuda import CudaConfig
+    from kvflow.backends.cuda.kernels import MAX_IDS
+    from kvflow.backends.cuda.plan import RegionTable, block_ids, staged_plan
+    from kvflow.core.block_pool import BlockPool
+    from kvflow.core.layout import TensorDesc, derive_layout
+
+    cfg = CudaConfig(slot_bytes=args.slot_mib << 20, register_chunk_bytes=args.pin_chunk_mib << 20)
+    step, n_gpu, layers = int(args.blocks), int(args.gpu_blocks), int(args.layers)
+    rng = np.random.default_rng(0)
+    # A CPU pool that has stored and evicted steps of uneven sizes: the runs it hands out now.
+    pool = BlockPool(4 * step, ascending_runs=True)
+    held: list[list[int]] = []
+    for i in range(40):
+        size = int(rng.integers(step // 8, step)) if i % 3 else step
+        size = min(size, pool.num_free_blocks)
+        ids = pool.get_new_blocks(size)
+        pool.release_owned(ids, [bytes([i % 256, j % 256, j // 256]) * 6 for j in range(size)])
+        held.append(ids)
+    churned = pool.get_new_blocks(step)
+    out = []
+    for chunk in (int(x) * KiB for x in args.chunks.split(",")):
+        heads = chunk // (2 * 16 * 128)
+        descs = {
+            f"l{i}": TensorDesc(
+                f"l{i}",
+                (2, n_gpu, 16, heads, 128),
+                (n_gpu * 16 * heads * 128, 16 * heads * 128, heads * 128, 128, 1),
+                2,
+                (i + 1) << 36,
+                "cuda:0",
+            )
+            for i in range(layers)
+        }
+        table = RegionTable.from_group(derive_layout(descs, n_gpu).groups[0])
+        bb = table.block_bytes
+        per_slot = min(MAX_IDS, cfg.slot_bytes // bb)
+        chunk_blocks = max(1, cfg.register_chunk_bytes // bb)
+        ramp = max(1, cfg.ramp_bytes // bb)
+        row: dict[str, Any] = {"chunk_kib": chunk // KiB, "subbatches": 0}
+        for name, ids in (
+            ("scattered", rng.permutation(4 * step)[:step].tolist()),
+            ("churned_pool", churned),
+            ("one_run", list(range(7, 7 + step))),
+        ):
+            cpu = block_ids(tuple(ids), 4 * step, "cpu")
+            best = float("inf")
+            for _ in range(7):
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    plan = staged_plan(
+                        table,
+                        block_ids(tuple(ids), 4 * step, "cpu"),
+                        1 << 40,
+                        blocks_per_slot=per_slot,
+                        chunk_blocks=chunk_blocks,
+                        store=True,
+                        ramp_blocks=ramp,
+                    )
+                best = min(best, (time.perf_counter() - t0) / 50)
+            plan = staged_plan(
+                table,
+                cpu,
+                1 << 40,
+                blocks_per_slot=per_slot,
+                chunk_blocks=chunk_blocks,
+                store=True,
+                ramp_blocks=ramp,
+            )
+            row[f"{name}_plan_us"] = best * 1e6
+            row[f"{name}_descriptors"] = len(plan.dma)
+            row["subbatches"] = plan.num_subbatches
+        out.append(row)
+    table_ = new_table(
+        f"planning one staged {step}-block store on the host (µs, best of 7 × 50; ids "
+        "validated too) and its DMA descriptors",
+        ["chunk", "sub-batches", "scattered", "desc", "churned pool", "desc", "one run", "desc"],
+    )
+    for r in out:
+        table_.add_row(
+            f"{r['chunk_kib']} KiB",
+            str(r["subbatches"]),
+            *(
+                x
+                for k in ("scattered", "churned_pool", "one_run")
+                for x in (f"{r[k + '_plan_us']:.0f}", str(r[k + "_descriptors"]))
+            ),
+        )
+    console.print(table_)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -485,7 +596,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write results here")
     p.add_argument("--from-json", help="read results instead of measuring")
     p.add_argument("--plot", help="write the bandwidth plot (PNG) here")
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="no GPU: time the host-side planning of a staged step and count its descriptors",
+    )
     args = p.parse_args(argv)
+    if args.plan_only:
+        planned = plan_only(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"plan_only": planned}, f, indent=1)
+        return 0
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)

@@ -10,11 +10,12 @@
 # Steps: tests, step (one decode step, eager vs CUDA graphs), reload (16k reload and 0 % reuse),
 # noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
 # its own), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
-# against the engine's own copies and kernels), tp (two GPUs only). Missing Python packages (structlog,
+# against the engine's own copies and kernels), connector (block transfers through the connector,
+# every layout; cross-layer again on the staged path), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists.
 set -u
 OUT=${OUT:-./device-out}
-STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-thread multiround decode contention tp}
+STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-thread multiround decode contention connector tp}
 mkdir -p "$OUT/logs"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -73,6 +74,11 @@ for step in $STEPS; do
     contention)
       run copy_contention 120 python3 scripts/bench_copy_contention.py \
         --json "$OUT/copy_contention.json" ;;
+    connector)
+      run connector_transfer 200 python3 scripts/bench_connector_transfer.py \
+        --json "$OUT/connector_transfer.json"
+      run connector_transfer_cross_staged 60 python3 scripts/bench_connector_transfer.py \
+        --layouts cross --method staged --json "$OUT/connector_transfer_cross_staged.json" ;;
     tp)
       if [ "$gpus" -ge 2 ]; then
         run tp_tests 300 python3 -m pytest tests/distributed -q -p no:cacheprovider

@@ -382,3 +382,130 @@ def test_without_completion_threads_a_fence_is_found_by_polling(make_backend: An
         got = torch.from_numpy(backend.cpu_block(0, i).copy())
         assert torch.equal(got, block_bytes(kv, "flash", b))
     backend.set_wakeup(None)
+
+
+@pytest.mark.parametrize("batch_min_copies", [1, 4])
+@pytest.mark.parametrize("method", ["staged", "direct"])
+@pytest.mark.parametrize("style", ["flash", "mla", "cross"])
+def test_round_trip_in_cpu_runs_across_chunks_and_slots(
+    make_backend: Any, style: str, method: str, batch_min_copies: int
+) -> None:
+    """CPU ids in ascending runs (what the CPU block pool hands out) that cross pinned-chunk and
+    staging-slot boundaries, with scattered GPU ids and a short first / last sub-batch, come
+    back byte for byte (few copies batched, or one cuMemcpyAsync each), and each batch's copy
+    time is measured."""
+    n, cpu_blocks = 96, 90
+    kv = make_kv(style, torch.bfloat16, 4 * KiB, n)
+    backend = make_backend(
+        method=method,
+        slot_bytes=512 * KiB,
+        ramp_bytes=100 * KiB,
+        register_chunk_bytes=7 * 3 * 2 * 4 * KiB,  # 7 blocks of the flash layout per chunk
+        batch_min_copies=batch_min_copies,
+    )
+    layout = backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([cpu_blocks])
+    assert backend.cpu_tier.chunk_blocks(0) < 20
+    rng = np.random.default_rng(3)
+    src = rng.permutation(n)[:70].tolist()
+    cpu = [*range(5, 45), *range(50, 70), 88, 71, 72, 73, 2, 3, 4, 80, 81, 82]
+    want = [block_bytes(kv, style, b) for b in src]
+    fence = backend.submit(store(src, cpu), [backend.compute_fence()])
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    seconds = backend.copy_seconds(fence)
+    assert seconds is not None
+    assert 0 < seconds < 1
+    for c, w in zip(cpu, want, strict=True):
+        assert np.array_equal(backend.cpu_block(0, c), w.numpy())
+    for t in kv.values():
+        t.view(torch.uint8).random_(0, 256)
+    dst = rng.permutation(n)[:70].tolist()
+    fence = backend.submit(load(cpu, dst))
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    assert backend.copy_seconds(fence) is not None
+    for d, w in zip(dst, want, strict=True):
+        assert torch.equal(block_bytes(kv, style, d), w)
+    assert layout.groups[0].block_bytes * 70 > 512 * KiB  # several slots were used
+    assert backend.issue_stats[Direction.STORE].batches == 1
+    assert backend.issue_stats[Direction.LOAD].seconds > 0
+
+
+@pytest.mark.parametrize("launch_thread", [True, False])
+def test_copy_seconds_is_device_time_after_the_compute_waited_for(
+    make_backend: Any, launch_thread: bool
+) -> None:
+    """A store fenced on ~0.1 s of compute measures only its copies (its start event is after
+    the wait), and two back-to-back batches of a direction count their overlap once."""
+    _kv, backend = ready(
+        make_backend, "flash", torch.bfloat16, 32 * KiB, 64, 64, launch_thread=launch_thread
+    )
+    torch.cuda.synchronize()
+    gpu_sleep()
+    began = torch.cuda.Event(enable_timing=True)
+    began.record()
+    first = backend.submit(store(list(range(32)), list(range(32))), [backend.compute_fence()])
+    second = backend.submit(store(list(range(32, 64)), list(range(32, 64))))
+    backend.flush()
+    ended = torch.cuda.Event(enable_timing=True)
+    ended.record()
+    ended.synchronize()
+    wall = float(began.elapsed_time(ended)) * 1e-3
+    a, b = backend.copy_seconds(first), backend.copy_seconds(second)
+    assert a is not None
+    assert b is not None
+    assert wall > 0.05  # the sleep
+    assert 0 < a < 0.02  # 6 MiB at PCIe speed: well under a ms, without the sleep
+    assert 0 < b < 0.02
+    from kvflow.backends.cuda import driver as drv
+
+    assert first.timing is not None
+    assert second.timing is not None
+    span = drv.elapsed_s(first.timing.start, second.timing.end)
+    assert span is not None
+    assert a + b <= span + 1e-4
+    assert first.prev_timing is None
+    assert second.prev_timing is None
+
+
+def test_without_time_copies_no_copy_time_is_claimed(make_backend: Any) -> None:
+    """With ``time_copies=False`` the backend records no timing events and says None."""
+    _kv, backend = ready(make_backend, "mla", torch.bfloat16, 4 * KiB, 8, 8, time_copies=False)
+    fence = backend.submit(store([1, 2], [3, 4]))
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    assert fence.timing is None
+    assert backend.copy_seconds(fence) is None
+
+
+def test_worker_copy_stats_on_cuda_are_measured(make_backend: Any) -> None:
+    """Through the inline worker loop (no kvflow threads), the worker's copy throughput comes
+    from the CUDA events: every batch measured, copy time within the time in flight."""
+    from kvflow.core.protocol import StepPlan, TransferSpec
+    from kvflow.runtime.factory import make_sync_worker
+    from kvflow.runtime.sync_worker import WorkerLoop
+    from kvflow.runtime.worker import WorkerOptions
+
+    kv = make_kv("flash", torch.bfloat16, 32 * KiB, 64)
+    backend = make_backend(launch_thread=False, completion_threads=False)
+    worker = make_sync_worker(backend, WorkerOptions(), loop=WorkerLoop.INLINE)
+    try:
+        worker.register_kv_caches(kv, 64)
+        worker.allocate_cpu_tier(64)
+        spec = TransferSpec(1, "r", Direction.STORE, [list(range(1, 33))], [list(range(32))])
+        worker.bind_connector_metadata(StepPlan(1, stores=(spec,)))
+        worker.start_load_kv()
+        worker.wait_for_save()
+        for _ in range(10_000):
+            sending, _recving = worker.get_finished()
+            if sending:
+                break
+            worker.wait_for_progress(0.01)
+        stats = worker.copy_stats()[Direction.STORE]
+        assert stats.measured
+        assert stats.bytes == 32 * 2 * 3 * 32 * KiB
+        assert 0 < stats.copy_s <= stats.in_flight_s
+        assert worker.copy_throughput()[Direction.STORE] == (stats.bytes, stats.copy_s)
+    finally:
+        worker.shutdown()

@@ -18,6 +18,7 @@ from kvflow.backends.cuda.plan import (
     direct_descriptors,
     runs,
     staged_plan,
+    subbatch_bounds,
 )
 from kvflow.core.layout import TensorDesc, derive_layout
 from kvflow.errors import BackendError, ConfigError
@@ -123,6 +124,7 @@ def test_direct_descriptors_merge_cross_layer_runs() -> None:
     cpu_shift=st.integers(0, 8),
     blocks_per_slot=st.integers(1, 6),
     chunk_blocks=st.integers(0, 5),
+    ramp_blocks=st.integers(0, 4),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_staged_plan_round_trip_equals_direct(
@@ -132,9 +134,12 @@ def test_staged_plan_round_trip_equals_direct(
     cpu_shift: int,
     blocks_per_slot: int,
     chunk_blocks: int,
+    ramp_blocks: int,
     seed: int,
 ) -> None:
-    """Gather into slots + whole-block DMA fills the CPU tier exactly as per-page copies do, and back."""
+    """Gather into slots + whole-block DMA fills the CPU tier exactly as per-page copies do, and
+    whole-block DMA into slots + scatter brings it back (with or without a short first store /
+    last load sub-batch)."""
     num_blocks = 16
     table = flash_table(num_layers, num_blocks, page)
     gpu_bytes = num_layers * 2 * num_blocks * page
@@ -152,11 +157,20 @@ def test_staged_plan_round_trip_equals_direct(
     expected = [reference_block(memory, table, int(g)) for g in gpu]
 
     plan = staged_plan(
-        table, cpu, cpu_base, blocks_per_slot=blocks_per_slot, chunk_blocks=chunk_blocks, store=True
+        table,
+        cpu,
+        cpu_base,
+        blocks_per_slot=blocks_per_slot,
+        chunk_blocks=chunk_blocks,
+        store=True,
+        ramp_blocks=ramp_blocks,
     )
     assert plan.bounds[0] == 0
     assert plan.bounds[-1] == len(gpu)
     assert np.all(np.diff(plan.bounds) <= blocks_per_slot)
+    assert np.all(np.diff(plan.bounds) > 0)
+    if ramp_blocks:
+        assert plan.bounds[1] <= ramp_blocks
     for k in range(plan.num_subbatches):
         lo, hi = int(plan.bounds[k]), int(plan.bounds[k + 1])
         slot = staging + (k % 2) * blocks_per_slot * table.block_bytes
@@ -177,6 +191,66 @@ def test_staged_plan_round_trip_equals_direct(
     apply(memory, direct_descriptors(table, target, cpu, cpu_base, store=False))
     for t, exp in zip(target, expected, strict=True):
         assert np.array_equal(reference_block(memory, table, int(t)), exp)
+
+    # The staged load: DMA whole blocks into a slot, then the scatter kernel's job, in numpy.
+    memory[GPU_BASE:cpu_base] = 0
+    back = staged_plan(
+        table,
+        cpu,
+        cpu_base,
+        blocks_per_slot=blocks_per_slot,
+        chunk_blocks=chunk_blocks,
+        store=False,
+        ramp_blocks=ramp_blocks,
+    )
+    assert np.all(np.diff(back.bounds) > 0)
+    if ramp_blocks and back.num_subbatches > 1:
+        assert back.bounds[-1] - back.bounds[-2] <= ramp_blocks
+    for k in range(back.num_subbatches):
+        lo, hi = int(back.bounds[k]), int(back.bounds[k + 1])
+        slot = staging + (k % 2) * blocks_per_slot * table.block_bytes
+        apply(memory, back.dma.slice(int(back.desc_bounds[k]), int(back.desc_bounds[k + 1])), slot)
+        for i, t in enumerate(target[lo:hi]):
+            block = memory[slot + i * table.block_bytes : slot + (i + 1) * table.block_bytes]
+            for r, (b, st_, p) in enumerate(zip(table.base, table.stride, table.page, strict=True)):
+                off = int(table.cpu_offset[r])
+                at = int(b) + int(t) * int(st_)
+                memory[at : at + int(p)] = block[off : off + int(p)]
+    for t, exp in zip(target, expected, strict=True):
+        assert np.array_equal(reference_block(memory, table, int(t)), exp)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_ascending_cpu_runs_make_one_copy_per_subbatch_and_chunk(store: bool) -> None:
+    """CPU ids in one ascending run cost one DMA descriptor per sub-batch and pinned chunk,
+    whatever the GPU ids; scattered CPU ids cost one per block."""
+    table = flash_table(2, 600, 16)
+    n = 512
+    run = np.arange(100, 100 + n, dtype=np.int64)
+    plan = staged_plan(
+        table, run, 0, blocks_per_slot=128, chunk_blocks=256, store=store, ramp_blocks=32
+    )
+    cuts = set(plan.bounds.tolist()) | {c - 100 for c in (256, 512) if 0 < c - 100 < n}
+    assert len(plan.dma) == len(cuts) - 1
+    assert plan.dma.total_bytes == n * table.block_bytes
+    scattered = np.random.default_rng(0).permutation(600)[:n].astype(np.int64)
+    spread = staged_plan(
+        table, scattered, 0, blocks_per_slot=128, chunk_blocks=256, store=store, ramp_blocks=32
+    )
+    assert len(spread.dma) >= n - 8  # a few neighbours by chance
+
+
+def test_subbatch_bounds_ramp_a_store_up_and_a_load_down() -> None:
+    """A store's first sub-batch and a load's last are short; the rest are full slots."""
+    assert subbatch_bounds(10, 4, 0, store=True).tolist() == [0, 4, 8, 10]
+    assert subbatch_bounds(10, 4, 2, store=True).tolist() == [0, 2, 6, 10]
+    assert subbatch_bounds(10, 4, 2, store=False).tolist() == [0, 4, 8, 10]
+    assert subbatch_bounds(11, 4, 2, store=False).tolist() == [0, 4, 8, 9, 11]
+    assert subbatch_bounds(2, 4, 2, store=True).tolist() == [0, 2]
+    assert subbatch_bounds(3, 4, 9, store=True).tolist() == [0, 3]  # the ramp is at most a slot
+    assert subbatch_bounds(0, 4, 2, store=True).tolist() == [0]
+    with pytest.raises(ConfigError, match="blocks_per_slot"):
+        subbatch_bounds(3, 0, 0, store=True)
 
 
 def test_staged_plan_rejects_empty_slot() -> None:
@@ -303,3 +377,86 @@ def test_pinned_tier_rejects_bad_sizes() -> None:
         pinned.PinnedTier(ctx, [-1], [10], chunk_bytes=10, register="now")
     with pytest.raises(ConfigError, match="chunk_bytes"):
         pinned.PinnedTier(ctx, [1], [10], chunk_bytes=0, register="now")
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6),
+    blocks_per_slot=st.integers(1, 40),
+    chunk_blocks=st.integers(0, 17),
+    ramp_blocks=st.integers(0, 9),
+    store=st.booleans(),
+)
+def test_few_runs_plan_equals_the_array_plan(
+    pieces: list[tuple[int, int]],
+    blocks_per_slot: int,
+    chunk_blocks: int,
+    ramp_blocks: int,
+    store: bool,
+) -> None:
+    """CPU ids in a few ascending runs (however they meet sub-batch and chunk boundaries) get
+    exactly the descriptors and bounds of the numpy path."""
+    from kvflow.backends.cuda import plan as p
+
+    ids: list[int] = []
+    at = 0
+    for gap, length in pieces:
+        at += gap
+        ids += range(at, at + length)
+        at += length
+    cpu = np.array(ids, dtype=np.int64)
+    table = flash_table(1, 4, 16)
+    base = 1 << 30
+    bounds = subbatch_bounds(len(cpu), blocks_per_slot, ramp_blocks, store=store)
+    starts = (np.flatnonzero(np.diff(cpu) != 1) + 1).tolist()
+    fast = p._staged_plan_runs(table, cpu, base, bounds, starts, chunk_blocks, store)
+    slow = p._staged_plan_arrays(table, cpu, base, bounds, chunk_blocks, store)
+    chosen = staged_plan(
+        table,
+        cpu,
+        base,
+        blocks_per_slot=blocks_per_slot,
+        chunk_blocks=chunk_blocks,
+        store=store,
+        ramp_blocks=ramp_blocks,
+    )
+    assert chosen.dma.size.tolist() == slow.dma.size.tolist()
+    assert fast.bounds.tolist() == slow.bounds.tolist()
+    assert fast.desc_bounds.tolist() == slow.desc_bounds.tolist()
+    for a, b in ((fast.dma.dst, slow.dma.dst), (fast.dma.src, slow.dma.src)):
+        assert a.tolist() == b.tolist()
+    assert fast.dma.size.tolist() == slow.dma.size.tolist()
+
+
+@pytest.mark.parametrize("page", [16, 1000, 4096, 70_000, 2 << 20])
+def test_device_rows_cut_large_pages_into_pieces_of_the_same_block(page: int) -> None:
+    """The kernel's rows cover each page exactly once, in pieces of at most about the limit
+    (16-byte multiples where the page is one), and map to the same CPU offsets: a gather over
+    the rows builds the same block-major block as over the regions."""
+    table = flash_table(2, 3, page)
+    rows = table.as_device_rows(64 * 1024)
+    assert rows.shape[1] == 4
+    if page <= 64 * 1024:
+        assert rows.tolist() == table.as_device_rows().tolist()
+    assert int(rows[:, 2].sum()) == table.block_bytes
+    assert int(rows[:, 2].max()) <= 64 * 1024 + 16
+    if page % 16 == 0:
+        assert all(int(p) % 16 == 0 for p in rows[:, 2])
+    gpu = np.random.default_rng(page).integers(0, 256, GPU_BASE + 2 * 2 * 3 * page, dtype=np.uint8)
+    for b in range(3):
+        block = np.zeros(table.block_bytes, dtype=np.uint8)
+        for base, stride, size, off in rows.tolist():
+            at = base + b * stride
+            block[off : off + size] = gpu[at : at + size]
+        assert np.array_equal(block, reference_block(gpu, table, b))
+
+
+@pytest.mark.parametrize("field", ["batch_min_copies", "slot_bytes", "ramp_bytes"])
+def test_cuda_config_rejects_bad_sizes(field: str) -> None:
+    """A count or size that cannot work is a ConfigError at construction, naming the field."""
+    from kvflow.backends.cuda import CudaConfig
+
+    bad = -1 if field == "ramp_bytes" else 0
+    with pytest.raises(ConfigError, match=field):
+        CudaConfig(**{field: bad})  # type: ignore[arg-type]
+    assert CudaConfig(ramp_bytes=0).ramp_bytes == 0

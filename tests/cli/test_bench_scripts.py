@@ -9,12 +9,14 @@ import pytest
 import structlog
 import torch
 from scripts import (
+    bench_connector_transfer,
     bench_copy_contention,
     bench_decode_step,
     bench_engine_offload,
     bench_logging,
     bench_pd_control,
     bench_pd_transfer,
+    bench_transfer,
 )
 
 
@@ -94,3 +96,82 @@ def test_pd_transfer_bench_compares_the_transport_with_raw_gloo(tmp_path: Path) 
         assert f["bytes_match"]
         assert f["kvflow_gbs"] > 0
         assert f["raw_gbs"] > 0
+
+
+def test_connector_transfer_bench_drives_every_layout_through_the_connector(
+    tmp_path: Path,
+) -> None:
+    """On the host backend every layout's store and load go through the connector's engine
+    calls, come back byte for byte, and are reported against a same-run ceiling."""
+    out = tmp_path / "connector_transfer.json"
+    rc = bench_connector_transfer.main(
+        [
+            "--device", "cpu", "--blocks", "6", "--layers", "2", "--steps", "2",
+            "--warmup", "1", "--ceiling-reps", "1", "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    f = json.loads(out.read_text())
+    results = f["results"]
+    assert [r["layout"] for r in results] == list(bench_connector_transfer.LAYOUTS)
+    for r in results:
+        assert r["bytes_match"] is True
+        assert r["copy_time_measured"] is True  # the host backend's copy thread timed them
+        assert r["step_bytes"] == 6 * r["block_bytes"]
+        for d in ("store", "load"):
+            fig = r[d]
+            assert fig["ceiling_gbps"] > 0
+            assert 0 < fig["copy_ms"] <= fig["wall_ms"]
+            assert fig["launch_us"] > 0
+            assert len(fig["walls_ms"]) == 2
+            bytes_at_ceiling_ms = r["step_bytes"] / (fig["ceiling_gbps"] * 1e9) * 1e3
+            assert fig["fixed_ms"] == pytest.approx(fig["wall_ms"] - bytes_at_ceiling_ms)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_connector_transfer_bench_says_it_needs_cuda() -> None:
+    """Without a GPU the default --device cuda exits with status 2 instead of failing."""
+    assert bench_connector_transfer.main(["--steps", "1"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["auto", "staged"])
+def test_connector_transfer_bench_on_cuda_is_byte_exact_and_timed_by_events(
+    tmp_path: Path, method: str
+) -> None:
+    """On the CUDA backend every layout's round trip through the connector is byte-exact, every
+    copy is timed by CUDA events, and the copy time is within the step's wall time."""
+    out = tmp_path / "connector_transfer_cuda.json"
+    rc = bench_connector_transfer.main(
+        [
+            "--blocks", "64", "--layers", "4", "--steps", "3", "--warmup", "1",
+            "--method", method, "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    for r in json.loads(out.read_text())["results"]:
+        assert r["bytes_match"] is True
+        assert r["copy_time_measured"] is True
+        if method == "staged":
+            assert r["path"] == "staged"
+        for d in ("store", "load"):
+            assert 0 < r[d]["copy_ms"] <= r[d]["wall_ms"]
+            assert r[d]["issue_us"] > 0
+            assert r[d]["ceiling_gbps"] > 1
+
+
+def test_transfer_bench_plans_without_a_gpu(tmp_path: Path) -> None:
+    """--plan-only times the host side of a staged step: CPU ids in runs need far fewer DMA
+    descriptors than scattered ones."""
+    out = tmp_path / "plan.json"
+    rc = bench_transfer.main(
+        ["--plan-only", "--chunks", "4,32", "--layers", "2", "--blocks", "64", "--json", str(out)]
+    )
+    assert rc == 0
+    rows = json.loads(out.read_text())["plan_only"]
+    assert [r["chunk_kib"] for r in rows] == [4, 32]
+    for r in rows:
+        assert r["one_run_descriptors"] <= r["churned_pool_descriptors"] < 64
+        assert r["scattered_descriptors"] > 32
+        assert r["one_run_plan_us"] > 0

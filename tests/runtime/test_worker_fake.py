@@ -7,11 +7,13 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 from structlog.testing import capture_logs
 
-from kvflow.backends.base import CopyBatch, FenceStatus
+from kvflow.backends.base import CopyBatch, Fence, FenceStatus, TimesCopies
 from kvflow.backends.fake import GARBAGE, FakeBackend, FakeFence
+from kvflow.core.layout import TensorDesc
 from kvflow.core.protocol import StepPlan, TransferSpec
 from kvflow.core.transfer import TRANSITIONS, Direction, TransferState
 from kvflow.errors import ClosedError, ConfigError, ProtocolError
@@ -476,3 +478,74 @@ async def test_concurrent_shutdowns_both_wait(fake: FakeBackend, clock: FakeCloc
             assert done == []
             fake.release_all()
         assert sorted(done) == ["first", "second"]
+
+
+@attrs.define(eq=False)
+class TimedFake(FakeBackend):
+    """The fake backend, also measuring its copies (``TimesCopies``): each batch says it took
+    ``copy_s`` seconds on the device, whatever the clock did."""
+
+    copy_s: float = 0.25
+    asked: list[FenceStatus] = attrs.field(factory=list)
+
+    def copy_seconds(self, fence: Fence) -> float | None:
+        self.asked.append(self.query(fence))
+        return self.copy_s
+
+
+async def test_copy_stats_take_the_backends_own_copy_time(
+    fake: FakeBackend, clock: FakeClock
+) -> None:
+    """With a backend that times its copies, copy_throughput's seconds are the measured copy
+    time (asked once per finished batch), not the longer submit → seen-done time."""
+    base = fake
+    fake = TimedFake(now=clock.now)
+    descs = {
+        f"layer{i}": TensorDesc(
+            f"layer{i}", (2, 16, 4, 8), (512, 32, 8, 1), 2, 0x10000 * (i + 1), "cuda:0"
+        )
+        for i in range(2)
+    }
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
+        rt.register_kv_caches(descs, 16)
+        rt.allocate_cpu_tier(32)
+        for step, tid in ((1, 1), (2, 2)):
+            rt.bind(StepPlan(step, stores=(store(tid, "r", [tid, tid + 4], [tid, tid + 4]),)))
+            rt.wait_for_save()
+            await wait_all_tasks_blocked()
+            for f in list(fake.pending):
+                if f.kind == "compute":
+                    fake.release(f)
+            clock.jump(3.0)  # the engine looks only 3 s later
+            for f in copies(fake)[-1:]:
+                fake.release(f)
+            await wait_all_tasks_blocked()
+            rt.build_report()
+        stats = rt.copy_stats()[Direction.STORE]
+        block = fake.layout.groups[0].block_bytes if fake.layout else 0
+        assert (stats.bytes, stats.batches, stats.measured_batches) == (4 * block, 2, 2)
+        assert stats.measured
+        assert stats.copy_s == pytest.approx(0.5)
+        assert stats.in_flight_s >= 6.0
+        moved, seconds = rt.copy_throughput()[Direction.STORE]
+        assert moved == 4 * block
+        assert seconds == pytest.approx(0.5)
+        assert stats.gbps == pytest.approx(4 * block / 0.5 / 1e9)
+        assert fake.asked == [FenceStatus.DONE, FenceStatus.DONE]
+    assert not isinstance(base, TimesCopies)
+
+
+async def test_copy_stats_fall_back_to_time_in_flight(fake: FakeBackend, clock: FakeClock) -> None:
+    """A backend that does not time its copies gets the submit → seen-done time, marked as
+    not measured."""
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
+        rt.bind(StepPlan(1, loads=(load(1, "r", [3], [5]),)))
+        rt.start_load_kv()
+        await wait_all_tasks_blocked()
+        clock.jump(2.0)
+        fake.release(copies(fake)[0])
+        await wait_all_tasks_blocked()
+        stats = rt.copy_stats()[Direction.LOAD]
+        assert (stats.batches, stats.measured_batches, stats.measured) == (1, 0, False)
+        assert stats.seconds == stats.in_flight_s == pytest.approx(2.0)
+        assert rt.copy_stats()[Direction.STORE].gbps == 0.0

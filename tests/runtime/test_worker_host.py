@@ -224,3 +224,23 @@ async def test_host_shutdown_with_work_in_flight() -> None:
         for r, off in zip(group.regions, group.cpu_offsets, strict=True):
             page = region_view(caches[r.tensor], r)[b]
             assert torch.equal(tier[5 + b, off : off + r.page_bytes], page)
+
+
+async def test_host_copy_time_is_the_copy_threads_own() -> None:
+    """The host backend times each batch on its copy thread: every batch is measured, and the
+    measured time is within the submit → seen-done time."""
+    caches = LAYOUTS["flash_attention"]()
+    async with WorkerRuntime.open(HostBackend()) as rt:
+        rt.register_kv_caches(caches, N)
+        rt.allocate_cpu_tier(CPU)
+        rt.bind(StepPlan(1, stores=(store(1, "r", [1, 2, 5], [9, 3, 15]),)))
+        rt.launch()
+        with anyio.fail_after(30):
+            await rt.flush()
+        rt.build_report()
+        stats = rt.copy_stats()[Direction.STORE]
+    assert stats.measured
+    assert rt.layout is not None
+    assert stats.bytes == 3 * rt.layout.groups[0].block_bytes
+    assert 0 < stats.copy_s <= stats.in_flight_s
+    assert rt.copy_throughput()[Direction.STORE] == (stats.bytes, stats.copy_s)

@@ -94,3 +94,15 @@ class Backend(Protocol):
     def close(self) -> None:
         """Wait for queued copies, free the CPU tier, unregister memory. Idempotent."""
         ...
+
+
+@runtime_checkable
+class TimesCopies(Protocol):
+    """A backend that measures its copies itself (optional): the copy throughput then comes from
+    the time the copies took, not from when the runtime next looked at their fence."""
+
+    def copy_seconds(self, fence: Fence) -> float | None:
+        """Seconds the copies before ``fence`` (a finished one of this backend's ``submit``) took,
+        counting time they overlapped the previous batch of their direction once; None if this
+        batch was not measured. Called once per fence, after ``query`` said DONE."""
+        ...

@@ -35,6 +35,7 @@ from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
+from kvflow.runtime.executor import CopyStats
 from kvflow.runtime.factory import make_sync_worker
 from kvflow.runtime.sync_worker import SyncWorker
 
@@ -75,7 +76,8 @@ class LatencyHistogram:
 @frozen
 class ConnectorStats:
     """The connector's counters: the manager's, plus per-direction launch → commit latency.
-    Copy throughput is the worker's: ``OffloadWorker.copy_throughput`` and ``copy_gbps``."""
+    Copy throughput is the worker's: ``OffloadWorker.copy_stats`` (``CopyStats.gbps``: bytes over
+    the copy time the backend measured), ``copy_throughput`` and ``copy_gbps``."""
 
     manager: OffloadStats
     store_latency: tuple[tuple[int, ...], float]  # (bucket counts, sum of seconds)
@@ -83,7 +85,7 @@ class ConnectorStats:
 
 
 def copy_gbps(copies: Mapping[Direction, tuple[int, float]], direction: Direction) -> float:
-    """GB/s of one direction from ``copy_throughput()``'s (bytes, seconds in flight); 0 if idle."""
+    """GB/s of one direction from ``copy_throughput()``'s (bytes, seconds); 0 if idle."""
     moved, busy = copies.get(direction, (0, 0.0))
     return moved / busy / 1e9 if busy > 0 else 0.0
 
@@ -287,8 +289,15 @@ class OffloadWorker:
         return sending or None, recving or None
 
     def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
-        """Per direction: (bytes copied, seconds copies were in flight) on this rank."""
+        """Per direction: (bytes copied, seconds the copies took) on this rank: the backend's
+        own timing of its copies (CUDA events, the host backend's copy thread) where it times
+        every batch, else seconds from submit until the fence was seen done."""
         return self.runtime.copy_throughput()
+
+    def copy_stats(self) -> dict[Direction, CopyStats]:
+        """Per direction on this rank: bytes, ``copy_s`` (measured by the backend),
+        ``in_flight_s`` (submit → seen done), batches, ``measured_batches``; ``gbps``."""
+        return self.runtime.copy_stats()
 
     def wait_cpu_tier(self, timeout_s: float = 600.0) -> None:
         """Block until the whole CPU tier can take copies, at most ``timeout_s`` seconds (then

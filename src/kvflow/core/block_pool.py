@@ -3,7 +3,9 @@
 Blocks carry ref counts. Free blocks sit in an intrusive doubly linked list with sentinels, in
 eviction order: the head is evicted first. A freed block that holds a cached hash goes to the tail
 (least recently used first out); a freed block with no hash goes to the head (nothing to lose).
-``get_new_blocks`` takes from the head and evicts the hash of any cached block it takes.
+``get_new_blocks`` takes from the head and evicts the hash of any cached block it takes; a pool
+built with ``ascending_runs`` hands those same blocks out in ascending id order, so that a CPU tier's
+store lands in contiguous runs (fewer, larger copies) while eviction stays exactly LRU.
 
 Every mutating call validates all its arguments before changing anything, so a misuse raises
 ``BlockPoolError`` and leaves the pool exactly as it was.
@@ -224,12 +226,31 @@ PoolEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class BlockPool:
     """Ref-counted blocks, an LRU free queue and a hash → block prefix cache for one tier."""
 
-    __slots__ = ("_cached", "_events", "blocks", "enable_events", "free_queue", "name")
+    __slots__ = (
+        "_cached",
+        "_events",
+        "ascending_runs",
+        "blocks",
+        "enable_events",
+        "free_queue",
+        "name",
+    )
 
-    def __init__(self, num_blocks: int, *, name: str = "pool", enable_events: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        name: str = "pool",
+        enable_events: bool = False,
+        ascending_runs: bool = False,
+    ) -> None:
         if num_blocks <= 0:
             raise ConfigError(f"{name}: num_blocks must be positive, got {num_blocks}")
         self.name = name
+        self.ascending_runs = ascending_runs
+        """``get_new_blocks`` returns its blocks sorted by id: the same blocks (the first ``n``
+        in eviction order), in the order that makes the most contiguous runs. A store freed in
+        reverse joins the free queue as one descending run and so comes back as one run."""
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[BlockHash, Block] = {}
@@ -300,7 +321,8 @@ class BlockPool:
     # ---- mutations -----------------------------------------------------------------------
 
     def get_new_blocks(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (ref count 1), evicting the least recently used cached ones."""
+        """Take ``n`` free blocks (ref count 1), evicting the least recently used cached ones; in
+        eviction order, or ascending by id with ``ascending_runs``."""
         if n < 0:
             raise BlockPoolError(f"{self.name}: cannot allocate {n} blocks")
         if n > self.free_queue.num_free:
@@ -308,6 +330,8 @@ class BlockPool:
                 f"{self.name}: asked for {n} blocks, only {self.free_queue.num_free} free"
             )
         out, evicted = self.free_queue.claim_front(n, self._cached)
+        if self.ascending_runs:
+            out.sort()
         if evicted and self.enable_events:
             self._events.append(BlockRemoved(tuple(evicted)))
         return out

@@ -26,7 +26,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from attrs import define, field, frozen
 
-from kvflow.backends.base import Backend, CopyBatch, Fence, FenceStatus
+from kvflow.backends.base import Backend, CopyBatch, Fence, FenceStatus, TimesCopies
 from kvflow.core.logs import get_logger
 from kvflow.core.protocol import TransferSpec
 from kvflow.core.transfer import Direction
@@ -79,23 +79,66 @@ def coalesce(transfers: Sequence[TransferSpec], direction: Direction) -> CopyBat
 
 @define(eq=False)
 class CopyThroughput:
-    """What one direction's copies achieved: blocks per group moved, and the time copies of this
+    """What one direction's copies achieved: blocks per group moved, the time copies of this
     direction were in flight (the union of submit → fence-seen intervals, so overlapping batches
-    count once)."""
+    count once), and the copy time the backend measured itself (``TimesCopies``: CUDA events
+    around the copies, the host backend's copy thread) for the batches it measured."""
 
     blocks: list[int] = field(factory=list)  # per KV cache group
     busy_s: float = 0.0
     batches: int = 0
+    copy_s: float = 0.0
+    measured_batches: int = 0
     _last_end: float = float("-inf")
 
-    def observe(self, start: float, end: float, blocks_per_group: Sequence[int]) -> None:
+    def observe(
+        self,
+        start: float,
+        end: float,
+        blocks_per_group: Sequence[int],
+        copy_s: float | None = None,
+    ) -> None:
         self.busy_s += max(0.0, end - max(start, self._last_end))
         self._last_end = max(self._last_end, end)
         self.batches += 1
+        if copy_s is not None:
+            self.copy_s += copy_s
+            self.measured_batches += 1
         if len(self.blocks) < len(blocks_per_group):
             self.blocks += [0] * (len(blocks_per_group) - len(self.blocks))
         for g, n in enumerate(blocks_per_group):
             self.blocks[g] += n
+
+
+@frozen
+class CopyStats:
+    """One direction's copies so far, as a caller reads them (``WorkerRuntime.copy_stats``).
+
+    ``copy_s``: the copy time the backend measured (CUDA events around each batch's copies; the
+    host backend's copy thread), over ``measured_batches`` of the ``batches``; ``in_flight_s``:
+    submit → fence seen done, which also counts the time until the runtime looked.
+    """
+
+    bytes: int
+    copy_s: float
+    in_flight_s: float
+    batches: int
+    measured_batches: int
+
+    @property
+    def measured(self) -> bool:
+        """Every batch's copy time came from the backend's own timing."""
+        return self.batches > 0 and self.measured_batches == self.batches
+
+    @property
+    def seconds(self) -> float:
+        """The measured copy time where every batch was measured, else the time in flight."""
+        return self.copy_s if self.measured else self.in_flight_s
+
+    @property
+    def gbps(self) -> float:
+        """Bytes / ``seconds``, in GB/s (0 when nothing was copied)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 @define(eq=False)
@@ -126,8 +169,12 @@ class DmaExecutor:
         factory=lambda: {d: CopyThroughput() for d in Direction}
     )
 
+    _timer: TimesCopies | None = field(init=False, default=None)
+
     def __attrs_post_init__(self) -> None:
         self._send, self._recv = anyio.create_memory_object_stream[_Command](math.inf)
+        # Checked once: a protocol isinstance costs microseconds.
+        self._timer = self.backend if isinstance(self.backend, TimesCopies) else None
         self._no_outstanding.set()
 
     @property
@@ -211,6 +258,7 @@ class DmaExecutor:
         if self._outstanding == 0:
             self._no_outstanding = anyio.Event()
         self._outstanding += 1
+        started = self.now()  # before submit: a copy thread may start at once
         try:
             fence = self.backend.submit(batch, wait_for)
         except Exception as exc:  # a refused submit fails its transfers, never the actor
@@ -232,13 +280,15 @@ class DmaExecutor:
             blocks=batch.num_blocks,
             waits=len(wait_for),
         )
-        started = self.now()
         per_group = [len(ids) for ids in batch.gpu_block_ids]
         stats = self.throughput[order.direction]
 
+        timer = self._timer
+
         def finished(status: FenceStatus) -> None:
             if status is FenceStatus.DONE:
-                stats.observe(started, self.now(), per_group)
+                measured = timer.copy_seconds(fence) if timer is not None else None
+                stats.observe(started, self.now(), per_group, measured)
             self._batch_finished(
                 transfers,
                 status,
@@ -286,4 +336,4 @@ class DmaExecutor:
         self.on_done(transfers, status, cause)
 
 
-__all__ = ["CopyOrder", "CopyThroughput", "DmaExecutor", "coalesce"]
+__all__ = ["CopyOrder", "CopyStats", "CopyThroughput", "DmaExecutor", "coalesce"]

@@ -35,6 +35,7 @@ from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
 from kvflow.runtime.deadline import wait_or_timeout
+from kvflow.runtime.executor import CopyStats
 from kvflow.runtime.sync_worker import SyncWorker
 from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
@@ -191,9 +192,14 @@ class InlineSyncWorker(SyncWorker):
         return report
 
     def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
-        """Per direction: (bytes copied, seconds in flight), from the executor's accounting."""
+        """Per direction: (bytes copied, seconds the copies took), from the executor's accounting."""
         self._check_open()
         return self._rt.copy_throughput()
+
+    def copy_stats(self) -> dict[Direction, CopyStats]:
+        """Per direction: bytes, measured copy time, time in flight (the executor's accounting)."""
+        self._check_open()
+        return self._rt.copy_stats()
 
     def _wait_progress(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds (real time: the reactor polls with back-off) until

@@ -26,6 +26,7 @@ from kvflow.runtime.gate import PlanGate
 if TYPE_CHECKING:
     # Only for annotations: the connector's configuration imports ``WorkerLoop`` from here, and
     # a vLLM scheduler process reading it must not load the event loop's modules.
+    from kvflow.runtime.executor import CopyStats
     from kvflow.runtime.worker import WorkerRuntime
 
 T = TypeVar("T")
@@ -104,7 +105,11 @@ class SyncWorker(abc.ABC):
 
     @abc.abstractmethod
     def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
-        """Per direction: (bytes copied, seconds copies of that direction were in flight)."""
+        """Per direction: (bytes copied, seconds the copies took: ``CopyStats.seconds``)."""
+
+    @abc.abstractmethod
+    def copy_stats(self) -> dict[Direction, CopyStats]:
+        """Per direction: bytes, measured copy time and time in flight (``CopyStats``)."""
 
     # -- the engine's calls, checked here (kvflow.runtime.gate) then handed to the driver ---------
     def register_kv_caches(

@@ -39,6 +39,7 @@ from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
+from kvflow.runtime.executor import CopyStats
 from kvflow.runtime.sync_worker import SyncWorker
 from kvflow.runtime.worker import WorkerOptions, WorkerRuntime
 
@@ -247,8 +248,12 @@ class ThreadedSyncWorker(SyncWorker):
         return self._take_report()
 
     def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
-        """Per direction: (bytes copied, seconds in flight), from the executor's accounting."""
+        """Per direction: (bytes copied, seconds the copies took), from the executor's accounting."""
         return self._call(self._rt.copy_throughput)
+
+    def copy_stats(self) -> dict[Direction, CopyStats]:
+        """Per direction: bytes, measured copy time, time in flight (the executor's accounting)."""
+        return self._call(self._rt.copy_stats)
 
     def _wait_progress(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds until some copy settles; at once if none is in flight.

@@ -29,7 +29,7 @@ from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferSta
 from kvflow.errors import ClosedError, ConfigError, DeadlineError, ProtocolError
 from kvflow.runtime.clock import Clock, SystemClock
 from kvflow.runtime.deadline import within
-from kvflow.runtime.executor import CopyOrder, DmaExecutor
+from kvflow.runtime.executor import CopyOrder, CopyStats, DmaExecutor
 from kvflow.runtime.reactor import Reactor
 from kvflow.runtime.timeouts import Timeouts
 
@@ -333,14 +333,19 @@ class WorkerRuntime:
                 del self._live[key]
                 self._finished[s.direction].add(s.request_id)
 
-    def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
-        """Per direction: (bytes copied, seconds copies of that direction were in flight)."""
+    def copy_stats(self) -> dict[Direction, CopyStats]:
+        """Per direction: bytes copied, the copy time the backend measured, the time in flight."""
         sizes = [g.block_bytes for g in self.layout.groups] if self.layout is not None else []
-        out: dict[Direction, tuple[int, float]] = {}
+        out: dict[Direction, CopyStats] = {}
         for direction, t in self.executor.throughput.items():
             moved = sum(n * size for n, size in zip(t.blocks, sizes, strict=False))
-            out[direction] = (moved, t.busy_s)
+            out[direction] = CopyStats(moved, t.copy_s, t.busy_s, t.batches, t.measured_batches)
         return out
+
+    def copy_throughput(self) -> dict[Direction, tuple[int, float]]:
+        """Per direction: (bytes copied, seconds the copies took): the backend's own measure of
+        its copies where it times every batch (``CopyStats.seconds``), else seconds in flight."""
+        return {d: (c.bytes, c.seconds) for d, c in self.copy_stats().items()}
 
     # -- results ------------------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str], set[str]]:

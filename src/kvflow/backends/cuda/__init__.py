@@ -6,6 +6,6 @@ Importing this package never touches the driver, so it imports on machines witho
 
 from __future__ import annotations
 
-from kvflow.backends.cuda.backend import CudaBackend, CudaConfig, CudaFence
+from kvflow.backends.cuda.backend import CudaBackend, CudaConfig, CudaFence, IssueStats
 
-__all__ = ["CudaBackend", "CudaConfig", "CudaFence"]
+__all__ = ["CudaBackend", "CudaConfig", "CudaFence", "IssueStats"]

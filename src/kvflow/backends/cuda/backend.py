@@ -18,6 +18,7 @@ import contextlib
 import functools
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -26,7 +27,7 @@ from attrs import define, evolve, frozen
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.cuda import driver as drv
-from kvflow.backends.cuda.kernels import MAX_IDS, StageKernel
+from kvflow.backends.cuda.kernels import MAX_IDS, PIECE_BYTES, StageKernel
 from kvflow.backends.cuda.pinned import PinnedTier
 from kvflow.backends.cuda.plan import (
     Descriptors,
@@ -35,6 +36,7 @@ from kvflow.backends.cuda.plan import (
     direct_descriptors,
     staged_plan,
 )
+from kvflow.backends.cuda.timing import IssueStats, Timing
 from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
 from kvflow.core.logs import get_logger
@@ -59,10 +61,18 @@ class CudaConfig:
     slot_bytes: int = 128 * MiB
     num_slots: int = 2
     """Staging ring per direction: ``num_slots`` slots of ``slot_bytes`` on the GPU."""
+    ramp_bytes: int = 16 * MiB
+    """Staged path: a store's first sub-batch and a load's last hold at most this many bytes
+    (at least one block; 0: full slots only). They are the part of a batch no DMA overlaps."""
     gather_ctas: int = 64
     """CTAs of one gather/scatter launch: few enough to leave compute most of the GPU."""
     register_chunk_bytes: int = 64 * MiB
     """Pinning granularity: a transfer waits for at most the one chunk it needs."""
+    batch_min_copies: int = 4
+    """Fewer copies than this in one call go as one ``cuMemcpyAsync`` each: on the H200's host
+    one such call cost at most about 3.7 µs (the per-page baseline's rate at 4 KiB), one
+    ``cuMemcpyBatchAsync`` 11–21 µs even for a single copy (docs/benchmarks.md), and a staged
+    sub-batch of CPU ids in runs has one to three copies."""
     use_batch_memcpy: bool = True
     """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
     launch_thread: bool = True
@@ -71,31 +81,47 @@ class CudaConfig:
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
     ``InlineSyncWorker``, polls at every call: no thread of kvflow takes the GIL)."""
+    time_copies: bool = True
+    """Record timing events around each batch's copies: ``copy_seconds`` (the runtime's copy
+    throughput) is then the device's own time, not the time until a poll saw the fence."""
 
     def __attrs_post_init__(self) -> None:
         if self.method not in ("auto", "staged", "direct"):
             raise ConfigError(
                 f"CudaConfig.method must be auto, staged or direct, not {self.method!r}"
             )
-        for name in ("slot_bytes", "num_slots", "gather_ctas", "register_chunk_bytes"):
+        for name in (
+            "slot_bytes",
+            "num_slots",
+            "gather_ctas",
+            "register_chunk_bytes",
+            "batch_min_copies",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"CudaConfig.{name} must be positive")
+        if self.ramp_bytes < 0:
+            raise ConfigError("CudaConfig.ramp_bytes must not be negative")
 
 
 class CudaFence:
     """A CUDA event; created by one backend and only meaningful to it.
 
     ``launched`` turns true once the event is recorded after its copies (at once, or on the
-    launch thread); until then the fence is pending whatever the event says.
+    launch thread); until then the fence is pending whatever the event says. ``timing`` (with
+    ``CudaConfig.time_copies``) times the copies; ``prev_timing`` is the previous batch of the
+    same direction's, so that time both were copying counts once. It is dropped once the fence
+    is settled, so fences never chain.
     """
 
-    __slots__ = ("error", "event", "launched", "owner")
+    __slots__ = ("error", "event", "launched", "owner", "prev_timing", "timing")
 
     def __init__(self, event: Any, owner: CudaBackend, *, launched: bool = True) -> None:
         self.event = event
         self.owner = owner
         self.launched = launched
         self.error: str | None = None
+        self.timing: Timing | None = None
+        self.prev_timing: Timing | None = None
 
     def __del__(self) -> None:
         # At interpreter shutdown the driver may already be gone.
@@ -217,9 +243,13 @@ class CudaBackend:
         self.layout: KVLayout | None = None
         self._tables: list[RegionTable] = []
         self._table_dev: list[Any] = []  # torch tensors keeping the region tables alive
+        self._kernel_rows: list[int] = []  # rows of each table: regions, large pages cut up
         self._staging: list[Any] = []
         self._tier: PinnedTier | None = None
         self._staged: list[bool] = []
+        self._last_timing: dict[Direction, Timing | None] = dict.fromkeys(Direction)
+        self.issue_stats: dict[Direction, IssueStats] = {d: IssueStats() for d in Direction}
+        """Host time spent issuing each direction's batches (planning and driver calls)."""
         self._closed = False
         log.info(
             "cuda_backend_opened",
@@ -251,9 +281,9 @@ class CudaBackend:
         self._ctx.enter()
         self._tables = [RegionTable.from_group(g) for g in layout.groups]
         torch = self._torch
-        self._table_dev = [
-            torch.from_numpy(t.as_device_rows()).to(f"cuda:{self.device}") for t in self._tables
-        ]
+        rows = [t.as_device_rows(PIECE_BYTES) for t in self._tables]
+        self._table_dev = [torch.from_numpy(r).to(f"cuda:{self.device}") for r in rows]
+        self._kernel_rows = [len(r) for r in rows]
         self._staged = [self._wants_staging(t) for t in self._tables]
         self.layout = layout
         log.info(
@@ -349,14 +379,41 @@ class CudaBackend:
         event = self._event_of(fence)
         assert isinstance(fence, CudaFence)
         if not fence.launched:
-            return FenceStatus.FAILED if fence.error is not None else FenceStatus.PENDING
+            if fence.error is not None:
+                fence.prev_timing = None
+                return FenceStatus.FAILED
+            return FenceStatus.PENDING
         (err,) = drv.cu.cuEventQuery(event)
         if err == drv.cu.CUresult.CUDA_SUCCESS:
             return FenceStatus.DONE
         if err == drv.cu.CUresult.CUDA_ERROR_NOT_READY:
             return FenceStatus.PENDING
+        fence.prev_timing = None
         log.error("cuda_fence_failed", error=getattr(err, "name", str(err)))
         return FenceStatus.FAILED
+
+    def copy_seconds(self, fence: Fence) -> float | None:
+        """Device seconds of a finished batch's copies (``TimesCopies``): from its start event
+        (after its waits) to its end event; where it began before the previous batch of its
+        direction had ended, from that end instead (so overlapping batches count once). None
+        without ``time_copies``, or when the driver cannot say."""
+        self._event_of(fence)
+        assert isinstance(fence, CudaFence)
+        timing, prev = fence.timing, fence.prev_timing
+        fence.prev_timing = None
+        if timing is None or not fence.launched:
+            return None
+        self._ctx.enter()
+        seconds = drv.elapsed_s(timing.start, timing.end)
+        if seconds is None:
+            return None
+        if prev is not None:
+            gap = drv.elapsed_s(prev.end, timing.start)
+            if gap is not None and gap < 0:
+                since_prev = drv.elapsed_s(prev.end, timing.end)
+                if since_prev is not None:
+                    seconds = max(0.0, since_prev)
+        return seconds
 
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
@@ -424,15 +481,23 @@ class CudaBackend:
     ) -> None:
         # ``waits`` holds CudaFence objects (checked by ``submit``), kept alive until used here.
         """Queue one batch's copies after ``waits`` and record ``fence`` after them."""
+        began = time.perf_counter()
         tier = self._tier
         assert tier is not None
         store = direction is Direction.STORE
         lane = self._lanes[direction]
         staged = direct = False
         try:
+            # Made here, not in ``submit``: the caller's thread does as little as it can.
+            timing = fence.timing = Timing() if self.config.time_copies else None
             for stream in (lane.sm, lane.dma):
                 for waited in waits:
                     drv.wait(stream, waited.event)
+            if timing is not None:
+                # On the stream of the batch's first work: a staged store starts with the
+                # gather kernel, everything else with a DMA.
+                gathers = bool(work) and store and self._staged[work[0][0]]
+                drv.record(timing.start, lane.sm if gathers else lane.dma)
             for g, table, gpu, cpu in work:
                 tier.ensure(g, int(cpu.max()))
                 if self._staged[g]:
@@ -447,6 +512,8 @@ class CudaBackend:
             if staged and direct and not store:
                 drv.record(self._join, lane.dma)
                 drv.wait(lane.sm, self._join)
+            if timing is not None:
+                drv.record(timing.end, last)
             drv.record(fence.event, last)
         except Exception as exc:
             fence.error = str(exc)
@@ -455,6 +522,10 @@ class CudaBackend:
             if self._launcher is None:
                 raise
             return
+        if timing is not None:
+            fence.prev_timing = self._last_timing[direction]
+            self._last_timing[direction] = timing
+        self.issue_stats[direction].observe(time.perf_counter() - began)
         fence.launched = True
         self._notify(direction, fence)
 
@@ -465,9 +536,10 @@ class CudaBackend:
             waiter.put(functools.partial(self._await, fence))
 
     def _copy(self, desc: Descriptors, lane: _Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
-        """Copy descriptors ``lo:hi`` of ``desc`` on ``stream`` (one driver call when batched)."""
+        """Copy descriptors ``lo:hi`` of ``desc`` on ``stream``: one batched driver call, or
+        for a few copies (or without ``cuMemcpyBatchAsync``) one ``cuMemcpyAsync`` each."""
         hi = len(desc) if hi < 0 else hi
-        if self._batch is not None:
+        if self._batch is not None and hi - lo >= self.config.batch_min_copies:
             self._batch.raw(
                 desc.dst.ctypes.data + 8 * lo,
                 desc.src.ctypes.data + 8 * lo,
@@ -502,6 +574,9 @@ class CudaBackend:
             blocks_per_slot=per_slot,
             chunk_blocks=tier.chunk_blocks(g),
             store=store,
+            ramp_blocks=max(1, self.config.ramp_bytes // table.block_bytes)
+            if self.config.ramp_bytes
+            else 0,
         )
         nsub = plan.num_subbatches
         nslots = len(ring.filled)
@@ -517,7 +592,7 @@ class CudaBackend:
             else Descriptors(staging, plan.dma.src, plan.dma.size)
         )
         regions_ptr = int(self._table_dev[g].data_ptr())
-        nreg, bb = table.num_regions, table.block_bytes
+        nreg, bb = self._kernel_rows[g], table.block_bytes
         bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
         for k, (slot, slot_ptr) in enumerate(zip(slots.tolist(), slot_ptrs.tolist(), strict=True)):
             lo, hi, dlo, dhi = bounds[k], bounds[k + 1], dbounds[k], dbounds[k + 1]
@@ -595,6 +670,7 @@ class CudaBackend:
         drv.cu.cuEventDestroy(self._join)
         self._staging.clear()
         self._table_dev.clear()
+        self._last_timing = dict.fromkeys(Direction)  # its events go now, not at exit
         log.info("cuda_backend_closed", device=self.device)
 
     def _check_open(self) -> None:
@@ -602,4 +678,4 @@ class CudaBackend:
             raise ClosedError("the CUDA backend is closed")
 
 
-__all__ = ["CudaBackend", "CudaConfig", "CudaFence"]
+__all__ = ["CudaBackend", "CudaConfig", "CudaFence", "IssueStats"]

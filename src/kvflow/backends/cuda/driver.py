@@ -90,12 +90,22 @@ def lowest_priority_stream() -> Any:
     )
 
 
-def new_event(*, blocking: bool = False) -> Any:
-    """An event without timing; ``blocking`` makes a host wait on it sleep instead of spin."""
-    flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+def new_event(*, blocking: bool = False, timing: bool = False) -> Any:
+    """An event, without timing unless ``timing``; ``blocking`` makes a host wait on it sleep
+    instead of spin."""
+    flags = 0 if timing else int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
     if blocking:
         flags |= int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
     return check(cu.cuEventCreate(flags), "cuEventCreate")
+
+
+def elapsed_s(start: Any, end: Any) -> float | None:
+    """Seconds from ``start`` to ``end`` (timing events, both completed; negative when ``end``
+    came first on the device), or None when the driver cannot say (not completed, no timing)."""
+    err, ms = cu.cuEventElapsedTime(start, end)
+    if int(err) != 0:
+        return None
+    return float(ms) * 1e-3
 
 
 _event_sync: Any = None
@@ -250,6 +260,7 @@ __all__ = [
     "check",
     "choose_abi",
     "cu",
+    "elapsed_s",
     "event_synchronize",
     "lowest_priority_stream",
     "memcpy_each",

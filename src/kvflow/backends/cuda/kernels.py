@@ -20,6 +20,10 @@ from kvflow.errors import BackendError
 MAX_IDS = 512
 """Block ids one launch carries in its parameter block (2 KiB of the 4 KiB parameter space)."""
 
+PIECE_BYTES = 64 * 1024
+"""Pages larger than this are cut into pieces for the kernel (``RegionTable.as_device_rows``):
+one warp copies one piece of one block, so large pages keep enough warps busy."""
+
 THREADS = 256
 WARPS = THREADS // 32
 
@@ -189,4 +193,4 @@ class StageKernel:
         check(cu.cuModuleUnload(self.module), "cuModuleUnload")
 
 
-__all__ = ["MAX_IDS", "SOURCE", "StageKernel", "compile_cubin"]
+__all__ = ["MAX_IDS", "PIECE_BYTES", "SOURCE", "StageKernel", "compile_cubin"]

@@ -53,11 +53,28 @@ class RegionTable:
     def min_page_bytes(self) -> int:
         return int(self.page.min())
 
-    def as_device_rows(self) -> I64:
-        """``(R, 4)`` rows ``(base, stride, page, cpu_offset)``: the gather kernel's region table."""
-        return np.ascontiguousarray(
-            np.stack([self.base, self.stride, self.page, self.cpu_offset], axis=1), dtype=np.int64
-        )
+    def as_device_rows(self, max_page: int = 0) -> I64:
+        """``(R', 4)`` rows ``(base, stride, page, cpu_offset)``: the gather kernel's region table.
+
+        With ``max_page`` each page larger than that is cut into pieces of at most about that
+        size (multiples of 16 bytes where the page is), each a row of its own: the kernel gives
+        one warp to each row of each block, so a cross-layer block of a few MiB still spreads
+        over many warps. The staging layout is the same either way.
+        """
+        rows = np.stack([self.base, self.stride, self.page, self.cpu_offset], axis=1)
+        if max_page > 0 and int(self.page.max()) > max_page:
+            pieces = []
+            for base, stride, page, off in rows.tolist():
+                k = -(-page // max_page)
+                piece = -(-page // k)
+                if page % 16 == 0:
+                    piece = -(-piece // 16) * 16
+                pieces += [
+                    (base + lo, stride, min(piece, page - lo), off + lo)
+                    for lo in range(0, page, piece)
+                ]
+            rows = np.array(pieces, dtype=np.int64)
+        return np.ascontiguousarray(rows, dtype=np.int64)
 
 
 def block_ids(ids: Sequence[int], limit: int, what: str) -> I64:
@@ -151,6 +168,86 @@ class StagedPlan:
         return len(self.bounds) - 1
 
 
+def subbatch_bounds(n: int, blocks_per_slot: int, ramp_blocks: int, *, store: bool) -> I64:
+    """Where ``n`` blocks are cut into sub-batches of at most ``blocks_per_slot``.
+
+    With ``ramp_blocks`` (0 for none) a store's first sub-batch, and a load's last, holds at most
+    that many blocks: a store's first gather and a load's last scatter are the parts of a batch
+    that overlap no DMA, so making them short cuts the batch's fixed cost; every other
+    sub-batch is a full slot.
+    """
+    if blocks_per_slot <= 0:
+        raise ConfigError(f"blocks_per_slot must be positive, got {blocks_per_slot}")
+    ramp = min(ramp_blocks, blocks_per_slot) if ramp_blocks > 0 else 0
+    if n == 0:
+        return np.zeros(1, dtype=np.int64)
+    if not ramp or n <= ramp:
+        cuts = list(range(0, n, blocks_per_slot))
+    elif store:
+        cuts = [0, *range(ramp, n, blocks_per_slot)]
+    else:
+        # Full slots from the start, then whatever is left before the short last one.
+        body = n - ramp
+        cuts = [*range(0, body, blocks_per_slot), body]
+    cuts.append(n)
+    return np.asarray(cuts, dtype=np.int64)
+
+
+FEW_RUNS = 48
+"""Below about this many DMA pieces (CPU-id runs, sub-batches, pinned-chunk crossings),
+``staged_plan`` cuts them in Python: a handful of pieces cost less than the numpy path's few
+dozen array calls (what a CPU pool that hands out ascending runs gives); more cost more
+(``scripts/bench_transfer.py --plan-only``)."""
+
+
+def _staged_plan_runs(
+    table: RegionTable,
+    cpu_ids: I64,
+    cpu_base: int,
+    bounds: I64,
+    run_starts: list[int],
+    chunk_blocks: int,
+    store: bool,
+) -> StagedPlan:
+    """``staged_plan`` for CPU ids in few ascending runs: the same pieces, cut in Python."""
+    n = len(cpu_ids)
+    bb = table.block_bytes
+    cuts = bounds.tolist()
+    # Every piece starts at a run start or a sub-batch start, and splits at chunk boundaries.
+    starts = sorted({*run_starts, *cuts[:-1]})
+    first_ids = cpu_ids[starts].tolist()
+    ends = [*starts[1:], n]
+    dst: list[int] = []
+    src: list[int] = []
+    size: list[int] = []
+    desc_bounds = [0]
+    k = 0  # the sub-batch of the piece at hand
+    for at, end, cid in zip(starts, ends, first_ids, strict=True):
+        while at >= cuts[k + 1]:
+            k += 1
+            desc_bounds.append(len(size))
+        slot_pos = at - cuts[k]
+        while at < end:
+            stop = end
+            if chunk_blocks > 0:
+                stop = min(stop, at + chunk_blocks - cid % chunk_blocks)
+            cpu = cpu_base + cid * bb
+            off = slot_pos * bb
+            dst.append(cpu if store else off)
+            src.append(off if store else cpu)
+            size.append((stop - at) * bb)
+            slot_pos += stop - at
+            cid += stop - at
+            at = stop
+    desc_bounds.extend([len(size)] * (len(cuts) - len(desc_bounds)))
+    u64 = np.uint64
+    return StagedPlan(
+        bounds=bounds,
+        dma=Descriptors(np.array(dst, dtype=u64), np.array(src, dtype=u64), np.array(size, u64)),
+        desc_bounds=np.array(desc_bounds, dtype=np.int64),
+    )
+
+
 def staged_plan(
     table: RegionTable,
     cpu_ids: I64,
@@ -159,22 +256,38 @@ def staged_plan(
     blocks_per_slot: int,
     chunk_blocks: int,
     store: bool,
+    ramp_blocks: int = 0,
 ) -> StagedPlan:
-    """Sub-batches of ``blocks_per_slot`` blocks and whole-block DMA runs between slot and CPU.
+    """Sub-batches (``subbatch_bounds``) and whole-block DMA runs between slot and CPU.
 
     Inside a slot, block ``i`` of the sub-batch sits at ``i * block_bytes``; consecutive CPU ids
     therefore make one contiguous copy (split at registration-chunk and sub-batch boundaries).
     """
-    if blocks_per_slot <= 0:
-        raise ConfigError(f"blocks_per_slot must be positive, got {blocks_per_slot}")
     n = len(cpu_ids)
-    bounds = np.arange(0, n + blocks_per_slot, blocks_per_slot, dtype=np.int64)
-    bounds[-1] = n
-    if len(bounds) >= 2 and bounds[-2] == n:
-        bounds = bounds[:-1]
-    position = np.arange(n, dtype=np.int64)
-    # A new sub-batch restarts at slot offset 0, so runs must break there too.
-    slot_pos = position % blocks_per_slot
+    bounds = subbatch_bounds(n, blocks_per_slot, ramp_blocks, store=store)
+    if n:
+        run_starts = np.flatnonzero(np.diff(cpu_ids) != 1)
+        # About how many pieces the loop would cut: runs, sub-batches, chunk crossings.
+        pieces = len(run_starts) + len(bounds) + (n // chunk_blocks if chunk_blocks > 0 else 0)
+        if pieces < FEW_RUNS:
+            return _staged_plan_runs(
+                table, cpu_ids, cpu_base, bounds, (run_starts + 1).tolist(), chunk_blocks, store
+            )
+    return _staged_plan_arrays(table, cpu_ids, cpu_base, bounds, chunk_blocks, store)
+
+
+def _staged_plan_arrays(
+    table: RegionTable,
+    cpu_ids: I64,
+    cpu_base: int,
+    bounds: I64,
+    chunk_blocks: int,
+    store: bool,
+) -> StagedPlan:
+    """``staged_plan`` for any CPU ids, in numpy (no loop per block or per run)."""
+    n = len(cpu_ids)
+    # A new sub-batch restarts at slot offset 0, so runs break there too.
+    slot_pos = np.arange(n, dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
     starts, lengths = runs(slot_pos, cpu_ids, chunk_blocks)
     bb = table.block_bytes
     slot_off = slot_pos[starts] * bb
@@ -197,4 +310,5 @@ __all__ = [
     "direct_descriptors",
     "runs",
     "staged_plan",
+    "subbatch_bounds",
 ]

@@ -55,7 +55,13 @@ class TransferLedger:
         self.events = config.enable_events
         self._geo = geometry
         self.cpu = [
-            BlockPool(s.num_cpu_blocks, name=f"cpu[{g}]", enable_events=config.enable_events)
+            # Ascending runs: a store's CPU blocks in few contiguous pieces (fewer copies).
+            BlockPool(
+                s.num_cpu_blocks,
+                name=f"cpu[{g}]",
+                enable_events=config.enable_events,
+                ascending_runs=True,
+            )
             for g, s in enumerate(groups)
         ]
         self.gpu = gpu_view

@@ -1,0 +1,44 @@
+"""How long the CUDA backend's copies took: timing events around a batch, and the host time
+spent issuing batches, for ``CudaBackend`` (importing it needs no GPU)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from attrs import define
+
+from kvflow.backends.cuda import driver as drv
+
+
+class Timing:
+    """Two timing events around one batch's copies: ``start`` after its waits, ``end`` after
+    its last work. Owns them: they go when the last fence referring to them goes."""
+
+    __slots__ = ("end", "start")
+
+    def __init__(self) -> None:
+        self.start = drv.new_event(timing=True)
+        self.end = drv.new_event(timing=True)
+
+    def __del__(self) -> None:
+        # At interpreter shutdown the driver may already be gone.
+        with contextlib.suppress(Exception):
+            drv.cu.cuEventDestroy(self.start)
+        with contextlib.suppress(Exception):
+            drv.cu.cuEventDestroy(self.end)
+
+
+@define(eq=False)
+class IssueStats:
+    """Batches issued in one direction and the host seconds issuing them took (the planning and
+    every driver call, on the launch thread or, without one, inside ``submit``)."""
+
+    batches: int = 0
+    seconds: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.batches += 1
+        self.seconds += seconds
+
+
+__all__ = ["IssueStats", "Timing"]
