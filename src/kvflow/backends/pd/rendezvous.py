@@ -40,7 +40,10 @@ class PairStore:
         self.what = what
         self._timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            self._store = TCPStore(host, port, 2, pair_rank == 0, timeout=self._timeout)
+            # The host does not wait for the peer here: the first ``fetch`` does, bounded.
+            self._store = TCPStore(
+                host, port, 2, pair_rank == 0, timeout=self._timeout, wait_for_workers=False
+            )
         except (RuntimeError, ValueError) as e:
             raise BackendError(
                 f"{what}: no pair with {host}:{port} within {timeout_s} s: {e}"
