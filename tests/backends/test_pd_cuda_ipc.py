@@ -329,7 +329,7 @@ def test_peer_death_fails_pending_fences_breaks_the_pair_and_never_abandons_a_ru
 def test_the_exporter_waits_for_the_mappings_to_go_at_close() -> None:
     """D's close drops its mappings and says so; P's close then returns at once. P closing while
     D still maps waits at most ``close_wait_s`` and logs that it did not see D let go."""
-    p, d, world, _, _ = pair("read", close_wait_s=0.0)
+    p, d, *_ = pair("read", close_wait_s=0.0)
     d.close()
     with capture_logs() as logs:
         p.close()
