@@ -38,11 +38,39 @@ def test_bench_pd_prints_the_table_and_writes_the_json(
     assert data["decode_prompt_tokens_computed"] == data["requests"]
 
 
+def test_bench_pd_over_nixl_reports_the_transport_it_chose(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """With --pd-transport nixl (D reads P's blocks through NIXL) outputs are identical, nothing
+    leaks, and the table and the JSON name NIXL's backend and UCX's transport on each side."""
+    from kvflow.backends.pd.nixl import load_nixl
+
+    if load_nixl()[0] is None:
+        pytest.skip("NIXL is not importable (pip install 'kvflow[nixl]')")
+    figures = tmp_path / "pd.json"
+    assert main(["bench", "--pd", "--pd-transport", "nixl", *TINY, "--json", str(figures)]) == 0
+    out, _ = capfd.readouterr()
+    assert "transport chosen (D)" in out
+    data = json.loads(figures.read_text())
+    assert data["outputs_identical"] is True
+    assert data["leaked_blocks"] == 0
+    assert data["transport"] == "nixl"
+    assert data["handoffs_ok"] == data["requests"]
+    d = data["transport_stats"]["D"]
+    assert d["backend"] == "UCX"
+    assert d["mode"] == "read"
+    assert d["transfers"] >= data["requests"]
+    assert d["ucx"]  # UCX's own report, e.g. cma/memory between two processes
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--pd-flow", "concurrent"], "--pd-flow needs --pd"),
-        (["--pd", "--device", "cuda"], "--pd runs on CPU"),
+        (["--pd", "--device", "cuda"], "--pd-transport gloo moves CPU tensors"),
+        (["--pd-transport", "nixl"], "--pd-transport needs --pd"),
+        (["--pd", "--pd-transport", "cuda-ipc"], "cuda-ipc joins two processes on one GPU"),
+        (["--pd", "--pd-transport", "ncclx"], "invalid choice"),
         (["--pd", "--plot", "x.png"], "--plot is not available with --pd"),
         (["--pd", "--pd-flow", "sideways"], "invalid choice"),
     ],
