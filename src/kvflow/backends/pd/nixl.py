@@ -15,10 +15,11 @@ reads P's blocks; D's memory is written only by D's own transfer) or ``write`` (
 D's blocks). The initiating side's fence is ``check_xfer_state``; the transfer carries a
 notification naming the hand-off (channel, epoch, transfer id), and the other side's fence
 settles when that notification arrives (``get_new_notifs``): P learns that D's read finished, D
-that P's write landed. Fences are polled (``pushes_completions`` is false): NIXL's own progress
-thread moves the bytes. A passive fence fails after ``timeout_s`` without its notification; an
-initiated transfer past ``timeout_s`` is cancelled (``release``), and its fence stays pending
-until NIXL says nothing of it runs any more, so the blocks it writes are never freed under it.
+that P's write landed. Fences are polled (``pushes_completions`` is false); NIXL's progress
+thread is off by default (it spins a core), so each ``query`` makes NIXL's progress. A passive
+fence fails after ``timeout_s`` without its notification; an initiated transfer past
+``timeout_s`` is cancelled (``release``), and its fence stays pending until NIXL says nothing of
+it runs any more, so the blocks it writes are never freed under it.
 
 ``stats`` reports what was chosen: the NIXL backend of the transfers and, from UCX's own
 protocol report (``UCX_PROTO_INFO`` into a log file of the process, set only if the user set
@@ -228,6 +229,7 @@ class NixlTransport:
         mode: str = "read",
         backends: Sequence[str] = ("UCX",),
         probe_ucx: bool = True,
+        progress_thread: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"nixl transport: mode must be one of {MODES}, not {mode!r}")
@@ -249,7 +251,12 @@ class NixlTransport:
         name = f"kvflow-{'p' if pair_rank == 0 else 'd'}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         restore = self._ucx_log[1] if self._ucx_log else {}
         try:
-            self._agent = mod.nixl_agent(name, mod.nixl_agent_config(backends=list(backends)))
+            # NIXL's progress thread polls without pause (measured: it took a core from each
+            # engine on the dev box, ITL ×10); without it, every query makes progress instead.
+            config = mod.nixl_agent_config(
+                enable_prog_thread=progress_thread, backends=list(backends)
+            )
+            self._agent = mod.nixl_agent(name, config)
         except Exception as e:
             raise BackendError(f"nixl transport: creating the agent failed: {e}") from e
         finally:
