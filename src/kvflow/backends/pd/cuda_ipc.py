@@ -52,14 +52,19 @@ import xxhash
 from attrs import define
 
 from kvflow.backends.base import Fence, FenceStatus
-from kvflow.backends.pd.rendezvous import PairStore, SideLayout, check_launch, sorted_pairs
+from kvflow.backends.pd.rendezvous import (
+    MODES,
+    PairStore,
+    SideLayout,
+    check_launch,
+    sorted_pairs,
+)
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import CHANNELS, LaunchCopies
 from kvflow.errors import BackendError, ClosedError, ConfigError, LayoutError, ProtocolError
 
 log = get_logger("kvflow.backend.pd.cuda_ipc")
 
-MODES = ("read", "write")
 _HEADER = 4  # int64 cells: [rank] = closing, [2 + rank] = mappings dropped
 
 

@@ -46,7 +46,13 @@ from attrs import define, field
 
 from kvflow.backends.base import Fence, FenceStatus
 from kvflow.backends.cuda.plan import runs
-from kvflow.backends.pd.rendezvous import PairStore, SideLayout, check_launch, sorted_pairs
+from kvflow.backends.pd.rendezvous import (
+    MODES,
+    PairStore,
+    SideLayout,
+    check_launch,
+    sorted_pairs,
+)
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import LaunchCopies, Pairs
 from kvflow.errors import BackendError, ClosedError, ConfigError, LayoutError, ProtocolError
@@ -56,7 +62,6 @@ log = get_logger("kvflow.backend.pd.nixl")
 MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 """Import names of NIXL's Python API, preferred first (the CUDA 13 wheel bundles UCX)."""
 DISTRIBUTIONS = ("nixl-cu13", "nixl-cu12", "nixl")
-MODES = ("read", "write")
 
 
 def load_nixl() -> tuple[Any | None, str]:

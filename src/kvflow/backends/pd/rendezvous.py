@@ -22,6 +22,9 @@ from torch._C._distributed_c10d import TCPStore
 from kvflow.core.pd.common import CHANNELS, Pairs
 from kvflow.errors import BackendError, ConfigError, LayoutError
 
+MODES = ("read", "write")
+"""Who copies in a one-sided pair: ``read`` (D pulls P's blocks) or ``write`` (P pushes)."""
+
 
 class PairStore:
     """The pair's key-value store: ``publish`` this side's values, ``fetch`` the peer's."""
@@ -174,4 +177,4 @@ def sorted_pairs(group_pairs: Sequence[tuple[int, int]]) -> tuple[Any, Any]:
     return arr[order, 0], arr[order, 1]
 
 
-__all__ = ["PairStore", "Region", "SideLayout", "check_launch", "sorted_pairs"]
+__all__ = ["MODES", "PairStore", "Region", "SideLayout", "check_launch", "sorted_pairs"]
