@@ -108,11 +108,9 @@ class FakeDevice:
         self.world.log.append(("copy", self.name))
         return len(src_ids)
 
-    def synchronize(self) -> None:
-        self.world.log.append(("sync", self.name))
-
-    def close(self) -> None:
+    def close(self, *, synchronize: bool) -> None:
         self.closed = True
+        self.synchronized = synchronize
 
 
 def release(world: World) -> None:
@@ -342,6 +340,24 @@ def test_the_exporter_waits_for_the_mappings_to_go_at_close() -> None:
     d.close()  # idempotent
     with pytest.raises(ClosedError):
         d.launch(ops()[1])
+
+
+def test_close_never_unmaps_under_a_copy_that_does_not_finish() -> None:
+    """D closing while its issued copy never completes waits ``close_wait_s``, logs it, keeps
+    the mappings and does not synchronize the stream (which would hang); P then sees no
+    "unmapped" flag and stops waiting at its own bound."""
+    p, d, world, _, _ = pair("read", close_wait_s=0.0)
+    world.hold = True
+    p.launch(ops()[0])
+    d.launch(ops()[1])
+    with capture_logs() as logs:
+        d.close()
+    assert any(e["event"] == "pd_cuda_ipc_close_with_running_copy" for e in logs)
+    assert d._dev.synchronized is False  # type: ignore[attr-defined]
+    with capture_logs() as logs:
+        p.close()
+    assert any(e["event"] == "pd_cuda_ipc_close_before_peer_unmapped" for e in logs)
+    assert p._dev.synchronized is True  # type: ignore[attr-defined]
 
 
 def test_misuse_and_mismatched_layouts_are_typed_errors() -> None:

@@ -27,8 +27,10 @@ roles of the two sides swapped (P copies into D's mapped blocks after D's *ready
 A peer's death is seen from its pid (gone, a zombie, or reused: the start time is checked): its
 pending fences fail, the transport turns broken (later launches fail at once). A copy already
 on the stream is never abandoned: its fence settles (FAILED) only once the copy finished. The
-exporter outlives the mappings: the initiator drops its mappings and says so in the doorbell at
-``close``; the passive side's ``close`` waits for that (bounded) before it lets go.
+exporter outlives the mappings: at ``close`` the initiator waits (at most ``close_wait_s``) for
+its issued copies, drops its mappings and says so in the doorbell; the passive side's ``close``
+waits for that (bounded) before it lets go. A copy that never finishes (its stream waits on a
+dead peer's event) keeps its mappings for the life of the process rather than fault later.
 
 Importing this module needs no GPU; ``CudaIpcDevice`` raises ``BackendError`` without one.
 """
@@ -66,6 +68,7 @@ from kvflow.errors import BackendError, ClosedError, ConfigError, LayoutError, P
 log = get_logger("kvflow.backend.pd.cuda_ipc")
 
 _HEADER = 4  # int64 cells: [rank] = closing, [2 + rank] = mappings dropped
+_ABANDONED: list[Any] = []  # mappings a copy that never finished may still use (see close)
 
 
 def token_of(transfer_id: str, epoch: int, channel: int) -> int:
@@ -147,8 +150,7 @@ class IpcDevice(Protocol):
     def query(self, event: Any) -> bool: ...
     def prepare(self, src: SideLayout, dst: SideLayout) -> list[str]: ...
     def copy(self, group: int, src_ids: Any, dst_ids: Any) -> int: ...
-    def synchronize(self) -> None: ...
-    def close(self) -> None: ...
+    def close(self, *, synchronize: bool) -> None: ...
 
 
 @define(eq=False)
@@ -420,28 +422,48 @@ class CudaIpcTransport:
             return
         self._closed = True
         rank, peer = self.pair_rank, 1 - self.pair_rank
+        drained = True
         try:
-            if any(f.done is not None for f in self._live):
-                self._dev.synchronize()  # copies on the stream end before the mappings go
+            drained = self._drain_issued()
             for f in self._live:
                 f.status = FenceStatus.FAILED
             self._live.clear()
-            self._mapped = []
-            self._peer_event = None
+            if drained:
+                self._mapped = []
+                self._peer_event = None
+            else:
+                # A copy still on the stream (waiting on a dead peer's event that never
+                # completes) must not find its memory unmapped: keep the mappings for the life
+                # of the process rather than fault later.
+                _ABANDONED.append((self._mapped, self._peer_event, self._tensors))
+                log.error("pd_cuda_ipc_close_with_running_copy", peer_pid=self.peer_pid)
             bell = self._bell
             if bell is not None:
                 bell.set_flag(rank)
-                bell.set_flag(2 + rank)
+                if drained:
+                    bell.set_flag(2 + rank)
                 if not self.initiates:
                     self._await_peer_unmapped(bell, peer)
         finally:
-            self._dev.close()
+            self._dev.close(synchronize=drained)
             self._tensors = []
             self._event = None
             if self._bell is not None:
                 self._bell.close()
                 self._bell = None
         log.info("pd_transport_closed", transport="cuda-ipc", stats=self.stats)
+
+    def _drain_issued(self) -> bool:
+        """Wait, at most ``close_wait_s``, until every issued copy finished; False if one did
+        not (its fence stays the device's to finish)."""
+        deadline = self._now() + self.close_wait_s
+        pause = threading.Event()
+        for f in self._live:
+            while f.done is not None and not self._dev.query(f.done):
+                if self._now() >= deadline:
+                    return False
+                pause.wait(0.005)
+        return True
 
     def _await_peer_unmapped(self, bell: Doorbell, peer: int) -> None:
         """The exporter outlives the peer's mappings: wait (bounded) until the initiator
@@ -584,12 +606,10 @@ class CudaIpcDevice:
             self._drv.memcpy_each(desc, self._cu_stream)
         return len(desc)
 
-    def synchronize(self) -> None:
-        self._stream.synchronize()
-
-    def close(self) -> None:
-        self._stream.synchronize()
-        if self._kernel is not None:
+    def close(self, *, synchronize: bool) -> None:
+        if synchronize:
+            self._stream.synchronize()
+        if self._kernel is not None and synchronize:
             self._kernel.unload()
             self._kernel = None
         self._table_dev = []
