@@ -1,6 +1,6 @@
 """The PD router: one prefill engine process (P) and one decode engine process (D) on this
-machine (multiprocessing spawn, CPU, gloo data plane, zmq control plane), and the flows that
-send a request through them.
+machine (multiprocessing spawn; a gloo, NIXL or CUDA IPC data plane, ``transport``; zmq control
+plane), and the flows that send a request through them.
 
 Sequential flow (vLLM's proxies, llm-d): the request goes to P with one output token and
 ``do_remote_decode``; P's result carries ``kv_transfer_params`` (transfer id, P's engine id and
