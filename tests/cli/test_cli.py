@@ -37,6 +37,7 @@ def test_doctor_reports_every_check_as_a_table() -> None:
         "vllm",
         "matplotlib",
         "nixl",
+        "PD transports",
     ):
         assert check in text
     names = [name for name, _, _ in doctor_rows()]
@@ -74,6 +75,8 @@ def test_doctor_says_why_an_optional_package_does_not_import(
     (tmp_path / "nixl.py").write_text("raise RuntimeError('libnixl.so: cannot open')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "nixl", raising=False)
+    for wheel_module in ("nixl_cu13", "nixl_cu12"):  # an installed NIXL wheel would answer first
+        monkeypatch.setitem(sys.modules, wheel_module, None)
     rows = {name: (value, verdict) for name, value, verdict in doctor.optional_rows()}
     assert rows["nixl"] == ("import failed: libnixl.so: cannot open", "warn")
 
@@ -84,3 +87,18 @@ def test_doctor_shows_an_installed_packages_version() -> None:
     value, verdict = {n: (v, d) for n, v, d in doctor.optional_rows()}["matplotlib"]
     assert verdict == "ok"
     assert value.endswith("(matplotlib)")
+
+
+def test_doctor_lists_the_pd_transports_this_machine_can_use() -> None:
+    """gloo is always usable on CPU; NIXL's row names its UCX backend when the extra is
+    installed; cuda-ipc is named with why not on a machine without CUDA."""
+    rows = {name: value for name, value, _ in doctor_rows()}
+    assert rows["PD transports"].startswith("gloo")
+    from kvflow.backends.pd.nixl import load_nixl
+
+    if load_nixl()[0] is not None:
+        assert "UCX backend" in rows["nixl backends"]
+        assert "nixl" in rows["PD transports"].split(" (not")[0]
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        assert "cuda-ipc: no CUDA device" in rows["PD transports"]

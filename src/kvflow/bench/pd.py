@@ -1,5 +1,6 @@
 """``kvflow bench --pd``: the multi-round QA workload through a PD pair (one P and one D engine
-process, CPU, gloo data plane, zmq control plane) against one colocated engine.
+process; gloo, NIXL or CUDA IPC data plane, ``--pd-transport``; zmq control plane) against one
+colocated engine.
 
 Both sides run the same workload round by round (each answer joins its user's history) on the
 same model weights (the engines' ``seed``) and the same GPU pool size; outputs are greedy, so
@@ -16,8 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from attrs import asdict, frozen
+from attrs import asdict, field, frozen
 
+from kvflow.backends.pd.registry import TRANSPORTS
 from kvflow.bench.config import BenchConfig
 from kvflow.bench.multi_round import gpu_blocks_for, workload_of
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest, make_kv_cache_config
@@ -77,6 +79,8 @@ class PDBenchResult:
     decode_preemptions: int  # D's: a preempted request recomputes past its prefix-cache hit
     colocated_preemptions: int
     num_gpu_blocks: int
+    transport: str = "gloo"
+    transport_stats: dict[str, dict[str, Any]] = field(factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,7 +91,8 @@ class PDBenchResult:
             "leaked_blocks": self.leaked_blocks,
             "bytes_moved": self.bytes_moved,
             "send_gbps": self.send_gbps,
-            "transport": "gloo",
+            "transport": self.transport,
+            "transport_stats": self.transport_stats,
             "flow": self.flow,
             "handoffs_ok": self.handoffs_ok,
             "handoffs_failed": self.handoffs_failed,
@@ -97,7 +102,7 @@ class PDBenchResult:
             "colocated": asdict(self.colocated),
             "num_gpu_blocks": self.num_gpu_blocks,
             "config": asdict(self.config),
-            "device": "cpu",
+            "device": self.config.device,
             "machine": platform.node() or platform.machine(),
         }
 
@@ -173,17 +178,32 @@ def _through(router: PDRouter) -> Callable[[list[GenerationRequest]], list[Any]]
     return serve
 
 
+def check_pd_transport(transport: str, device: str) -> None:
+    """``ConfigError`` for a transport that cannot serve engines on ``device``."""
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"--pd-transport {transport!r}: one of {', '.join(TRANSPORTS)}")
+    if transport == "gloo" and device != "cpu":
+        raise ConfigError(f"--pd-transport gloo moves CPU tensors: use --device cpu, not {device}")
+    if transport == "cuda-ipc" and not device.startswith("cuda"):
+        raise ConfigError("--pd-transport cuda-ipc joins two processes on one GPU: --device cuda")
+    if transport == "nixl":
+        from kvflow.backends.pd.nixl import load_nixl
+
+        if load_nixl()[0] is None:
+            raise ConfigError("--pd-transport nixl needs NIXL: pip install 'kvflow[nixl]'")
+
+
 def run_pd_bench(
     cfg: BenchConfig,
     *,
     flow: str = "sequential",
+    transport: str = "gloo",
     on_round: Callable[[str, int], None] = lambda _name, _round: None,
 ) -> PDBenchResult:
-    """The workload on one colocated engine, then through P and D; CPU only."""
+    """The workload on one colocated engine, then through P and D over ``transport``."""
     if flow not in FLOWS:
         raise ConfigError(f"--pd-flow {flow!r}: one of {', '.join(FLOWS)}")
-    if cfg.device != "cpu":
-        raise ConfigError("--pd runs on CPU (gloo transport); use --device cpu")
+    check_pd_transport(transport, cfg.device)
     model_cfg = model_config(cfg.model)
     workload = workload_of(cfg, model_cfg)
     probe = make_kv_cache_config(model_cfg, EngineConfig(block_size=cfg.block_size))
@@ -196,6 +216,7 @@ def run_pd_bench(
         "max_num_batched_tokens": cfg.max_batched_tokens,
         "seed": cfg.seed,
         "dtype": cfg.dtype,
+        "device": cfg.device,
     }
     colocated = Engine(model_cfg, EngineConfig(**engine_kwargs))
     warm = MultiRoundQA(
@@ -207,7 +228,7 @@ def run_pd_bench(
     ref = _rounds(workload, _colocated(colocated), lambda r: on_round("colocated", r))
     colocated_preemptions = colocated.scheduler.num_preemptions - warm_preemptions
     colocated.shutdown()
-    with PDRouter(model=cfg.model, engine=engine_kwargs, flow=flow) as router:
+    with PDRouter(model=cfg.model, engine=engine_kwargs, flow=flow, transport=transport) as router:
         _rounds(warm, _through(router), lambda _r: None)
         p0, d0 = router.stats("P"), router.stats("D")
         got = _rounds(workload, _through(router), lambda r: on_round("P → D", r))
@@ -232,7 +253,9 @@ def run_pd_bench(
         decode_preemptions=int(d["preemptions"]) - int(d0["preemptions"]),
         colocated_preemptions=colocated_preemptions,
         num_gpu_blocks=num_blocks,
+        transport=transport,
+        transport_stats={side: dict(router.summaries[side].get("transport", {})) for side in "PD"},
     )
 
 
-__all__ = ["PDBenchResult", "SideFigures", "percentile", "run_pd_bench"]
+__all__ = ["PDBenchResult", "SideFigures", "check_pd_transport", "percentile", "run_pd_bench"]

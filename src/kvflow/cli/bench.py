@@ -141,6 +141,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --pd: P first then D (default), or both at once",
     )
+    p.add_argument(
+        "--pd-transport",
+        choices=("gloo", "nixl", "cuda-ipc"),
+        default=None,
+        help="with --pd: the data plane between P and D: gloo (CPU, default), nixl (the "
+        "kvflow[nixl] extra; CPU or GPU), cuda-ipc (two processes on one GPU, --device cuda)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -215,9 +222,12 @@ def validate(args: argparse.Namespace) -> BenchConfig:
     cfg = config_from_args(args)
     if getattr(args, "pd_flow", None) is not None and not args.pd:
         raise ConfigError("--pd-flow needs --pd")
+    if getattr(args, "pd_transport", None) is not None and not args.pd:
+        raise ConfigError("--pd-transport needs --pd")
     if getattr(args, "pd", False):
-        if cfg.device != "cpu":
-            raise ConfigError(f"--pd runs on CPU (gloo transport), not --device {cfg.device}")
+        from kvflow.bench.pd import check_pd_transport
+
+        check_pd_transport(args.pd_transport or "gloo", cfg.device)
         for flag in ("plot", "trace"):
             if getattr(args, flag) is not None:
                 raise ConfigError(f"--{flag} is not available with --pd yet")
@@ -394,7 +404,8 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
     c, pd = result.colocated, result.pd
     table = Table(
         title=(
-            f"kvflow bench --pd ({result.flow} flow, gloo): {result.config.model} on cpu, "
+            f"kvflow bench --pd ({result.flow} flow, {result.transport}): {result.config.model} "
+            f"on {result.config.device}, "
             f"{result.requests} requests ({result.config.users} users × {result.config.rounds} "
             "rounds)"
         )
@@ -427,10 +438,25 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
     table.add_row("bytes moved (P → D)", "—", f"{result.bytes_moved:,}")
     table.add_row("send GB/s (launch → seen settled)", "—", f"{result.send_gbps:.3f}")
     table.add_row("leaked blocks (P + D)", "—", f"{result.leaked_blocks}")
+    for side, stats in sorted(result.transport_stats.items()):
+        chosen = ", ".join(
+            f"{k}={_flat(v)}"
+            for k, v in stats.items()
+            if k in ("backend", "ucx", "mode", "paths") and v
+        )
+        if chosen:
+            table.add_row(f"transport chosen ({side})", "—", chosen)
     table.add_row("wall time (s)", f"{c.wall_s:.2f}", f"{pd.wall_s:.2f}")
     console.print(table)
     verdict = "[green]identical[/]" if result.outputs_identical else "[red]DIFFERENT[/]"
     console.print(f"greedy outputs, colocated vs P → D: {verdict}")
+
+
+def _flat(value: object) -> str:
+    """A stats value for a table cell: a mapping as ``key: value`` pairs."""
+    if isinstance(value, dict):
+        return " ".join(f"{k}:{v}" for k, v in value.items())
+    return str(value)
 
 
 def _progress(console: Console) -> Progress:
@@ -452,7 +478,10 @@ def run_pd_command(args: argparse.Namespace, cfg: BenchConfig, console: Console)
     with _progress(console) as progress:
         tasks = {name: progress.add_task(name, total=cfg.rounds) for name in ("colocated", "P → D")}
         result = run_pd_bench(
-            cfg, flow=flow, on_round=lambda name, _r: progress.advance(tasks[name])
+            cfg,
+            flow=flow,
+            transport=args.pd_transport or "gloo",
+            on_round=lambda name, _r: progress.advance(tasks[name]),
         )
     render_pd(result, console)
     if args.json is not None:

@@ -1,5 +1,6 @@
 """``kvflow doctor``: what kvflow finds on this machine, as a table: Python, torch, CUDA and batched
-copies, and the optional packages (vLLM, matplotlib, NIXL) with their versions or why not."""
+copies, the optional packages (vLLM, matplotlib, NIXL) with their versions or why not, NIXL's
+backends, and the PD transports this machine can use."""
 
 from __future__ import annotations
 
@@ -50,10 +51,38 @@ def optional_rows() -> list[tuple[str, str, str]]:
         _optional_module(
             "matplotlib", "matplotlib", ("matplotlib",), "bench --plot: pip install 'kvflow[plot]'"
         ),
-        _optional_module(
-            "nixl", "nixl", ("nixl", "nixl-cu13", "nixl-cu12"), "no network transfers"
-        ),
+        _nixl_row(),
     ]
+
+
+NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
+
+
+def _nixl_row() -> tuple[str, str, str]:
+    """NIXL under any of its wheels' import names (``nixl-cu13`` installs ``nixl_cu13``)."""
+    row = ("nixl", "", "info")
+    for module in NIXL_MODULES:
+        row = _optional_module(
+            "nixl", module, ("nixl-cu13", "nixl-cu12", "nixl"), "pip install 'kvflow[nixl]'"
+        )
+        if row[2] != "info":
+            return row
+    return row
+
+
+def pd_rows() -> list[tuple[str, str, str]]:
+    """NIXL's backends (from a throw-away agent) and the PD transports usable here."""
+    from kvflow.backends.pd.registry import transport_status
+
+    status = transport_status(probe_nixl=True)
+    rows = []
+    ok, found = status["nixl"]
+    if ok:
+        rows.append(("nixl backends", found.split("; ", 1)[-1], "ok"))
+    usable = [name for name, (can, _) in status.items() if can]
+    other = "; ".join(f"{name}: {why}" for name, (can, why) in status.items() if not can)
+    rows.append(("PD transports", ", ".join(usable) + (f" (not: {other})" if other else ""), "ok"))
+    return rows
 
 
 def doctor_rows() -> list[tuple[str, str, str]]:
@@ -94,6 +123,7 @@ def doctor_rows() -> list[tuple[str, str, str]]:
         rows.append(("cuMemcpyBatchAsync", "no GPU", "info"))
         rows.append(("default backend", "host (CPU copies on a thread)", "ok"))
     rows.extend(optional_rows())
+    rows.extend(pd_rows())
     return rows
 
 

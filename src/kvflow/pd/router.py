@@ -1,6 +1,6 @@
 """The PD router: one prefill engine process (P) and one decode engine process (D) on this
-machine (multiprocessing spawn, CPU, gloo data plane, zmq control plane), and the flows that
-send a request through them.
+machine (multiprocessing spawn; a gloo, NIXL or CUDA IPC data plane, ``transport``; zmq control
+plane), and the flows that send a request through them.
 
 Sequential flow (vLLM's proxies, llm-d): the request goes to P with one output token and
 ``do_remote_decode``; P's result carries ``kv_transfer_params`` (transfer id, P's engine id and
@@ -26,6 +26,7 @@ from typing import Any
 
 from attrs import frozen
 
+from kvflow.backends.pd.registry import TRANSPORTS
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import PDTimeouts
 from kvflow.engine.distributed import free_port
@@ -83,6 +84,8 @@ class PDRouter:
         flow: str = "sequential",
         timeout_s: float = 120.0,
         pd_timeouts: PDTimeouts | None = None,
+        transport: str = "gloo",
+        transport_options: dict[str, Any] | None = None,
     ) -> None:
         if flow not in FLOWS:
             raise ConfigError(f"PD flow {flow!r}: one of {', '.join(FLOWS)}")
@@ -93,6 +96,10 @@ class PDRouter:
         self.flow = flow
         self.timeout_s = timeout_s
         self.pd_timeouts = pd_timeouts
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"PD transport {transport!r}: one of {', '.join(TRANSPORTS)}")
+        self.transport = transport
+        self.transport_options = transport_options
         self._procs: dict[str, _Proc] = {}
         self._ids = 0
 
@@ -112,6 +119,8 @@ class PDRouter:
                 port,
                 concurrent=concurrent,
                 pd_timeouts=self.pd_timeouts,
+                transport=self.transport,
+                transport_options=self.transport_options,
             )
             self._procs[me] = _Proc(ctx, spec)
         try:

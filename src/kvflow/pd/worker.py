@@ -1,5 +1,5 @@
-"""One PD engine process: a reference engine with the PD connector, its gloo transport to the
-peer engine, and a loop that takes requests from the router's pipe and sends results back.
+"""One PD engine process: a reference engine with the PD connector, its transport to the peer
+engine (gloo by default; any of ``kvflow.backends.pd.TRANSPORTS``), and a loop that takes requests from the router's pipe and sends results back.
 
 The loop steps the engine even when it has nothing to compute, so the PD driver answers a peer's
 messages (a CLAIM for KV P holds) at once; an idle engine waits on the pipe at most ``IDLE_S``.
@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from attrs import asdict, frozen
 
-from kvflow.backends.pd.gloo import GlooTransport
+from kvflow.backends.pd.registry import make_transport
 from kvflow.connector.pd import PDConnector, pd_connector_factory
 from kvflow.core.pd.common import PDTimeouts
 from kvflow.core.pd.messages import Compat
 from kvflow.engine.engine import Engine, EngineConfig
 from kvflow.engine.model import model_config
+from kvflow.runtime.clock import SystemClock
 from kvflow.runtime.pd_control import default_compat
 
 IDLE_S = 0.002
@@ -31,7 +32,8 @@ IDLE_S = 0.002
 
 @frozen
 class WorkerSpec:
-    """What one PD engine process runs: its role, ids, model, engine config, the gloo pair."""
+    """What one PD engine process runs: its role, ids, model, engine config, the transport pair
+    (``gloo_port`` is the pair's store for every transport)."""
 
     role: str  # "producer" or "consumer"
     engine_id: str
@@ -43,6 +45,8 @@ class WorkerSpec:
     concurrent: bool = False
     torch_threads: int = 1  # three engines share the machine's cores (P, D, the colocated one)
     pd_timeouts: PDTimeouts | None = None
+    transport: str = "gloo"
+    transport_options: dict[str, Any] | None = None
 
 
 def compat_of(model: str, config: EngineConfig) -> Compat:
@@ -61,11 +65,14 @@ def serve(spec: WorkerSpec, conn: Connection) -> None:
     """The process body: build, announce the control address, serve until told to stop."""
     torch.set_num_threads(spec.torch_threads)
     config = EngineConfig(**spec.engine)
-    transport = GlooTransport(
+    transport = make_transport(
+        spec.transport,
         pair_rank=0 if spec.role == "producer" else 1,
         host="127.0.0.1",
         port=spec.gloo_port,
+        now=SystemClock().now,
         timeout_s=spec.timeout_s,
+        options=spec.transport_options,
     )
     timeouts = spec.pd_timeouts or PDTimeouts(claim_s=spec.timeout_s if spec.concurrent else 10.0)
     engine = Engine(
@@ -100,6 +107,9 @@ def summary_of(engine: Engine, connector: PDConnector) -> dict[str, Any]:
         "send_seconds": connector.driver.send_seconds,
         "prefill_tokens_computed": engine.stats.prefill_tokens_computed,
         "preemptions": engine.scheduler.num_preemptions,
+        "transport": dict(
+            getattr(connector.driver.transport, "stats", None) or {"transport": "gloo"}
+        ),
         **connector.stats,
     }
 

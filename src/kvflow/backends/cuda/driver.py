@@ -166,13 +166,15 @@ class CopyAttributes:
     Loads read the CPU tier, which nothing else writes while they are in flight: ANY.
     """
 
-    def __init__(self, *, store: bool, device: int) -> None:
+    def __init__(self, *, store: bool, device: int, device_to_device: bool = False) -> None:
         order = cu.CUmemcpySrcAccessOrder
         loc = cu.CUmemLocationType
         self.attrs = cu.CUmemcpyAttributes()
+        # Device-to-device copies (PD's CUDA IPC) read pages another process's compute wrote:
+        # STREAM, after the interprocess event the copy stream waits on.
         self.attrs.srcAccessOrder = (
             order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-            if store
+            if store or device_to_device
             else order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY
         )
         gpu_hint, cpu_hint = (
@@ -182,8 +184,10 @@ class CopyAttributes:
         )
         gpu_hint.type = loc.CU_MEM_LOCATION_TYPE_DEVICE
         gpu_hint.id = device
-        cpu_hint.type = loc.CU_MEM_LOCATION_TYPE_HOST
-        cpu_hint.id = 0
+        cpu_hint.type = (
+            loc.CU_MEM_LOCATION_TYPE_DEVICE if device_to_device else loc.CU_MEM_LOCATION_TYPE_HOST
+        )
+        cpu_hint.id = device if device_to_device else 0
         self.attrs.flags = cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
         self.ptr = int(self.attrs.getPtr())
         self._idx = np.zeros(1, dtype=np.uint64)

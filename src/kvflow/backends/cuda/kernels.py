@@ -27,11 +27,7 @@ one warp copies one piece of one block, so large pages keep enough warps busy.""
 THREADS = 256
 WARPS = THREADS // 32
 
-_TEMPLATE = r"""
-#define KVF_MAX_IDS @MAX_IDS@
-struct KvfRegion { long long base; long long stride; long long page; long long off; };
-struct KvfIds { int v[KVF_MAX_IDS]; };
-
+COPY_PAGE = r"""
 __device__ __forceinline__ void kvf_copy_page(char* dst, const char* src, long long n, int lane) {
     // One warp per page; each lane keeps 8 16-byte loads in flight, so a 4 KiB page is a single
     // round trip and small pages cost the SMs no more time per byte than large ones.
@@ -57,7 +53,15 @@ __device__ __forceinline__ void kvf_copy_page(char* dst, const char* src, long l
         for (long long k = lane; k < n; k += 32) dst[k] = src[k];
     }
 }
+"""
+"""One warp copies one page (16-byte loads when aligned); shared with the PD copy kernel."""
 
+_TEMPLATE = r"""
+#define KVF_MAX_IDS @MAX_IDS@
+struct KvfRegion { long long base; long long stride; long long page; long long off; };
+struct KvfIds { int v[KVF_MAX_IDS]; };
+
+@COPY_PAGE@
 // Page p of the launch is region (p % nregions) of block (p / nregions): consecutive warps
 // touch consecutive staging bytes. to_staging = 1 gathers (store), 0 scatters (load).
 extern "C" __global__ void __launch_bounds__(@THREADS@) kvf_stage(
@@ -79,12 +83,17 @@ extern "C" __global__ void __launch_bounds__(@THREADS@) kvf_stage(
     }
 }
 """
-SOURCE = _TEMPLATE.replace("@MAX_IDS@", str(MAX_IDS)).replace("@THREADS@", str(THREADS))
+SOURCE = (
+    _TEMPLATE.replace("@COPY_PAGE@", COPY_PAGE)
+    .replace("@MAX_IDS@", str(MAX_IDS))
+    .replace("@THREADS@", str(THREADS))
+)
 
 
 @functools.cache
-def compile_cubin(arch: str) -> bytes:
-    """Compile ``SOURCE`` for ``arch`` (e.g. ``"sm_90"``); ``BackendError`` with the log on failure."""
+def compile_cubin(arch: str, source: str = SOURCE) -> bytes:
+    """Compile ``source`` (the staging kernel by default) for ``arch`` (e.g. ``"sm_90"``);
+    ``BackendError`` with the log on failure."""
     try:
         from cuda.bindings import nvrtc
     except Exception as exc:  # pragma: no cover - part of cuda-python
@@ -98,7 +107,7 @@ def compile_cubin(arch: str) -> bytes:
 
     try:
         prog = ok(
-            nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"kvflow_stage.cu", 0, [], []),
+            nvrtc.nvrtcCreateProgram(source.encode(), b"kvflow_kernel.cu", 0, [], []),
             "nvrtcCreateProgram",
         )
     except BackendError:
@@ -193,4 +202,13 @@ class StageKernel:
         check(cu.cuModuleUnload(self.module), "cuModuleUnload")
 
 
-__all__ = ["MAX_IDS", "PIECE_BYTES", "SOURCE", "StageKernel", "compile_cubin"]
+__all__ = [
+    "COPY_PAGE",
+    "MAX_IDS",
+    "PIECE_BYTES",
+    "SOURCE",
+    "THREADS",
+    "WARPS",
+    "StageKernel",
+    "compile_cubin",
+]

@@ -1,2 +1,7 @@
-"""PD data planes: the ``KVTransport`` protocol and its transports (gloo on CPU, a fake for
-tests). The GPU transports of PD part 2 (CUDA IPC, NIXL) implement the same protocol."""
+"""PD data planes: the ``KVTransport`` protocol and its transports — gloo (CPU), NIXL (the
+``kvflow[nixl]`` extra: RDMA, TCP, shared memory, GPU), CUDA IPC (two engine processes on one
+GPU) and a fake for tests — chosen by name through ``make_transport`` (``registry``)."""
+
+from kvflow.backends.pd.registry import TRANSPORTS, make_transport, transport_status
+
+__all__ = ["TRANSPORTS", "make_transport", "transport_status"]

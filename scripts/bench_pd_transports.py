@@ -1,0 +1,307 @@
+"""Benchmark PD transports side by side: GB/s of scattered-block hand-offs against the ceiling of
+the same link in the same run, descriptors (or copies) issued and the host cost of a launch.
+
+Usage: python scripts/bench_pd_transports.py [--transports gloo nixl] [--device cpu]
+           [--sizes-kib 4 8 16 32 64 128] [--mib 32] [--repeat 5] [--mode read]
+           [--method auto] [--json FILE]
+       python scripts/bench_pd_transports.py --device cuda --transports cuda-ipc nixl
+Goals (issue 22): >= 90 % of the ceiling at >= 32 KiB blocks, >= 70 % at 4 KiB; CUDA IPC >= 2x a
+torch index gather of the same blocks.
+
+Two spawned processes, P (rank 0) and D (rank 1), one transport pair each. Per block size, P's
+``--mib`` MiB are N blocks at scattered ids of a 2N-block tensor, moved to scattered ids on D
+(and, for reference, the same N blocks consecutive on both sides: "contig", the transport's own
+large-copy speed over the same link);
+time is the initiator's (D for a pull, P for gloo and pushes), from a barrier to its fence
+settled; the median of ``--repeat`` runs after one warm-up. The ceiling, in the same process:
+on CPU a memcpy of the same bytes (one contiguous ``copy_``, pages touched first); on CUDA a
+contiguous device-to-device copy through the mapping of the peer's tensor (cuda-ipc), or of
+local memory (nixl). On CUDA also a torch index gather of the same blocks (``index_select``
+through the mapping). Bytes are checked on D.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvflow.backends.base import FenceStatus
+from kvflow.backends.pd.rendezvous import PairStore
+from kvflow.backends.pd.transport import geometry, plan_chunks
+from kvflow.core.pd.common import LaunchCopies
+from kvflow.engine.distributed import free_port
+from kvflow.runtime.clock import SystemClock
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _ceiling(device: str, nbytes: int, repeat: int) -> float:
+    """Seconds for one contiguous copy of ``nbytes`` in this process (pages touched first)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeat + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _counter(t: Any) -> int:
+    stats = getattr(t, "stats", None) or {}
+    return int(stats.get("descriptors", stats.get("copies", 0)))
+
+
+def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> dict[str, Any]:
+    from kvflow.backends.pd.registry import make_transport
+
+    device = cfg["device"]
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    clock = SystemClock()
+    options: dict[str, Any] = {}
+    if name in ("nixl", "cuda-ipc"):
+        options["mode"] = cfg["mode"]
+    if name == "cuda-ipc":
+        options["method"] = cfg["method"]
+    if name == "gloo":
+        options.update(slots=4, slot_bytes=8 << 20)
+    t = make_transport(
+        name,
+        pair_rank=rank,
+        host="127.0.0.1",
+        port=ports[0],
+        now=clock.now,
+        timeout_s=120.0,
+        options=options,
+    )
+    bar = PairStore(pair_rank=rank, host="127.0.0.1", port=ports[1], timeout_s=120.0, what="bar")
+    total = cfg["mib"] << 20
+    sizes = [kib << 10 for kib in cfg["sizes_kib"]]
+    caches = []
+    for bs in sizes:
+        n = 2 * (total // bs)
+        c = (
+            torch.randint(0, 255, (n, bs), dtype=torch.uint8, generator=_gen(bs))
+            if rank == 0
+            else torch.zeros(n, bs, dtype=torch.uint8)
+        )
+        caches.append(c.to(device))
+    out: dict[str, Any] = {"sizes": {}}
+    step = 0
+
+    def barrier() -> None:
+        nonlocal step
+        step += 1
+        bar.publish(f"b{step}", b"1")
+        bar.fetch(f"b{step}")
+
+    try:
+        t.register([[c] for c in caches])
+        # The side whose fence means the bytes are in place: D for gloo and pulls, P for pushes.
+        initiator = rank == (1 if name == "gloo" or cfg["mode"] == "read" else 0)
+        out["stats"] = getattr(t, "stats", {})
+        for g, bs in enumerate(sizes):
+            n = total // bs
+            perm = torch.randperm(2 * n, generator=_gen(bs + 1))
+            src, dst = perm[:n].tolist(), perm[n:].tolist()
+            mine, theirs = (src, dst) if rank == 0 else (dst, src)
+            pairs = tuple(
+                tuple(zip(mine, theirs, strict=True)) if k == g else () for k in range(len(sizes))
+            )
+            contiguous = tuple(
+                tuple(zip(range(n), range(n), strict=True)) if k == g else ()
+                for k in range(len(sizes))
+            )
+            times, launch_s, issued, contig = [], [], [], []
+            for r in range(cfg["repeat"] + 1):
+                # Contiguous first: the scattered copy is the last, so D checks its bytes.
+                for label, ps in (("c", contiguous), ("s", pairs)):
+                    barrier()
+                    before = _counter(t)
+                    t0 = time.perf_counter()
+                    op = LaunchCopies(f"b{bs}{label}", r, "peer", rank == 0, ps, g + 1)
+                    fence = t.launch(op)
+                    launched = time.perf_counter() - t0
+                    while t.query(fence) is FenceStatus.PENDING:
+                        pass
+                    took = time.perf_counter() - t0
+                    if t.query(fence) is not FenceStatus.DONE:
+                        raise SystemExit(f"bench_pd_transports: a {name} launch failed")
+                    if label == "s":
+                        times.append(took)
+                        launch_s.append(launched)
+                        issued.append(_counter(t) - before)
+                    else:
+                        contig.append(took)
+                    barrier()
+            fig: dict[str, Any] = {"blocks": n, "bytes": n * bs, "initiator": initiator}
+            if initiator:
+                fig.update(
+                    seconds=statistics.median(times[1:]),
+                    contiguous_s=statistics.median(contig[1:]),
+                    launch_us=statistics.median(launch_s[1:]) * 1e6,
+                    issued=issued[-1],
+                )
+                if name == "gloo":  # staging chunks, one wire op each
+                    geo = geometry([[c] for c in caches])
+                    fig["issued"] = len(plan_chunks(g + 1, pairs, geo, 8 << 20))
+            if rank == 1:
+                want = torch.randint(0, 255, (2 * n, bs), dtype=torch.uint8, generator=_gen(bs))
+                got = caches[g].cpu()
+                fig["bytes_match"] = bool(
+                    torch.equal(got[torch.tensor(dst)], want[torch.tensor(src)])
+                )
+                mapped = getattr(t, "_mapped", None)
+                if device == "cuda" and mapped:
+                    fig.update(_cuda_baselines(mapped[g][0], caches[g], src, dst, cfg["repeat"]))
+                else:
+                    fig["ceiling_s"] = _ceiling(device, n * bs, cfg["repeat"])
+            out["sizes"][str(bs >> 10)] = fig
+        out["stats"] = getattr(t, "stats", {})
+    finally:
+        t.close()
+    return out
+
+
+def _cuda_baselines(
+    peer: torch.Tensor, local: torch.Tensor, src: list[int], dst: list[int], repeat: int
+) -> dict[str, float]:
+    """Contiguous D2D through the mapping (the ceiling) and a torch index gather of the blocks."""
+    n = len(src)
+    si, di = torch.tensor(src, device=local.device), torch.tensor(dst, device=local.device)
+    ceil, gather = [], []
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        local[:n].copy_(peer[:n])
+        torch.cuda.synchronize()
+        ceil.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        local.index_copy_(0, di, peer.index_select(0, si))
+        torch.cuda.synchronize()
+        gather.append(time.perf_counter() - t0)
+    return {
+        "ceiling_s": statistics.median(ceil[1:]),
+        "index_gather_s": statistics.median(gather[1:]),
+    }
+
+
+def _pair(name: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    ports = (free_port(), free_port())
+    with ctx.Pool(2) as pool:
+        jobs = [pool.apply_async(_rank, (r, name, ports, cfg)) for r in (0, 1)]
+        return [j.get(timeout=cfg["timeout_s"]) for j in jobs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        default=None,
+        help="default: gloo nixl on cpu, cuda-ipc nixl on cuda",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
+    parser.add_argument("--mib", type=int, default=32, help="bytes per hand-off, MiB")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--mode", choices=("read", "write"), default="read")
+    parser.add_argument("--method", choices=("auto", "dma", "kernel"), default="auto")
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    transports = args.transports or (
+        ["gloo", "nixl"] if args.device == "cpu" else ["cuda-ipc", "nixl"]
+    )
+    cfg = {
+        "device": args.device,
+        "sizes_kib": args.sizes_kib,
+        "mib": args.mib,
+        "repeat": args.repeat,
+        "mode": args.mode,
+        "method": args.method,
+        "timeout_s": args.timeout_s,
+    }
+    console = Console(width=max(Console().width, 120))
+    rows: dict[str, Any] = {}
+    for i, name in enumerate(transports, 1):
+        with console.status(
+            f"[{i}/{len(transports)}] {name}: two processes, {args.mib} MiB per size ..."
+        ):
+            res = _pair(name, cfg)
+        rows[name] = _merge(res)
+        console.print(f"{name}: done ({len(rows[name]['sizes'])} sizes)")
+    table = Table(
+        title=f"PD transports, {args.mib} MiB of scattered blocks per hand-off ({args.device})"
+    )
+    for col in ("transport", "KiB", "blocks", "GB/s", "contig GB/s", "ceiling GB/s",
+                "of ceiling", "vs gather", "issued", "launch µs", "ok"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for name, r in rows.items():
+        for kib, f in r["sizes"].items():
+            gather = f.get("vs_index_gather")
+            table.add_row(name, kib, str(f["blocks"]), f"{f['gbs']:.2f}",
+                          f"{f['contiguous_gbs']:.2f}", f"{f['ceiling_gbs']:.2f}",
+                          f"{f['of_ceiling']:.0%}", "—" if gather is None else f"{gather:.2f}×",
+                          str(f["issued"]), f"{f['launch_us']:.0f}", "yes" if f["bytes_match"] else "NO")  # fmt: skip
+    console.print(table)
+    for name, r in rows.items():
+        chosen = {k: v for k, v in r["stats"].items() if k in ("backend", "ucx", "mode", "paths")}
+        if chosen:
+            console.print(f"{name} chose: {chosen}")
+    if args.json:
+        figures = {
+            "machine": platform.node(),
+            "date": time.strftime("%Y-%m-%d"),
+            "config": cfg,
+            "transports": rows,
+            "load_average_1m": os.getloadavg()[0],
+        }
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0 if all(f["bytes_match"] for r in rows.values() for f in r["sizes"].values()) else 1
+
+
+def _merge(res: list[dict[str, Any]]) -> dict[str, Any]:
+    """The initiator's timings and D's checks and ceilings, per size."""
+    sizes = {}
+    for kib, d_fig in res[1]["sizes"].items():
+        fig = {**res[0]["sizes"][kib], **d_fig}
+        timed = res[0]["sizes"][kib] if res[0]["sizes"][kib]["initiator"] else d_fig
+        fig.update({k: timed[k] for k in ("seconds", "contiguous_s", "launch_us", "issued")})
+        fig["gbs"] = fig["bytes"] / fig["seconds"] / 1e9
+        fig["contiguous_gbs"] = fig["bytes"] / fig["contiguous_s"] / 1e9
+        fig["ceiling_gbs"] = fig["bytes"] / fig["ceiling_s"] / 1e9
+        fig["of_ceiling"] = fig["gbs"] / fig["ceiling_gbs"]
+        if "index_gather_s" in fig:
+            fig["vs_index_gather"] = fig["index_gather_s"] / fig["seconds"]
+        sizes[kib] = fig
+    d_initiates = any(f["initiator"] for f in res[1]["sizes"].values())
+    return {"sizes": sizes, "stats": res[1 if d_initiates else 0]["stats"]}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
