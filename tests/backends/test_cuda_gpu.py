@@ -442,9 +442,9 @@ def test_copy_seconds_is_device_time_after_the_compute_waited_for(
         make_backend, "flash", torch.bfloat16, 32 * KiB, 64, 64, launch_thread=launch_thread
     )
     torch.cuda.synchronize()
-    gpu_sleep()
     began = torch.cuda.Event(enable_timing=True)
-    began.record()
+    began.record()  # before the sleep: the wall below spans it
+    gpu_sleep()
     first = backend.submit(store(list(range(32)), list(range(32))), [backend.compute_fence()])
     second = backend.submit(store(list(range(32, 64)), list(range(32, 64))))
     backend.flush()
