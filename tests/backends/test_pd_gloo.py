@@ -19,15 +19,22 @@ from kvflow.runtime.clock import SystemClock
 
 pytestmark = pytest.mark.distributed
 
-PAIRS_0 = tuple((src, dst) for src, dst in [(3, 40), (17, 2), (5, 5), (60, 33), (8, 9), (9, 8)])
-PAIRS_1 = tuple((src, dst) for src, dst in [(1, 30), (31, 0), (12, 13)])
+# Scattered pairs, runs consecutive on both sides (20-22 → 50-52, 30-31 → 10-11: sent straight
+# between the tensors), and pairs consecutive on one side only (40-41 → 20, 25; 12 → 44-45).
+PAIRS_0 = (
+    *((3, 40), (17, 2), (5, 5), (60, 33), (8, 9), (9, 8)),
+    *((20, 50), (21, 51), (22, 52), (30, 10), (31, 11)),
+    *((40, 20), (41, 25), (11, 44), (13, 45)),
+)
+PAIRS_1 = ((1, 30), (31, 0), (12, 13), (4, 20), (5, 21), (6, 22), (7, 23), (8, 24))
 PAIRS_2 = ((1, 6), (7, 0))
 PAIRS = (PAIRS_0, PAIRS_1, PAIRS_2)
 
 
 def kv(rank: int) -> list[list[torch.Tensor]]:
     """Group 0: one (64, 2, 128) fp16 tensor (512 B blocks); group 1: K and V of (32, 256) u8;
-    group 2: K and V of (8, 32768) int16 (128 KiB blocks: the direct path, no staging)."""
+    group 2: K and V of (8, 32768) int16 (128 KiB blocks, larger than a slot: each block sent
+    straight from its rows)."""
     if rank == 0:
         g = torch.Generator().manual_seed(7)
         k0 = torch.randn(64, 2, 128, generator=g).half()
@@ -67,7 +74,7 @@ def _pair(rank: int, world_size: int, port: int, mode: str) -> Any:
         timeout_s=3.0,
         slots=2,
         slot_bytes=1024,
-        direct_min_bytes=64 << 10,
+        direct_min_bytes=1024,
     )
     try:
         tensors = kv(rank)

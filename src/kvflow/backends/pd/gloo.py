@@ -2,22 +2,34 @@
 
 The pair gets a 2-rank gloo group of its own (a ``TCPStore`` at an address both sides know from
 the HELLO, the producer's side hosting it), so it works beside any group the engines already
-have. Copies go through one bounded staging ring of ``slots × slot_bytes`` bytes, allocated once:
-the sender gathers a chunk of blocks into a slot and sends it; the receiver receives into a slot
-and scatters it into the reserved blocks. No buffer is allocated per request. Blocks of at least
-``direct_min_bytes`` (off by default) skip the ring: each region's row is sent from, and
-received into, the KV tensor itself (one wire op per row, all posted at once, no copy); on the dev
-box it was not faster (docs/benchmarks.md). Both sides of a pair must use the same
-``slot_bytes`` and ``direct_min_bytes``. Wire tags are the GRANT's channel and the op's index,
-so two hand-offs' copies never match.
+have. Both sides cut a launch into the same wire chunks (``plan_wire``, from the pairs alone):
 
-Each slot is served by a thread of its own, which does the gather / scatter (torch releases the
-GIL) and waits for the gloo operation: gloo's point-to-point ``Work.is_completed()`` never turns
-true unless someone waits on it (measured, torch 2.13), so a thread waits and the fence is a
-counter that ``query`` reads without blocking. The thread calls the wakeup when a launch settles
-(``pushes_completions``). A gloo error or timeout leaves the pair's group in an unknown state: the
-transport turns *broken*, fails everything pending and every later launch, and the pair must be
-rebuilt (a new HELLO).
+- a **run** (blocks consecutive on both sides, at least ``direct_min_bytes`` per region) moves
+  straight from P's KV tensors into D's reserved blocks, one wire op per region, no copy;
+- everything else goes in **staged** chunks of at most ``slot_bytes``: the sender gathers the
+  chunk into a slot of one bounded staging ring (``slots × slot_bytes``, allocated once) and
+  sends it; the receiver receives into a slot and scatters into the reserved blocks. A side
+  whose blocks of a chunk are consecutive (one-region groups) skips its slot and copy: the
+  chunk's bytes are that side's rows as they lie.
+
+No buffer is allocated per request. Wire tags are the GRANT's channel and the op's index, so two
+hand-offs' copies never match.
+
+Three threads per transport keep the wire busy, each taking chunks in launch order: the
+*preparer* waits for a free slot and gathers into it (torch releases the GIL); the *poster*
+posts the gloo op (gloo writes a send into the socket in the posting thread when the peer's
+receive is already posted, so the next gather runs meanwhile); the *completer* waits for posted
+ops in order, scatters a received slot, frees it and settles the fence. So the sender gathers
+chunk *i + 1* while chunk *i* is on the wire, and the receiver has its next slots posted while
+it scatters. gloo's point-to-point ``Work.is_completed()`` never turns true unless someone
+waits on it (measured, torch 2.13), hence the waiting thread; the fence is a counter ``query``
+reads without blocking, and the completer calls the wakeup when a launch settles
+(``pushes_completions``). Both sides of a pair must use the same ``slot_bytes`` and
+``direct_min_bytes``.
+
+A gloo error or timeout leaves the pair's group in an unknown state: the transport turns
+*broken*, aborts the group (so every op still posted ends at once: nothing writes a block after
+its fence settled), fails everything pending and every later launch. ``GlooPair`` rebuilds it.
 """
 
 from __future__ import annotations
@@ -31,25 +43,117 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from attrs import define
+from attrs import define, frozen
 from torch._C._distributed_c10d import TCPStore
 
 from kvflow.backends.base import Fence, FenceStatus
 from kvflow.backends.pd.transport import (
-    Chunk,
+    MAX_OPS,
     GroupGeometry,
     gather_rows,
     geometry,
-    plan_chunks,
     scatter_rows,
 )
 from kvflow.core.logs import get_logger
-from kvflow.core.pd.common import LaunchCopies
+from kvflow.core.pd.common import CHANNELS, LaunchCopies, Pairs
 from kvflow.errors import BackendError, ClosedError, ConfigError, ProtocolError
 
 log = get_logger("kvflow.backend.pd.gloo")
 
 THREAD_PREFIX = "kvflow-pd-gloo"
+MAX_RUN_BYTES = 64 << 20
+"""A run's op carries at most this much: a failure then loses at most one op's worth."""
+SLOT_POLL_S = 0.05
+"""How often a poster waiting for a free slot looks whether the pair broke or closed."""
+
+
+@frozen
+class WireChunk:
+    """Consecutive pairs of one group on the wire. ``run``: consecutive on both sides, one op
+    per region straight between the KV tensors (tags ``tag … tag + regions - 1``); otherwise
+    one op of the regions' rows back to back (region-major), through a slot where a side's
+    blocks are not consecutive."""
+
+    index: int
+    group: int
+    local: tuple[int, ...]
+    remote: tuple[int, ...]
+    tag: int
+    run: bool = False
+
+
+def _runs(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Maximal stretches of pairs consecutive on both sides (the same cut seen from either)."""
+    out: list[list[tuple[int, int]]] = []
+    for p in pairs:
+        if out and p[0] == out[-1][-1][0] + 1 and p[1] == out[-1][-1][1] + 1:
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
+def _segments(
+    pairs: Sequence[tuple[int, int]], region_bytes: int, direct_min_bytes: int | None
+) -> list[tuple[list[tuple[int, int]], bool]]:
+    """Pairs in order as (part, is_run): runs long enough to go direct, and the stretches
+    between them, which are staged."""
+    out: list[tuple[list[tuple[int, int]], bool]] = []
+    for run in _runs(pairs):
+        if direct_min_bytes is not None and len(run) * region_bytes >= direct_min_bytes:
+            out.append((run, True))
+        elif out and not out[-1][1]:
+            out[-1][0].extend(run)
+        else:
+            out.append((run, False))
+    return out
+
+
+def plan_wire(
+    channel: int,
+    pairs: Pairs,
+    geo: Sequence[GroupGeometry],
+    slot_bytes: int,
+    direct_min_bytes: int | None,
+) -> list[WireChunk]:
+    """A launch's wire chunks, identical on both sides of the pair (they see each pair
+    mirrored, and a run of one is a run of the other)."""
+    if len(pairs) > len(geo):
+        raise ConfigError(f"{len(pairs)} groups of pairs but {len(geo)} registered groups")
+    if not 0 < channel < CHANNELS:
+        raise ConfigError(f"channel {channel} is outside 1..{CHANNELS - 1}")
+    chunks: list[WireChunk] = []
+    op = 0
+
+    def emit(g: int, part: Sequence[tuple[int, int]], run: bool) -> None:
+        nonlocal op
+        ops = len(geo[g].views) if run else 1
+        if op + ops > MAX_OPS:
+            raise ConfigError(f"more than {MAX_OPS} wire ops in one hand-off; use bigger slots")
+        local = tuple(p[0] for p in part)
+        remote = tuple(p[1] for p in part)
+        chunks.append(WireChunk(len(chunks), g, local, remote, (channel << 12) + op, run))
+        op += ops
+
+    for g, group_pairs in enumerate(pairs):
+        gg = geo[g]
+        for block, _ in group_pairs:
+            if not 0 <= block < gg.num_blocks:
+                raise ConfigError(f"group {g}: block {block} is not registered")
+        region_bytes = min(v.shape[1] * v.element_size() for v in gg.views)
+        for part, run in _segments(group_pairs, region_bytes, direct_min_bytes):
+            per = max(1, MAX_RUN_BYTES // gg.block_bytes) if run else slot_bytes // gg.block_bytes
+            if per < 1:
+                raise ConfigError(f"group {g}: a block ({gg.block_bytes} B) exceeds a slot")
+            for lo in range(0, len(part), per):
+                emit(g, part[lo : lo + per], run)
+    return chunks
+
+
+def _consecutive(blocks: Sequence[int]) -> bool:
+    return blocks[-1] - blocks[0] == len(blocks) - 1 and all(
+        b == a + 1 for a, b in itertools.pairwise(blocks)
+    )
 
 
 @define(eq=False)
@@ -69,6 +173,28 @@ class GlooFence:
         return FenceStatus.FAILED if self.failed or self.cancelled else FenceStatus.DONE
 
 
+@define(eq=False, slots=True)
+class _Ready:
+    """A chunk with its buffers in place (gathered, on the sender), to be posted."""
+
+    fence: GlooFence
+    send: bool
+    tag: int
+    buffers: list[torch.Tensor]
+    slot: int | None
+    scatter: tuple[GroupGeometry, tuple[int, ...], torch.Tensor] | None
+
+
+@define(eq=False, slots=True)
+class _Posted:
+    """A chunk whose gloo ops are posted: what the completer waits for, then does."""
+
+    fence: GlooFence
+    works: list[Any]
+    slot: int | None
+    scatter: tuple[GroupGeometry, tuple[int, ...], torch.Tensor] | None
+
+
 class GlooTransport:
     """One rank's gloo data plane to one peer rank (``pair_rank`` 0 hosts the pair's store)."""
 
@@ -83,8 +209,8 @@ class GlooTransport:
         port: int,
         timeout_s: float = 30.0,
         slots: int = 4,
-        slot_bytes: int = 2 << 20,
-        direct_min_bytes: int | None = None,
+        slot_bytes: int = 4 << 20,
+        direct_min_bytes: int | None = 1 << 20,
     ) -> None:
         if (
             pair_rank not in (0, 1)
@@ -92,10 +218,12 @@ class GlooTransport:
             or slot_bytes < 8
             or slot_bytes % 8
             or timeout_s <= 0
+            or (direct_min_bytes is not None and direct_min_bytes < 1)
         ):
             raise ConfigError(
                 f"gloo transport: pair_rank must be 0 or 1, slots and timeout_s positive, "
-                f"slot_bytes a positive multiple of 8 (got {pair_rank}, {slots}, {slot_bytes}, {timeout_s})"
+                f"slot_bytes a positive multiple of 8, direct_min_bytes positive or None (got "
+                f"{pair_rank}, {slots}, {slot_bytes}, {timeout_s}, {direct_min_bytes})"
             )
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
@@ -109,18 +237,25 @@ class GlooTransport:
         self.slot_bytes = slot_bytes
         self.direct_min_bytes = direct_min_bytes
         self._ring = torch.empty(slots * slot_bytes, dtype=torch.uint8)
+        self._free: queue.Queue[int] = queue.Queue()
+        for s in range(slots):
+            self._free.put(s)
         self._geo: tuple[GroupGeometry, ...] | None = None
-        self._queue: queue.Queue[tuple[GlooFence, bool, Chunk] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[GlooFence, bool, WireChunk] | None] = queue.Queue()
+        self._ready: queue.Queue[_Ready | None] = queue.Queue()
+        self._posted: queue.Queue[_Posted | None] = queue.Queue()
         self._lock = threading.Lock()
         self._wakeup: Callable[[], None] | None = None
         self._ids = itertools.count()
         self._closed = False
         self.broken: str | None = None
         self._threads = [
-            threading.Thread(
-                target=self._serve, args=(i,), name=f"{THREAD_PREFIX}-{i}", daemon=True
+            threading.Thread(target=fn, name=f"{THREAD_PREFIX}-{what}", daemon=True)
+            for fn, what in (
+                (self._preparer, "prepare"),
+                (self._poster, "post"),
+                (self._completer, "complete"),
             )
-            for i in range(slots)
         ]
         for t in self._threads:
             t.start()
@@ -136,8 +271,9 @@ class GlooTransport:
             raise ProtocolError("gloo transport: KV tensors are registered once")
         geo = geometry(groups)
         for g in geo:
-            direct = self.direct_min_bytes is not None and g.block_bytes >= self.direct_min_bytes
-            if g.block_bytes > self.slot_bytes and not direct:
+            region = min(v.shape[1] * v.element_size() for v in g.views)
+            alone = self.direct_min_bytes is not None and region >= self.direct_min_bytes
+            if g.block_bytes > self.slot_bytes and not alone:
                 raise ConfigError(
                     f"a block ({g.block_bytes} B) does not fit a {self.slot_bytes} B slot"
                 )
@@ -148,16 +284,13 @@ class GlooTransport:
             raise ClosedError("gloo transport is closed")
         if self._geo is None:
             raise ProtocolError("gloo transport: register the KV tensors before launching")
-        chunks = plan_chunks(
-            op.channel, op.pairs, self._geo, self.slot_bytes, self.direct_min_bytes
-        )
-        send = op.send
+        chunks = plan_wire(op.channel, op.pairs, self._geo, self.slot_bytes, self.direct_min_bytes)
         fence = GlooFence(next(self._ids), op.transfer_id, len(chunks))
         if self.broken is not None:
             fence.remaining, fence.failed = 0, True
             return fence
         for c in chunks:
-            self._queue.put((fence, send, c))
+            self._queue.put((fence, op.send, c))
         return fence
 
     def query(self, fence: Fence) -> FenceStatus:
@@ -176,57 +309,123 @@ class GlooTransport:
         if self._closed:
             return
         self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+        self._queue.put(None)
         for t in self._threads:
             t.join(timeout=0.5)
         if any(t.is_alive() for t in self._threads):
             # A thread still waits on the peer: aborting the group wakes it with an error.
-            self._pg.abort()
+            self._abort()
             for t in self._threads:
                 t.join(timeout=5.0)
-        self._drain_queue()
+        self._drain()
         log.info("pd_transport_closed", transport="gloo", broken=self.broken)
 
-    # -- the slot threads ---------------------------------------------------------------------
+    # -- the two threads ----------------------------------------------------------------------
 
-    def _serve(self, slot: int) -> None:
-        buf = self._ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+    def _preparer(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
+                self._ready.put(None)
                 return
             fence, send, chunk = item
-            ok = False
-            if not (fence.cancelled or self.broken is not None or self._closed):
-                try:
-                    self._run(buf, send, chunk)
-                    ok = True
-                except RuntimeError as e:
-                    self.broken = str(e)
-                    log.error("pd_transport_broken", transport="gloo", error=str(e)[:200])
-            self._settle(fence, ok)
+            ready = None
+            if not self._skip(fence):
+                ready = self._prepare(fence, send, chunk)
+            if ready is None:
+                self._settle(fence, False)
+            else:
+                self._ready.put(ready)
 
-    def _run(self, buf: torch.Tensor, send: bool, chunk: Chunk) -> None:
+    def _prepare(self, fence: GlooFence, send: bool, chunk: WireChunk) -> _Ready | None:
+        """The chunk's buffers: rows of the KV tensors where a side's blocks lie in a row, else
+        a staging slot (gathered into, on the sender)."""
         assert self._geo is not None
         geo = self._geo[chunk.group]
-        nbytes = len(chunk.local) * geo.block_bytes
-        pg: Any = self._pg
-        if chunk.direct:
-            # Every op posted before any wait: the pair's rendezvous round trips overlap.
-            rows = [v[b] for b in chunk.local for v in geo.views]
-            post = pg.send if send else pg.recv
-            works = [post([row], self.peer, chunk.tag + j) for j, row in enumerate(rows)]
-            for w in works:
-                w.wait()
-            return
+        n = len(chunk.local)
+        if chunk.run:
+            a = chunk.local[0]
+            return _Ready(fence, send, chunk.tag, [v[a : a + n] for v in geo.views], None, None)
+        if len(geo.views) == 1 and _consecutive(chunk.local):
+            a = chunk.local[0]
+            return _Ready(fence, send, chunk.tag, [geo.views[0][a : a + n]], None, None)
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        buf = self._ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
         if send:
-            data = gather_rows(geo, chunk.local, buf)
-            pg.send([data], self.peer, chunk.tag).wait()
-        else:
-            data = buf[:nbytes]
-            pg.recv([data], self.peer, chunk.tag).wait()
-            scatter_rows(geo, chunk.local, data)
+            return _Ready(fence, send, chunk.tag, [gather_rows(geo, chunk.local, buf)], slot, None)
+        data = buf[: n * geo.block_bytes]
+        return _Ready(fence, send, chunk.tag, [data], slot, (geo, chunk.local, data))
+
+    def _poster(self) -> None:
+        # Apart from the preparer: gloo writes a send into the socket in the posting thread
+        # when D's receive is already posted, so the next chunk's gather runs meanwhile.
+        pg: Any = self._pg
+        while True:
+            r = self._ready.get()
+            if r is None:
+                self._posted.put(None)
+                return
+            works: list[Any] = []
+            if not self._skip(r.fence):
+                post = pg.send if r.send else pg.recv
+                try:
+                    works = [post([b], self.peer, r.tag + j) for j, b in enumerate(r.buffers)]
+                except RuntimeError as e:
+                    self._break(e)
+            if len(works) == len(r.buffers):
+                self._posted.put(_Posted(r.fence, works, r.slot, r.scatter))
+                continue
+            # Not (all) posted: what was posted ends with the aborted group; nothing waits.
+            if r.slot is not None:
+                self._free.put(r.slot)
+            self._settle(r.fence, False)
+
+    def _skip(self, fence: GlooFence) -> bool:
+        return fence.cancelled or self.broken is not None or self._closed
+
+    def _take_slot(self) -> int | None:
+        while True:
+            try:
+                return self._free.get(timeout=SLOT_POLL_S)
+            except queue.Empty:
+                if self.broken is not None or self._closed:
+                    return None
+
+    def _completer(self) -> None:
+        while True:
+            p = self._posted.get()
+            if p is None:
+                return
+            ok = True
+            for w in p.works:
+                try:
+                    w.wait()
+                except RuntimeError as e:
+                    ok = False
+                    self._break(e)
+            if ok and p.scatter is not None:
+                scatter_rows(*p.scatter)
+            if p.slot is not None:
+                self._free.put(p.slot)
+            self._settle(p.fence, ok)
+
+    def _break(self, e: BaseException) -> None:
+        with self._lock:
+            first = self.broken is None
+            if first:
+                self.broken = str(e)
+        if first:
+            log.error("pd_transport_broken", transport="gloo", error=str(e)[:200])
+            self._abort()
+
+    def _abort(self) -> None:
+        """End every op still posted on the group (they fail at once)."""
+        try:
+            self._pg.abort()
+        except RuntimeError as e:  # already aborted or torn down by the peer
+            log.info("pd_transport_abort_failed", transport="gloo", error=str(e)[:200])
 
     def _settle(self, fence: GlooFence, ok: bool) -> None:
         with self._lock:
@@ -236,14 +435,19 @@ class GlooTransport:
         if settled and (wake := self._wakeup) is not None:
             wake()
 
-    def _drain_queue(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self._settle(item[0], False)
+    def _drain(self) -> None:
+        """Fail what never reached the threads (a close that had to abort them)."""
+        queues: tuple[queue.Queue[Any], ...] = (self._queue, self._ready, self._posted)
+        for q in queues:
+            while True:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, tuple):
+                    self._settle(item[0], False)
+                elif isinstance(item, _Ready | _Posted):
+                    self._settle(item.fence, False)
 
 
-__all__ = ["THREAD_PREFIX", "GlooFence", "GlooTransport"]
+__all__ = ["THREAD_PREFIX", "GlooFence", "GlooTransport", "WireChunk", "plan_wire"]
