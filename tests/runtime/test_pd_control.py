@@ -185,3 +185,36 @@ async def test_the_system_clock_deadline_needs_no_watchdog() -> None:
             await d.hello(p.address)
             await d.send("P", CLAIM)
             assert await p.recv(GUARD_S, "a claim") == ("D", CLAIM)
+
+
+async def test_what_one_turn_says_to_a_peer_travels_as_one_zmq_message() -> None:
+    """Messages queued in one turn arrive in order, as one multipart zmq message (one wake-up of
+    each side's zmq I/O thread); each part of a zmq message is judged on its own."""
+    clock = FakeClock()
+    second = Claim("u", 1, ((2, 3),), (0,), 8, CLAIM.digest)
+    with anyio.fail_after(GUARD_S):
+        async with (
+            open_control_plane("P", default_compat(), clock) as p,
+            open_control_plane("D", default_compat(), clock) as d,
+        ):
+            await d.hello(p.address)
+            await d.send("P", CLAIM)
+            await d.send("P", second)
+            assert list(d._outbox.values()) == [[encode(CLAIM), encode(second)]]
+            assert await p.recv(1.0, "the first") == ("D", CLAIM)
+            assert await p.recv(1.0, "the second") == ("D", second)
+            ctx = zmq.Context()
+            raw = ctx.socket(zmq.DEALER)
+            try:
+                raw.setsockopt(zmq.LINGER, 0)
+                raw.setsockopt(zmq.ROUTING_ID, b"X")
+                raw.connect(p.address)
+                with capture_logs() as logs:
+                    raw.send_multipart([encode(second), b"\x93garbage", encode(CLAIM)])
+                    while p.dropped < 3:
+                        await anyio.sleep(0)  # yields to the receive loop; no time passes
+                whys = [e["why"] for e in logs if e["event"] == "pd_control_dropped"]
+                assert whys == ["no_hello", "malformed", "no_hello"]
+            finally:
+                raw.close(linger=0)
+                ctx.term()
