@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from attrs import asdict, frozen
+from attrs import asdict, field, frozen
 
 from kvflow.backends.pd.gloo import GlooTransport
 from kvflow.connector.pd import PDConnector, pd_connector_factory
@@ -43,6 +43,7 @@ class WorkerSpec:
     concurrent: bool = False
     torch_threads: int = 1  # three engines share the machine's cores (P, D, the colocated one)
     pd_timeouts: PDTimeouts | None = None
+    transport: dict[str, Any] = field(factory=dict)  # more GlooTransport options (fault tests)
 
 
 def compat_of(model: str, config: EngineConfig) -> Compat:
@@ -66,6 +67,7 @@ def serve(spec: WorkerSpec, conn: Connection) -> None:
         host="127.0.0.1",
         port=spec.gloo_port,
         timeout_s=spec.timeout_s,
+        **spec.transport,
     )
     timeouts = spec.pd_timeouts or PDTimeouts(claim_s=spec.timeout_s if spec.concurrent else 10.0)
     engine = Engine(

@@ -179,6 +179,7 @@ class _Ready:
 
     fence: GlooFence
     send: bool
+    first: bool  # the launch's first chunk
     tag: int
     buffers: list[torch.Tensor]
     slot: int | None
@@ -211,6 +212,7 @@ class GlooTransport:
         slots: int = 4,
         slot_bytes: int = 4 << 20,
         direct_min_bytes: int | None = 1 << 20,
+        send_pause_s: float = 0.0,
     ) -> None:
         if (
             pair_rank not in (0, 1)
@@ -219,6 +221,7 @@ class GlooTransport:
             or slot_bytes % 8
             or timeout_s <= 0
             or (direct_min_bytes is not None and direct_min_bytes < 1)
+            or not send_pause_s >= 0
         ):
             raise ConfigError(
                 f"gloo transport: pair_rank must be 0 or 1, slots and timeout_s positive, "
@@ -236,6 +239,10 @@ class GlooTransport:
         self.peer = 1 - pair_rank
         self.slot_bytes = slot_bytes
         self.direct_min_bytes = direct_min_bytes
+        # Fault tests: the sender pauses before each chunk of a launch but the first, so a copy
+        # lasts long enough to kill a process in its middle.
+        self.send_pause_s = send_pause_s
+        self._stop = threading.Event()
         self._ring = torch.empty(slots * slot_bytes, dtype=torch.uint8)
         self._free: queue.Queue[int] = queue.Queue()
         for s in range(slots):
@@ -309,6 +316,7 @@ class GlooTransport:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         self._queue.put(None)
         for t in self._threads:
             t.join(timeout=0.5)
@@ -345,18 +353,38 @@ class GlooTransport:
         n = len(chunk.local)
         if chunk.run:
             a = chunk.local[0]
-            return _Ready(fence, send, chunk.tag, [v[a : a + n] for v in geo.views], None, None)
+            return _Ready(
+                fence,
+                send,
+                chunk.index == 0,
+                chunk.tag,
+                [v[a : a + n] for v in geo.views],
+                None,
+                None,
+            )
         if len(geo.views) == 1 and _consecutive(chunk.local):
             a = chunk.local[0]
-            return _Ready(fence, send, chunk.tag, [geo.views[0][a : a + n]], None, None)
+            return _Ready(
+                fence, send, chunk.index == 0, chunk.tag, [geo.views[0][a : a + n]], None, None
+            )
         slot = self._take_slot()
         if slot is None:
             return None
         buf = self._ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
         if send:
-            return _Ready(fence, send, chunk.tag, [gather_rows(geo, chunk.local, buf)], slot, None)
+            return _Ready(
+                fence,
+                send,
+                chunk.index == 0,
+                chunk.tag,
+                [gather_rows(geo, chunk.local, buf)],
+                slot,
+                None,
+            )
         data = buf[: n * geo.block_bytes]
-        return _Ready(fence, send, chunk.tag, [data], slot, (geo, chunk.local, data))
+        return _Ready(
+            fence, send, chunk.index == 0, chunk.tag, [data], slot, (geo, chunk.local, data)
+        )
 
     def _poster(self) -> None:
         # Apart from the preparer: gloo writes a send into the socket in the posting thread
@@ -368,6 +396,8 @@ class GlooTransport:
                 self._posted.put(None)
                 return
             works: list[Any] = []
+            if self.send_pause_s and r.send and not r.first:
+                self._stop.wait(self.send_pause_s)
             if not self._skip(r.fence):
                 post = pg.send if r.send else pg.recv
                 try:
