@@ -95,3 +95,13 @@ def test_bad_plans_are_typed_errors() -> None:
     many = geometry([[torch.zeros(2 * MAX_OPS + 2, 1, dtype=torch.int64)]])
     with pytest.raises(ConfigError):
         plan_wire(1, (tuple((2 * i, 2 * i) for i in range(MAX_OPS + 1)),), many, 8, None)
+
+
+def test_a_side_whose_chunk_lies_in_a_row_knows_it() -> None:
+    """``local_in_a_row`` is this side's own: P's consecutive blocks sent to D's scattered ones
+    are in a row on P, not on D (mirrored plans differ only there)."""
+    pairs = (((4, 9), (5, 2), (6, 30)), ())
+    (p,) = plan_wire(1, pairs, GEO, 4096, None)
+    (d,) = plan_wire(1, (tuple((b, a) for a, b in pairs[0]), ()), GEO, 4096, None)
+    assert p.local_in_a_row
+    assert not d.local_in_a_row

@@ -41,6 +41,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
 from attrs import define, frozen
@@ -80,32 +82,33 @@ class WireChunk:
     remote: tuple[int, ...]
     tag: int
     run: bool = False
-
-
-def _runs(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Maximal stretches of pairs consecutive on both sides (the same cut seen from either)."""
-    out: list[list[tuple[int, int]]] = []
-    for p in pairs:
-        if out and p[0] == out[-1][-1][0] + 1 and p[1] == out[-1][-1][1] + 1:
-            out[-1].append(p)
-        else:
-            out.append([p])
-    return out
+    local_in_a_row: bool = False  # this side's blocks are consecutive (not mirrored)
 
 
 def _segments(
-    pairs: Sequence[tuple[int, int]], region_bytes: int, direct_min_bytes: int | None
-) -> list[tuple[list[tuple[int, int]], bool]]:
-    """Pairs in order as (part, is_run): runs long enough to go direct, and the stretches
-    between them, which are staged."""
-    out: list[tuple[list[tuple[int, int]], bool]] = []
-    for run in _runs(pairs):
-        if direct_min_bytes is not None and len(run) * region_bytes >= direct_min_bytes:
-            out.append((run, True))
-        elif out and not out[-1][1]:
-            out[-1][0].extend(run)
-        else:
-            out.append((run, False))
+    arr: npt.NDArray[np.int64], region_bytes: int, direct_min_bytes: int | None
+) -> list[tuple[int, int, bool]]:
+    """A group's pairs (rows of ``arr``) in order as ``(start, stop, is_run)``: runs (pairs
+    consecutive on both sides, the same cut seen from either) long enough to go direct, and
+    the stretches between them, which are staged. numpy: a hand-off may name thousands."""
+    n = len(arr)
+    if n == 0:
+        return []
+    if direct_min_bytes is None:
+        return [(0, n, False)]
+    step = (np.diff(arr[:, 0]) != 1) | (np.diff(arr[:, 1]) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], step)))
+    stops = np.append(starts[1:], n)
+    long = (stops - starts) * region_bytes >= direct_min_bytes
+    out: list[tuple[int, int, bool]] = []
+    at = 0
+    for lo, hi in zip(starts[long].tolist(), stops[long].tolist(), strict=True):
+        if at < lo:
+            out.append((at, lo, False))
+        out.append((lo, hi, True))
+        at = hi
+    if at < n:
+        out.append((at, n, False))
     return out
 
 
@@ -123,37 +126,32 @@ def plan_wire(
     if not 0 < channel < CHANNELS:
         raise ConfigError(f"channel {channel} is outside 1..{CHANNELS - 1}")
     chunks: list[WireChunk] = []
-    op = 0
-
-    def emit(g: int, part: Sequence[tuple[int, int]], run: bool) -> None:
-        nonlocal op
-        ops = len(geo[g].views) if run else 1
-        if op + ops > MAX_OPS:
-            raise ConfigError(f"more than {MAX_OPS} wire ops in one hand-off; use bigger slots")
-        local = tuple(p[0] for p in part)
-        remote = tuple(p[1] for p in part)
-        chunks.append(WireChunk(len(chunks), g, local, remote, (channel << 12) + op, run))
-        op += ops
-
+    op = channel << 12
+    last = op + MAX_OPS
     for g, group_pairs in enumerate(pairs):
         gg = geo[g]
-        for block, _ in group_pairs:
-            if not 0 <= block < gg.num_blocks:
-                raise ConfigError(f"group {g}: block {block} is not registered")
+        arr = np.asarray(group_pairs, dtype=np.int64).reshape(-1, 2)
+        if len(arr) and not (arr[:, 0].min() >= 0 and arr[:, 0].max() < gg.num_blocks):
+            bad = arr[(arr[:, 0] < 0) | (arr[:, 0] >= gg.num_blocks), 0][0]
+            raise ConfigError(f"group {g}: block {bad} is not registered")
         region_bytes = min(v.shape[1] * v.element_size() for v in gg.views)
-        for part, run in _segments(group_pairs, region_bytes, direct_min_bytes):
+        for start, stop, run in _segments(arr, region_bytes, direct_min_bytes):
             per = max(1, MAX_RUN_BYTES // gg.block_bytes) if run else slot_bytes // gg.block_bytes
             if per < 1:
                 raise ConfigError(f"group {g}: a block ({gg.block_bytes} B) exceeds a slot")
-            for lo in range(0, len(part), per):
-                emit(g, part[lo : lo + per], run)
+            ops = len(gg.views) if run else 1
+            for lo in range(start, stop, per):
+                if op + ops > last:
+                    raise ConfigError(
+                        f"more than {MAX_OPS} wire ops in one hand-off; use bigger slots"
+                    )
+                part = arr[lo : min(lo + per, stop)]
+                local, remote = tuple(part[:, 0].tolist()), tuple(part[:, 1].tolist())
+                # A side's blocks in a row need no slot; the plan says so (no loop per block).
+                here = len(local) == 1 or bool((np.diff(part[:, 0]) == 1).all())
+                chunks.append(WireChunk(len(chunks), g, local, remote, op, run, here))
+                op += ops
     return chunks
-
-
-def _consecutive(blocks: Sequence[int]) -> bool:
-    return blocks[-1] - blocks[0] == len(blocks) - 1 and all(
-        b == a + 1 for a, b in itertools.pairwise(blocks)
-    )
 
 
 @define(eq=False)
@@ -362,7 +360,7 @@ class GlooTransport:
                 None,
                 None,
             )
-        if len(geo.views) == 1 and _consecutive(chunk.local):
+        if len(geo.views) == 1 and chunk.local_in_a_row:
             a = chunk.local[0]
             return _Ready(
                 fence, send, chunk.index == 0, chunk.tag, [geo.views[0][a : a + n]], None, None
