@@ -159,6 +159,7 @@ class ControlPlane:
         self._router.bind(bind)
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._plain_dealers: dict[str, zmq.Socket[bytes]] = {}  # shadows of _dealers
         self._peers: dict[str, PeerInfo] = {}  # by engine id
         self._by_address: dict[str, str] = {}  # address → engine id
         self._hello_waits: dict[str, _HelloWait] = {}  # by address
@@ -269,7 +270,8 @@ class ControlPlane:
             for address, frames in outbox.items():
                 sock = self._dealer(address)
                 try:
-                    await sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                    # The plain socket under the asyncio one: no future per message.
+                    self._plain(address, sock).send_multipart(frames, flags=zmq.NOBLOCK)
                 except zmq.Again:  # the peer's queue is full (HWM): wait for room
                     await sock.send_multipart(frames)
 
@@ -344,6 +346,12 @@ class ControlPlane:
             self._dealers[address] = sock
         return sock
 
+    def _plain(self, address: str, sock: zmq.asyncio.Socket) -> zmq.Socket[bytes]:
+        plain = self._plain_dealers.get(address)
+        if plain is None:
+            plain = self._plain_dealers[address] = zmq.Socket.shadow(sock.underlying)
+        return plain
+
     def _drop(self, why: str, **fields: Any) -> None:
         self.dropped += 1
         log.info("pd_control_dropped", engine_id=self.engine_id, why=why, **fields)
@@ -360,8 +368,9 @@ class ControlPlane:
         for address, frames in self._outbox.items():  # what was said just before closing
             # A full queue at close drops the message: the peer's timers cover a lost one.
             with contextlib.suppress(zmq.ZMQError):
-                sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._dealer(address).underlying)
-                sync.send_multipart(frames, flags=zmq.NOBLOCK)
+                self._plain(address, self._dealer(address)).send_multipart(
+                    frames, flags=zmq.NOBLOCK
+                )
         self._outbox.clear()
         for sock in self._dealers.values():
             sock.close(linger=0)
