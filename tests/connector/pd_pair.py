@@ -133,6 +133,14 @@ class Pair:
             self.step()
         raise AssertionError(f"P never finished {rid}")
 
+    def decode(
+        self, rid: str, prompt: Sequence[int], max_tokens: int, params: Any
+    ) -> RequestResult:
+        """D's half alone: ``rid`` with P's ``params``, run until both engines settle."""
+        self.d.add_request(prompt, max_tokens, request_id=rid, kv_transfer_params=params)
+        self.drain()
+        return self.d.take_result(rid)
+
     def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[RequestResult]:
         """The sequential flow for each prompt (P first, then D with P's params), to the end."""
         ids = []

@@ -81,11 +81,7 @@ def test_a_read_after_the_unclaimed_lease_is_refused(pair: Pair, clock: FakeCloc
     pair.step()
     assert "t-r0" not in pair.pc.driver.manager.transfers
     assert held <= poisoned_blocks(pair.p)
-    pair.d.add_request(
-        PROMPTS[0], MAX_TOKENS, request_id="r0", kv_transfer_params=pr.kv_transfer_params
-    )
-    pair.drain()
-    r = pair.d.take_result("r0")
+    r = pair.decode("r0", PROMPTS[0], MAX_TOKENS, pr.kv_transfer_params)
     assert r.output_token_ids == colocated()[0]
     assert r.external_loaded_tokens == 0
     assert pair.dc.stats["handoffs_failed"] == 1
