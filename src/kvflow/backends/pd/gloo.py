@@ -29,7 +29,8 @@ reads without blocking, and the completer calls the wakeup when a launch settles
 
 A gloo error or timeout leaves the pair's group in an unknown state: the transport turns
 *broken*, aborts the group (so every op still posted ends at once: nothing writes a block after
-its fence settled), fails everything pending and every later launch. ``GlooPair`` rebuilds it.
+its fence settled), fails everything pending and every later launch, until ``rebuild`` (both
+sides, a new store address) makes a new group.
 """
 
 from __future__ import annotations
@@ -226,14 +227,9 @@ class GlooTransport:
                 f"slot_bytes a positive multiple of 8, direct_min_bytes positive or None (got "
                 f"{pair_rank}, {slots}, {slot_bytes}, {timeout_s}, {direct_min_bytes})"
             )
-        timeout = datetime.timedelta(seconds=timeout_s)
-        try:
-            self._store = TCPStore(host, port, 2, pair_rank == 0, timeout=timeout)
-            self._pg = dist.ProcessGroupGloo(self._store, pair_rank, 2, timeout)
-        except (RuntimeError, ValueError) as e:
-            raise BackendError(
-                f"gloo transport: no pair with {host}:{port} within {timeout_s} s: {e}"
-            ) from e
+        self.pair_rank = pair_rank
+        self.timeout_s = timeout_s
+        self._store, self._pg = self._rendezvous(host, port, timeout_s)
         self.peer = 1 - pair_rank
         self.slot_bytes = slot_bytes
         self.direct_min_bytes = direct_min_bytes
@@ -241,6 +237,7 @@ class GlooTransport:
         # lasts long enough to kill a process in its middle.
         self.send_pause_s = send_pause_s
         self._stop = threading.Event()
+        self._chunks_live = 0  # launched, not settled (``rebuild`` waits for none)
         self._ring = torch.empty(slots * slot_bytes, dtype=torch.uint8)
         self._free: queue.Queue[int] = queue.Queue()
         for s in range(slots):
@@ -250,6 +247,7 @@ class GlooTransport:
         self._ready: queue.Queue[_Ready | None] = queue.Queue()
         self._posted: queue.Queue[_Posted | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no chunk is live
         self._wakeup: Callable[[], None] | None = None
         self._ids = itertools.count()
         self._closed = False
@@ -265,6 +263,35 @@ class GlooTransport:
         for t in self._threads:
             t.start()
         log.info("pd_transport_ready", transport="gloo", pair_rank=pair_rank, slots=slots)
+
+    def _rendezvous(self, host: str, port: int, wait_s: float) -> tuple[Any, dist.ProcessGroupGloo]:
+        """A store (hosted by pair rank 0) and the pair's 2-rank gloo group on it."""
+        try:
+            wait = datetime.timedelta(seconds=wait_s)
+            store = TCPStore(host, port, 2, self.pair_rank == 0, timeout=wait)
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            return store, dist.ProcessGroupGloo(store, self.pair_rank, 2, timeout)
+        except (RuntimeError, ValueError) as e:
+            raise BackendError(
+                f"gloo transport: no pair with {host}:{port} within {wait_s} s: {e}"
+            ) from e
+
+    def rebuild(self, *, host: str, port: int, wait_s: float | None = None) -> None:
+        """A new rendezvous of the pair (a new store address: the pair's next epoch), after it
+        broke or because the peer came back: what is pending fails first (the old group is
+        aborted), the ring and the registered tensors stay. Both sides call it with the same
+        address; ``BackendError`` if the peer does not come within ``wait_s``."""
+        if self._closed:
+            raise ClosedError("gloo transport is closed")
+        wait_s = self.timeout_s if wait_s is None else wait_s
+        self._break(RuntimeError("the pair is being rebuilt"))
+        with self._idle:  # aborted ops end at once; nothing may still use the old group
+            if not self._idle.wait_for(lambda: self._chunks_live == 0, timeout=wait_s):
+                raise BackendError(f"gloo transport: copies still running after {wait_s} s")
+        self._store, self._pg = self._rendezvous(host, port, wait_s)
+        with self._lock:
+            self.broken = None
+        log.info("pd_transport_rebuilt", transport="gloo", pair_rank=self.pair_rank, port=port)
 
     @property
     def group(self) -> dist.ProcessGroupGloo:
@@ -294,6 +321,8 @@ class GlooTransport:
         if self.broken is not None:
             fence.remaining, fence.failed = 0, True
             return fence
+        with self._lock:
+            self._chunks_live += len(chunks)
         for c in chunks:
             self._queue.put((fence, op.send, c))
         return fence
@@ -387,7 +416,6 @@ class GlooTransport:
     def _poster(self) -> None:
         # Apart from the preparer: gloo writes a send into the socket in the posting thread
         # when D's receive is already posted, so the next chunk's gather runs meanwhile.
-        pg: Any = self._pg
         while True:
             r = self._ready.get()
             if r is None:
@@ -397,6 +425,7 @@ class GlooTransport:
             if self.send_pause_s and r.send and not r.first:
                 self._stop.wait(self.send_pause_s)
             if not self._skip(r.fence):
+                pg: Any = self._pg  # read per chunk: ``rebuild`` replaces it
                 post = pg.send if r.send else pg.recv
                 try:
                     works = [post([b], self.peer, r.tag + j) for j, b in enumerate(r.buffers)]
@@ -459,6 +488,9 @@ class GlooTransport:
         with self._lock:
             fence.failed = fence.failed or not ok
             fence.remaining -= 1
+            self._chunks_live -= 1
+            if not self._chunks_live:
+                self._idle.notify_all()
             settled = fence.remaining == 0
         if settled and (wake := self._wakeup) is not None:
             wake()
