@@ -1,6 +1,7 @@
 """The gloo PD transport between two spawned processes (CPU): byte-exact blocks at scattered ids
 through a staging ring smaller than the hand-off, slot reuse, and a receive nobody sends that
-fails by the pair's timeout and leaves the transport broken (later launches fail at once).
+fails by the pair's timeout and leaves the transport broken (later launches fail at once) until
+both sides rebuild the pair on a new address.
 Deselect with ``-m "not distributed"``."""
 
 from __future__ import annotations
@@ -19,15 +20,22 @@ from kvflow.runtime.clock import SystemClock
 
 pytestmark = pytest.mark.distributed
 
-PAIRS_0 = tuple((src, dst) for src, dst in [(3, 40), (17, 2), (5, 5), (60, 33), (8, 9), (9, 8)])
-PAIRS_1 = tuple((src, dst) for src, dst in [(1, 30), (31, 0), (12, 13)])
+# Scattered pairs, runs consecutive on both sides (20-22 → 50-52, 30-31 → 10-11: sent straight
+# between the tensors), and pairs consecutive on one side only (40-41 → 20, 25; 12 → 44-45).
+PAIRS_0 = (
+    *((3, 40), (17, 2), (5, 5), (60, 33), (8, 9), (9, 8)),
+    *((20, 50), (21, 51), (22, 52), (30, 10), (31, 11)),
+    *((40, 20), (41, 25), (11, 44), (13, 45)),
+)
+PAIRS_1 = ((1, 30), (31, 0), (12, 13), (4, 20), (5, 21), (6, 22), (7, 23), (8, 24))
 PAIRS_2 = ((1, 6), (7, 0))
 PAIRS = (PAIRS_0, PAIRS_1, PAIRS_2)
 
 
 def kv(rank: int) -> list[list[torch.Tensor]]:
     """Group 0: one (64, 2, 128) fp16 tensor (512 B blocks); group 1: K and V of (32, 256) u8;
-    group 2: K and V of (8, 32768) int16 (128 KiB blocks: the direct path, no staging)."""
+    group 2: K and V of (8, 32768) int16 (128 KiB blocks, larger than a slot: each block sent
+    straight from its rows)."""
     if rank == 0:
         g = torch.Generator().manual_seed(7)
         k0 = torch.randn(64, 2, 128, generator=g).half()
@@ -58,7 +66,7 @@ def _wait(t: GlooTransport, fence: GlooFence, limit_s: float) -> str:
     return t.query(fence).value
 
 
-def _pair(rank: int, world_size: int, port: int, mode: str) -> Any:
+def _pair(rank: int, world_size: int, port: int, port2: int, mode: str) -> Any:
     del world_size
     t = GlooTransport(
         pair_rank=rank,
@@ -67,7 +75,7 @@ def _pair(rank: int, world_size: int, port: int, mode: str) -> Any:
         timeout_s=3.0,
         slots=2,
         slot_bytes=1024,
-        direct_min_bytes=64 << 10,
+        direct_min_bytes=1024,
     )
     try:
         tensors = kv(rank)
@@ -87,6 +95,15 @@ def _pair(rank: int, world_size: int, port: int, mode: str) -> Any:
                 t.launch(LaunchCopies("later", 1, "peer", False, (((0, 1),),), 4))
             ).value
             out["broken"] = t.broken is not None
+        if mode == "orphan":
+            # Both sides rebuild the pair on a new address (P's side only now learns of it).
+            t.rebuild(host="127.0.0.1", port=port2, wait_s=30.0)
+            if rank == 1:
+                for tensor in tensors[0]:
+                    tensor.zero_()
+            rebuilt = _wait(t, t.launch(LaunchCopies("h3", 1, "peer", send, pairs, 5)), 30.0)
+            out["rebuilt"] = rebuilt
+            out["broken_after_rebuild"] = t.broken is not None
         return out
     finally:
         t.close()
@@ -95,7 +112,7 @@ def _pair(rank: int, world_size: int, port: int, mode: str) -> Any:
 @pytest.fixture(scope="module")
 def res() -> list[Any]:
     """One spawned pair runs every scenario (spawning is the slow part on a small machine)."""
-    return launch(_pair, (free_port(), "orphan"), world_size=2, timeout_s=90)
+    return launch(_pair, (free_port(), free_port(), "orphan"), world_size=2, timeout_s=90)
 
 
 def test_gloo_pair_moves_scattered_blocks_byte_exact(res: list[Any]) -> None:
@@ -121,3 +138,15 @@ def test_a_receive_nobody_sends_fails_by_the_timeout_and_breaks_the_pair(res: li
     assert res[1]["orphan"] == "failed"
     assert res[1]["after"] == "failed"
     assert res[1]["broken"]
+
+
+def test_a_broken_pair_is_rebuilt_on_a_new_address_and_moves_blocks_again(
+    res: list[Any],
+) -> None:
+    """After the pair broke, both sides ``rebuild`` on a new store address: the next hand-off
+    is done on both sides and group 0's blocks (zeroed on D first) are P's again."""
+    assert [r["rebuilt"] for r in res] == ["done", "done"]
+    assert not any(r["broken_after_rebuild"] for r in res)
+    src, dst = kv(0), res[1]["tensors"]
+    for s, d in PAIRS[0]:
+        assert torch.equal(dst[0][0][d], src[0][0][s]), (s, d)

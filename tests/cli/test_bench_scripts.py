@@ -85,17 +85,19 @@ def test_pd_control_bench_times_hand_offs_against_the_zmq_floor(tmp_path: Path) 
 
 @pytest.mark.distributed
 def test_pd_transfer_bench_compares_the_transport_with_raw_gloo(tmp_path: Path) -> None:
-    """Two gloo processes move scattered blocks both ways of the comparison; bytes match."""
+    """Two gloo processes move scattered and contiguous blocks both ways of the comparison;
+    bytes match, and both processes' CPU is counted."""
     out = tmp_path / "pd_transfer.json"
     bench_pd_transfer.main(
         ["--mib", "1", "--repeat", "1", "--sizes-kib", "4", "32", "--json", str(out)]
     )
     sizes = json.loads(out.read_text())["sizes"]
-    assert set(sizes) == {"4", "32"}
+    assert set(sizes) == {f"{k}/{lay}" for k in (4, 32) for lay in ("scattered", "contiguous")}
     for f in sizes.values():
         assert f["bytes_match"]
         assert f["kvflow_gbs"] > 0
         assert f["raw_gbs"] > 0
+        assert f["kvflow_cpu_ms"] > 0
 
 
 def test_connector_transfer_bench_drives_every_layout_through_the_connector(

@@ -17,6 +17,7 @@ from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.pd.common import PDTimeouts
 from kvflow.engine.engine import Engine, EngineConfig, RequestResult
 from kvflow.engine.model import model_config
+from kvflow.runtime.clock import Clock
 from kvflow.runtime.pd_control import default_compat
 from tests.engine.helpers import shared_model
 
@@ -53,19 +54,22 @@ class Pair:
         block_size: int = 4,
         *,
         d_cpu_tier: bool = False,
+        clock: Clock | None = None,
         **config: Any,
     ) -> None:
         self.link = link or FakeLink()
         p_end, d_end = self.link.pair()
         c = compat(block_size)
         d_factory = pd_connector_factory(
-            "consumer", "D", c, d_end, timeouts=TIMEOUTS, pump=self.link.step
+            "consumer", "D", c, d_end, timeouts=TIMEOUTS, pump=self.link.step, clock=clock
         )
         self.offload: OffloadConnector | None = None
         if d_cpu_tier:
             d_factory = self._with_cpu_tier(d_factory)
         self.p = engine(
-            pd_connector_factory("producer", "P", c, p_end, peer="D", timeouts=TIMEOUTS),
+            pd_connector_factory(
+                "producer", "P", c, p_end, peer="D", timeouts=TIMEOUTS, clock=clock
+            ),
             block_size=block_size,
             **config,
         )
@@ -128,6 +132,14 @@ class Pair:
                 return self.p.take_result(rid)
             self.step()
         raise AssertionError(f"P never finished {rid}")
+
+    def decode(
+        self, rid: str, prompt: Sequence[int], max_tokens: int, params: Any
+    ) -> RequestResult:
+        """D's half alone: ``rid`` with P's ``params``, run until both engines settle."""
+        self.d.add_request(prompt, max_tokens, request_id=rid, kv_transfer_params=params)
+        self.drain()
+        return self.d.take_result(rid)
 
     def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[RequestResult]:
         """The sequential flow for each prompt (P first, then D with P's params), to the end."""

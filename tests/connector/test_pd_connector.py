@@ -81,11 +81,7 @@ def test_kv_of_another_request_is_refused_by_hash(pair: Pair) -> None:
     recomputes and its output is the colocated engine's for D's own prompt."""
     pr = pair.prefill("x", PROMPTS[1])
     assert pr.kv_transfer_params is not None
-    pair.d.add_request(
-        PROMPTS[0], MAX_TOKENS, request_id="r0", kv_transfer_params=pr.kv_transfer_params
-    )
-    pair.drain()
-    r = pair.d.take_result("r0")
+    r = pair.decode("r0", PROMPTS[0], MAX_TOKENS, pr.kv_transfer_params)
     assert r.output_token_ids == colocated()[0]
     assert r.external_loaded_tokens == 0
     assert pair.dc.stats["handoffs_failed"] == 1

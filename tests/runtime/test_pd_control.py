@@ -4,6 +4,9 @@ frames, and duplicates / stale messages dropped by the manager behind it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import anyio
 import pytest
 import zmq
@@ -24,6 +27,21 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_leaks")]
 HASHES = prompt_hashes(1, 2)
 CLAIM = Claim("t", 1, ((0, 1),), (0,), 8, hashes_digest(HASHES))
 GUARD_S = 20.0  # real-time safety net: a broken test fails instead of hanging CI
+
+
+@contextmanager
+def raw_dealer(address: str) -> Iterator[zmq.Socket[bytes]]:
+    """A bare zmq DEALER (routing id ``X``, a peer that never said HELLO) connected to ``address``."""
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    try:
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.ROUTING_ID, b"X")
+        raw.connect(address)
+        yield raw
+    finally:
+        raw.close(linger=0)
+        ctx.term()
 
 
 async def test_hello_round_trip_then_messages_both_ways() -> None:
@@ -111,12 +129,7 @@ async def test_messages_without_hello_and_malformed_frames_are_dropped() -> None
     clock = FakeClock()
     with anyio.fail_after(GUARD_S):
         async with open_control_plane("P", default_compat(), clock) as p:
-            ctx = zmq.Context()
-            raw = ctx.socket(zmq.DEALER)
-            try:
-                raw.setsockopt(zmq.LINGER, 0)
-                raw.setsockopt(zmq.ROUTING_ID, b"X")
-                raw.connect(p.address)
+            with raw_dealer(p.address) as raw:
                 with capture_logs() as logs:
                     raw.send(encode(CLAIM))
                     raw.send(b"\x93garbage")
@@ -125,9 +138,6 @@ async def test_messages_without_hello_and_malformed_frames_are_dropped() -> None
                 whys = [e["why"] for e in logs if e["event"] == "pd_control_dropped"]
                 assert whys == ["no_hello", "malformed"]
                 assert p.recv_nowait() is None
-            finally:
-                raw.close(linger=0)
-                ctx.term()
 
 
 async def test_duplicate_and_stale_messages_are_dropped_by_the_manager() -> None:
@@ -185,3 +195,28 @@ async def test_the_system_clock_deadline_needs_no_watchdog() -> None:
             await d.hello(p.address)
             await d.send("P", CLAIM)
             assert await p.recv(GUARD_S, "a claim") == ("D", CLAIM)
+
+
+async def test_what_one_turn_says_to_a_peer_travels_as_one_zmq_message() -> None:
+    """Messages queued in one turn arrive in order, as one multipart zmq message (one wake-up of
+    each side's zmq I/O thread); each part of a zmq message is judged on its own."""
+    clock = FakeClock()
+    second = Claim("u", 1, ((2, 3),), (0,), 8, CLAIM.digest)
+    with anyio.fail_after(GUARD_S):
+        async with (
+            open_control_plane("P", default_compat(), clock) as p,
+            open_control_plane("D", default_compat(), clock) as d,
+        ):
+            await d.hello(p.address)
+            await d.send("P", CLAIM)
+            await d.send("P", second)
+            assert list(d._outbox.values()) == [[encode(CLAIM), encode(second)]]
+            assert await p.recv(1.0, "the first") == ("D", CLAIM)
+            assert await p.recv(1.0, "the second") == ("D", second)
+            with raw_dealer(p.address) as raw:
+                with capture_logs() as logs:
+                    raw.send_multipart([encode(second), b"\x93garbage", encode(CLAIM)])
+                    while p.dropped < 3:
+                        await anyio.sleep(0)  # yields to the receive loop; no time passes
+                whys = [e["why"] for e in logs if e["event"] == "pd_control_dropped"]
+                assert whys == ["no_hello", "malformed", "no_hello"]

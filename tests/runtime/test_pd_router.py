@@ -1,6 +1,8 @@
 """The PD router over two spawned engine processes (CPU, gloo data plane, zmq control plane):
-the sequential flow's outputs equal a colocated engine's token for token, D computes one prompt
-token per request, and both engines end with every block back and no hand-off live."""
+both flows' outputs equal a colocated engine's token for token with poison-on-free in every
+engine, D computes one prompt token per request, SIGKILL of either process (holding KV, or in the
+middle of a running copy) leaves the other serving, and both engines end with every block back
+and no hand-off live."""
 
 from __future__ import annotations
 
@@ -9,9 +11,14 @@ from typing import Any
 from tests.engine.helpers import make_engine, prompts, requests
 
 from kvflow.core.pd.common import PDTimeouts
+from kvflow.engine.engine import RequestResult
+from kvflow.engine.model import model_config
 from kvflow.pd.router import PDRouter
+from kvflow.runtime.clock import SystemClock
 
-ENGINE: dict[str, Any] = {"block_size": 4, "num_gpu_blocks": 96}
+# Poison-on-free in both engine processes (and the colocated one): a use after free on either
+# side of the gloo copy would change a token.
+ENGINE: dict[str, Any] = {"block_size": 4, "num_gpu_blocks": 96, "poison_freed_blocks": True}
 PROMPTS = prompts([10, 17, 24])
 MAX_TOKENS = 4
 
@@ -93,11 +100,82 @@ def test_d_killed_before_it_claims_leaves_p_serving_and_frees_p_s_hold() -> None
         router.kill("D")
         again = router.prefill(second)
     assert held.kv_transfer_params is not None
-    assert (
-        again.output_token_ids
-        == make_engine(**ENGINE).run_to_completion(requests(PROMPTS[1:2], 1))[0].output_token_ids
-    )
+    _assert_p_served_on_alone(router, again)
+
+
+def _assert_p_served_on_alone(router: PDRouter, again: RequestResult) -> None:
+    """P's prefill after D's death is a colocated engine's, and P ended with nothing leaked."""
+    alone = make_engine(**ENGINE).run_to_completion(requests(PROMPTS[1:2], 1))[0]
+    assert again.output_token_ids == alone.output_token_ids
     p = router.summaries["P"]
     assert p["leaked_blocks"] == 0
     assert p["live_handoffs"] == 0
     assert router.summaries["D"] == {}  # killed: no summary
+
+
+def _one_block_per_chunk() -> dict[str, Any]:
+    """Transport options that make a copy last: one block per staging chunk, the sender pausing
+    0.3 s before each chunk but the first."""
+    cfg = model_config("tiny")
+    block = 2 * cfg.num_layers * ENGINE["block_size"] * cfg.num_kv_heads * cfg.head_dim * 4
+    return {"slot_bytes": block, "direct_min_bytes": None, "send_pause_s": 0.3}
+
+
+def _await_launch(router: PDRouter, before: int) -> None:
+    """Until P has launched the sends of the hand-off D just claimed (bounded)."""
+    clock = SystemClock()
+    deadline = clock.now() + 30
+    while router.stats("P")["bytes_moved"] == before:  # each ask is a round trip to P
+        assert clock.now() < deadline, "P never launched its sends"
+
+
+def test_p_killed_during_a_running_copy_leaves_d_serving_by_recompute() -> None:
+    """SIGKILL of P while its gloo sends run (one block landed, the rest paused): D's receives
+    fail at once (the pair broke, nothing waits without a deadline), D holds the claimed
+    blocks until P is declared dead and the quarantine passed, then recomputes; the output is
+    the colocated engine's, D serves a later request alone and ends with every block back."""
+    colocated = make_engine(**ENGINE)
+    expected = [
+        r.output_token_ids for r in colocated.run_to_completion(requests(PROMPTS, MAX_TOKENS))
+    ]
+    fast = PDTimeouts(claim_s=2, grant_window_s=1, copy_s=3, heartbeat_s=0.2,
+                      peer_timeout_s=1, drain_retry_s=0.2)  # fmt: skip
+    first, second, third = requests(PROMPTS, MAX_TOKENS)
+    with PDRouter(
+        engine=ENGINE, timeout_s=60, pd_timeouts=fast, transport_options=_one_block_per_chunk()
+    ) as router:
+        (ok,) = router.run([first])  # HELLO cached, one (slow) hand-off committed
+        held = router.prefill(second)
+        before = router.stats("P")["bytes_moved"]
+        rid = router.start_decode(second, held.kv_transfer_params)
+        _await_launch(router, before)
+        router.kill("P")
+        got = router.finish_decode(rid)
+        alone = router.decode(third, None)
+    assert ok.result.output_token_ids == expected[0]
+    assert got.result.output_token_ids == expected[1]
+    assert got.result.prefill_tokens_computed == len(PROMPTS[1])
+    assert alone.result.output_token_ids == expected[2]
+    d = router.summaries["D"]
+    assert d["leaked_blocks"] == 0
+    assert d["live_handoffs"] == 0
+    assert d["handoffs_failed"] == 1
+
+
+def test_d_killed_during_a_running_copy_leaves_p_serving_and_frees_its_hold() -> None:
+    """SIGKILL of D while P's gloo sends run: P's sends fail (the pair broke), P's hand-off
+    drains on its own fence and its blocks come back; P goes on serving new requests and ends
+    with nothing leaked."""
+    fast = PDTimeouts(lease_s=1, claim_s=2, grant_window_s=1, copy_s=3, heartbeat_s=0.2,
+                      peer_timeout_s=1, drain_retry_s=0.2)  # fmt: skip
+    first, second, _ = requests(PROMPTS, MAX_TOKENS)
+    with PDRouter(
+        engine=ENGINE, timeout_s=60, pd_timeouts=fast, transport_options=_one_block_per_chunk()
+    ) as router:
+        held = router.prefill(first)
+        before = router.stats("P")["bytes_moved"]
+        router.start_decode(first, held.kv_transfer_params)
+        _await_launch(router, before)
+        router.kill("D")
+        again = router.prefill(second)
+    _assert_p_served_on_alone(router, again)

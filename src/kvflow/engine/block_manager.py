@@ -14,7 +14,7 @@ wrote them), so a block is never matched before its data exists.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVCacheGroupSpec
 from kvflow.core.block_pool import BlockPool
@@ -52,6 +52,9 @@ class BlockManager:
             raise BlockPoolError(f"gpu: expected block {NULL_BLOCK_ID} first, got {null}")
         self.tables: dict[str, list[list[int]]] = {}
         self._num_cached: dict[str, list[int]] = {}
+        # Poison-on-free (``EngineConfig.poison_freed_blocks``): called with the blocks a free
+        # left with no reference, after they left the prefix cache (their data is gone).
+        self.on_freed: Callable[[list[int]], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -181,6 +184,7 @@ class BlockManager:
             if gone:
                 self.changes += 1
                 pool.free(reversed(gone))
+                self._freed(gone)
                 for j in range(min(first, len(table))):
                     table[j] = NULL_BLOCK_ID
 
@@ -193,6 +197,19 @@ class BlockManager:
         self.changes += 1
         for pool, table in zip(self.pools, tables, strict=True):
             pool.free(b for b in reversed(table) if b != NULL_BLOCK_ID)
+        if self.on_freed is not None:
+            self._freed([b for table in tables for b in table if b != NULL_BLOCK_ID])
+
+    def _freed(self, block_ids: list[int]) -> None:
+        """Poison-on-free: the blocks of ``block_ids`` nothing references any more lose their
+        cached hash (a prefix hit must not read poison) and go to ``on_freed``."""
+        if self.on_freed is None:
+            return
+        blocks = self.pool.blocks
+        dead = list(dict.fromkeys(b for b in block_ids if blocks[b].ref_cnt == 0))
+        if dead:
+            self.pool.uncache(dead)
+            self.on_freed(dead)
 
     # ---- prefix cache -----------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ drives it from an event loop.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -25,7 +26,7 @@ from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import ExtraKey
 from kvflow.core.logs import get_logger
 from kvflow.engine.block_manager import BlockManager
-from kvflow.engine.kv_cache import kv_cache_groups
+from kvflow.engine.kv_cache import kv_cache_groups, poison_blocks
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import (
@@ -90,6 +91,10 @@ class EngineConfig:
     # Keep each request's first-token logits (its result's ``first_logits``): for checks beyond
     # the greedy tokens; steps that sample a first token then skip the decode graphs.
     record_first_logits: bool = False
+    # Poison-on-free (tests): every block that a free leaves unreferenced (and every block at
+    # start) is overwritten with NaN and dropped from the prefix cache, so reading KV after
+    # its free (a PD use-after-free, say) gives wrong tokens instead of passing unnoticed.
+    poison_freed_blocks: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.block_size <= 0:
@@ -287,6 +292,10 @@ class Engine:
         if isinstance(self.runner, ModelRunner):
             self.runner.now = clock
         self._first_logits: dict[str, torch.Tensor] = {}
+        if config.poison_freed_blocks:
+            caches = self.runner.kv_caches
+            self.blocks.on_freed = functools.partial(poison_blocks, caches)
+            poison_blocks(caches, list(range(1, self.kv_cache_config.num_blocks)))
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._finished: dict[str, Request] = {}

@@ -67,6 +67,24 @@ def allocate_kv_caches(
     return {name: torch.zeros(shape, dtype=dtype, device=device) for name in names}
 
 
+def poison_value(dtype: torch.dtype) -> float | int:
+    """What a freed block is overwritten with: NaN for floating point (any read of it turns
+    attention's output, then the token, wrong), the dtype's largest value otherwise."""
+    if dtype.is_floating_point:
+        return float("nan")
+    return int(torch.iinfo(dtype).max)
+
+
+def poison_blocks(kv_caches: dict[str, torch.Tensor], block_ids: Sequence[int]) -> None:
+    """Overwrite ``block_ids`` in every layer's ``(2, num_blocks, ...)`` tensor with the poison
+    value: the engine's poison-on-free mode, so a use after free shows as wrong output."""
+    if not block_ids:
+        return
+    for t in kv_caches.values():
+        idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+        t.index_fill_(1, idx, poison_value(t.dtype))
+
+
 @frozen
 class DecodeSegment:
     """The step's single-token queries, batched: row ``b`` is flat token ``query_index[b]``.

@@ -101,6 +101,7 @@ class PDRouter:
         self.transport = transport
         self.transport_options = transport_options
         self._procs: dict[str, _Proc] = {}
+        self._submitted: dict[str, float] = {}  # start_decode's requests: when sent
         self._ids = 0
 
     # ---- life -------------------------------------------------------------------------------
@@ -266,13 +267,21 @@ class PDRouter:
 
     def decode(self, request: GenerationRequest, params: dict[str, Any] | None) -> PDResult:
         """The second half alone: D serves ``request`` with P's ``params``."""
-        D = self._procs["D"]
+        return self.finish_decode(self.start_decode(request, params))
+
+    def start_decode(self, request: GenerationRequest, params: dict[str, Any] | None) -> str:
+        """Send ``request`` to D with P's ``params`` and return at once (its request id)."""
         rid = request.request_id or f"pd-{self._ids}"
-        submitted = time.perf_counter()
+        self._submitted[rid] = time.perf_counter()
+        D = self._procs["D"]
         D.conn.send(("add", rid, list(request.prompt_token_ids), request.max_tokens, params))
-        msg = self._recv(D, f"the decode of {rid}")
+        return rid
+
+    def finish_decode(self, rid: str) -> PDResult:
+        """D's result for a request ``start_decode`` sent (the next one D finishes)."""
+        msg = self._recv(self._procs["D"], f"the decode of {rid}")
         times = msg[3]
-        return PDResult(_result(msg[1]), None, times[0] - submitted, tuple(times))
+        return PDResult(_result(msg[1]), None, times[0] - self._submitted.pop(rid), tuple(times))
 
     def _recv(self, p: _Proc, what: str) -> Any:
         if not p.conn.poll(self.timeout_s):

@@ -10,11 +10,16 @@ caches the answer for ``hello_ttl_s``; a peer whose compatibility hash differs i
 full inbox are logged and dropped (the managers drop stale ``(transfer_id, epoch)`` themselves).
 
 The wire format is msgpack through msgspec: ``[kind, body]`` with ``body`` the attrs message
-encoded by msgspec, so ``kvflow.core`` stays free of msgspec.
+encoded by msgspec, so ``kvflow.core`` stays free of msgspec. A zmq message carries one or more
+of them (one frame each): ``send`` queues, and a flush task sends what one turn of the caller
+queued for a peer as one multipart message (each zmq message wakes both sides' zmq I/O threads,
+the control path's main cost on a busy machine); the receive loop drains what is queued
+without waiting on the event loop between messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -154,12 +159,15 @@ class ControlPlane:
         self._router.bind(bind)
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._plain_dealers: dict[str, zmq.Socket[bytes]] = {}  # shadows of _dealers
         self._peers: dict[str, PeerInfo] = {}  # by engine id
         self._by_address: dict[str, str] = {}  # address → engine id
         self._hello_waits: dict[str, _HelloWait] = {}  # by address
         send, receive = anyio.create_memory_object_stream[tuple[str, Message]](inbox_size)
         self._inbox_send: MemoryObjectSendStream[tuple[str, Message]] = send
         self._inbox: MemoryObjectReceiveStream[tuple[str, Message]] = receive
+        self._outbox: dict[str, list[bytes]] = {}  # by address, in order
+        self._outbox_ready = anyio.Event()
         self.dropped = 0
         self._closed = False
 
@@ -179,7 +187,8 @@ class ControlPlane:
         wait = self._hello_waits.get(address)
         if wait is None:
             wait = self._hello_waits[address] = _HelloWait(anyio.Event())
-            await self._dealer(address).send(encode(Hello(*self._about())))
+            self._outbox.setdefault(address, []).append(encode(Hello(*self._about())))
+            self._outbox_ready.set()
         deadline = self.clock.now() + self.hello_timeout_s
         ok, _ = await _before(self.clock, deadline, wait.event.wait)
         self._hello_waits.pop(address, None)
@@ -197,12 +206,15 @@ class ControlPlane:
         return self._remember(ack)
 
     async def send(self, peer: str, msg: Message) -> None:
-        """Send ``msg`` to a peer that said HELLO (either way)."""
+        """Send ``msg`` to a peer that said HELLO (either way). The message is queued and goes
+        out when this task next yields: what one turn of the caller says to a peer (P's GRANT
+        and DONE) travels as one zmq message, which wakes each side's zmq I/O thread once."""
         self._check_open()
         info = self.peer(peer)
         if info is None:
             raise PeerError(f"{self.engine_id}: no HELLO with peer {peer!r} (or it expired)")
-        await self._dealer(info.address).send(encode(msg))
+        self._outbox.setdefault(info.address, []).append(encode(msg))
+        self._outbox_ready.set()
 
     async def recv(self, timeout_s: float, what: str) -> tuple[str, Message]:
         """The next hand-off message and its sender; ``PeerError`` naming ``what`` at the deadline."""
@@ -228,17 +240,40 @@ class ControlPlane:
 
     async def run(self) -> None:
         """Receive from the ROUTER until closed (run in a task)."""
+        flags = 0
         while not self._closed:
             try:
-                frames = await self._router.recv_multipart()
+                # After one awaited receive, take what else is queued without the loop's
+                # event machinery (a done future's await does not yield).
+                frames = await self._router.recv_multipart(flags=flags)
+            except zmq.Again:
+                flags = 0
+                continue
             except zmq.ZMQError:
                 if self._closed:
                     return
                 raise
-            if len(frames) != 2:
+            flags = zmq.NOBLOCK
+            if len(frames) < 2:
                 self._drop("malformed_frames", frames=len(frames))
                 continue
-            await self._dispatch(frames[0].decode(errors="replace"), frames[1])
+            sender = frames[0].decode(errors="replace")
+            for frame in frames[1:]:
+                await self._dispatch(sender, frame)
+
+    async def flush(self) -> None:
+        """Send what ``send`` queued, one zmq message per peer, until closed (run in a task)."""
+        while not self._closed:
+            await self._outbox_ready.wait()
+            self._outbox_ready = anyio.Event()
+            outbox, self._outbox = self._outbox, {}
+            for address, frames in outbox.items():
+                sock = self._dealer(address)
+                try:
+                    # The plain socket under the asyncio one: no future per message.
+                    self._plain(address, sock).send_multipart(frames, flags=zmq.NOBLOCK)
+                except zmq.Again:  # the peer's queue is full (HWM): wait for room
+                    await sock.send_multipart(frames)
 
     async def _dispatch(self, sender: str, data: bytes) -> None:
         try:
@@ -271,7 +306,8 @@ class ControlPlane:
         else:
             log.warning("pd_peer_incompatible", peer=msg.engine_id, fields=reason)
         ack = HelloAck(*self._about(), accepted, reason)
-        await self._dealer(msg.address).send(encode(ack))
+        self._outbox.setdefault(msg.address, []).append(encode(ack))
+        self._outbox_ready.set()
 
     def _about(self) -> tuple[str, int, str, str, str, Compat, int, tuple[str, ...]]:
         """HELLO's and HELLO_ACK's common fields: who this engine is and what its KV is."""
@@ -310,6 +346,12 @@ class ControlPlane:
             self._dealers[address] = sock
         return sock
 
+    def _plain(self, address: str, sock: zmq.asyncio.Socket) -> zmq.Socket[bytes]:
+        plain = self._plain_dealers.get(address)
+        if plain is None:
+            plain = self._plain_dealers[address] = zmq.Socket.shadow(sock.underlying)
+        return plain
+
     def _drop(self, why: str, **fields: Any) -> None:
         self.dropped += 1
         log.info("pd_control_dropped", engine_id=self.engine_id, why=why, **fields)
@@ -323,6 +365,13 @@ class ControlPlane:
         if self._closed:
             return
         self._closed = True
+        for address, frames in self._outbox.items():  # what was said just before closing
+            # A full queue at close drops the message: the peer's timers cover a lost one.
+            with contextlib.suppress(zmq.ZMQError):
+                self._plain(address, self._dealer(address)).send_multipart(
+                    frames, flags=zmq.NOBLOCK
+                )
+        self._outbox.clear()
         for sock in self._dealers.values():
             sock.close(linger=0)
         self._router.close(linger=0)
@@ -362,6 +411,7 @@ async def open_control_plane(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cp.run)
+            tg.start_soon(cp.flush)
             try:
                 yield cp
             finally:

@@ -12,6 +12,7 @@ everything pending fails at once, later launches fail). Time comes only from ``s
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -57,6 +58,7 @@ class _Packet:
     fence: FakeTransportFence
     sender: int
     duplicate: bool = False
+    read: Callable[[], torch.Tensor] | None = None  # late_read: P's rows as they are at delivery
 
 
 @define(eq=False)
@@ -77,6 +79,10 @@ class FakeLink:
     delay_s: float = 0.0
     duplicate_next: int = 0
     reorder: bool = False
+    # Read the sender's blocks when a packet is delivered, not at launch (as gloo's slot
+    # threads read them while the copy runs): a sender freeing (and poisoning) blocks under a
+    # running copy then shows in what the receiver gets.
+    late_read: bool = False
     dead: bool = False
     stale_dropped: int = 0
     packets: list[_Packet] = field(factory=list)
@@ -122,7 +128,8 @@ class FakeLink:
                     log.info("pd_fake_stale_packet_dropped", key=p.key)
                 continue  # not posted yet: wait for the receiver (rendezvous)
             self.packets.remove(p)
-            scatter_rows(receiver.geo[recv.group], recv.blocks, p.data)
+            data = p.data if p.read is None else p.read()
+            scatter_rows(receiver.geo[recv.group], recv.blocks, data)
             del receiver.recvs[p.key]
             receiver.finished.add(p.key)
             recv.fence.pending.discard(p.key[2])
@@ -179,15 +186,22 @@ class FakeTransport:
                 fence.pending.discard(c.index)  # the sender never learns of the loss
                 continue
             geo = self.geo[c.group]
-            data = gather_rows(
-                geo, c.local, torch.empty(len(c.local) * geo.block_bytes, dtype=torch.uint8)
+            read = functools.partial(
+                gather_rows,
+                geo,
+                c.local,
+                torch.empty(len(c.local) * geo.block_bytes, dtype=torch.uint8),
             )
+            data = torch.empty(0, dtype=torch.uint8) if link.late_read else read()
             at = link.now + link.delay_s
-            link.packets.append(_Packet(key, data, at, fence, self.end))
+            late = read if link.late_read else None
+            link.packets.append(_Packet(key, data, at, fence, self.end, read=late))
             if link.duplicate_next:
                 link.duplicate_next -= 1
                 ghost = FakeTransportFence(-1, set())
-                link.packets.append(_Packet(key, data, at, ghost, self.end, duplicate=True))
+                link.packets.append(
+                    _Packet(key, data, at, ghost, self.end, duplicate=True, read=late)
+                )
         return fence
 
     def query(self, fence: Fence) -> FenceStatus:

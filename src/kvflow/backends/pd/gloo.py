@@ -2,22 +2,35 @@
 
 The pair gets a 2-rank gloo group of its own (a ``TCPStore`` at an address both sides know from
 the HELLO, the producer's side hosting it), so it works beside any group the engines already
-have. Copies go through one bounded staging ring of ``slots × slot_bytes`` bytes, allocated once:
-the sender gathers a chunk of blocks into a slot and sends it; the receiver receives into a slot
-and scatters it into the reserved blocks. No buffer is allocated per request. Blocks of at least
-``direct_min_bytes`` (off by default) skip the ring: each region's row is sent from, and
-received into, the KV tensor itself (one wire op per row, all posted at once, no copy); on the dev
-box it was not faster (docs/benchmarks.md). Both sides of a pair must use the same
-``slot_bytes`` and ``direct_min_bytes``. Wire tags are the GRANT's channel and the op's index,
-so two hand-offs' copies never match.
+have. Both sides cut a launch into the same wire chunks (``plan_wire``, from the pairs alone):
 
-Each slot is served by a thread of its own, which does the gather / scatter (torch releases the
-GIL) and waits for the gloo operation: gloo's point-to-point ``Work.is_completed()`` never turns
-true unless someone waits on it (measured, torch 2.13), so a thread waits and the fence is a
-counter that ``query`` reads without blocking. The thread calls the wakeup when a launch settles
-(``pushes_completions``). A gloo error or timeout leaves the pair's group in an unknown state: the
-transport turns *broken*, fails everything pending and every later launch, and the pair must be
-rebuilt (a new HELLO).
+- a **run** (blocks consecutive on both sides, at least ``direct_min_bytes`` per region) moves
+  straight from P's KV tensors into D's reserved blocks, one wire op per region, no copy;
+- everything else goes in **staged** chunks of at most ``slot_bytes``: the sender gathers the
+  chunk into a slot of one bounded staging ring (``slots × slot_bytes``, allocated once) and
+  sends it; the receiver receives into a slot and scatters into the reserved blocks. A side
+  whose blocks of a chunk are consecutive (one-region groups) skips its slot and copy: the
+  chunk's bytes are that side's rows as they lie.
+
+No buffer is allocated per request. Wire tags are the GRANT's channel and the op's index, so two
+hand-offs' copies never match.
+
+Three threads per transport keep the wire busy, each taking chunks in launch order: the
+*preparer* waits for a free slot and gathers into it (torch releases the GIL); the *poster*
+posts the gloo op (gloo writes a send into the socket in the posting thread when the peer's
+receive is already posted, so the next gather runs meanwhile); the *completer* waits for posted
+ops in order, scatters a received slot, frees it and settles the fence. So the sender gathers
+chunk *i + 1* while chunk *i* is on the wire, and the receiver has its next slots posted while
+it scatters. gloo's point-to-point ``Work.is_completed()`` never turns true unless someone
+waits on it (measured, torch 2.13), hence the waiting thread; the fence is a counter ``query``
+reads without blocking, and the completer calls the wakeup when a launch settles
+(``pushes_completions``). Both sides of a pair must use the same ``slot_bytes`` and
+``direct_min_bytes``.
+
+A gloo error or timeout leaves the pair's group in an unknown state: the transport turns
+*broken*, aborts the group (so every op still posted ends at once: nothing writes a block after
+its fence settled), fails everything pending and every later launch, until ``rebuild`` (both
+sides, a new store address) makes a new group.
 """
 
 from __future__ import annotations
@@ -29,27 +42,117 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
-from attrs import define
+from attrs import define, frozen
 from torch._C._distributed_c10d import TCPStore
 
 from kvflow.backends.base import Fence, FenceStatus
 from kvflow.backends.pd.transport import (
-    Chunk,
+    MAX_OPS,
     GroupGeometry,
     gather_rows,
     geometry,
-    plan_chunks,
     scatter_rows,
 )
 from kvflow.core.logs import get_logger
-from kvflow.core.pd.common import LaunchCopies
+from kvflow.core.pd.common import CHANNELS, LaunchCopies, Pairs
 from kvflow.errors import BackendError, ClosedError, ConfigError, ProtocolError
 
 log = get_logger("kvflow.backend.pd.gloo")
 
 THREAD_PREFIX = "kvflow-pd-gloo"
+MAX_RUN_BYTES = 64 << 20
+"""A run's op carries at most this much: a failure then loses at most one op's worth."""
+SLOT_POLL_S = 0.05
+"""How often a poster waiting for a free slot looks whether the pair broke or closed."""
+
+
+@frozen
+class WireChunk:
+    """Consecutive pairs of one group on the wire. ``run``: consecutive on both sides, one op
+    per region straight between the KV tensors (tags ``tag … tag + regions - 1``); otherwise
+    one op of the regions' rows back to back (region-major), through a slot where a side's
+    blocks are not consecutive."""
+
+    index: int
+    group: int
+    local: tuple[int, ...]
+    remote: tuple[int, ...]
+    tag: int
+    run: bool = False
+    local_in_a_row: bool = False  # this side's blocks are consecutive (not mirrored)
+
+
+def _segments(
+    arr: npt.NDArray[np.int64], region_bytes: int, direct_min_bytes: int | None
+) -> list[tuple[int, int, bool]]:
+    """A group's pairs (rows of ``arr``) in order as ``(start, stop, is_run)``: runs (pairs
+    consecutive on both sides, the same cut seen from either) long enough to go direct, and
+    the stretches between them, which are staged. numpy: a hand-off may name thousands."""
+    n = len(arr)
+    if n == 0:
+        return []
+    if direct_min_bytes is None:
+        return [(0, n, False)]
+    step = (np.diff(arr[:, 0]) != 1) | (np.diff(arr[:, 1]) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], step)))
+    stops = np.append(starts[1:], n)
+    long = (stops - starts) * region_bytes >= direct_min_bytes
+    out: list[tuple[int, int, bool]] = []
+    at = 0
+    for lo, hi in zip(starts[long].tolist(), stops[long].tolist(), strict=True):
+        if at < lo:
+            out.append((at, lo, False))
+        out.append((lo, hi, True))
+        at = hi
+    if at < n:
+        out.append((at, n, False))
+    return out
+
+
+def plan_wire(
+    channel: int,
+    pairs: Pairs,
+    geo: Sequence[GroupGeometry],
+    slot_bytes: int,
+    direct_min_bytes: int | None,
+) -> list[WireChunk]:
+    """A launch's wire chunks, identical on both sides of the pair (they see each pair
+    mirrored, and a run of one is a run of the other)."""
+    if len(pairs) > len(geo):
+        raise ConfigError(f"{len(pairs)} groups of pairs but {len(geo)} registered groups")
+    if not 0 < channel < CHANNELS:
+        raise ConfigError(f"channel {channel} is outside 1..{CHANNELS - 1}")
+    chunks: list[WireChunk] = []
+    op = channel << 12
+    last = op + MAX_OPS
+    for g, group_pairs in enumerate(pairs):
+        gg = geo[g]
+        arr = np.asarray(group_pairs, dtype=np.int64).reshape(-1, 2)
+        if len(arr) and not (arr[:, 0].min() >= 0 and arr[:, 0].max() < gg.num_blocks):
+            bad = arr[(arr[:, 0] < 0) | (arr[:, 0] >= gg.num_blocks), 0][0]
+            raise ConfigError(f"group {g}: block {bad} is not registered")
+        region_bytes = min(v.shape[1] * v.element_size() for v in gg.views)
+        for start, stop, run in _segments(arr, region_bytes, direct_min_bytes):
+            per = max(1, MAX_RUN_BYTES // gg.block_bytes) if run else slot_bytes // gg.block_bytes
+            if per < 1:
+                raise ConfigError(f"group {g}: a block ({gg.block_bytes} B) exceeds a slot")
+            ops = len(gg.views) if run else 1
+            for lo in range(start, stop, per):
+                if op + ops > last:
+                    raise ConfigError(
+                        f"more than {MAX_OPS} wire ops in one hand-off; use bigger slots"
+                    )
+                part = arr[lo : min(lo + per, stop)]
+                local, remote = tuple(part[:, 0].tolist()), tuple(part[:, 1].tolist())
+                # A side's blocks in a row need no slot; the plan says so (no loop per block).
+                here = len(local) == 1 or bool((np.diff(part[:, 0]) == 1).all())
+                chunks.append(WireChunk(len(chunks), g, local, remote, op, run, here))
+                op += ops
+    return chunks
 
 
 @define(eq=False)
@@ -69,6 +172,29 @@ class GlooFence:
         return FenceStatus.FAILED if self.failed or self.cancelled else FenceStatus.DONE
 
 
+@define(eq=False, slots=True)
+class _Ready:
+    """A chunk with its buffers in place (gathered, on the sender), to be posted."""
+
+    fence: GlooFence
+    send: bool
+    first: bool  # the launch's first chunk
+    tag: int
+    buffers: list[torch.Tensor]
+    slot: int | None
+    scatter: tuple[GroupGeometry, tuple[int, ...], torch.Tensor] | None
+
+
+@define(eq=False, slots=True)
+class _Posted:
+    """A chunk whose gloo ops are posted: what the completer waits for, then does."""
+
+    fence: GlooFence
+    works: list[Any]
+    slot: int | None
+    scatter: tuple[GroupGeometry, tuple[int, ...], torch.Tensor] | None
+
+
 class GlooTransport:
     """One rank's gloo data plane to one peer rank (``pair_rank`` 0 hosts the pair's store)."""
 
@@ -83,8 +209,9 @@ class GlooTransport:
         port: int,
         timeout_s: float = 30.0,
         slots: int = 4,
-        slot_bytes: int = 2 << 20,
-        direct_min_bytes: int | None = None,
+        slot_bytes: int = 4 << 20,
+        direct_min_bytes: int | None = 1 << 20,
+        send_pause_s: float = 0.0,
     ) -> None:
         if (
             pair_rank not in (0, 1)
@@ -92,39 +219,79 @@ class GlooTransport:
             or slot_bytes < 8
             or slot_bytes % 8
             or timeout_s <= 0
+            or (direct_min_bytes is not None and direct_min_bytes < 1)
+            or not send_pause_s >= 0
         ):
             raise ConfigError(
                 f"gloo transport: pair_rank must be 0 or 1, slots and timeout_s positive, "
-                f"slot_bytes a positive multiple of 8 (got {pair_rank}, {slots}, {slot_bytes}, {timeout_s})"
+                f"slot_bytes a positive multiple of 8, direct_min_bytes positive or None (got "
+                f"{pair_rank}, {slots}, {slot_bytes}, {timeout_s}, {direct_min_bytes})"
             )
-        timeout = datetime.timedelta(seconds=timeout_s)
-        try:
-            self._store = TCPStore(host, port, 2, pair_rank == 0, timeout=timeout)
-            self._pg = dist.ProcessGroupGloo(self._store, pair_rank, 2, timeout)
-        except (RuntimeError, ValueError) as e:
-            raise BackendError(
-                f"gloo transport: no pair with {host}:{port} within {timeout_s} s: {e}"
-            ) from e
+        self.pair_rank = pair_rank
+        self.timeout_s = timeout_s
+        self._store, self._pg = self._rendezvous(host, port, timeout_s)
         self.peer = 1 - pair_rank
         self.slot_bytes = slot_bytes
         self.direct_min_bytes = direct_min_bytes
+        # Fault tests: the sender pauses before each chunk of a launch but the first, so a copy
+        # lasts long enough to kill a process in its middle.
+        self.send_pause_s = send_pause_s
+        self._stop = threading.Event()
+        self._chunks_live = 0  # launched, not settled (``rebuild`` waits for none)
         self._ring = torch.empty(slots * slot_bytes, dtype=torch.uint8)
+        self._free: queue.Queue[int] = queue.Queue()
+        for s in range(slots):
+            self._free.put(s)
         self._geo: tuple[GroupGeometry, ...] | None = None
-        self._queue: queue.Queue[tuple[GlooFence, bool, Chunk] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[GlooFence, bool, WireChunk] | None] = queue.Queue()
+        self._ready: queue.Queue[_Ready | None] = queue.Queue()
+        self._posted: queue.Queue[_Posted | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no chunk is live
         self._wakeup: Callable[[], None] | None = None
         self._ids = itertools.count()
         self._closed = False
         self.broken: str | None = None
         self._threads = [
-            threading.Thread(
-                target=self._serve, args=(i,), name=f"{THREAD_PREFIX}-{i}", daemon=True
+            threading.Thread(target=fn, name=f"{THREAD_PREFIX}-{what}", daemon=True)
+            for fn, what in (
+                (self._preparer, "prepare"),
+                (self._poster, "post"),
+                (self._completer, "complete"),
             )
-            for i in range(slots)
         ]
         for t in self._threads:
             t.start()
         log.info("pd_transport_ready", transport="gloo", pair_rank=pair_rank, slots=slots)
+
+    def _rendezvous(self, host: str, port: int, wait_s: float) -> tuple[Any, dist.ProcessGroupGloo]:
+        """A store (hosted by pair rank 0) and the pair's 2-rank gloo group on it."""
+        try:
+            wait = datetime.timedelta(seconds=wait_s)
+            store = TCPStore(host, port, 2, self.pair_rank == 0, timeout=wait)
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            return store, dist.ProcessGroupGloo(store, self.pair_rank, 2, timeout)
+        except (RuntimeError, ValueError) as e:
+            raise BackendError(
+                f"gloo transport: no pair with {host}:{port} within {wait_s} s: {e}"
+            ) from e
+
+    def rebuild(self, *, host: str, port: int, wait_s: float | None = None) -> None:
+        """A new rendezvous of the pair (a new store address: the pair's next epoch), after it
+        broke or because the peer came back: what is pending fails first (the old group is
+        aborted), the ring and the registered tensors stay. Both sides call it with the same
+        address; ``BackendError`` if the peer does not come within ``wait_s``."""
+        if self._closed:
+            raise ClosedError("gloo transport is closed")
+        wait_s = self.timeout_s if wait_s is None else wait_s
+        self._break(RuntimeError("the pair is being rebuilt"))
+        with self._idle:  # aborted ops end at once; nothing may still use the old group
+            if not self._idle.wait_for(lambda: self._chunks_live == 0, timeout=wait_s):
+                raise BackendError(f"gloo transport: copies still running after {wait_s} s")
+        self._store, self._pg = self._rendezvous(host, port, wait_s)
+        with self._lock:
+            self.broken = None
+        log.info("pd_transport_rebuilt", transport="gloo", pair_rank=self.pair_rank, port=port)
 
     @property
     def group(self) -> dist.ProcessGroupGloo:
@@ -136,8 +303,9 @@ class GlooTransport:
             raise ProtocolError("gloo transport: KV tensors are registered once")
         geo = geometry(groups)
         for g in geo:
-            direct = self.direct_min_bytes is not None and g.block_bytes >= self.direct_min_bytes
-            if g.block_bytes > self.slot_bytes and not direct:
+            region = min(v.shape[1] * v.element_size() for v in g.views)
+            alone = self.direct_min_bytes is not None and region >= self.direct_min_bytes
+            if g.block_bytes > self.slot_bytes and not alone:
                 raise ConfigError(
                     f"a block ({g.block_bytes} B) does not fit a {self.slot_bytes} B slot"
                 )
@@ -148,16 +316,15 @@ class GlooTransport:
             raise ClosedError("gloo transport is closed")
         if self._geo is None:
             raise ProtocolError("gloo transport: register the KV tensors before launching")
-        chunks = plan_chunks(
-            op.channel, op.pairs, self._geo, self.slot_bytes, self.direct_min_bytes
-        )
-        send = op.send
+        chunks = plan_wire(op.channel, op.pairs, self._geo, self.slot_bytes, self.direct_min_bytes)
         fence = GlooFence(next(self._ids), op.transfer_id, len(chunks))
         if self.broken is not None:
             fence.remaining, fence.failed = 0, True
             return fence
+        with self._lock:
+            self._chunks_live += len(chunks)
         for c in chunks:
-            self._queue.put((fence, send, c))
+            self._queue.put((fence, op.send, c))
         return fence
 
     def query(self, fence: Fence) -> FenceStatus:
@@ -176,74 +343,171 @@ class GlooTransport:
         if self._closed:
             return
         self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+        self._stop.set()
+        self._queue.put(None)
         for t in self._threads:
             t.join(timeout=0.5)
         if any(t.is_alive() for t in self._threads):
             # A thread still waits on the peer: aborting the group wakes it with an error.
-            self._pg.abort()
+            self._abort()
             for t in self._threads:
                 t.join(timeout=5.0)
-        self._drain_queue()
+        self._drain()
         log.info("pd_transport_closed", transport="gloo", broken=self.broken)
 
-    # -- the slot threads ---------------------------------------------------------------------
+    # -- the two threads ----------------------------------------------------------------------
 
-    def _serve(self, slot: int) -> None:
-        buf = self._ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+    def _preparer(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
+                self._ready.put(None)
                 return
             fence, send, chunk = item
-            ok = False
-            if not (fence.cancelled or self.broken is not None or self._closed):
-                try:
-                    self._run(buf, send, chunk)
-                    ok = True
-                except RuntimeError as e:
-                    self.broken = str(e)
-                    log.error("pd_transport_broken", transport="gloo", error=str(e)[:200])
-            self._settle(fence, ok)
+            ready = None
+            if not self._skip(fence):
+                ready = self._prepare(fence, send, chunk)
+            if ready is None:
+                self._settle(fence, False)
+            else:
+                self._ready.put(ready)
 
-    def _run(self, buf: torch.Tensor, send: bool, chunk: Chunk) -> None:
+    def _prepare(self, fence: GlooFence, send: bool, chunk: WireChunk) -> _Ready | None:
+        """The chunk's buffers: rows of the KV tensors where a side's blocks lie in a row, else
+        a staging slot (gathered into, on the sender)."""
         assert self._geo is not None
         geo = self._geo[chunk.group]
-        nbytes = len(chunk.local) * geo.block_bytes
-        pg: Any = self._pg
-        if chunk.direct:
-            # Every op posted before any wait: the pair's rendezvous round trips overlap.
-            rows = [v[b] for b in chunk.local for v in geo.views]
-            post = pg.send if send else pg.recv
-            works = [post([row], self.peer, chunk.tag + j) for j, row in enumerate(rows)]
-            for w in works:
-                w.wait()
-            return
+        n = len(chunk.local)
+        if chunk.run:
+            a = chunk.local[0]
+            return _Ready(
+                fence,
+                send,
+                chunk.index == 0,
+                chunk.tag,
+                [v[a : a + n] for v in geo.views],
+                None,
+                None,
+            )
+        if len(geo.views) == 1 and chunk.local_in_a_row:
+            a = chunk.local[0]
+            return _Ready(
+                fence, send, chunk.index == 0, chunk.tag, [geo.views[0][a : a + n]], None, None
+            )
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        buf = self._ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
         if send:
-            data = gather_rows(geo, chunk.local, buf)
-            pg.send([data], self.peer, chunk.tag).wait()
-        else:
-            data = buf[:nbytes]
-            pg.recv([data], self.peer, chunk.tag).wait()
-            scatter_rows(geo, chunk.local, data)
+            return _Ready(
+                fence,
+                send,
+                chunk.index == 0,
+                chunk.tag,
+                [gather_rows(geo, chunk.local, buf)],
+                slot,
+                None,
+            )
+        data = buf[: n * geo.block_bytes]
+        return _Ready(
+            fence, send, chunk.index == 0, chunk.tag, [data], slot, (geo, chunk.local, data)
+        )
+
+    def _poster(self) -> None:
+        # Apart from the preparer: gloo writes a send into the socket in the posting thread
+        # when D's receive is already posted, so the next chunk's gather runs meanwhile.
+        while True:
+            r = self._ready.get()
+            if r is None:
+                self._posted.put(None)
+                return
+            works: list[Any] = []
+            if self.send_pause_s and r.send and not r.first:
+                self._stop.wait(self.send_pause_s)
+            if not self._skip(r.fence):
+                pg: Any = self._pg  # read per chunk: ``rebuild`` replaces it
+                post = pg.send if r.send else pg.recv
+                try:
+                    works = [post([b], self.peer, r.tag + j) for j, b in enumerate(r.buffers)]
+                except RuntimeError as e:
+                    self._break(e)
+            if len(works) == len(r.buffers):
+                self._posted.put(_Posted(r.fence, works, r.slot, r.scatter))
+                continue
+            # Not (all) posted: what was posted ends with the aborted group; nothing waits.
+            if r.slot is not None:
+                self._free.put(r.slot)
+            self._settle(r.fence, False)
+
+    def _skip(self, fence: GlooFence) -> bool:
+        return fence.cancelled or self.broken is not None or self._closed
+
+    def _take_slot(self) -> int | None:
+        while True:
+            try:
+                return self._free.get(timeout=SLOT_POLL_S)
+            except queue.Empty:
+                if self.broken is not None or self._closed:
+                    return None
+
+    def _completer(self) -> None:
+        while True:
+            p = self._posted.get()
+            if p is None:
+                return
+            ok = True
+            for w in p.works:
+                try:
+                    w.wait()
+                except RuntimeError as e:
+                    ok = False
+                    self._break(e)
+            if ok and p.scatter is not None:
+                scatter_rows(*p.scatter)
+            if p.slot is not None:
+                self._free.put(p.slot)
+            self._settle(p.fence, ok)
+
+    def _break(self, e: BaseException) -> None:
+        with self._lock:
+            first = self.broken is None
+            if first:
+                self.broken = str(e)
+        if first:
+            log.error("pd_transport_broken", transport="gloo", error=str(e)[:200])
+            self._abort()
+
+    def _abort(self) -> None:
+        """End every op still posted on the group (they fail at once)."""
+        try:
+            self._pg.abort()
+        except RuntimeError as e:  # already aborted or torn down by the peer
+            log.info("pd_transport_abort_failed", transport="gloo", error=str(e)[:200])
 
     def _settle(self, fence: GlooFence, ok: bool) -> None:
         with self._lock:
             fence.failed = fence.failed or not ok
             fence.remaining -= 1
+            self._chunks_live -= 1
+            if not self._chunks_live:
+                self._idle.notify_all()
             settled = fence.remaining == 0
         if settled and (wake := self._wakeup) is not None:
             wake()
 
-    def _drain_queue(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self._settle(item[0], False)
+    def _drain(self) -> None:
+        """Fail what never reached the threads (a close that had to abort them)."""
+        queues: tuple[queue.Queue[Any], ...] = (self._queue, self._ready, self._posted)
+        for q in queues:
+            while True:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, tuple):
+                    self._settle(item[0], False)
+                elif isinstance(item, _Ready | _Posted):
+                    self._settle(item.fence, False)
 
 
-__all__ = ["THREAD_PREFIX", "GlooFence", "GlooTransport"]
+__all__ = ["THREAD_PREFIX", "GlooFence", "GlooTransport", "WireChunk", "plan_wire"]

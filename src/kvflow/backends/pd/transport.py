@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from attrs import frozen
 
@@ -181,12 +182,15 @@ def gather_rows(geo: GroupGeometry, blocks: Sequence[int], out: torch.Tensor) ->
 
 
 def scatter_rows(geo: GroupGeometry, blocks: Sequence[int], data: torch.Tensor) -> None:
-    """Write ``data`` (laid out as ``gather_rows`` makes it) into ``blocks``."""
-    idx = torch.tensor(blocks, dtype=torch.long)
+    """Write ``data`` (laid out as ``gather_rows`` makes it) into ``blocks``. numpy's row
+    assignment copies a row at memcpy speed (and releases the GIL), about twice torch's CPU
+    ``index_copy_`` on rows of 32 KiB and more."""
+    idx = np.asarray(blocks, dtype=np.intp)
     pos = 0
     for v in geo.views:
         size = len(blocks) * v.shape[1] * v.element_size()
-        v.index_copy_(0, idx, data[pos : pos + size].view(v.dtype).view(len(blocks), v.shape[1]))
+        rows = data[pos : pos + size].view(v.dtype).view(len(blocks), v.shape[1])
+        v.numpy()[idx] = rows.numpy()
         pos += size
 
 
