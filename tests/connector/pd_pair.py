@@ -160,6 +160,8 @@ class Pair:
                 manager = c.offload.scheduler.manager
                 assert manager.num_live_transfers() == 0
                 assert all(not refs for refs in manager.cpu_refs())
+                assert len(manager.pd_holds) == 0
+                assert not manager.pd_holds.refs()
                 c = c.pd
             assert isinstance(c, PDConnector)
             assert c.driver.manager.num_live == 0

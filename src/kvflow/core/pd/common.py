@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from attrs import define, field, frozen
@@ -22,10 +22,10 @@ from kvflow.errors import ConfigError, ProtocolError
 log = get_logger("kvflow.pd")
 
 Pairs = tuple[tuple[tuple[int, int], ...], ...]
+"""Per KV cache group, the (local block, remote block) pairs of one hand-off."""
 
 CHANNELS = 1 << 19
 """Data-plane channels per producer: a transport's wire tags are ``channel << 12 | op``."""
-"""Per KV cache group, the (local block, remote block) pairs of one hand-off."""
 
 
 def _positive(_: object, attribute: object, value: float) -> None:
@@ -116,17 +116,45 @@ def flat(ids: GroupIds) -> Iterator[tuple[int, int]]:
             yield (g, b)
 
 
+class BlockRefs(Protocol):
+    """Where a hand-off's hold becomes references on the engine's GPU blocks: the offload
+    manager's ledger (``kvflow.core.offload.holds.GpuHolds``) when PD and the CPU tier share one
+    engine, so one object owns every kvflow ref on a block. ``blocks`` are engine block ids."""
+
+    def check(self, key: str, ids: GroupIds, blocks: Sequence[int], *, exclusive: bool) -> None:
+        """Raise ``ProtocolError`` (nothing changed) if the hold cannot be taken."""
+        ...
+
+    def take(self, key: str, ids: GroupIds, blocks: Sequence[int], *, exclusive: bool) -> None: ...
+
+    def give_back(self, key: str) -> GroupIds: ...
+
+
 @define
 class BlockLedger:
     """Who holds which block: each hand-off's blocks, taken once and given back exactly once.
 
     ``shared`` (P's): a block may be held by several hand-offs at once, because prefix-cached
     blocks are shared by requests that the engine ref-counts, and sends only read them; D's
-    ledger is exclusive (a block receives one hand-off's KV)."""
+    ledger is exclusive (a block receives one hand-off's KV). A manager's ids are wire blocks:
+    ``rows_per_block`` of them make one engine block (``row // rows_per_block``), 1 unless the
+    peer's block size is smaller. With ``refs`` every hold is also a hold there (in engine
+    blocks), checked before anything changes here."""
 
     shared: bool = False
+    side: str = ""
+    rows_per_block: int = 1
+    refs: BlockRefs | None = None
     _by_transfer: dict[str, GroupIds] = field(factory=dict)
     _owners: dict[tuple[int, int], list[str]] = field(factory=dict)
+
+    def engine_blocks(self, ids: GroupIds) -> list[int]:
+        """The engine blocks ``ids`` lie in, each once, in order."""
+        k = self.rows_per_block
+        return list(dict.fromkeys(b // k for _, b in flat(ids)))
+
+    def _key(self, transfer_id: str) -> str:
+        return f"pd-{self.side}/{transfer_id}"
 
     def check_free(self, transfer_id: str, ids: GroupIds) -> None:
         """Raise ``ProtocolError`` (changing nothing) if ``ids`` cannot be taken for the hand-off."""
@@ -139,17 +167,31 @@ class BlockLedger:
             seen.add(key)
             if not self.shared and (owners := self._owners.get(key)):
                 raise ProtocolError(f"block {key} is already held by hand-off {owners[0]!r}")
+        if self.refs is not None:
+            blocks = self.engine_blocks(ids)
+            self.refs.check(self._key(transfer_id), ids, blocks, exclusive=not self.shared)
 
     def take(self, transfer_id: str, ids: GroupIds) -> None:
         self.check_free(transfer_id, ids)
+        if self.refs is not None:
+            blocks = self.engine_blocks(ids)
+            self.refs.take(self._key(transfer_id), ids, blocks, exclusive=not self.shared)
         self._by_transfer[transfer_id] = ids
         for key in flat(ids):
             self._owners.setdefault(key, []).append(transfer_id)
+
+    def attach(self, refs: BlockRefs) -> None:
+        """Hold every block through ``refs`` from now on (only while nothing is held)."""
+        if self._by_transfer:
+            raise ProtocolError(f"{len(self._by_transfer)} hand-offs hold blocks: attach first")
+        self.refs = refs
 
     def give_back(self, transfer_id: str) -> GroupIds:
         ids = self._by_transfer.pop(transfer_id, None)
         if ids is None:
             raise ProtocolError(f"hand-off {transfer_id!r} holds no blocks (given back twice?)")
+        if self.refs is not None:
+            self.refs.give_back(self._key(transfer_id))
         for key in flat(ids):
             owners = self._owners[key]
             owners.remove(transfer_id)
@@ -269,7 +311,7 @@ class HandoffSide(Generic[R]):
         self.timeouts = timeouts or PDTimeouts()
         self.max_inflight = max_inflight
         self.transfers: dict[str, R] = {}
-        self.ledger = BlockLedger()
+        self.ledger = BlockLedger(side=self.side)
         self.peers = Peers(engine_id, self.timeouts)
         self.tombstones = Tombstones(self.timeouts.tombstone_s)
         self._waiting: deque[str] = deque()  # granted, waiting for a copy slot, in grant order
@@ -351,6 +393,7 @@ def drop_stale(side: str, peer: str, message: Message, why: str) -> None:
 __all__ = [
     "Action",
     "BlockLedger",
+    "BlockRefs",
     "CancelCopies",
     "FinishedRecving",
     "FinishedSending",

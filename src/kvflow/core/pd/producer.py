@@ -93,7 +93,9 @@ class ProducerManager(HandoffSide[PTransfer]):
         super().__init__(
             engine_id, world_size=world_size, timeouts=timeouts, max_inflight=max_inflight
         )
-        self.ledger = BlockLedger(shared=True)  # prefix-cached blocks serve several hand-offs
+        self.ledger = BlockLedger(
+            shared=True, side=self.side
+        )  # prefix-cached blocks serve several hand-offs
         self._channels: set[int] = set()  # held from grant to release
         self._next_channel = 1
 
