@@ -23,10 +23,11 @@ from tests.engine.helpers import shared_model
 TIMEOUTS = PDTimeouts(claim_s=5, grant_window_s=5, copy_s=5, drain_retry_s=0.05, lease_s=1)
 
 
-def compat(block_size: int) -> Any:
+def compat(block_size: int, wire_block_size: int = 0) -> Any:
     cfg = model_config("tiny")
     return default_compat(
         block_size=block_size,
+        wire_block_size=wire_block_size,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         num_layers=cfg.num_layers,
@@ -45,7 +46,8 @@ def engine(connector_factory: Any = None, **config: Any) -> Engine:
 
 
 class Pair:
-    """A P engine and a D engine, their connectors and the fake link between them."""
+    """A P engine and a D engine, their connectors and the fake link between them; D's block
+    size is ``d_block_size`` (default P's), both moving wire blocks of ``wire_block_size``."""
 
     def __init__(
         self,
@@ -53,13 +55,21 @@ class Pair:
         block_size: int = 4,
         *,
         d_cpu_tier: bool = False,
+        d_block_size: int | None = None,
+        wire_block_size: int = 0,
         **config: Any,
     ) -> None:
         self.link = link or FakeLink()
         p_end, d_end = self.link.pair()
-        c = compat(block_size)
+        c = compat(block_size, wire_block_size)
+        d_bs = d_block_size or block_size
         d_factory = pd_connector_factory(
-            "consumer", "D", c, d_end, timeouts=TIMEOUTS, pump=self.link.step
+            "consumer",
+            "D",
+            compat(d_bs, wire_block_size),
+            d_end,
+            timeouts=TIMEOUTS,
+            pump=self.link.step,
         )
         self.offload: OffloadConnector | None = None
         if d_cpu_tier:
@@ -69,7 +79,7 @@ class Pair:
             block_size=block_size,
             **config,
         )
-        self.d = engine(d_factory, block_size=block_size, **config)
+        self.d = engine(d_factory, block_size=d_bs, **config)
 
     def _with_cpu_tier(self, pd_factory: Any) -> Any:
         """D's factory with its CPU tier composed in (``PDOffloadConnector``)."""

@@ -17,6 +17,14 @@ Block identity: both sides digest the chained hashes of the prompt's full blocks
 of the partial last block (its tokens chained on the last full one), so KV of another request
 is refused even when only the last partial block differs.
 
+Block sizes: a hand-off moves wire blocks of ``wire_block_size`` tokens (the engine's block
+size unless set), so P and D with different block sizes (16 and 32) exchange KV when both use
+the same unit. Each KV tensor is registered as ``rows_per_block`` wire rows per engine block
+(a view: ``(N, bs, ...)`` as ``(N * k, bs / k, ...)``), wire row ``b * k + j`` is tokens
+``j * wire ...`` of engine block ``b``, and both sides hash the prompt at the wire unit. The
+managers, the claim and the grant speak wire rows; the ledger's GPU refs and the engine's
+``invalid_block_ids`` are engine blocks (``row // k``).
+
 Inline driving: the scheduler role polls the driver in ``update_connector_output`` each step
 and turns its reports into the output the engine acts on; the worker role only registers the
 KV tensors and waits (bounded) for copies when the engine is idle. The CPU tier is not composed
@@ -25,7 +33,7 @@ here yet (see docs/pd.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvflow.backends.pd.transport import KVTransport
@@ -69,15 +77,31 @@ def _params(request: RequestLike) -> dict[str, Any]:
 class PDConnector(NullConnector):
     """Both roles for one P or D engine (``role``); ``peer`` is P's default D engine id."""
 
-    def __init__(self, role: str, kv: KVCacheConfig, driver: PDDriver, *, peer: str = "") -> None:
+    def __init__(
+        self,
+        role: str,
+        kv: KVCacheConfig,
+        driver: PDDriver,
+        *,
+        peer: str = "",
+        wire_block_size: int | None = None,
+    ) -> None:
         if role not in ROLES:
             raise ConfigError(f"PD role {role!r}: one of {', '.join(ROLES)}")
         if any(g.sliding_window is not None for g in kv.groups):
             raise ConfigError("PD hand-offs of sliding-window groups are not supported yet")
+        wire = wire_block_size or kv.block_size
+        if wire < 1 or kv.block_size % wire:
+            raise ConfigError(
+                f"wire_block_size {wire} must divide the engine's block size {kv.block_size}"
+            )
         self.role = role
         self.kv = kv
         self.driver = driver
         self.peer = peer
+        self.wire = wire
+        self.rows_per_block = kv.block_size // wire
+        driver.manager.ledger.rows_per_block = self.rows_per_block
         self._by_transfer: dict[str, str] = {}  # transfer id → request id
         self._by_request: dict[str, str] = {}  # request id → transfer id
         self._waiting: set[str] = set()  # D: requests parked on a hand-off
@@ -122,12 +146,12 @@ class PDConnector(NullConnector):
         tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
         peer = str(params["remote_engine_id"])
         self._done.add(rid)
-        bs = self.kv.block_size
+        wire = self.wire
         end_tok = request.num_prompt_tokens - 1
-        first = (end_tok - num_external_tokens) // bs
-        end = -(-end_tok // bs) if num_external_tokens else first
-        ids: GroupIds = tuple(tuple(g[first:end]) for g in block_ids)
-        hashes = prompt_hashes(request, bs)
+        first = (end_tok - num_external_tokens) // wire
+        end = -(-end_tok // wire) if num_external_tokens else first
+        ids = self.rows(block_ids, first, end)
+        hashes = prompt_hashes(request, wire)
         now = self.driver.now()
         try:
             actions = mgr.reserve(
@@ -144,6 +168,16 @@ class PDConnector(NullConnector):
         if num_external_tokens:
             self._waiting.add(rid)
         self.driver.apply(actions)
+
+    def rows(self, block_ids: GroupBlockIds, first: int, end: int) -> GroupIds:
+        """Wire rows ``first .. end - 1`` of the request's blocks, per group."""
+        k = self.rows_per_block
+        return tuple(tuple(g[r // k] * k + r % k for r in range(first, end)) for g in block_ids)
+
+    def _blocks(self, ids: GroupIds) -> Iterator[int]:
+        """The engine blocks of wire rows ``ids``."""
+        k = self.rows_per_block
+        return (b // k for _, b in flat(ids))
 
     def begin(self, request_id: str, params: dict[str, Any]) -> None:
         """P: a request D will decode arrived; its hand-off exists from now on, so a CLAIM that
@@ -182,7 +216,7 @@ class PDConnector(NullConnector):
         invalid: set[int] = set(output.invalid_block_ids)
         for refused, ids in self._refused.items():
             recving.add(refused)
-            invalid.update(b for _, b in flat(ids))
+            invalid.update(self._blocks(ids))
         self._refused.clear()
         for r in self.driver.take_reports():
             rid = self._by_transfer.pop(r.transfer_id, None)
@@ -197,7 +231,7 @@ class PDConnector(NullConnector):
             if rid in self._waiting:
                 self._waiting.discard(rid)
                 recving.add(rid)
-                invalid.update(b for _, b in flat(r.invalid_block_ids))
+                invalid.update(self._blocks(r.invalid_block_ids))
         return KVConnectorOutput(
             finished_sending=sending,
             finished_recving=recving,
@@ -222,8 +256,8 @@ class PDConnector(NullConnector):
             self.driver.apply(mgr.abort(tid, now))
             return (rid in self._by_request), None
         params = _params(request)
-        bs = self.kv.block_size
-        prompt_blocks = -(-request.num_prompt_tokens // bs)
+        wire = self.wire
+        prompt_rows = -(-request.num_prompt_tokens // wire)
         computed = getattr(request, "num_computed_tokens", request.num_prompt_tokens)
         if not params.get("do_remote_decode"):
             return False, None
@@ -237,9 +271,9 @@ class PDConnector(NullConnector):
                 self._by_transfer.pop(tid, None)
             return False, None
         peer = str(params.get("remote_engine_id") or self.peer)
-        ids: GroupIds = tuple(tuple(g[:prompt_blocks]) for g in block_ids)
+        ids = self.rows(block_ids, 0, prompt_rows)
         try:
-            actions = mgr.kv_ready(tid, epoch, peer, ids, prompt_hashes(request, bs), now)
+            actions = mgr.kv_ready(tid, epoch, peer, ids, prompt_hashes(request, wire), now)
         except KVFlowError as e:
             # Unusable params (the transfer id is another request's, ...): hold nothing; D's
             # claim is refused and D recomputes.
@@ -265,9 +299,13 @@ class PDConnector(NullConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         groups: list[list[torch.Tensor]] = []
         sizes: list[int] = []
+        k = self.rows_per_block
         for g in self.kv.groups:
             tensors = [
-                t for name in g.layer_names for t in (kv_caches[name][0], kv_caches[name][1])
+                # Wire rows: k consecutive token slices of each block (a view, no copy).
+                t.view(t.shape[0] * k, t.shape[1] // k, *t.shape[2:])
+                for name in g.layer_names
+                for t in (kv_caches[name][0], kv_caches[name][1])
             ]
             groups.append(tensors)
             sizes.append(sum(t[0].numel() * t.element_size() for t in tensors))
@@ -299,6 +337,11 @@ def pd_connector_factory(
         raise ConfigError(f"PD role {role!r}: one of {', '.join(ROLES)}")
 
     def build(kv: KVCacheConfig, _view: GpuCacheView) -> tuple[PDConnector, PDConnector]:
+        if compat.block_size != kv.block_size:
+            raise ConfigError(
+                f"the PD compat's block size {compat.block_size} is not the engine's "
+                f"{kv.block_size}"
+            )
         mgr: ProducerManager | ConsumerManager
         if role == "producer":
             mgr = ProducerManager(engine_id, timeouts=timeouts)
@@ -307,7 +350,7 @@ def pd_connector_factory(
         driver = PDDriver(mgr, compat, transport, clock=clock, pump=pump)
         if on_driver is not None:
             on_driver(driver)
-        c = PDConnector(role, kv, driver, peer=peer)
+        c = PDConnector(role, kv, driver, peer=peer, wire_block_size=compat.wire)
         return c, c
 
     return build
