@@ -153,6 +153,34 @@ class Pair:
         self.drain()
         return [self.d.take_result(rid) for rid in ids]
 
+    def start_concurrent(self, rid: str, prompt: Sequence[int], max_tokens: int) -> str:
+        """The concurrent flow's start: the request to P (which begins its hand-off, as the
+        router's P worker does) and at once to D, which reserves and claims while P prefills."""
+        tid = self.transfer_id(rid)
+        p_params = {"do_remote_decode": True, "transfer_id": tid}
+        self.p.add_request(prompt, 1, request_id=rid, kv_transfer_params=p_params)
+        self.pc.begin(rid, p_params)
+        d_params = {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_engine_id": "P",
+            "remote_address": self.pc.driver.address,
+        }
+        self.d.add_request(prompt, max_tokens, request_id=rid, kv_transfer_params=d_params)
+        return tid
+
+    def run_concurrent(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int
+    ) -> list[RequestResult]:
+        """The concurrent flow for every prompt at once, to the end; D's results."""
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.start_concurrent(rid, prompt, max_tokens)
+        self.drain()
+        for rid in ids:
+            self.p.take_result(rid)
+        return [self.d.take_result(rid) for rid in ids]
+
     def drain(self, limit: int = 20_000) -> None:
         for _ in range(limit):
             if not (self.p.has_unfinished() or self.d.has_unfinished()):

@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from attrs import define, field
+
 from kvflow.backends.pd.transport import KVTransport
 from kvflow.connector.api import KVCacheConfig, KVConnectorOutput, NullConnector
 from kvflow.core.gpu_view import GpuCacheView
@@ -43,6 +45,7 @@ from kvflow.core.hashing import ROOT_HASH, BlockHash, hash_block, hash_blocks
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import FinishedRecving, FinishedSending, FreeBlocks, PDTimeouts, flat
 from kvflow.core.pd.consumer import ConsumerManager
+from kvflow.core.pd.machines import PState
 from kvflow.core.pd.messages import Compat, GroupIds
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.core.protocol import GroupBlockIds
@@ -72,6 +75,18 @@ def prompt_hashes(request: RequestLike, block_size: int) -> list[BlockHash]:
 def _params(request: RequestLike) -> dict[str, Any]:
     params = getattr(request, "kv_transfer_params", None)
     return params if isinstance(params, dict) else {}
+
+
+@define(eq=False)
+class _Stream:
+    """P: a prefilling request whose hand-off pushes chunks as they are fenced."""
+
+    transfer_id: str
+    epoch: int
+    num_prompt_tokens: int
+    table: list[list[int]] = field(factory=list)  # its block table, as the steps grew it
+    end: int = 0  # tokens computed once the last scheduled step's output is back
+    fenced: int = 0  # wire rows handed to kv_chunk
 
 
 class PDConnector(NullConnector):
@@ -107,6 +122,7 @@ class PDConnector(NullConnector):
         self._waiting: set[str] = set()  # D: requests parked on a hand-off
         self._done: set[str] = set()  # D: requests whose remote hit was used (one shot)
         self._refused: dict[str, GroupIds] = {}  # D: reservations refused, reported next step
+        self._streams: dict[str, _Stream] = {}  # P: requests whose hand-off streams chunks
         self.stats = {"handoffs_ok": 0, "handoffs_failed": 0, "remote_tokens": 0}
 
     # ---- scheduler role -------------------------------------------------------------------
@@ -200,16 +216,67 @@ class PDConnector(NullConnector):
         mgr = self.driver.manager
         assert isinstance(mgr, ProducerManager)
         tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
-        if tid in mgr.transfers:  # admitted again after a preemption
-            return
-        peer = str(params.get("remote_engine_id") or self.peer)
-        self._by_transfer[tid], self._by_request[request.request_id] = request.request_id, tid
-        self.driver.apply(mgr.begin(tid, epoch, peer, self.driver.now()))
+        rid = request.request_id
+        now = self.driver.now()
+        t = mgr.transfers.get(tid)
+        if t is None:
+            if tid in self._by_transfer:  # begun before, ended already (admitted again)
+                return
+            peer = str(params.get("remote_engine_id") or self.peer)
+            self._by_transfer[tid], self._by_request[rid] = rid, tid
+            self.driver.apply(mgr.begin(tid, epoch, peer, now))
+            t = mgr.transfers.get(tid)
+        if t is not None and t.state is PState.PREFILLING and not t.digest:
+            # The prompt is known: a claim is granted now and chunks stream as they are fenced.
+            self.driver.apply(mgr.set_prompt(tid, prompt_hashes(request, self.wire), now))
+            self._streams[rid] = _Stream(tid, epoch, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
+        """P: note how far each streamed request's prefill gets this step (its KV is fenced
+        once the step's output comes back, in ``update_connector_output``)."""
+        if not self._streams:
+            return None
+        for rid in scheduler_output.preempted_request_ids:
+            st = self._streams.pop(rid, None)
+            mgr = self.driver.manager
+            if st is not None and st.transfer_id in mgr.transfers:
+                # Its blocks go back to the engine now: the hand-off fails (D recomputes).
+                self.driver.apply(mgr.abort(st.transfer_id, self.driver.now()))
+        for new in scheduler_output.new_requests:
+            if (st := self._streams.get(new.request_id)) is not None:
+                st.table = [list(g) for g in new.block_ids]
+                st.end = new.num_computed_tokens + new.num_scheduled_tokens
+        for c in scheduler_output.cached_requests:
+            if (st := self._streams.get(c.request_id)) is not None:
+                if c.resumed_from_preemption:
+                    st.table = [[] for _ in c.new_block_ids]
+                for g, ids in enumerate(c.new_block_ids):
+                    st.table[g].extend(ids)
+                st.end = c.num_computed_tokens + c.num_scheduled_tokens
         return None
 
+    def _fence_chunks(self) -> None:
+        """P: push the chunks whose KV the step just computed (streamed hand-offs)."""
+        mgr = self.driver.manager
+        assert isinstance(mgr, ProducerManager)
+        now = self.driver.now()
+        wire = self.wire
+        for rid, st in list(self._streams.items()):
+            if st.transfer_id not in mgr.transfers:
+                del self._streams[rid]
+                continue
+            end = min(st.end, st.num_prompt_tokens)
+            fenced = -(-end // wire) if end == st.num_prompt_tokens else end // wire
+            rows = min(len(g) for g in st.table) * self.rows_per_block if st.table else 0
+            fenced = min(fenced, rows)
+            if fenced > st.fenced:
+                st.fenced = fenced
+                ids = self.rows(tuple(tuple(g) for g in st.table), 0, fenced)
+                self.driver.apply(mgr.kv_chunk(st.transfer_id, st.epoch, ids, fenced, now))
+
     def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput | None:
+        if self._streams:
+            self._fence_chunks()
         self.driver.poll()
         sending: set[str] = set(output.finished_sending)
         recving: set[str] = set(output.finished_recving)
@@ -263,10 +330,14 @@ class PDConnector(NullConnector):
             return False, None
         assert isinstance(mgr, ProducerManager)
         tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
+        self._streams.pop(rid, None)
         if computed < request.num_prompt_tokens:
-            # Aborted before its prompt was computed: the hand-off ends, nothing is held.
+            # Aborted before its prompt was computed: the hand-off ends; a streamed push that
+            # still reads its blocks keeps them (FinishedSending once it drained).
             if tid in mgr.transfers:
                 self.driver.apply(mgr.abort(tid, now))
+            if tid in mgr.transfers:
+                return True, None
             if self._by_request.pop(rid, None) is not None:
                 self._by_transfer.pop(tid, None)
             return False, None

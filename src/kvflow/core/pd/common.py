@@ -147,6 +147,7 @@ class BlockLedger:
     refs: BlockRefs | None = None
     _by_transfer: dict[str, GroupIds] = field(factory=dict)
     _owners: dict[tuple[int, int], list[str]] = field(factory=dict)
+    _parts: dict[str, list[str]] = field(factory=dict)  # refs' keys of blocks added by ``grow``
 
     def engine_blocks(self, ids: GroupIds) -> list[int]:
         """The engine blocks ``ids`` lie in, each once, in order."""
@@ -180,6 +181,33 @@ class BlockLedger:
         for key in flat(ids):
             self._owners.setdefault(key, []).append(transfer_id)
 
+    def grow(self, transfer_id: str, ids: GroupIds) -> None:
+        """Hold ``ids``, a superset of what the hand-off holds (a streamed hand-off's blocks
+        grow chunk by chunk); the new blocks are a hold of their own on ``refs``."""
+        old = self._by_transfer.get(transfer_id)
+        if old is None:
+            self.take(transfer_id, ids)
+            return
+        if len(ids) != len(old):
+            raise ProtocolError(f"hand-off {transfer_id!r}: {len(ids)} groups, held {len(old)}")
+        added = tuple(
+            tuple(b for b in new if b not in set(had)) for new, had in zip(ids, old, strict=True)
+        )
+        if not any(added):
+            return
+        part = f"{transfer_id}#{sum(map(len, old))}"
+        self.check_free(part, added)
+        if self.refs is not None:
+            blocks = self.engine_blocks(added)
+            self.refs.take(self._key(part), added, blocks, exclusive=not self.shared)
+            self._parts.setdefault(transfer_id, []).append(part)
+        self._by_transfer[transfer_id] = tuple(
+            had + tuple(b for b in new if b not in set(had))
+            for new, had in zip(ids, old, strict=True)
+        )
+        for key in flat(added):
+            self._owners.setdefault(key, []).append(transfer_id)
+
     def attach(self, refs: BlockRefs) -> None:
         """Hold every block through ``refs`` from now on (only while nothing is held)."""
         if self._by_transfer:
@@ -192,6 +220,8 @@ class BlockLedger:
             raise ProtocolError(f"hand-off {transfer_id!r} holds no blocks (given back twice?)")
         if self.refs is not None:
             self.refs.give_back(self._key(transfer_id))
+            for part in self._parts.pop(transfer_id, ()):
+                self.refs.give_back(self._key(part))
         for key in flat(ids):
             owners = self._owners[key]
             owners.remove(transfer_id)
@@ -283,6 +313,7 @@ class HandoffRecord(Protocol):
     deadline: float
     launched: bool
     settled: set[int]
+    chunks: dict[int, set[int]]
 
 
 R = TypeVar("R", bound=HandoffRecord)
@@ -321,23 +352,31 @@ class HandoffSide(Generic[R]):
     def num_live(self) -> int:
         return len(self.transfers)
 
-    def _settle_rank(self, transfer_id: str, epoch: int, rank: int) -> R:
-        """Record rank ``rank``'s copies of a launched hand-off as settled; frees the slot once
-        every rank settled. Raises ``ProtocolError`` (nothing changed) for a bad report."""
+    def _settle_rank(self, transfer_id: str, epoch: int, rank: int, channel: int = 0) -> R:
+        """Record rank ``rank``'s copies of a launched hand-off as settled (those of the chunk
+        pushed on ``channel``, for a streamed hand-off); frees the slot once nothing of the
+        hand-off runs. Raises ``ProtocolError`` (nothing changed) for a bad report."""
         t = self.transfers.get(transfer_id)
-        if t is None or t.epoch != epoch or not t.launched:
+        ranks = None
+        if t is not None and t.epoch == epoch:
+            ranks = t.chunks.get(channel) if channel in t.chunks else t.settled
+            if ranks is t.settled and not t.launched:
+                ranks = None
+        if t is None or ranks is None:
             raise ProtocolError(f"{self.side}: copy_done for no running copy: {transfer_id!r}")
-        if not 0 <= rank < self.world_size or rank in t.settled:
+        if not 0 <= rank < self.world_size or rank in ranks:
             raise ProtocolError(
                 f"{self.side}: copy_done rank {rank} unknown or reported twice ({transfer_id!r})"
             )
-        t.settled.add(rank)
-        if len(t.settled) == self.world_size:
+        ranks.add(rank)
+        if not self._copies_running(t):
             self._inflight.discard(transfer_id)
         return t
 
     def _copies_running(self, t: R) -> bool:
-        return t.launched and len(t.settled) < self.world_size
+        """Whether any rank still copies for the hand-off (its launch or a streamed chunk)."""
+        n = self.world_size
+        return (t.launched and len(t.settled) < n) or any(len(r) < n for r in t.chunks.values())
 
     def _unqueue(self, t: R) -> None:
         if t.transfer_id in self._waiting:

@@ -181,6 +181,9 @@ class Grant:
     block_hashes: tuple[BlockHash, ...]
     window_s: float  # a duration, so clock skew between the engines errs long
     channel: int = 0  # P's data-plane channel for this hand-off, unique among its live ones
+    # The concurrent flow: granted while P prefills (``block_ids`` empty); P pushes each chunk
+    # as its KV is fenced, announcing it with READY.
+    streaming: bool = False
 
 
 @frozen
@@ -192,12 +195,14 @@ class Nack:
 
 @frozen
 class Ready:
-    """P → D (concurrent flow): the KV of blocks ``[start, stop)`` is fenced and may be sent."""
+    """P → D (concurrent flow): the KV of claimed blocks ``[start, stop)`` (indexes into the
+    CLAIM's blocks, the same in every group) is fenced and P's push of it runs on ``channel``."""
 
     transfer_id: str
     epoch: int
     start: int
     stop: int
+    channel: int = 0
 
 
 @frozen
