@@ -6,6 +6,7 @@ drained. A leak check after each test."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -28,6 +29,18 @@ def colocated() -> list[tuple[int, ...]]:
     out = [r.output_token_ids for r in e.run_to_completion(requests(PROMPTS, MAX_TOKENS))]
     e.shutdown()
     return out
+
+
+def step_until(
+    pd: Pair, transfers: Mapping[str, Any], tid: str, done: Callable[[Any], bool]
+) -> None:
+    """Step both engines until hand-off ``tid`` (in ``transfers``) satisfies ``done``."""
+    for _ in range(2_000):
+        pd.step()
+        t = transfers.get(tid)
+        if t is not None and done(t):
+            return
+    raise AssertionError(f"hand-off {tid} never reached the state wanted")
 
 
 class Launches:
@@ -81,14 +94,7 @@ def test_d_abort_mid_stream_holds_d_s_blocks_until_the_hand_off_drained() -> Non
     pd = Pair(**CHUNKED)
     try:
         tid = pd.start_concurrent("r0", PROMPTS[1], MAX_TOKENS)
-        mgr = pd.dc.driver.manager
-        for _ in range(2_000):
-            pd.step()
-            t = mgr.transfers.get(tid)
-            if t is not None and t.state is DState.IN_FLIGHT:
-                break
-        else:
-            raise AssertionError("no chunk was pushed")
+        step_until(pd, pd.dc.driver.manager.transfers, tid, lambda t: t.state is DState.IN_FLIGHT)
         free_before = pd.d.blocks.num_free_blocks()
         assert pd.d.abort_request("r0")
         assert pd.d.blocks.num_free_blocks() == free_before  # held for the drain
@@ -105,14 +111,8 @@ def test_p_abort_mid_stream_drains_and_d_recomputes_with_identical_output() -> N
     pd = Pair(**CHUNKED)
     try:
         tid = pd.start_concurrent("r0", PROMPTS[1], MAX_TOKENS)
-        mgr = pd.pc.driver.manager
-        for _ in range(2_000):
-            pd.step()
-            t = mgr.transfers.get(tid)
-            if t is not None and t.state is PState.STREAMING and t.chunks:
-                break
-        else:
-            raise AssertionError("P never streamed")
+        transfers = pd.pc.driver.manager.transfers
+        step_until(pd, transfers, tid, lambda t: t.state is PState.STREAMING and bool(t.chunks))
         assert pd.p.abort_request("r0")
         pd.drain()
         r = pd.d.take_result("r0")
