@@ -211,6 +211,11 @@ class World:
         )
         return tid
 
+    def preempt_p(self, tid: str) -> None:
+        """P's engine preempts a request still prefilling: its hand-off stops, the request goes
+        on (its kv_ready comes later and gets the blocks back through the tombstone)."""
+        self.do("P", self.p.abort(tid, self.now, engine_waits=False))
+
     def abort_p(self, tid: str) -> None:
         """P's engine aborts the request: if it still prefills, the engine frees its blocks at
         once unless the hand-off is still live (a streamed push ran): then at FinishedSending."""

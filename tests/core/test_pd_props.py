@@ -89,7 +89,9 @@ class PDMachine(RuleBasedStateMachine):
         if roll or not w.alive[side] or not mgr.transfers:
             return
         tid = data.draw(st.sampled_from(sorted(mgr.transfers)))
-        if side == "P":
+        if side == "P" and tid in w.prefilling and data.draw(st.booleans()):
+            w.preempt_p(tid)
+        elif side == "P":
             w.abort_p(tid)
         else:
             w.do(side, mgr.abort(tid, w.now))

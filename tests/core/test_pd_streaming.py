@@ -173,3 +173,18 @@ def test_a_claim_before_the_prompt_is_known_waits_then_streams() -> None:
     assert grant.streaming
     assert (ready.start, ready.stop) == (0, 2)
     assert of(out, LaunchCopies)[0].pairs == (((11, 3), (12, 4)),)
+
+
+def test_a_preempted_request_s_stream_stops_and_its_blocks_come_back_at_kv_ready() -> None:
+    """P's engine preempts the request mid-stream (its blocks are the engine's again): the
+    hand-off drains without a FinishedSending for the running request, D hears P stopped, and
+    the request's later kv_ready hands its blocks back at once."""
+    p, _d, _ = streamed()
+    _, s1 = chunk(p, 2, 0.3)
+    assert of(p.abort("t", 0.4, engine_waits=False), CancelCopies)
+    out = p.copy_done("t", 1, 0, False, 0.5, s1.channel)
+    assert sends(out) == [Done("t", 1, DoneStatus.FAILED)]
+    assert not of(out, FinishedSending)
+    assert p.num_live == 0
+    assert p.ledger.num_blocks == 0
+    assert p.kv_ready("t", 1, "D", P_IDS, HASHES, 0.6) == [FinishedSending("t", P_IDS)]

@@ -236,12 +236,15 @@ class PDConnector(NullConnector):
         once the step's output comes back, in ``update_connector_output``)."""
         if not self._streams:
             return None
+        mgr = self.driver.manager
+        assert isinstance(mgr, ProducerManager)
         for rid in scheduler_output.preempted_request_ids:
             st = self._streams.pop(rid, None)
-            mgr = self.driver.manager
             if st is not None and st.transfer_id in mgr.transfers:
-                # Its blocks go back to the engine now: the hand-off fails (D recomputes).
-                self.driver.apply(mgr.abort(st.transfer_id, self.driver.now()))
+                # Its blocks went back to the engine: the hand-off fails (D recomputes), and
+                # the engine hears of it only through the request's own finish.
+                now = self.driver.now()
+                self.driver.apply(mgr.abort(st.transfer_id, now, engine_waits=False))
         for new in scheduler_output.new_requests:
             if (st := self._streams.get(new.request_id)) is not None:
                 st.table = [list(g) for g in new.block_ids]

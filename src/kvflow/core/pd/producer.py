@@ -192,7 +192,9 @@ class ProducerManager(HandoffSide[PTransfer]):
         if t is not None and t.state is PState.STREAMING and (t.epoch, t.peer) == (epoch, peer):
             return self._streamed_ready(t, ids, block_hashes, now)
         if t is not None and t.state is PState.DRAINING and (t.epoch, t.peer) == (epoch, peer):
-            return []  # a streamed hand-off aborted mid-way: its drain releases what it holds
+            # A streamed hand-off stopped mid-way: its drain's FinishedSending frees the blocks.
+            t.engine_waits = True
+            return []
         if t is not None and (
             t.state is not PState.PREFILLING or (t.epoch, t.peer) != (epoch, peer)
         ):
@@ -226,13 +228,15 @@ class ProducerManager(HandoffSide[PTransfer]):
             self._launch_waiting(now, out)
         return out
 
-    def abort(self, transfer_id: str, now: float) -> list[Action]:
-        """The router or engine abandoned the hand-off; P's blocks come back once safe."""
+    def abort(self, transfer_id: str, now: float, *, engine_waits: bool = True) -> list[Action]:
+        """The router or engine abandoned the hand-off; P's blocks come back once safe (named
+        in FinishedSending, unless ``engine_waits`` is False: a preempted request's blocks are
+        the engine's already, and its kv_ready comes later)."""
         t = self.transfers.get(transfer_id)
         if t is None:
             raise ProtocolError(f"abort of unknown hand-off {transfer_id!r} on P")
         out: list[Action] = []
-        t.engine_waits = True  # the engine frees the request's blocks once this says so
+        t.engine_waits = t.engine_waits or engine_waits  # the engine frees once this says so
         if t.state is PState.DRAINING:
             return out
         # Past the claim D must hear that P stops; in SENT every send already finished.
