@@ -24,10 +24,11 @@ from tests.engine.helpers import shared_model
 TIMEOUTS = PDTimeouts(claim_s=5, grant_window_s=5, copy_s=5, drain_retry_s=0.05, lease_s=1)
 
 
-def compat(block_size: int) -> Any:
+def compat(block_size: int, wire_block_size: int = 0) -> Any:
     cfg = model_config("tiny")
     return default_compat(
         block_size=block_size,
+        wire_block_size=wire_block_size,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         num_layers=cfg.num_layers,
@@ -46,7 +47,8 @@ def engine(connector_factory: Any = None, **config: Any) -> Engine:
 
 
 class Pair:
-    """A P engine and a D engine, their connectors and the fake link between them."""
+    """A P engine and a D engine, their connectors and the fake link between them; D's block
+    size is ``d_block_size`` (default P's), both moving wire blocks of ``wire_block_size``."""
 
     def __init__(
         self,
@@ -55,13 +57,22 @@ class Pair:
         *,
         d_cpu_tier: bool = False,
         clock: Clock | None = None,
+        d_block_size: int | None = None,
+        wire_block_size: int = 0,
         **config: Any,
     ) -> None:
         self.link = link or FakeLink()
         p_end, d_end = self.link.pair()
-        c = compat(block_size)
+        c = compat(block_size, wire_block_size)
+        d_bs = d_block_size or block_size
         d_factory = pd_connector_factory(
-            "consumer", "D", c, d_end, timeouts=TIMEOUTS, pump=self.link.step, clock=clock
+            "consumer",
+            "D",
+            compat(d_bs, wire_block_size),
+            d_end,
+            timeouts=TIMEOUTS,
+            pump=self.link.step,
+            clock=clock,
         )
         self.offload: OffloadConnector | None = None
         if d_cpu_tier:
@@ -73,7 +84,7 @@ class Pair:
             block_size=block_size,
             **config,
         )
-        self.d = engine(d_factory, block_size=block_size, **config)
+        self.d = engine(d_factory, block_size=d_bs, **config)
 
     def _with_cpu_tier(self, pd_factory: Any) -> Any:
         """D's factory with its CPU tier composed in (``PDOffloadConnector``)."""
@@ -155,6 +166,34 @@ class Pair:
         self.drain()
         return [self.d.take_result(rid) for rid in ids]
 
+    def start_concurrent(self, rid: str, prompt: Sequence[int], max_tokens: int) -> str:
+        """The concurrent flow's start: the request to P (which begins its hand-off, as the
+        router's P worker does) and at once to D, which reserves and claims while P prefills."""
+        tid = self.transfer_id(rid)
+        p_params = {"do_remote_decode": True, "transfer_id": tid}
+        self.p.add_request(prompt, 1, request_id=rid, kv_transfer_params=p_params)
+        self.pc.begin(rid, p_params)
+        d_params = {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_engine_id": "P",
+            "remote_address": self.pc.driver.address,
+        }
+        self.d.add_request(prompt, max_tokens, request_id=rid, kv_transfer_params=d_params)
+        return tid
+
+    def run_concurrent(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int
+    ) -> list[RequestResult]:
+        """The concurrent flow for every prompt at once, to the end; D's results."""
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.start_concurrent(rid, prompt, max_tokens)
+        self.drain()
+        for rid in ids:
+            self.p.take_result(rid)
+        return [self.d.take_result(rid) for rid in ids]
+
     def drain(self, limit: int = 20_000) -> None:
         for _ in range(limit):
             if not (self.p.has_unfinished() or self.d.has_unfinished()):
@@ -172,6 +211,8 @@ class Pair:
                 manager = c.offload.scheduler.manager
                 assert manager.num_live_transfers() == 0
                 assert all(not refs for refs in manager.cpu_refs())
+                assert len(manager.pd_holds) == 0
+                assert not manager.pd_holds.refs()
                 c = c.pd
             assert isinstance(c, PDConnector)
             assert c.driver.manager.num_live == 0

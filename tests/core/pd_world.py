@@ -3,8 +3,9 @@ drops, duplicates, reorders and delays messages, fake per-rank copies, engine bl
 poison-on-free, and the checks every PD test shares (no block freed under a running copy, no
 leak once quiet, commits only with P's KV of the right request).
 
-Block contents are tags: P's block ``(g, b)`` on rank ``r`` holds ``(transfer_id, g, i, r)``;
-a freed block is overwritten with ``POISON``, so a use-after-free shows up as wrong KV.
+Block contents are tags: P's block ``(g, b)`` on rank ``r`` holds ``(transfer_id, g, i, r)``
+once its KV is fenced (``UNFENCED`` before: a streamed push of a chunk before its fence shows
+up as wrong KV); a freed block is overwritten with ``POISON``, so a use-after-free does too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvflow.core.pd.messages import GroupIds, Message
 from kvflow.core.pd.producer import ProducerManager
 
 POISON = ("poison",)
+UNFENCED = ("unfenced",)
 TIMEOUTS = PDTimeouts(
     prefill_s=20.0,
     lease_s=6.0,
@@ -72,6 +74,7 @@ class Op:
     epoch: int
     rank: int
     pairs: Pairs
+    channel: int = 0
     cancelled: bool = False
 
 
@@ -127,13 +130,15 @@ class World:
         self.data: dict[str, dict[tuple[int, int, int], object]] = {"P": {}, "D": {}}
         self.net: list[Wire] = []
         self.ops: list[Op] = []
-        self.payload: dict[tuple[str, int, int], list[object]] = {}
+        self.payload: dict[tuple[str, int, int, int], list[object]] = {}
         self.handoffs: dict[str, Handoff] = {}
         self.committed: set[str] = set()
         self.results: dict[str, str] = {}  # transfer id → how D ended: committed/recompute/freed
         self.sent: set[str] = set()  # hand-offs whose P blocks came back
         self.prefilling: set[str] = set()  # begun on P, kv_ready not called yet
-        self.channels: dict[tuple[str, str], int] = {}  # (side, transfer id) → launch channel
+        self.fenced: dict[str, int] = {}  # prefilling: P's blocks whose KV is fenced
+        self.p_aborted: set[str] = set()  # aborted by P's engine while prefilling, draining
+        self.channels: dict[tuple[str, str], set[int]] = {}  # (side, transfer id) → channels
         self._next = 0
 
     # -- building hand-offs -------------------------------------------------------------------
@@ -157,26 +162,36 @@ class World:
         return tuple(out)
 
     def new_handoff(
-        self, *, blocks: int = 3, skip: int = 0, right_request: bool = True, begin: bool = False
+        self,
+        *,
+        blocks: int = 3,
+        skip: int = 0,
+        right_request: bool = True,
+        begin: bool = False,
+        stream: bool = False,
     ) -> str:
         """P computes ``blocks`` blocks per group, D reserves all but the first ``skip`` of them
-        (its own cache covers those) and claims; with ``begin`` P is still prefilling."""
+        (its own cache covers those) and claims; with ``begin`` P is still prefilling, and with
+        ``stream`` too P knows the prompt's hashes: a claim is granted at once and chunks are
+        pushed as ``kv_chunk`` fences them."""
         self._next += 1
         tid = f"t{self._next}"
         p_ids = self._take("P", blocks)
         d_ids = self._take("D", blocks - skip)
         h = Handoff(tid, p_ids, d_ids, tuple([skip] * self.groups), right_request)
         for g in range(self.groups):
-            for i, b in enumerate(p_ids[g]):
+            for b in p_ids[g]:
                 for r in range(self.ranks):
-                    self.data["P"][(g, b, r)] = (tid, g, i, r)
+                    self.data["P"][(g, b, r)] = UNFENCED
             for i, b in enumerate(d_ids[g]):
                 for r in range(self.ranks):
                     h.expected[(g, b, r)] = (tid, g, i + skip, r)
         self.handoffs[tid] = h
         if begin:
             self.prefilling.add(tid)
-            self.do("P", self.p.begin(tid, 1, "D", self.now))
+            self.fenced[tid] = 0
+            hashes = prompt_hashes(self._next, blocks) if stream else None
+            self.do("P", self.p.begin(tid, 1, "D", self.now, block_hashes=hashes))
         else:
             self.kv_ready(tid)
         seed = self._next if right_request else self._next + 10_000
@@ -196,9 +211,45 @@ class World:
         )
         return tid
 
+    def preempt_p(self, tid: str) -> None:
+        """P's engine preempts a request still prefilling: its hand-off stops, the request goes
+        on (its kv_ready comes later and gets the blocks back through the tombstone)."""
+        self.do("P", self.p.abort(tid, self.now, engine_waits=False))
+
+    def abort_p(self, tid: str) -> None:
+        """P's engine aborts the request: if it still prefills, the engine frees its blocks at
+        once unless the hand-off is still live (a streamed push ran): then at FinishedSending."""
+        prefilling = tid in self.prefilling
+        self.prefilling.discard(tid)
+        self.fenced.pop(tid, None)
+        if prefilling:
+            self.p_aborted.add(tid)
+        self.do("P", self.p.abort(tid, self.now))
+        if tid in self.p_aborted and tid not in self.p.transfers:
+            # Released at once without a FinishedSending: nothing of P's read the blocks.
+            self.p_aborted.discard(tid)
+            self._free("P", self.handoffs[tid].p_ids)
+
+    def _fence(self, tid: str, n: int) -> None:
+        """P's first ``n`` blocks of the hand-off now hold their KV."""
+        h = self.handoffs[tid]
+        for g in range(self.groups):
+            for i, b in enumerate(h.p_ids[g][:n]):
+                for r in range(self.ranks):
+                    self.data["P"][(g, b, r)] = (tid, g, i, r)
+
+    def kv_chunk(self, tid: str, more: int) -> None:
+        """One more prefill chunk of a hand-off still prefilling: ``more`` blocks fenced."""
+        h = self.handoffs[tid]
+        n = self.fenced[tid] = min(len(h.p_ids[0]), self.fenced[tid] + more)
+        self._fence(tid, n)
+        self.do("P", self.p.kv_chunk(tid, 1, h.p_ids, n, self.now))
+
     def kv_ready(self, tid: str) -> None:
         h = self.handoffs[tid]
         self.prefilling.discard(tid)
+        self.fenced.pop(tid, None)
+        self._fence(tid, len(h.p_ids[0]))
         hashes = prompt_hashes(int(tid[1:]), len(h.p_ids[0]))
         self.do("P", self.p.kv_ready(tid, 1, "D", h.p_ids, hashes, self.now))
 
@@ -211,15 +262,20 @@ class World:
                     self.net.append(Wire(side, a.peer, a.message))
             elif isinstance(a, LaunchCopies):
                 assert a.send == (side == "P")
-                self.channels[(side, a.transfer_id)] = a.channel
+                self.channels.setdefault((side, a.transfer_id), set()).add(a.channel)
                 for r in range(self.ranks):
-                    self.ops.append(Op(side, a.transfer_id, a.epoch, r, a.pairs))
+                    self.ops.append(Op(side, a.transfer_id, a.epoch, r, a.pairs, a.channel))
             elif isinstance(a, CancelCopies):
                 for op in self.ops:
                     if (op.side, op.transfer_id, op.epoch) == (side, a.transfer_id, a.epoch):
                         op.cancelled = True
             elif isinstance(a, FinishedSending):
-                self._free(side, a.block_ids)
+                if a.transfer_id in self.p_aborted:
+                    # The request was aborted mid-prefill: the engine frees its whole table.
+                    self.p_aborted.discard(a.transfer_id)
+                    self._free(side, self.handoffs[a.transfer_id].p_ids)
+                else:
+                    self._free(side, a.block_ids)
                 self.sent.add(a.transfer_id)
             elif isinstance(a, FreeBlocks):
                 self._free(side, a.block_ids)
@@ -269,7 +325,7 @@ class World:
         op = self.ops[i]
         if not self.alive[op.side]:
             return False
-        key = (op.transfer_id, op.epoch, op.rank)
+        key = (op.transfer_id, op.epoch, op.rank, op.channel)
         if op.side == "P":
             ok = ok and not op.cancelled
             if ok:
@@ -279,7 +335,9 @@ class World:
                     for p, _ in pairs
                 ]
             self.ops.pop(i)
-            self.do("P", self.p.copy_done(op.transfer_id, op.epoch, op.rank, ok, self.now))
+            self.do(
+                "P", self.p.copy_done(op.transfer_id, op.epoch, op.rank, ok, self.now, op.channel)
+            )
             return True
         if ok and not op.cancelled:
             if key not in self.payload:
@@ -290,7 +348,10 @@ class World:
                     self.data["D"][(g, d, op.rank)] = next(values)
         self.ops.pop(i)
         landed = ok and not op.cancelled
-        self.do("D", self.d.copy_done(op.transfer_id, op.epoch, op.rank, landed, self.now))
+        self.do(
+            "D",
+            self.d.copy_done(op.transfer_id, op.epoch, op.rank, landed, self.now, op.channel),
+        )
         return True
 
     def advance(self, dt: float) -> None:
@@ -322,11 +383,17 @@ class World:
                             raise Violation(f"{side}: copy {op} runs on a free block")
             assert mgr.num_live <= len(self.handoffs)
             assert len(mgr.peers) <= 1
-        # Both sides' copies of a hand-off share its channel; no two live sends share one.
-        for (side, tid), channel in self.channels.items():
+        # D's copies of a hand-off use channels of P's copies of it (or P's not launched yet);
+        # no two live sends share one.
+        for (side, tid), chans in self.channels.items():
             if side == "D" and ("P", tid) in self.channels:
-                assert self.channels[("P", tid)] == channel, tid
-        live = [self.channels[("P", t)] for t in self.p.transfers if ("P", t) in self.channels]
+                assert chans <= self.channels[("P", tid)], tid
+        live = [
+            c
+            for t in self.p.transfers
+            if self.alive["P"] and ("P", t) in self.channels
+            for c in self.channels[("P", t)]
+        ]
         assert len(live) == len(set(live)), live
 
     def quiesce(self, max_rounds: int = 400) -> None:

@@ -31,11 +31,26 @@ class PDMachine(RuleBasedStateMachine):
         skip=st.sampled_from([0, 0, 0, 1, 3]),
         right=st.integers(0, 5).map(lambda x: x > 0),  # mostly the right request
         begin=st.booleans(),
+        stream=st.booleans(),
     )
-    def new_handoff(self, blocks: int, skip: int, right: bool, begin: bool) -> None:
+    def new_handoff(self, blocks: int, skip: int, right: bool, begin: bool, stream: bool) -> None:
         w = self.world
         if w.alive["P"] and w.alive["D"] and w.can_take(blocks):
-            w.new_handoff(blocks=blocks, skip=min(skip, blocks), right_request=right, begin=begin)
+            w.new_handoff(
+                blocks=blocks,
+                skip=min(skip, blocks),
+                right_request=right,
+                begin=begin,
+                stream=stream,
+            )
+
+    @rule(data=st.data(), more=st.integers(1, 2))
+    def kv_chunk(self, data: st.DataObject, more: int) -> None:
+        """A prefill step fences more of a prompt still prefilling (pushed at once if claimed)."""
+        w = self.world
+        pending = w.prefilling
+        if pending and w.alive["P"]:
+            w.kv_chunk(data.draw(st.sampled_from(sorted(pending))), more)
 
     @rule(data=st.data())
     def kv_ready(self, data: st.DataObject) -> None:
@@ -74,7 +89,12 @@ class PDMachine(RuleBasedStateMachine):
         if roll or not w.alive[side] or not mgr.transfers:
             return
         tid = data.draw(st.sampled_from(sorted(mgr.transfers)))
-        w.do(side, mgr.abort(tid, w.now))
+        if side == "P" and tid in w.prefilling and data.draw(st.booleans()):
+            w.preempt_p(tid)
+        elif side == "P":
+            w.abort_p(tid)
+        else:
+            w.do(side, mgr.abort(tid, w.now))
 
     @precondition(lambda self: all(self.world.alive.values()))
     @rule(side=st.sampled_from(["P", "D"]), roll=st.integers(0, 3))

@@ -81,14 +81,15 @@ async def test_hello_is_cached_until_its_ttl() -> None:
 
 
 async def test_an_incompatible_peer_is_a_typed_error_naming_the_fields() -> None:
-    """Different dtype and block size: PeerError names both; neither side caches the other."""
+    """Different dtype and block size (no common wire unit): PeerError names both; neither side
+    caches the other."""
     clock = FakeClock()
     with anyio.fail_after(GUARD_S):
         async with (
             open_control_plane("P", default_compat(), clock) as p,
             open_control_plane("D", default_compat(dtype="bfloat16", block_size=32), clock) as d,
         ):
-            with capture_logs() as logs, pytest.raises(PeerError, match="dtype, block_size"):
+            with capture_logs() as logs, pytest.raises(PeerError, match="dtype, wire_block_size"):
                 await d.hello(p.address)
             assert "pd_peer_incompatible" in [e["event"] for e in logs]
             assert p.peer("D") is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from tests.engine.helpers import make_engine, prompts, requests
 
 from kvflow.core.pd.common import PDTimeouts
@@ -45,15 +46,23 @@ def test_sequential_flow_over_two_processes_matches_a_colocated_engine() -> None
     assert d["handoffs_ok"] == len(PROMPTS)
 
 
-def test_concurrent_flow_over_two_processes_matches_a_colocated_engine() -> None:
-    """P and D get the request at once (D reserves and claims while P prefills): identical
-    outputs, nothing leaked; a claim that reached P before P admitted the request is a one-shot
-    miss that D recomputes, so D's prompt work is bounded by the prompt, never wrong."""
-    colocated = make_engine(**ENGINE)
+@pytest.mark.parametrize(
+    "engine",
+    [ENGINE, {**ENGINE, "max_num_batched_tokens": 8}],
+    ids=["one_step_prefill", "chunked_prefill_streams"],
+)
+def test_concurrent_flow_over_two_processes_matches_a_colocated_engine(
+    engine: dict[str, Any],
+) -> None:
+    """P and D get the request at once (D reserves and claims while P prefills; with chunked
+    prefill P pushes each step's chunk as it is fenced): identical outputs, nothing leaked; a
+    claim that reached P before P admitted the request is a one-shot miss that D recomputes, so
+    D's prompt work is bounded by the prompt, never wrong."""
+    colocated = make_engine(**engine)
     expected = [
         r.output_token_ids for r in colocated.run_to_completion(requests(PROMPTS, MAX_TOKENS))
     ]
-    with PDRouter(engine=ENGINE, flow="concurrent", timeout_s=60) as router:
+    with PDRouter(engine=engine, flow="concurrent", timeout_s=60) as router:
         got = router.run(requests(PROMPTS, MAX_TOKENS))
     assert [g.result.output_token_ids for g in got] == expected
     p, d = router.summaries["P"], router.summaries["D"]

@@ -17,6 +17,14 @@ Block identity: both sides digest the chained hashes of the prompt's full blocks
 of the partial last block (its tokens chained on the last full one), so KV of another request
 is refused even when only the last partial block differs.
 
+Block sizes: a hand-off moves wire blocks of ``wire_block_size`` tokens (the engine's block
+size unless set), so P and D with different block sizes (16 and 32) exchange KV when both use
+the same unit. Each KV tensor is registered as ``rows_per_block`` wire rows per engine block
+(a view: ``(N, bs, ...)`` as ``(N * k, bs / k, ...)``), wire row ``b * k + j`` is tokens
+``j * wire ...`` of engine block ``b``, and both sides hash the prompt at the wire unit. The
+managers, the claim and the grant speak wire rows; the ledger's GPU refs and the engine's
+``invalid_block_ids`` are engine blocks (``row // k``).
+
 Inline driving: the scheduler role polls the driver in ``update_connector_output`` each step
 and turns its reports into the output the engine acts on; the worker role only registers the
 KV tensors and waits (bounded) for copies when the engine is idle. The CPU tier is not composed
@@ -25,8 +33,10 @@ here yet (see docs/pd.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from attrs import define, field
 
 from kvflow.backends.pd.transport import KVTransport
 from kvflow.connector.api import KVCacheConfig, KVConnectorOutput, NullConnector
@@ -35,6 +45,7 @@ from kvflow.core.hashing import ROOT_HASH, BlockHash, hash_block, hash_blocks
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import FinishedRecving, FinishedSending, FreeBlocks, PDTimeouts, flat
 from kvflow.core.pd.consumer import ConsumerManager
+from kvflow.core.pd.machines import PState
 from kvflow.core.pd.messages import Compat, GroupIds
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.core.protocol import GroupBlockIds
@@ -66,23 +77,52 @@ def _params(request: RequestLike) -> dict[str, Any]:
     return params if isinstance(params, dict) else {}
 
 
+@define(eq=False)
+class _Stream:
+    """P: a prefilling request whose hand-off pushes chunks as they are fenced."""
+
+    transfer_id: str
+    epoch: int
+    num_prompt_tokens: int
+    table: list[list[int]] = field(factory=list)  # its block table, as the steps grew it
+    end: int = 0  # tokens computed once the last scheduled step's output is back
+    fenced: int = 0  # wire rows handed to kv_chunk
+
+
 class PDConnector(NullConnector):
     """Both roles for one P or D engine (``role``); ``peer`` is P's default D engine id."""
 
-    def __init__(self, role: str, kv: KVCacheConfig, driver: PDDriver, *, peer: str = "") -> None:
+    def __init__(
+        self,
+        role: str,
+        kv: KVCacheConfig,
+        driver: PDDriver,
+        *,
+        peer: str = "",
+        wire_block_size: int | None = None,
+    ) -> None:
         if role not in ROLES:
             raise ConfigError(f"PD role {role!r}: one of {', '.join(ROLES)}")
         if any(g.sliding_window is not None for g in kv.groups):
             raise ConfigError("PD hand-offs of sliding-window groups are not supported yet")
+        wire = wire_block_size or kv.block_size
+        if wire < 1 or kv.block_size % wire:
+            raise ConfigError(
+                f"wire_block_size {wire} must divide the engine's block size {kv.block_size}"
+            )
         self.role = role
         self.kv = kv
         self.driver = driver
         self.peer = peer
+        self.wire = wire
+        self.rows_per_block = kv.block_size // wire
+        driver.manager.ledger.rows_per_block = self.rows_per_block
         self._by_transfer: dict[str, str] = {}  # transfer id → request id
         self._by_request: dict[str, str] = {}  # request id → transfer id
         self._waiting: set[str] = set()  # D: requests parked on a hand-off
         self._done: set[str] = set()  # D: requests whose remote hit was used (one shot)
         self._refused: dict[str, GroupIds] = {}  # D: reservations refused, reported next step
+        self._streams: dict[str, _Stream] = {}  # P: requests whose hand-off streams chunks
         self.stats = {"handoffs_ok": 0, "handoffs_failed": 0, "remote_tokens": 0}
 
     # ---- scheduler role -------------------------------------------------------------------
@@ -122,12 +162,12 @@ class PDConnector(NullConnector):
         tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
         peer = str(params["remote_engine_id"])
         self._done.add(rid)
-        bs = self.kv.block_size
+        wire = self.wire
         end_tok = request.num_prompt_tokens - 1
-        first = (end_tok - num_external_tokens) // bs
-        end = -(-end_tok // bs) if num_external_tokens else first
-        ids: GroupIds = tuple(tuple(g[first:end]) for g in block_ids)
-        hashes = prompt_hashes(request, bs)
+        first = (end_tok - num_external_tokens) // wire
+        end = -(-end_tok // wire) if num_external_tokens else first
+        ids = self.rows(block_ids, first, end)
+        hashes = prompt_hashes(request, wire)
         now = self.driver.now()
         try:
             actions = mgr.reserve(
@@ -144,6 +184,16 @@ class PDConnector(NullConnector):
         if num_external_tokens:
             self._waiting.add(rid)
         self.driver.apply(actions)
+
+    def rows(self, block_ids: GroupBlockIds, first: int, end: int) -> GroupIds:
+        """Wire rows ``first .. end - 1`` of the request's blocks, per group."""
+        k = self.rows_per_block
+        return tuple(tuple(g[r // k] * k + r % k for r in range(first, end)) for g in block_ids)
+
+    def _blocks(self, ids: GroupIds) -> Iterator[int]:
+        """The engine blocks of wire rows ``ids``."""
+        k = self.rows_per_block
+        return (b // k for _, b in flat(ids))
 
     def begin(self, request_id: str, params: dict[str, Any]) -> None:
         """P: a request D will decode arrived; its hand-off exists from now on, so a CLAIM that
@@ -166,23 +216,77 @@ class PDConnector(NullConnector):
         mgr = self.driver.manager
         assert isinstance(mgr, ProducerManager)
         tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
-        if tid in mgr.transfers:  # admitted again after a preemption
-            return
-        peer = str(params.get("remote_engine_id") or self.peer)
-        self._by_transfer[tid], self._by_request[request.request_id] = request.request_id, tid
-        self.driver.apply(mgr.begin(tid, epoch, peer, self.driver.now()))
+        rid = request.request_id
+        now = self.driver.now()
+        t = mgr.transfers.get(tid)
+        if t is None:
+            if tid in self._by_transfer:  # begun before, ended already (admitted again)
+                return
+            peer = str(params.get("remote_engine_id") or self.peer)
+            self._by_transfer[tid], self._by_request[rid] = rid, tid
+            self.driver.apply(mgr.begin(tid, epoch, peer, now))
+            t = mgr.transfers.get(tid)
+        if t is not None and t.state is PState.PREFILLING and not t.digest:
+            # The prompt is known: a claim is granted now and chunks stream as they are fenced.
+            self.driver.apply(mgr.set_prompt(tid, prompt_hashes(request, self.wire), now))
+            self._streams[rid] = _Stream(tid, epoch, request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
+        """P: note how far each streamed request's prefill gets this step (its KV is fenced
+        once the step's output comes back, in ``update_connector_output``)."""
+        if not self._streams:
+            return None
+        mgr = self.driver.manager
+        assert isinstance(mgr, ProducerManager)
+        for rid in scheduler_output.preempted_request_ids:
+            st = self._streams.pop(rid, None)
+            if st is not None and st.transfer_id in mgr.transfers:
+                # Its blocks went back to the engine: the hand-off fails (D recomputes), and
+                # the engine hears of it only through the request's own finish.
+                now = self.driver.now()
+                self.driver.apply(mgr.abort(st.transfer_id, now, engine_waits=False))
+        for new in scheduler_output.new_requests:
+            if (st := self._streams.get(new.request_id)) is not None:
+                st.table = [list(g) for g in new.block_ids]
+                st.end = new.num_computed_tokens + new.num_scheduled_tokens
+        for c in scheduler_output.cached_requests:
+            if (st := self._streams.get(c.request_id)) is not None:
+                if c.resumed_from_preemption:
+                    st.table = [[] for _ in c.new_block_ids]
+                for g, ids in enumerate(c.new_block_ids):
+                    st.table[g].extend(ids)
+                st.end = c.num_computed_tokens + c.num_scheduled_tokens
         return None
 
+    def _fence_chunks(self) -> None:
+        """P: push the chunks whose KV the step just computed (streamed hand-offs)."""
+        mgr = self.driver.manager
+        assert isinstance(mgr, ProducerManager)
+        now = self.driver.now()
+        wire = self.wire
+        for rid, st in list(self._streams.items()):
+            if st.transfer_id not in mgr.transfers:
+                del self._streams[rid]
+                continue
+            end = min(st.end, st.num_prompt_tokens)
+            fenced = -(-end // wire) if end == st.num_prompt_tokens else end // wire
+            rows = min(len(g) for g in st.table) * self.rows_per_block if st.table else 0
+            fenced = min(fenced, rows)
+            if fenced > st.fenced:
+                st.fenced = fenced
+                ids = self.rows(tuple(tuple(g) for g in st.table), 0, fenced)
+                self.driver.apply(mgr.kv_chunk(st.transfer_id, st.epoch, ids, fenced, now))
+
     def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput | None:
+        if self._streams:
+            self._fence_chunks()
         self.driver.poll()
         sending: set[str] = set(output.finished_sending)
         recving: set[str] = set(output.finished_recving)
         invalid: set[int] = set(output.invalid_block_ids)
         for refused, ids in self._refused.items():
             recving.add(refused)
-            invalid.update(b for _, b in flat(ids))
+            invalid.update(self._blocks(ids))
         self._refused.clear()
         for r in self.driver.take_reports():
             rid = self._by_transfer.pop(r.transfer_id, None)
@@ -197,7 +301,7 @@ class PDConnector(NullConnector):
             if rid in self._waiting:
                 self._waiting.discard(rid)
                 recving.add(rid)
-                invalid.update(b for _, b in flat(r.invalid_block_ids))
+                invalid.update(self._blocks(r.invalid_block_ids))
         return KVConnectorOutput(
             finished_sending=sending,
             finished_recving=recving,
@@ -222,24 +326,28 @@ class PDConnector(NullConnector):
             self.driver.apply(mgr.abort(tid, now))
             return (rid in self._by_request), None
         params = _params(request)
-        bs = self.kv.block_size
-        prompt_blocks = -(-request.num_prompt_tokens // bs)
+        wire = self.wire
+        prompt_rows = -(-request.num_prompt_tokens // wire)
         computed = getattr(request, "num_computed_tokens", request.num_prompt_tokens)
         if not params.get("do_remote_decode"):
             return False, None
         assert isinstance(mgr, ProducerManager)
         tid, epoch = str(params["transfer_id"]), int(params.get("epoch", 1))
+        self._streams.pop(rid, None)
         if computed < request.num_prompt_tokens:
-            # Aborted before its prompt was computed: the hand-off ends, nothing is held.
+            # Aborted before its prompt was computed: the hand-off ends; a streamed push that
+            # still reads its blocks keeps them (FinishedSending once it drained).
             if tid in mgr.transfers:
                 self.driver.apply(mgr.abort(tid, now))
+            if tid in mgr.transfers:
+                return True, None
             if self._by_request.pop(rid, None) is not None:
                 self._by_transfer.pop(tid, None)
             return False, None
         peer = str(params.get("remote_engine_id") or self.peer)
-        ids: GroupIds = tuple(tuple(g[:prompt_blocks]) for g in block_ids)
+        ids = self.rows(block_ids, 0, prompt_rows)
         try:
-            actions = mgr.kv_ready(tid, epoch, peer, ids, prompt_hashes(request, bs), now)
+            actions = mgr.kv_ready(tid, epoch, peer, ids, prompt_hashes(request, wire), now)
         except KVFlowError as e:
             # Unusable params (the transfer id is another request's, ...): hold nothing; D's
             # claim is refused and D recomputes.
@@ -265,9 +373,13 @@ class PDConnector(NullConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         groups: list[list[torch.Tensor]] = []
         sizes: list[int] = []
+        k = self.rows_per_block
         for g in self.kv.groups:
             tensors = [
-                t for name in g.layer_names for t in (kv_caches[name][0], kv_caches[name][1])
+                # Wire rows: k consecutive token slices of each block (a view, no copy).
+                t.view(t.shape[0] * k, t.shape[1] // k, *t.shape[2:])
+                for name in g.layer_names
+                for t in (kv_caches[name][0], kv_caches[name][1])
             ]
             groups.append(tensors)
             sizes.append(sum(t[0].numel() * t.element_size() for t in tensors))
@@ -299,6 +411,11 @@ def pd_connector_factory(
         raise ConfigError(f"PD role {role!r}: one of {', '.join(ROLES)}")
 
     def build(kv: KVCacheConfig, _view: GpuCacheView) -> tuple[PDConnector, PDConnector]:
+        if compat.block_size != kv.block_size:
+            raise ConfigError(
+                f"the PD compat's block size {compat.block_size} is not the engine's "
+                f"{kv.block_size}"
+            )
         mgr: ProducerManager | ConsumerManager
         if role == "producer":
             mgr = ProducerManager(engine_id, timeouts=timeouts)
@@ -307,7 +424,7 @@ def pd_connector_factory(
         driver = PDDriver(mgr, compat, transport, clock=clock, pump=pump)
         if on_driver is not None:
             on_driver(driver)
-        c = PDConnector(role, kv, driver, peer=peer)
+        c = PDConnector(role, kv, driver, peer=peer, wire_block_size=compat.wire)
         return c, c
 
     return build

@@ -1,13 +1,17 @@
-"""PD with the engine's own CPU tier: one connector object over an ``OffloadConnector`` and a
-``PDConnector``, so a D engine's CPU-tier hit covers the start of a prompt and only the rest
-comes from P (a P engine's stores to its CPU tier go on as usual).
+"""PD with the engine's own CPU tier in one manager: a D engine's CPU-tier hit covers the start
+of a prompt and only the rest comes from P (a P engine's stores to its CPU tier go on as usual).
 
-The seam: the two managers stay separate (the offload manager's ``TransferLedger`` does not hold
-PD's hand-offs yet, see docs/pd.md); this object splits each engine call between them and joins
-what they report. ``get_num_new_matched_tokens`` asks the CPU tier first, then PD from where the
-CPU hit ends; ``update_state_after_alloc`` gives each its part; a request is named in
-``finished_recving`` only once every part that loads it reported, and in ``finished_sending``
-only once every part that still read its blocks let go.
+One owner of GPU block refs: the PD manager's block ledger is attached to the offload manager's
+``TransferLedger`` (``OffloadManager.pd_holds``), so every hold of a hand-off (P's blocks being
+read, D's blocks being written) is a reference taken on the ledger beside the CPU tier's loads
+and stores, through the same GPU view, checked against them before anything changes: a block
+that PD writes is never a CPU-tier load target (and the reverse), and the engine cannot reuse a
+block while either half still copies it. The hand-offs' states stay in the PD machines (the
+tables of ``kvflow.core.pd.machines``); this object splits each engine call between the two
+halves and joins what they report: ``get_num_new_matched_tokens`` asks the CPU tier first, then
+PD from where the CPU hit ends; ``update_state_after_alloc`` gives each its part; a request is
+named in ``finished_recving`` only once every part that loads it reported, and in
+``finished_sending`` only once every part that still read its blocks let go.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class PDOffloadConnector:
     def __init__(self, offload: OffloadConnector, pd: PDConnector) -> None:
         self.offload = offload
         self.pd = pd
+        # One owner of GPU refs: PD's holds are taken on the offload manager's ledger.
+        pd.driver.manager.ledger.attach(offload.scheduler.manager.pd_holds)
         self._split: dict[str, tuple[int, int]] = {}  # rid → (CPU tokens, PD tokens) matched
         self._recving: dict[str, set[str]] = {}  # rid → parts whose loads are still out
         self._sending: dict[str, set[str]] = {}  # rid → parts still reading its blocks

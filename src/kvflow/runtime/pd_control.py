@@ -201,7 +201,7 @@ class ControlPlane:
         if not ack.accepted:
             raise PeerError(
                 f"{self.engine_id}: peer {ack.engine_id!r} at {address} is incompatible: "
-                f"{', '.join(self.compat.differences(ack.compat)) or ack.reason}"
+                f"{', '.join(self.compat.refusals(ack.compat)) or ack.reason}"
             )
         return self._remember(ack)
 
@@ -299,8 +299,10 @@ class ControlPlane:
                 self._drop("inbox_full", peer=sender, message=type(msg).__name__)
 
     async def _on_hello(self, msg: Hello) -> None:
-        accepted = msg.compat_hash == self.compat_hash
-        reason = "" if accepted else ", ".join(self.compat.differences(msg.compat)) or "hash"
+        # The hash covers what must be equal; block and TP sizes are checked by rule.
+        refused = self.compat.refusals(msg.compat)
+        accepted = msg.compat_hash == self.compat_hash and not refused
+        reason = "" if accepted else ", ".join(refused) or "hash"
         if accepted:
             self._remember(msg)
         else:

@@ -145,7 +145,7 @@ class PDDriver:
                 if started is not None:
                     self.send_seconds += now - started
                 ok = status is FenceStatus.DONE
-                self.apply(self.manager.copy_done(op.transfer_id, op.epoch, 0, ok, now))
+                self.apply(self.manager.copy_done(op.transfer_id, op.epoch, 0, ok, now, op.channel))
         self.apply(self.manager.tick(now))
 
     def take_reports(self) -> list[Report]:

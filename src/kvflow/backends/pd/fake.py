@@ -33,7 +33,7 @@ from kvflow.errors import ClosedError, ProtocolError
 
 log = get_logger("kvflow.backend.pd.fake")
 
-ChunkKey = tuple[str, int, int]
+ChunkKey = tuple[str, int, int, int]  # transfer id, epoch, chunk index, channel
 """(transfer id, epoch, chunk index)"""
 
 
@@ -177,7 +177,7 @@ class FakeTransport:
         link = self.link
         order = list(reversed(chunks)) if link.reorder else chunks
         for c in order:
-            key = (transfer_id, epoch, c.index)
+            key = (transfer_id, epoch, c.index, op.channel)  # a chunk's wire tag, as gloo's
             if not send:
                 self.recvs[key] = _Recv(fence, c.group, c.local, link.now + link.recv_timeout_s)
                 continue

@@ -11,13 +11,14 @@ store policies must know (a CPU eviction, a failed store) it reports back to its
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvflow.core.block_pool import BlockPool, StoredBlockInfo
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash
 from kvflow.core.logs import debug_enabled, get_logger
 from kvflow.core.offload.config import STEP_STORE_ID, Geometry, OffloadManagerConfig, StorePolicy
+from kvflow.core.offload.holds import GpuHolds
 from kvflow.core.offload.state import LiveTransfer, PinnedHit, RequestState, StoreBatch, all_ids
 from kvflow.core.offload.stats import Counters
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
@@ -87,6 +88,8 @@ class TransferLedger:
         self.finished_recving: set[str] = set()
         self.invalid: set[int] = set()
         self._next_id = 1
+        # PD hand-offs' GPU holds: their refs go through the same view as the loads' refs.
+        self.holds = GpuHolds(gpu_view, self._load_targets)
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -100,6 +103,17 @@ class TransferLedger:
 
     def has_live(self, st: RequestState) -> bool:
         return bool(st.transfers) or any(st in x.reqs for x in self.shared.values())
+
+    def _load_targets(self) -> Iterator[int]:
+        """The GPU blocks that live loads, and allocated hits about to become loads, write."""
+        for x in self.xfers.values():
+            if x.spec.direction is Direction.LOAD:
+                for ids in x.spec.gpu_block_ids:
+                    yield from ids
+        for st in self.requests.values():
+            if st.match is not None and st.match.load is not None:
+                for ids in st.match.load[0]:
+                    yield from ids
 
     def cpu_refs(self) -> list[Counter[int]]:
         """Per group, the references held on each CPU block by transfers and pinned hits."""

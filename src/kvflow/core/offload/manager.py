@@ -37,6 +37,7 @@ from kvflow.core.offload.config import (
     StorePolicy,
 )
 from kvflow.core.offload.eager import EagerStore
+from kvflow.core.offload.holds import GpuHolds
 from kvflow.core.offload.lazy import LazyCursor
 from kvflow.core.offload.ledger import TransferLedger
 from kvflow.core.offload.matching import HitMatcher
@@ -134,6 +135,11 @@ class OffloadManager:
         """Whether the manager still keeps state for the request (finished ones: until their
         transfers settle)."""
         return request_id in self._requests
+
+    @property
+    def pd_holds(self) -> GpuHolds:
+        """The PD hand-offs' GPU holds, on this manager's ledger (``connector.pd_offload``)."""
+        return self._ledger.holds
 
     def cpu_refs(self) -> list[Counter[int]]:
         """Per group, how many references the manager holds on each CPU block (transfers and
@@ -290,6 +296,8 @@ class OffloadManager:
             ]
             gpu.append(tuple(p[0] for p in pairs))
             cpu.append(tuple(p[1] for p in pairs))
+        if self._ledger.holds:
+            self._ledger.holds.check_load(b for ids in gpu for b in ids)  # PD writes them
         st.request = request
         m.load = (tuple(gpu), tuple(cpu))
         if self._lazy is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from attrs import define, field, frozen
@@ -22,10 +22,10 @@ from kvflow.errors import ConfigError, ProtocolError
 log = get_logger("kvflow.pd")
 
 Pairs = tuple[tuple[tuple[int, int], ...], ...]
+"""Per KV cache group, the (local block, remote block) pairs of one hand-off."""
 
 CHANNELS = 1 << 19
 """Data-plane channels per producer: a transport's wire tags are ``channel << 12 | op``."""
-"""Per KV cache group, the (local block, remote block) pairs of one hand-off."""
 
 
 def _positive(_: object, attribute: object, value: float) -> None:
@@ -116,17 +116,46 @@ def flat(ids: GroupIds) -> Iterator[tuple[int, int]]:
             yield (g, b)
 
 
+class BlockRefs(Protocol):
+    """Where a hand-off's hold becomes references on the engine's GPU blocks: the offload
+    manager's ledger (``kvflow.core.offload.holds.GpuHolds``) when PD and the CPU tier share one
+    engine, so one object owns every kvflow ref on a block. ``blocks`` are engine block ids."""
+
+    def check(self, key: str, ids: GroupIds, blocks: Sequence[int], *, exclusive: bool) -> None:
+        """Raise ``ProtocolError`` (nothing changed) if the hold cannot be taken."""
+        ...
+
+    def take(self, key: str, ids: GroupIds, blocks: Sequence[int], *, exclusive: bool) -> None: ...
+
+    def give_back(self, key: str) -> GroupIds: ...
+
+
 @define
 class BlockLedger:
     """Who holds which block: each hand-off's blocks, taken once and given back exactly once.
 
     ``shared`` (P's): a block may be held by several hand-offs at once, because prefix-cached
     blocks are shared by requests that the engine ref-counts, and sends only read them; D's
-    ledger is exclusive (a block receives one hand-off's KV)."""
+    ledger is exclusive (a block receives one hand-off's KV). A manager's ids are wire blocks:
+    ``rows_per_block`` of them make one engine block (``row // rows_per_block``), 1 unless the
+    peer's block size is smaller. With ``refs`` every hold is also a hold there (in engine
+    blocks), checked before anything changes here."""
 
     shared: bool = False
+    side: str = ""
+    rows_per_block: int = 1
+    refs: BlockRefs | None = None
     _by_transfer: dict[str, GroupIds] = field(factory=dict)
     _owners: dict[tuple[int, int], list[str]] = field(factory=dict)
+    _parts: dict[str, list[str]] = field(factory=dict)  # refs' keys of blocks added by ``grow``
+
+    def engine_blocks(self, ids: GroupIds) -> list[int]:
+        """The engine blocks ``ids`` lie in, each once, in order."""
+        k = self.rows_per_block
+        return list(dict.fromkeys(b // k for _, b in flat(ids)))
+
+    def _key(self, transfer_id: str) -> str:
+        return f"pd-{self.side}/{transfer_id}"
 
     def check_free(self, transfer_id: str, ids: GroupIds) -> None:
         """Raise ``ProtocolError`` (changing nothing) if ``ids`` cannot be taken for the hand-off."""
@@ -139,17 +168,60 @@ class BlockLedger:
             seen.add(key)
             if not self.shared and (owners := self._owners.get(key)):
                 raise ProtocolError(f"block {key} is already held by hand-off {owners[0]!r}")
+        if self.refs is not None:
+            blocks = self.engine_blocks(ids)
+            self.refs.check(self._key(transfer_id), ids, blocks, exclusive=not self.shared)
 
     def take(self, transfer_id: str, ids: GroupIds) -> None:
         self.check_free(transfer_id, ids)
+        if self.refs is not None:
+            blocks = self.engine_blocks(ids)
+            self.refs.take(self._key(transfer_id), ids, blocks, exclusive=not self.shared)
         self._by_transfer[transfer_id] = ids
         for key in flat(ids):
             self._owners.setdefault(key, []).append(transfer_id)
+
+    def grow(self, transfer_id: str, ids: GroupIds) -> None:
+        """Hold ``ids``, a superset of what the hand-off holds (a streamed hand-off's blocks
+        grow chunk by chunk); the new blocks are a hold of their own on ``refs``."""
+        old = self._by_transfer.get(transfer_id)
+        if old is None:
+            self.take(transfer_id, ids)
+            return
+        if len(ids) != len(old):
+            raise ProtocolError(f"hand-off {transfer_id!r}: {len(ids)} groups, held {len(old)}")
+        added = tuple(
+            tuple(b for b in new if b not in set(had)) for new, had in zip(ids, old, strict=True)
+        )
+        if not any(added):
+            return
+        part = f"{transfer_id}#{sum(map(len, old))}"
+        self.check_free(part, added)
+        if self.refs is not None:
+            blocks = self.engine_blocks(added)
+            self.refs.take(self._key(part), added, blocks, exclusive=not self.shared)
+            self._parts.setdefault(transfer_id, []).append(part)
+        self._by_transfer[transfer_id] = tuple(
+            had + tuple(b for b in new if b not in set(had))
+            for new, had in zip(ids, old, strict=True)
+        )
+        for key in flat(added):
+            self._owners.setdefault(key, []).append(transfer_id)
+
+    def attach(self, refs: BlockRefs) -> None:
+        """Hold every block through ``refs`` from now on (only while nothing is held)."""
+        if self._by_transfer:
+            raise ProtocolError(f"{len(self._by_transfer)} hand-offs hold blocks: attach first")
+        self.refs = refs
 
     def give_back(self, transfer_id: str) -> GroupIds:
         ids = self._by_transfer.pop(transfer_id, None)
         if ids is None:
             raise ProtocolError(f"hand-off {transfer_id!r} holds no blocks (given back twice?)")
+        if self.refs is not None:
+            self.refs.give_back(self._key(transfer_id))
+            for part in self._parts.pop(transfer_id, ()):
+                self.refs.give_back(self._key(part))
         for key in flat(ids):
             owners = self._owners[key]
             owners.remove(transfer_id)
@@ -241,6 +313,7 @@ class HandoffRecord(Protocol):
     deadline: float
     launched: bool
     settled: set[int]
+    chunks: dict[int, set[int]]
 
 
 R = TypeVar("R", bound=HandoffRecord)
@@ -269,7 +342,7 @@ class HandoffSide(Generic[R]):
         self.timeouts = timeouts or PDTimeouts()
         self.max_inflight = max_inflight
         self.transfers: dict[str, R] = {}
-        self.ledger = BlockLedger()
+        self.ledger = BlockLedger(side=self.side)
         self.peers = Peers(engine_id, self.timeouts)
         self.tombstones = Tombstones(self.timeouts.tombstone_s)
         self._waiting: deque[str] = deque()  # granted, waiting for a copy slot, in grant order
@@ -279,23 +352,31 @@ class HandoffSide(Generic[R]):
     def num_live(self) -> int:
         return len(self.transfers)
 
-    def _settle_rank(self, transfer_id: str, epoch: int, rank: int) -> R:
-        """Record rank ``rank``'s copies of a launched hand-off as settled; frees the slot once
-        every rank settled. Raises ``ProtocolError`` (nothing changed) for a bad report."""
+    def _settle_rank(self, transfer_id: str, epoch: int, rank: int, channel: int = 0) -> R:
+        """Record rank ``rank``'s copies of a launched hand-off as settled (those of the chunk
+        pushed on ``channel``, for a streamed hand-off); frees the slot once nothing of the
+        hand-off runs. Raises ``ProtocolError`` (nothing changed) for a bad report."""
         t = self.transfers.get(transfer_id)
-        if t is None or t.epoch != epoch or not t.launched:
+        ranks = None
+        if t is not None and t.epoch == epoch:
+            ranks = t.chunks.get(channel) if channel in t.chunks else t.settled
+            if ranks is t.settled and not t.launched:
+                ranks = None
+        if t is None or ranks is None:
             raise ProtocolError(f"{self.side}: copy_done for no running copy: {transfer_id!r}")
-        if not 0 <= rank < self.world_size or rank in t.settled:
+        if not 0 <= rank < self.world_size or rank in ranks:
             raise ProtocolError(
                 f"{self.side}: copy_done rank {rank} unknown or reported twice ({transfer_id!r})"
             )
-        t.settled.add(rank)
-        if len(t.settled) == self.world_size:
+        ranks.add(rank)
+        if not self._copies_running(t):
             self._inflight.discard(transfer_id)
         return t
 
     def _copies_running(self, t: R) -> bool:
-        return t.launched and len(t.settled) < self.world_size
+        """Whether any rank still copies for the hand-off (its launch or a streamed chunk)."""
+        n = self.world_size
+        return (t.launched and len(t.settled) < n) or any(len(r) < n for r in t.chunks.values())
 
     def _unqueue(self, t: R) -> None:
         if t.transfer_id in self._waiting:
@@ -351,6 +432,7 @@ def drop_stale(side: str, peer: str, message: Message, why: str) -> None:
 __all__ = [
     "Action",
     "BlockLedger",
+    "BlockRefs",
     "CancelCopies",
     "FinishedRecving",
     "FinishedSending",

@@ -12,6 +12,12 @@ copy after P was declared dead. A receive never starts after the grant window. E
 has a deadline, and a reservation with nothing to receive still reports. KV of another request
 (hash mismatch) is a one-shot miss: its blocks are reported invalid and recomputed, never retried.
 A hand-off commits only when every rank's part landed.
+
+Streamed (the concurrent flow): P's GRANT may say ``streaming`` (P still prefills); then each
+READY names a chunk of the claimed blocks and its channel, and D launches that chunk's receives
+at once (never after the READY's arrival: no queue). The hand-off lands only once every claimed
+block was received on every rank and P said DONE; an abort mid-way drains like any claimed
+hand-off (every running chunk settles and P acks) before D's blocks go back.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from kvflow.core.pd.messages import (
     Heartbeat,
     Message,
     Nack,
+    Ready,
     Release,
     hashes_digest,
 )
@@ -54,6 +61,8 @@ from kvflow.errors import ConfigError, ProtocolError
 DI = DInput
 _CLAIMED = (DState.CLAIMING, DState.GRANTED, DState.IN_FLIGHT)
 """States in which P may write the claimed blocks."""
+_STREAMED = (DState.GRANTED, DState.IN_FLIGHT)
+"""States in which a streamed hand-off takes P's next chunk."""
 
 
 @define(eq=False)
@@ -81,6 +90,10 @@ class DTransfer:
     lost_at: float | None = None
     aborted: bool = False  # the engine dropped the request: free the blocks, report nothing
     channel: int = 0
+    chunks: dict[int, set[int]] = field(factory=dict)  # streamed: channel → settled ranks
+    streaming: bool = False  # P's grant came while P prefills: chunks arrive with READY
+    received: set[int] = field(factory=set)  # streamed: claimed indexes launched so far
+    chunk_failed: bool = False
 
 
 class ConsumerManager(HandoffSide[DTransfer]):
@@ -168,12 +181,14 @@ class ConsumerManager(HandoffSide[DTransfer]):
     # -- transport and time -------------------------------------------------------------------
 
     def copy_done(
-        self, transfer_id: str, epoch: int, rank: int, ok: bool, now: float
+        self, transfer_id: str, epoch: int, rank: int, ok: bool, now: float, channel: int = 0
     ) -> list[Action]:
-        """Rank ``rank``'s receives of the hand-off finished (``ok``) or failed / were cancelled."""
-        t = self._settle_rank(transfer_id, epoch, rank)
-        if ok:
+        """Rank ``rank``'s receives of the hand-off (of its chunk on ``channel``, streamed)
+        finished (``ok``) or failed / were cancelled."""
+        t = self._settle_rank(transfer_id, epoch, rank, channel)
+        if ok and not t.streaming:
             t.ranks_ok.add(rank)
+        t.chunk_failed = t.chunk_failed or (t.streaming and not ok)
         out: list[Action] = []
         if t.state is DState.IN_FLIGHT and not ok:
             self._drain(t, DI.FAIL, f"rank_{rank}_failed", now, out)
@@ -233,6 +248,8 @@ class ConsumerManager(HandoffSide[DTransfer]):
         draining = t.state is DState.DRAINING
         if isinstance(msg, Grant) and t.state is DState.CLAIMING:
             self._on_grant(t, msg, now, out)
+        elif isinstance(msg, Ready) and t.streaming and t.state in _STREAMED:
+            self._on_ready(t, msg, now, out)
         elif isinstance(msg, Nack) and t.state is DState.CLAIMING:
             log.warning("pd_claim_nacked", transfer_id=t.transfer_id, reason=msg.reason.value)
             self._finish(t, DI.NACK, f"nack_{msg.reason.value}", now, out)
@@ -250,7 +267,40 @@ class ConsumerManager(HandoffSide[DTransfer]):
         self._launch_waiting(now, out)
         return out
 
+    def _on_ready(self, t: DTransfer, ready: Ready, now: float, out: list[Action]) -> None:
+        """A chunk P fenced and pushes: launch its receives now."""
+        n = min(len(g) for g in t.block_ids)
+        span = set(range(ready.start, ready.stop))
+        ok_channel = (
+            0 < ready.channel < CHANNELS
+            and ready.channel != t.channel
+            and ready.channel not in t.chunks
+        )
+        if not (0 <= ready.start < ready.stop <= n) or span & t.received or not ok_channel:
+            drop_stale("consumer", t.peer, ready, "bad_or_duplicate_ready")
+            return
+        t.received |= span
+        t.chunks[ready.channel] = set()
+        pairs = tuple(
+            tuple((d[i], s + i) for i in range(ready.start, ready.stop))
+            for s, d in zip(t.start, t.block_ids, strict=True)
+        )
+        self._apply(t, DI.LAUNCH, f"chunk_{ready.start}_{ready.stop}")
+        t.deadline = now + self.timeouts.copy_s
+        out.append(LaunchCopies(t.transfer_id, t.epoch, t.peer, False, pairs, ready.channel))
+
     def _on_grant(self, t: DTransfer, grant: Grant, now: float, out: list[Action]) -> None:
+        if grant.streaming:
+            if not 0 < grant.channel < CHANNELS or grant.window_s <= 0:
+                log.warning("pd_grant_malformed", transfer_id=t.transfer_id)
+                self._drain(t, DI.FAIL, "grant_malformed", now, out)
+                return
+            self._apply(t, DI.GRANT, "streaming_grant")
+            t.streaming = True
+            t.grant_hashes = grant.block_hashes
+            t.channel = grant.channel
+            t.deadline = now + t.claim_s  # P's first chunk comes as its prefill proceeds
+            return
         shapes_match = len(grant.block_ids) == len(t.block_ids) and all(
             len(p) == len(d) for p, d in zip(grant.block_ids, t.block_ids, strict=False)
         )
@@ -284,7 +334,14 @@ class ConsumerManager(HandoffSide[DTransfer]):
         )
 
     def _maybe_landed(self, t: DTransfer, now: float, out: list[Action]) -> None:
-        if not (t.peer_done and len(t.ranks_ok) == self.world_size):
+        if t.streaming:
+            whole = len(t.received) == min(len(g) for g in t.block_ids)
+            if not (t.peer_done and whole and not self._copies_running(t)):
+                return
+            if t.chunk_failed:
+                self._drain(t, DI.FAIL, "chunk_failed", now, out)
+                return
+        elif not (t.peer_done and len(t.ranks_ok) == self.world_size):
             return
         self._apply(t, DI.LANDED, "every_rank_landed")
         t.peer_confirmed = True

@@ -19,6 +19,7 @@ class PState(enum.StrEnum):
     """The producer's (P's) side of one hand-off."""
 
     PREFILLING = "prefilling"  # the request is still computing its KV (concurrent flow)
+    STREAMING = "streaming"  # claimed while prefilling: granted, each fenced chunk pushed at once
     READY = "ready"  # KV complete, blocks held for D; nothing granted: the lease may expire
     GRANTED = "granted"  # D's claim accepted: the hold cannot expire; waiting for a send slot
     IN_FLIGHT = "in_flight"  # P's sends run on every rank
@@ -76,6 +77,15 @@ PRODUCER_TRANSITIONS: Mapping[tuple[PState, PInput], PState] = {
     (P.PREFILLING, PI.KV_READY): P.READY,
     (P.PREFILLING, PI.ABORT): P.RELEASED,  # nothing held yet
     (P.PREFILLING, PI.TIMEOUT): P.RELEASED,
+    # The concurrent flow: a claim while prefilling is granted at once; chunks are pushed as
+    # their KV is fenced (a LAUNCH each), the rest at kv_ready.
+    (P.PREFILLING, PI.CLAIM): P.STREAMING,
+    (P.STREAMING, PI.LAUNCH): P.STREAMING,
+    (P.STREAMING, PI.KV_READY): P.IN_FLIGHT,
+    (P.STREAMING, PI.FAIL): P.DRAINING,
+    (P.STREAMING, PI.ABORT): P.DRAINING,
+    (P.STREAMING, PI.PEER_LOST): P.DRAINING,
+    (P.STREAMING, PI.TIMEOUT): P.DRAINING,
     (P.READY, PI.CLAIM): P.GRANTED,
     # Only a hold that was never granted expires; a CLAIM after it gets NACK(expired).
     (P.READY, PI.LEASE_EXPIRED): P.RELEASED,
@@ -120,6 +130,7 @@ CONSUMER_TRANSITIONS: Mapping[tuple[DState, DInput], DState] = {
     (D.GRANTED, DI.PEER_LOST): D.DRAINING,
     (D.GRANTED, DI.FAIL): D.DRAINING,
     (D.IN_FLIGHT, DI.LANDED): D.LANDED,
+    (D.IN_FLIGHT, DI.LAUNCH): D.IN_FLIGHT,  # a streamed hand-off's next chunk (READY)
     (D.IN_FLIGHT, DI.ABORT): D.DRAINING,
     (D.IN_FLIGHT, DI.TIMEOUT): D.DRAINING,
     (D.IN_FLIGHT, DI.PEER_LOST): D.DRAINING,

@@ -44,9 +44,25 @@ def hashes_digest(hashes: tuple[BlockHash, ...]) -> bytes:
     return h.digest()
 
 
+_STRICT = ("model", "dtype", "layout", "num_kv_heads", "head_dim", "num_layers", "kvflow_version")
+"""The ``Compat`` fields two engines must have equal; block size and shard are mapped."""
+
+
+def tp_size_of(shard: str) -> int:
+    """The TP size of a ``shard`` string (``"tp2"``, ``"tp2/0"``); ``ConfigError`` otherwise."""
+    head = shard.split("/", 1)[0]
+    if not head.startswith("tp") or not head[2:].isdigit() or int(head[2:]) < 1:
+        raise ConfigError(f"shard {shard!r}: expected 'tp<size>' or 'tp<size>/<rank>'")
+    return int(head[2:])
+
+
 @frozen
 class Compat:
-    """What two engines must agree on for one's KV blocks to be valid in the other's cache."""
+    """What two engines must agree on for one's KV blocks to be valid in the other's cache.
+
+    ``wire_block_size`` is the unit a hand-off moves (0: the block size): each side's blocks
+    are whole numbers of it, so engines whose block sizes differ (16 and 32) exchange KV when
+    both name the same unit (16). ``num_kv_heads`` is the model's, not a rank's."""
 
     model: str
     dtype: str
@@ -57,27 +73,49 @@ class Compat:
     num_layers: int
     shard: str
     kvflow_version: str
+    wire_block_size: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        tp_size_of(self.shard)
+        if self.block_size < 1 or self.wire < 1 or self.block_size % self.wire:
+            raise ConfigError(
+                f"block size {self.block_size} must be a positive multiple of the wire block "
+                f"size {self.wire}"
+            )
+
+    @property
+    def wire(self) -> int:
+        """The hand-off's unit in tokens."""
+        return self.wire_block_size or self.block_size
+
+    @property
+    def tp_size(self) -> int:
+        return tp_size_of(self.shard)
 
     def digest(self) -> str:
-        """A stable hex digest of every field (the HELLO's compatibility hash)."""
-        parts = [
-            self.model,
-            self.dtype,
-            str(self.block_size),
-            self.layout,
-            str(self.num_kv_heads),
-            str(self.head_dim),
-            str(self.num_layers),
-            self.shard,
-            self.kvflow_version,
-        ]
+        """A stable hex digest of what two peers must share (the HELLO's compatibility hash):
+        the strict fields and the wire unit, not the block size or the TP size."""
+        parts = [str(getattr(self, n)) for n in _STRICT] + [str(self.wire)]
         data = b"".join(struct.pack("<I", len(p.encode())) + p.encode() for p in parts)
-        return xxhash.xxh3_128_hexdigest(b"kvflow/pd-compat/v1" + data)
+        return xxhash.xxh3_128_hexdigest(b"kvflow/pd-compat/v2" + data)
 
     def differences(self, other: Compat) -> list[str]:
-        """The names of the fields that differ (empty when compatible)."""
+        """The names of the fields that differ (empty when identical)."""
         names = [f.name for f in attrs.fields(Compat)]
         return [n for n in names if getattr(self, n) != getattr(other, n)]
+
+    def refusals(self, other: Compat) -> list[str]:
+        """Why this engine cannot exchange KV with ``other`` (empty when it can): a strict field
+        that differs, wire units that differ, or TP sizes that differ (not supported yet)."""
+        out = [n for n in _STRICT if getattr(self, n) != getattr(other, n)]
+        if self.wire != other.wire:
+            out.append(
+                f"wire_block_size ({self.wire} vs {other.wire}; block sizes {self.block_size} "
+                f"and {other.block_size} need one unit dividing both)"
+            )
+        if self.tp_size != other.tp_size:
+            out.append(f"shard (tp{self.tp_size} vs tp{other.tp_size}: not supported yet)")
+        return out
 
 
 class NackReason(enum.StrEnum):
@@ -143,6 +181,9 @@ class Grant:
     block_hashes: tuple[BlockHash, ...]
     window_s: float  # a duration, so clock skew between the engines errs long
     channel: int = 0  # P's data-plane channel for this hand-off, unique among its live ones
+    # The concurrent flow: granted while P prefills (``block_ids`` empty); P pushes each chunk
+    # as its KV is fenced, announcing it with READY.
+    streaming: bool = False
 
 
 @frozen
@@ -154,12 +195,14 @@ class Nack:
 
 @frozen
 class Ready:
-    """P → D (concurrent flow): the KV of blocks ``[start, stop)`` is fenced and may be sent."""
+    """P → D (concurrent flow): the KV of claimed blocks ``[start, stop)`` (indexes into the
+    CLAIM's blocks, the same in every group) is fenced and P's push of it runs on ``channel``."""
 
     transfer_id: str
     epoch: int
     start: int
     stop: int
+    channel: int = 0
 
 
 @frozen
@@ -237,4 +280,5 @@ __all__ = [
     "Ready",
     "Release",
     "hashes_digest",
+    "tp_size_of",
 ]

@@ -6,6 +6,16 @@ messages (``on_message``), the transport's per-rank completions (``copy_done``) 
 (``tick``). Each returns the actions to carry out. P pushes: on a claim it grants, and launches
 its sends as soon as one of ``max_inflight`` send slots (the bounded staging ring) is free.
 
+Streaming (the concurrent flow): a hand-off whose prompt hashes P knows before its KV is
+complete (``begin(..., block_hashes=...)`` or ``set_prompt``) answers a claim that arrives while
+it prefills with a streaming GRANT at once (PREFILLING → STREAMING); from then on each chunk of
+the claimed blocks is pushed as soon as its KV is fenced (``kv_chunk``): a READY names the
+chunk and its channel, and the chunk's sends launch (not bounded by the send slots: a chunk is
+what one prefill step computed). ``kv_ready`` pushes what is left (STREAMING → IN_FLIGHT); the
+usual SENT → DONE → RELEASED follows once every chunk's sends settled. The blocks read so far
+are held from the first push on, so an abort mid-way drains (every running push settles)
+before P's blocks go back.
+
 The rules it keeps (PD.md §1): only a hold that was never granted expires (READY's lease); a
 granted hold is freed only after every rank's send settled; a claim for an ended or aborted
 attempt is refused (tombstones), and anything about an unknown or stale ``(transfer_id, epoch)``
@@ -46,6 +56,7 @@ from kvflow.core.pd.messages import (
     Message,
     Nack,
     NackReason,
+    Ready,
     Release,
     hashes_digest,
 )
@@ -75,6 +86,13 @@ class PTransfer:
     ack_owed: bool = False
     done_owed: bool = False
     channel: int = 0
+    chunks: dict[int, set[int]] = field(factory=dict)  # streamed: channel → settled ranks
+    claim: Claim | None = None  # streamed: the claim granted while prefilling
+    fenced: int = 0  # streamed: P's blocks whose KV is fenced (per group, from the start)
+    pushed: int = 0  # streamed: claimed blocks pushed so far (an index into the claim)
+    # The engine handed the request's blocks to the hand-off (kv_ready, or an abort while a
+    # streamed push ran): its end is FinishedSending. Before that the running request owns them.
+    engine_waits: bool = False
 
 
 class ProducerManager(HandoffSide[PTransfer]):
@@ -93,20 +111,71 @@ class ProducerManager(HandoffSide[PTransfer]):
         super().__init__(
             engine_id, world_size=world_size, timeouts=timeouts, max_inflight=max_inflight
         )
-        self.ledger = BlockLedger(shared=True)  # prefix-cached blocks serve several hand-offs
+        self.ledger = BlockLedger(
+            shared=True, side=self.side
+        )  # prefix-cached blocks serve several hand-offs
         self._channels: set[int] = set()  # held from grant to release
         self._next_channel = 1
 
     # -- engine inputs ------------------------------------------------------------------------
 
-    def begin(self, transfer_id: str, epoch: int, peer: str, now: float) -> list[Action]:
-        """A request whose KV D will receive started prefilling (the concurrent flow)."""
+    def begin(
+        self,
+        transfer_id: str,
+        epoch: int,
+        peer: str,
+        now: float,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> list[Action]:
+        """A request whose KV D will receive started prefilling (the concurrent flow); with the
+        prompt's ``block_hashes`` a claim can be granted before the KV is complete."""
         if transfer_id in self.transfers:
             raise ProtocolError(f"hand-off {transfer_id!r} already exists on P")
         self.transfers[transfer_id] = PTransfer(
             transfer_id, epoch, peer, deadline=now + self.timeouts.prefill_s
         )
-        return []
+        if block_hashes is None:
+            return []
+        return self.set_prompt(transfer_id, block_hashes, now)
+
+    def set_prompt(
+        self, transfer_id: str, block_hashes: Sequence[BlockHash], now: float
+    ) -> list[Action]:
+        """The prompt's chained block hashes of a hand-off still prefilling: from now on a claim
+        is granted at once and chunks are pushed as they are fenced. Once only."""
+        t = self.transfers.get(transfer_id)
+        if t is None or t.state is not PState.PREFILLING or t.digest:
+            raise ProtocolError(f"set_prompt for {transfer_id!r}: not a hand-off prefilling")
+        t.block_hashes = tuple(block_hashes)
+        t.digest = hashes_digest(t.block_hashes)
+        out: list[Action] = []
+        if t.pending_claim is not None:
+            claim, t.pending_claim = t.pending_claim, None
+            self._on_claim(t, claim, now, out)
+        return out
+
+    def kv_chunk(
+        self, transfer_id: str, epoch: int, block_ids: GroupIds, fenced: int, now: float
+    ) -> list[Action]:
+        """The KV of the prompt's first ``fenced`` blocks (of ``block_ids``, per group) is
+        fenced; a streamed hand-off pushes the claimed ones not pushed yet. Anything else (not
+        streaming, ended, aborted) ignores it: ``kv_ready`` still comes."""
+        ids = tuple(tuple(g) for g in block_ids)
+        t = self.transfers.get(transfer_id)
+        if t is None or t.epoch != epoch:
+            return []
+        if any(len(g) < fenced for g in ids) or fenced < t.fenced:
+            raise ProtocolError(
+                f"kv_chunk {transfer_id!r}: {fenced} fenced blocks of {[len(g) for g in ids]}, "
+                f"{t.fenced} before"
+            )
+        out: list[Action] = []
+        if t.state in (PState.PREFILLING, PState.STREAMING):
+            t.block_ids, t.fenced = ids, fenced
+            if t.state is PState.STREAMING:
+                self._push(t, now, out)
+        return out
 
     def kv_ready(
         self,
@@ -120,6 +189,12 @@ class ProducerManager(HandoffSide[PTransfer]):
         """The request's KV is complete in ``block_ids``; P holds them for D until released."""
         ids = tuple(tuple(g) for g in block_ids)
         t = self.transfers.get(transfer_id)
+        if t is not None and t.state is PState.STREAMING and (t.epoch, t.peer) == (epoch, peer):
+            return self._streamed_ready(t, ids, block_hashes, now)
+        if t is not None and t.state is PState.DRAINING and (t.epoch, t.peer) == (epoch, peer):
+            # A streamed hand-off stopped mid-way: its drain's FinishedSending frees the blocks.
+            t.engine_waits = True
+            return []
         if t is not None and (
             t.state is not PState.PREFILLING or (t.epoch, t.peer) != (epoch, peer)
         ):
@@ -138,7 +213,10 @@ class ProducerManager(HandoffSide[PTransfer]):
         if t is None:
             t = PTransfer(transfer_id, epoch, peer, deadline=now)
             self.transfers[transfer_id] = t
+        if t.digest and hashes_digest(tuple(block_hashes)) != t.digest:
+            raise ProtocolError(f"kv_ready {transfer_id!r}: hashes differ from set_prompt's")
         self.ledger.take(transfer_id, ids)
+        t.engine_waits = True
         t.block_ids, t.block_hashes = ids, tuple(block_hashes)
         t.digest = hashes_digest(t.block_hashes)
         self._apply(t, PI.KV_READY, "kv_ready")
@@ -150,30 +228,34 @@ class ProducerManager(HandoffSide[PTransfer]):
             self._launch_waiting(now, out)
         return out
 
-    def abort(self, transfer_id: str, now: float) -> list[Action]:
-        """The router or engine abandoned the hand-off; P's blocks come back once safe."""
+    def abort(self, transfer_id: str, now: float, *, engine_waits: bool = True) -> list[Action]:
+        """The router or engine abandoned the hand-off; P's blocks come back once safe (named
+        in FinishedSending, unless ``engine_waits`` is False: a preempted request's blocks are
+        the engine's already, and its kv_ready comes later)."""
         t = self.transfers.get(transfer_id)
         if t is None:
             raise ProtocolError(f"abort of unknown hand-off {transfer_id!r} on P")
         out: list[Action] = []
+        t.engine_waits = t.engine_waits or engine_waits  # the engine frees once this says so
         if t.state is PState.DRAINING:
             return out
         # Past the claim D must hear that P stops; in SENT every send already finished.
-        t.done_owed = t.state in (PState.GRANTED, PState.IN_FLIGHT)
+        t.done_owed = t.state in (PState.GRANTED, PState.IN_FLIGHT, PState.STREAMING)
         self._stop(t, PI.ABORT, "engine_abort", now, out)
         return out
 
     # -- transport and time -------------------------------------------------------------------
 
     def copy_done(
-        self, transfer_id: str, epoch: int, rank: int, ok: bool, now: float
+        self, transfer_id: str, epoch: int, rank: int, ok: bool, now: float, channel: int = 0
     ) -> list[Action]:
-        """Rank ``rank``'s sends of the hand-off finished (``ok``) or failed / were cancelled."""
-        t = self._settle_rank(transfer_id, epoch, rank)
+        """Rank ``rank``'s sends of the hand-off (of its chunk on ``channel``, streamed)
+        finished (``ok``) or failed / were cancelled."""
+        t = self._settle_rank(transfer_id, epoch, rank, channel)
         t.failed = t.failed or not ok
         out: list[Action] = []
         all_settled = not self._copies_running(t)
-        if t.state is PState.IN_FLIGHT and not ok:
+        if t.state in (PState.IN_FLIGHT, PState.STREAMING) and not ok:
             t.done_owed = True
             self._stop(t, PI.FAIL, "send_failed", now, out)
         elif t.state is PState.IN_FLIGHT and all_settled:
@@ -256,6 +338,9 @@ class ProducerManager(HandoffSide[PTransfer]):
         return out
 
     def _on_claim(self, t: PTransfer, claim: Claim, now: float, out: list[Action]) -> None:
+        if t.state is PState.PREFILLING and t.digest:
+            self._stream(t, claim, now, out)
+            return
         if t.state is PState.PREFILLING:
             t.pending_claim = claim  # the concurrent flow: granted at kv_ready
             self.peers.watch(t.peer, now)
@@ -292,6 +377,74 @@ class ProducerManager(HandoffSide[PTransfer]):
         )
         self._waiting.append(t.transfer_id)
 
+    def _stream(self, t: PTransfer, claim: Claim, now: float, out: list[Action]) -> None:
+        """Grant a claim while prefilling: chunks are pushed as their KV is fenced."""
+        reason = self._claim_problem(t, claim)
+        if reason is not None:
+            log.warning("pd_claim_refused", transfer_id=t.transfer_id, reason=reason.value)
+            out.append(Send(t.peer, Nack(t.transfer_id, t.epoch, reason)))
+            return
+        self._apply(t, PI.CLAIM, "claim_while_prefilling")
+        t.claim = claim
+        t.channel = self._take_channel()
+        self.peers.watch(t.peer, now)
+        grant = Grant(
+            t.transfer_id,
+            t.epoch,
+            tuple(() for _ in claim.block_ids),
+            t.block_hashes,
+            self.timeouts.grant_window_s,
+            t.channel,
+            streaming=True,
+        )
+        out.append(Send(t.peer, grant))
+        self._push(t, now, out)
+
+    def _push(self, t: PTransfer, now: float, out: list[Action]) -> None:
+        """Push the claimed blocks fenced since the last push: READY, then their sends."""
+        claim = t.claim
+        assert claim is not None
+        stop = min(
+            max(0, min(t.fenced - s, len(d)))
+            for s, d in zip(claim.start, claim.block_ids, strict=True)
+        )
+        if stop <= t.pushed:
+            return
+        start, t.pushed = t.pushed, stop
+        held = tuple(g[: t.fenced] for g in t.block_ids)
+        self.ledger.grow(t.transfer_id, held)
+        pairs = tuple(
+            tuple((t.block_ids[g][s + i], d[i]) for i in range(start, stop))
+            for g, (s, d) in enumerate(zip(claim.start, claim.block_ids, strict=True))
+        )
+        channel = self._take_channel()
+        t.chunks[channel] = set()
+        self._apply(t, PI.LAUNCH, f"chunk_{start}_{stop}")
+        t.deadline = max(t.deadline, now + self.timeouts.copy_s)
+        out.append(Send(t.peer, Ready(t.transfer_id, t.epoch, start, stop, channel)))
+        out.append(LaunchCopies(t.transfer_id, t.epoch, t.peer, True, pairs, channel))
+
+    def _streamed_ready(
+        self, t: PTransfer, ids: GroupIds, block_hashes: Sequence[BlockHash], now: float
+    ) -> list[Action]:
+        """``kv_ready`` of a streamed hand-off: push the rest; SENT once every push settled."""
+        if hashes_digest(tuple(block_hashes)) != t.digest:
+            raise ProtocolError(f"kv_ready {t.transfer_id!r}: hashes differ from set_prompt's")
+        if any(len(g) < t.fenced for g in ids):
+            raise ProtocolError(f"kv_ready {t.transfer_id!r}: fewer blocks than fenced before")
+        out: list[Action] = []
+        t.engine_waits = True
+        t.block_ids, t.fenced = ids, min(len(g) for g in ids)
+        self._push(t, now, out)
+        self.ledger.grow(t.transfer_id, ids)
+        self._apply(t, PI.KV_READY, "kv_ready")
+        t.deadline = now + self.timeouts.copy_s
+        if not self._copies_running(t):
+            self._apply(t, PI.LOCAL_DONE, "every_chunk_sent")
+            t.deadline = now + self.timeouts.done_s
+            out.append(Send(t.peer, Done(t.transfer_id, t.epoch, DoneStatus.OK)))
+        return out
+
     def _take_channel(self) -> int:
         """A channel no live hand-off uses: two hand-offs' copies never match each other's."""
         if len(self._channels) >= CHANNELS - 1:
@@ -306,6 +459,16 @@ class ProducerManager(HandoffSide[PTransfer]):
     def _claim_problem(self, t: PTransfer, claim: Claim) -> NackReason | None:
         if claim.digest != t.digest:
             return NackReason.HASH_MISMATCH
+        if t.state is PState.PREFILLING:
+            # Streamed: P's blocks are not all known yet; the prompt has one hash per block.
+            if len(claim.start) != len(claim.block_ids) or not claim.block_ids:
+                return NackReason.SHAPE
+            n = len(t.block_hashes)
+            if any(
+                s < 0 or s + len(d) > n for s, d in zip(claim.start, claim.block_ids, strict=True)
+            ):
+                return NackReason.SHAPE
+            return None
         if len(claim.start) != len(t.block_ids) or len(claim.block_ids) != len(t.block_ids):
             return NackReason.SHAPE
         for s, d, mine in zip(claim.start, claim.block_ids, t.block_ids, strict=True):
@@ -371,9 +534,14 @@ class ProducerManager(HandoffSide[PTransfer]):
         self._apply(t, event, cause)
         assert t.state is PState.RELEASED
         self._channels.discard(t.channel)
+        self._channels.difference_update(t.chunks)
         self._forget(t, now, watching=lambda x: x.state is not PState.READY)
         if self.ledger.holds(t.transfer_id):
-            out.append(FinishedSending(t.transfer_id, self.ledger.give_back(t.transfer_id)))
+            ids = self.ledger.give_back(t.transfer_id)
+            if t.engine_waits:
+                out.append(FinishedSending(t.transfer_id, ids))
+            # else: a streamed hand-off ended while its request still prefills; the request's
+            # kv_ready (the tombstone's path) or its abort hands the blocks back.
 
     def _launch_waiting(self, now: float, out: list[Action]) -> None:
         while (t := self._next_launch(now)) is not None:
