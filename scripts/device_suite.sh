@@ -12,7 +12,8 @@
 # its own), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), tp (two GPUs only). Missing Python packages (structlog,
-# pytest-asyncio) are installed from .whl/*.whl when that folder exists.
+# pytest-asyncio) are installed from .whl/*.whl when that folder exists. REPEAT sets the reload and
+# noreuse-fp32 steps' pairs of runs (default 16 and 9).
 set -u
 OUT=${OUT:-./device-out}
 STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-thread multiround decode contention connector tp}
@@ -54,14 +55,14 @@ for step in $STEPS; do
         --json "$OUT/decode_step_fp32.json" ;;
     reload)
       run engine_offload 300 python3 scripts/bench_engine_offload.py "${model[@]}" \
-        --scenario both --reloads 5 --repeat 16 --trace "$OUT/reload_trace.jsonl" \
+        --scenario both --reloads 5 --repeat "${REPEAT:-16}" --trace "$OUT/reload_trace.jsonl" \
         --json "$OUT/engine_offload.json" ;;
     noreuse-lazy)
       run noreuse_lazy 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat 9 --store-policy lazy --json "$OUT/noreuse_lazy.json" ;;
     noreuse-fp32)
       run noreuse_fp32 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
-        --scenario noreuse --repeat 9 --dtype float32 --json "$OUT/noreuse_fp32.json" ;;
+        --scenario noreuse --repeat "${REPEAT:-9}" --dtype float32 --json "$OUT/noreuse_fp32.json" ;;
     noreuse-thread)
       run noreuse_thread 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat 9 --worker-loop thread --json "$OUT/noreuse_thread.json" ;;
