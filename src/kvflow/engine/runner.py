@@ -113,7 +113,8 @@ class ModelRunner:
         self._paged_decode = False
         self._half = dtype in (torch.float16, torch.bfloat16)
         # Off by default: an engine's consumer that checks outputs beyond greedy tokens
-        # (``kvflow bench``'s half-precision check) turns it on; such steps skip the graphs.
+        # (``kvflow bench``'s half-precision check) turns it on; a decode-shaped step sampling a
+        # first token then runs eagerly (mixed buckets return their logits).
         self.record_first_logits = False
         # The engine's clock, set by the engine: when this step's loads were launched.
         self.now: Callable[[], float] | None = None
