@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -67,11 +69,11 @@ def parse_tables(text: str) -> dict[str, float]:
     return out
 
 
-def run_one(tree: Path, bench: str) -> dict[str, float]:
+def run_one(tree: Path, bench: str, extra: Sequence[str] = ()) -> dict[str, float]:
     python, argv = BENCHES[bench]
     env = {**os.environ, "PYTHONPATH": str(tree / "src"), "COLUMNS": "400"}
     done = subprocess.run(
-        [python, *argv], cwd=tree, env=env, capture_output=True, text=True, check=True
+        [python, *argv, *extra], cwd=tree, env=env, capture_output=True, text=True, check=True
     )
     return parse_tables(done.stdout)
 
@@ -83,6 +85,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bench", action="append", choices=sorted(BENCHES), required=True)
     parser.add_argument("--json", type=Path, help="also write every sample here")
+    parser.add_argument(
+        "--bench-args",
+        default="",
+        help="arguments passed to every benchmark script, one string "
+        "(e.g. '--decode 160 --logging unconfigured')",
+    )
     args = parser.parse_args()
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
@@ -94,7 +102,8 @@ def main() -> None:
             order = ("old", "new") if rep % 2 == 0 else ("new", "old")
             for bench in args.bench:
                 for side in order:
-                    for key, value in run_one(trees[side], bench).items():
+                    extra = shlex.split(args.bench_args)
+                    for key, value in run_one(trees[side], bench, extra).items():
                         samples[bench][side].setdefault(key, []).append(value)
                     progress.advance(task)
     if args.json:
