@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvflow.core.protocol import StepReport
-from kvflow.core.requests import CachedRequest, RequestLike, SchedulerOutput
+from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import (
     KVFlowWorkerMetadata,
@@ -266,8 +266,7 @@ def test_translation_without_running_requests_passes_only_resumed_ones() -> None
     h = VLLMHarness.build(num_blocks=9, max_num_batched_tokens=256)  # 8 usable blocks
     a = h.add(prompt(64, 1), max_tokens=40)
     b = h.add(prompt(63, 2), max_tokens=40)
-    seen_new: set[str] = set()
-    resumed: list[CachedRequest] = []
+    seen_new, resumed = set(), []
     for step in range(60):
         so = h.schedule()
         out = translate_scheduler_output(so, step=step, num_groups=1, running=False)

@@ -151,10 +151,6 @@ class LazyCursor:
             # new content under the old hash. The new owner's ``record`` records it again.
             for b in ids:
                 record.pop(b, None)
-        stale = self._stale
-        if stale:
-            for b in ids:
-                stale.pop(b, None)  # its next content is computed after the reset
         ahead = self._ahead
         if not ahead:
             return
@@ -170,12 +166,6 @@ class LazyCursor:
         over a step's new blocks of all requests at once)."""
         pop = self._record.pop
         ahead = self._ahead
-        if self._stale:
-            tables = list(tables)
-            for ids in tables:
-                for group_ids in ids:
-                    for b in group_ids:
-                        self._stale.pop(b, None)  # its next content is computed after the reset
         for ids in tables:
             for group_ids in ids:
                 for b in group_ids:
@@ -227,14 +217,12 @@ class LazyCursor:
         ahead = self._ahead
         order = self._order
         is_free = self._view.is_free
-        stale = self._stale
         while order:
             b = order[0]
             if b in ahead:
                 if is_free(b):
                     break
                 ahead.discard(b)
-                stale.pop(b, None)  # taken: its next content is computed after the reset
             order.popleft()
         if len(order) > 2 * len(ahead) + self._watermark:
             # Blocks taken from the middle of the prefix (``taken``) linger in ``order``.
