@@ -8,10 +8,10 @@ round trip checks that the right bytes arrived in the right block.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvflow.core.block_pool import BlockPool
-from kvflow.core.gpu_view import BlockKey, BlockPoolGpuView, GpuCacheView
+from kvflow.core.gpu_view import BlockPoolGpuView, GpuCacheView
 from kvflow.core.hashing import BlockHash, hash_block, hash_blocks
 from kvflow.core.offload import GroupSpec, OffloadManager, OffloadManagerConfig, StepOutcome
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
@@ -60,38 +60,8 @@ class FakeWorkers:
                 self.unreported.get(tid, set()).discard(report.rank)
 
 
-class KeyedView(BlockPoolGpuView):
-    """``KeyedGpuCacheView`` over the Sim's GPU pool: ``keys`` maps the engine's block hash to
-    kvflow's key of the content (the Sim fills it as it computes blocks), as vLLM's hashes are."""
-
-    __slots__ = ("_keys",)
-
-    def __init__(self, pool: BlockPool, keys: dict[Hashable, BlockKey]) -> None:
-        super().__init__(pool)
-        self._keys = keys
-
-    def block_key(self, block_id: int) -> BlockKey | None:
-        h = self._blocks[block_id].block_hash
-        return None if h is None else self._keys.get(h)
-
-    def scan_free(self, after: int | None, limit: int) -> list[tuple[int, BlockKey | None]]:
-        out: list[tuple[int, BlockKey | None]] = []
-        bid = self.first_free() if after is None else self.next_free(after)
-        while bid is not None and len(out) < limit:
-            out.append((bid, self.block_key(bid)))
-            bid = self.next_free(bid)
-        return out
-
-    def keyed_blocks(self) -> Iterator[tuple[int, BlockKey]]:
-        for block in self._blocks:
-            key = self.block_key(block.block_id)
-            if key is not None:
-                yield block.block_id, key
-
-
 class Sim:
-    """A minimal engine around one ``OffloadManager``; block ids are shared by all groups.
-    ``keyed``: the lazy policy reads block contents from a ``KeyedView`` (as over vLLM)."""
+    """A minimal engine around one ``OffloadManager``; block ids are shared by all groups."""
 
     def __init__(
         self,
@@ -106,10 +76,8 @@ class Sim:
         decode_columns: bool = False,
         eager_store_interval: int = 1,
         enable_events: bool = False,
-        keyed: bool = False,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks, name="gpu")
-        self.keys: dict[Hashable, BlockKey] = {}
         # Pass one-token, non-speculative running requests as DecodeRequests columns.
         self.decode_columns = decode_columns
         self.null: int | None = None
@@ -124,7 +92,7 @@ class Sim:
             eager_store_interval=eager_store_interval,
             enable_events=enable_events,
         )
-        view: GpuCacheView = KeyedView(self.gpu, self.keys) if keyed else BlockPoolGpuView(self.gpu)
+        view: GpuCacheView = BlockPoolGpuView(self.gpu)
         self.mgr = OffloadManager(
             self.config, gpu_view=view if wrap_view is None else wrap_view(view)
         )
@@ -172,9 +140,7 @@ class Sim:
                     continue
                 self.gpu_data[b] = hashes[i]
                 if self.gpu.block(b).block_hash is None:
-                    engine_hash = hash_block(hashes[i], [g])
-                    self.gpu.cache([b], [engine_hash])
-                    self.keys[engine_hash] = (g, hashes[i])
+                    self.gpu.cache([b], [hash_block(hashes[i], [g])])
         self.computed[rid] = upto
 
     def add(self, rid: str, tokens: Sequence[int], extra_keys: tuple[str, ...] = ()) -> KVRequest:

@@ -37,9 +37,7 @@ Event = tuple[str, int, int, str]
 class Engine:
     """The engine's side of the protocol, driving one ``Sim``."""
 
-    def __init__(
-        self, policy: str, decode_columns: bool = False, interval: int = 1, keyed: bool = False
-    ) -> None:
+    def __init__(self, policy: str, decode_columns: bool = False, interval: int = 1) -> None:
         self.sim = Sim(
             [GroupSpec(block_size=BS, num_cpu_blocks=12)],
             world_size=2,
@@ -48,7 +46,6 @@ class Engine:
             gpu_blocks=28 if policy == "eager" else 16,
             decode_columns=decode_columns,
             eager_store_interval=interval,
-            keyed=keyed,
         )
         self.n = 0
         self.waiting: set[str] = set()  # load in flight
@@ -172,13 +169,9 @@ class Engine:
 
 
 def run(
-    policy: str,
-    script: list[Event],
-    decode_columns: bool = False,
-    interval: int = 1,
-    keyed: bool = False,
+    policy: str, script: list[Event], decode_columns: bool = False, interval: int = 1
 ) -> Engine:
-    eng = Engine(policy, decode_columns, interval, keyed)
+    eng = Engine(policy, decode_columns, interval)
     for kind, i, n, mode in script:
         if kind == "admit":
             eng.admit(i % len(BASES), max(8, n))
@@ -210,16 +203,6 @@ def test_eager_invariants_hold_over_random_events(script: list[Event]) -> None:
 def test_lazy_invariants_hold_over_random_events(script: list[Event]) -> None:
     """Lazy policy: the same invariants hold while stores come from the GPU free queue."""
     run("lazy", script)
-
-
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(events)
-def test_keyed_lazy_walk_stores_what_the_recorded_one_stores(script: list[Event]) -> None:
-    """Lazy over a keyed GPU view (contents read from the engine's hashes, nothing recorded per
-    request) launches the same stores, in the same order, as lazy over its content records,
-    resets included; and the invariants hold."""
-    recorded, keyed = run("lazy", script), run("lazy", script, keyed=True)
-    assert keyed.sim.workers.launched == recorded.sim.workers.launched
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
