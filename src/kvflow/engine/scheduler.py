@@ -80,6 +80,10 @@ REQUEST_MACHINE: Machine[RequestStatus, RequestInput] = Machine(
 )
 
 
+RETRY_BLOCKED_STEPS = 8
+"""A waiting head that found no GPU blocks is asked again after this many steps at the latest."""
+
+
 @define(eq=False)
 class RequestStats:
     """What one request cost and got; filled in by the scheduler as it runs."""
@@ -229,7 +233,8 @@ class Scheduler:
         self.connector = connector
         self.clock = clock
         self.loads_issued: list[Request] = []
-        self._blocked_at: tuple[str, int] | None = None  # (head, blocks.changes) it failed at
+        # (head, blocks.changes, step) of the last admission that found no blocks
+        self._blocked_at: tuple[str, int, int] | None = None
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -353,9 +358,16 @@ class Scheduler:
             if req.status is RS.WAITING_FOR_REMOTE_KVS:  # its load is still in flight
                 skipped.append(req)
                 continue
-            if self._blocked_at == (req.request_id, self.blocks.changes):
-                # Nothing came free or was cached since it last failed: it fails again, and
-                # asking costs a prefix-hit walk and a connector match per step.
+            if (
+                self.running
+                and self._blocked_at is not None
+                and self._blocked_at[:2] == (req.request_id, self.blocks.changes)
+                and self._step - self._blocked_at[2] < RETRY_BLOCKED_STEPS
+            ):
+                # Nothing came free or was cached since it last failed, and running requests
+                # will free blocks: it would fail again, and asking costs a prefix-hit walk and
+                # a connector match. The connector's answer can change too (a CPU-tier reset
+                # shrinks an async load's blocks), so it is asked again every few steps.
                 self.waiting.appendleft(req)
                 blocked = req
                 break
@@ -364,7 +376,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 blocked = req
                 if self.config.enable_chunked_prefill:  # else the step's budget may be why
-                    self._blocked_at = (req.request_id, self.blocks.changes)
+                    self._blocked_at = (req.request_id, self.blocks.changes, self._step)
                 break
             if isinstance(result, str):  # not now: waits for its load, or for the connector
                 skipped.append(req)
