@@ -188,3 +188,20 @@ def test_a_preempted_request_s_stream_stops_and_its_blocks_come_back_at_kv_ready
     assert p.num_live == 0
     assert p.ledger.num_blocks == 0
     assert p.kv_ready("t", 1, "D", P_IDS, HASHES, 0.6) == [FinishedSending("t", P_IDS)]
+
+
+def test_a_failed_push_before_kv_ready_frees_every_block_of_the_request() -> None:
+    """A chunk's send fails while P still prefills (the hand-off drains); kv_ready then brings
+    the request's whole table: the drain's FinishedSending names all of it, not only the
+    chunk's blocks, and the ledger ends empty."""
+    p, _d, _ = streamed()
+    two = p.kv_chunk("t", 1, ((10, 11),), 2, 0.3)
+    (launch,) = of(two, LaunchCopies)
+    second, _ = chunk(p, 3, 0.35)
+    assert p.copy_done("t", 1, 0, False, 0.4, launch.channel) != []
+    assert p.transfers["t"].state is PState.DRAINING
+    assert p.kv_ready("t", 1, "D", P_IDS, HASHES, 0.5) == []
+    out = p.copy_done("t", 1, 0, True, 0.6, second.channel)
+    assert of(out, FinishedSending) == [FinishedSending("t", P_IDS)]
+    assert p.ledger.num_blocks == 0
+    assert "t" not in p.transfers

@@ -192,8 +192,11 @@ class ProducerManager(HandoffSide[PTransfer]):
         if t is not None and t.state is PState.STREAMING and (t.epoch, t.peer) == (epoch, peer):
             return self._streamed_ready(t, ids, block_hashes, now)
         if t is not None and t.state is PState.DRAINING and (t.epoch, t.peer) == (epoch, peer):
-            # A streamed hand-off stopped mid-way: its drain's FinishedSending frees the blocks.
+            # A streamed hand-off stopped mid-way: its drain's FinishedSending frees the blocks,
+            # all the request's (the hold had only the chunks pushed, or none).
+            self.ledger.grow(transfer_id, ids)
             t.engine_waits = True
+            t.block_ids = ids
             return []
         if t is not None and (
             t.state is not PState.PREFILLING or (t.epoch, t.peer) != (epoch, peer)
