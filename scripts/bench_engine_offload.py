@@ -372,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "",
         )
         table.add_row(
-            "  load: MB, copy in flight (ms), launch → commit (ms)",
+            "  load: MB, copy (ms, the backend's timing), launch → commit (ms)",
             f"{r['load_bytes_per_reload'] / 1e6:.0f}, {r['load_copy_in_flight_s'] * 1e3:.1f}, "
             f"{r['load_launch_to_commit_s'] * 1e3:.1f}",
             "",

@@ -92,6 +92,9 @@ class RunResult:
     failed_transfers: int
     preemptions: int
     wall_s: float
+    # Whether store / load GB/s come from the backend's timing of every copy (CUDA events, the
+    # host backend's copy thread) rather than from submit until the copy was seen done.
+    copy_time_measured: bool = False
     # Mean and median ms of each TTFT phase over requests with a history (rounds after the
     # first); the means add up to the mean TTFT of those requests.
     history_ttft_phases_mean_ms: dict[str, float] = field(factory=dict)
@@ -192,6 +195,7 @@ def _result(
     rounds: int,
     stats: ConnectorStats | None,
     copies: dict[Direction, tuple[int, float]] | None = None,
+    measured: bool = False,
 ) -> RunResult:
     computed = result.total("prefill_tokens_computed")
     loaded = result.total("external_loaded_tokens")
@@ -217,9 +221,16 @@ def _result(
         failed_transfers=m.failed_transfers if m else 0,
         preemptions=engine.stats.preemptions,
         wall_s=result.wall_s,
+        copy_time_measured=measured,
         history_ttft_phases_mean_ms={p: statistics.fmean(v) for p, v in phases.items() if v},
         history_ttft_phases_p50_ms={p: statistics.median(v) for p, v in phases.items() if v},
     )
+
+
+def _copies_measured(connector: OffloadConnector) -> bool:
+    """Some copies ran, and the backend timed every one of them."""
+    stats = [st for st in connector.worker.copy_stats().values() if st.batches]
+    return bool(stats) and all(st.measured for st in stats)
 
 
 def _settle(device: str) -> None:
@@ -378,6 +389,7 @@ def run_bench(
         cfg.rounds,
         connector.scheduler.stats(),
         connector.worker.copy_throughput(),
+        measured=_copies_measured(connector),
     )
     backend = connector.worker.backend.name
     offloaded.shutdown()
