@@ -291,6 +291,12 @@ class DecodeGraphs:
                 return size
         raise ValueError(f"{rows} decode rows exceed the largest bucket {self.max_rows}")
 
+    def tables_fit(self, width: int) -> bool:
+        """Whether block tables ``width`` blocks long fit the full buckets' static tables (one
+        column per cache block: a sliding-window group's table, null blocks included, can be
+        longer; such steps run eagerly)."""
+        return not self.full or width <= self.kv_caches[0].shape[1]
+
     def mixed_bucket_for(self, tokens: int, samples: int) -> int | None:
         """The smallest mixed bucket that holds ``tokens`` tokens, or None: too many tokens
         (such steps are bound by the device, not by their launches) or sampled rows."""
