@@ -57,6 +57,13 @@ class BenchConfig:
     # "round": only one round, faster but it favours the second (offload-on) run.
     warmup: str = "full"
 
+    @property
+    def resolved_dtype(self) -> str:
+        """``dtype``, or the engine's default for ``device`` (``build_model``'s)."""
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
     def __attrs_post_init__(self) -> None:
         check_model(self.model)
         check_device(self.device, self.backend)

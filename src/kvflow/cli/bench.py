@@ -267,7 +267,7 @@ def check_line(result: BenchResult) -> str:
         verdict = "[green]identical[/]" if c.passed else "[red]DIFFERENT[/]"
         return f"greedy outputs, offload off vs on: {verdict}"
     head = (
-        f"outputs vs a no-eviction replay ({result.config.dtype or 'bfloat16'}): tokens "
+        f"outputs vs a no-eviction replay ({result.config.resolved_dtype}): tokens "
         f"identical in {c.requests_identical}/{c.requests} requests"
     )
     if c.tokens_identical:
@@ -516,7 +516,7 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
     from kvflow.bench.multi_round import REFERENCE_RUN, run_bench
 
     runs = ["offload off", "offload on"]
-    if (cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16")) != "float32":
+    if cfg.resolved_dtype != "float32":
         runs.append(REFERENCE_RUN)
     with _progress(console) as progress:
         tasks = {name: progress.add_task(name, total=cfg.rounds) for name in runs}

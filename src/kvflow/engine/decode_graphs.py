@@ -18,7 +18,7 @@ CPU test suite checks this path's plumbing (buckets, padding, several cache grou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,10 +29,11 @@ from kvflow.core.logs import get_logger
 from kvflow.engine import triton_decode
 from kvflow.engine.kv_cache import (
     AttentionMetadata,
-    _key_start,
+    block_table_host,
     block_table_tensor,
     decode_attention,
     decode_segment,
+    key_ranges,
     layer_name,
     paged_attention,
 )
@@ -291,11 +292,14 @@ class DecodeGraphs:
                 return size
         raise ValueError(f"{rows} decode rows exceed the largest bucket {self.max_rows}")
 
-    def tables_fit(self, width: int) -> bool:
-        """Whether block tables ``width`` blocks long fit the full buckets' static tables (one
-        column per cache block: a sliding-window group's table, null blocks included, can be
-        longer; such steps run eagerly)."""
-        return not self.full or width <= self.kv_caches[0].shape[1]
+    def tables_fit(self, tables: Iterable[Sequence[Sequence[int]]]) -> bool:
+        """Whether the rows' block tables (per row, per group) fit the full buckets' static
+        tables (one column per cache block: a sliding-window group's table, null blocks
+        included, can be longer; such steps run eagerly). Read only for full graphs."""
+        if not self.full:
+            return True
+        width = self.kv_caches[0].shape[1]
+        return all(len(t) <= width for row in tables for t in row)
 
     def mixed_bucket_for(self, tokens: int, samples: int) -> int | None:
         """The smallest mixed bucket that holds ``tokens`` tokens, or None: too many tokens
@@ -403,17 +407,12 @@ class DecodeGraphs:
         b, rows = len(num_computed), bucket.rows
         pad = rows - b
         for g, tables in enumerate(block_tables):
-            window = self.windows[g]
-            firsts = [_key_start(c, window) for c in num_computed]
-            counts = [c + 1 - f for c, f in zip(num_computed, firsts, strict=True)]
+            firsts, counts = key_ranges(num_computed, self.windows[g])
             split = triton_decode.split_len_for(bucket.splits[g], max(counts))
             host += [*firsts, *([0] * pad), *counts, *([1] * pad), split]
-            width = max(len(t) for t in tables)
-            flat = [0] * (b * width)
-            for i, t in enumerate(tables):
-                flat[i * width : i * width + len(t)] = t
+            table = block_table_host(tables, torch.int32)
             table_host = bucket.tables_host[g]
-            table_host[:b, :width] = torch.tensor(flat, dtype=torch.int32).view(b, width)
+            table_host[:b, : table.shape[1]] = table
             if pad:
                 table_host[b:, 0] = 0
             bucket.tables[g].copy_(table_host, non_blocking=True)

@@ -155,15 +155,29 @@ def _slots(
     return result
 
 
-def block_table_tensor(block_tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """The requests' block tables as one ``(B, longest)`` tensor on ``device``, padded with the
-    null block; built in a host list and copied once."""
+def block_table_host(
+    block_tables: Sequence[Sequence[int]], dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """The requests' block tables as one ``(B, longest)`` host tensor, padded with the null
+    block; built in one host list."""
     b = len(block_tables)
     width = max(1, max(len(t) for t in block_tables))
     flat = [0] * (b * width)
     for i, t in enumerate(block_tables):
         flat[i * width : i * width + len(t)] = t
-    return torch.tensor(flat, dtype=torch.long).view(b, width).to(device)
+    return torch.tensor(flat, dtype=dtype).view(b, width)
+
+
+def block_table_tensor(block_tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """``block_table_host`` on ``device``, copied once."""
+    return block_table_host(block_tables).to(device)
+
+
+def key_ranges(num_computed: Sequence[int], window: int | None) -> tuple[list[int], list[int]]:
+    """Decode rows' keys: the first key position of each row computing position
+    ``num_computed[b]`` (its window's start), and how many keys it attends to."""
+    firsts = [_key_start(c, window) for c in num_computed]
+    return firsts, [c + 1 - f for c, f in zip(num_computed, firsts, strict=True)]
 
 
 def build_attention_metadata(
@@ -267,8 +281,7 @@ def decode_segment(
     ``paged``: for the Triton kernel, which reads the keys in place, except, with
     ``flash_if_equal`` (half precision), rows of equal length: unmasked, SDPA runs flash."""
     b, width = tables.shape
-    firsts = [_key_start(c, window) for c in num_computed]
-    key_counts = [c + 1 - f for c, f in zip(num_computed, firsts, strict=True)]
+    firsts, key_counts = key_ranges(num_computed, window)
     k_max = max(key_counts)
     if paged and not (flash_if_equal and min(key_counts) == k_max):
         sizes = torch.tensor([firsts, key_counts], dtype=torch.int32).to(tables.device)
@@ -381,10 +394,12 @@ __all__ = [
     "PagedDecode",
     "PrefillSegment",
     "allocate_kv_caches",
+    "block_table_host",
     "block_table_tensor",
     "build_attention_metadata",
     "decode_attention",
     "decode_segment",
+    "key_ranges",
     "kv_cache_groups",
     "layer_name",
     "paged_attention",

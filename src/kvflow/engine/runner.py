@@ -240,7 +240,7 @@ class ModelRunner:
             and not recording
             and len(chunks) <= graphs.max_rows
             and all(len(c.token_ids) == 1 for c in chunks)
-            and graphs.tables_fit(max(len(t) for c in chunks for t in c.block_ids))
+            and graphs.tables_fit(c.block_ids for c in chunks)
         ):
             return self._decode_from_graphs(graphs, chunks)
         device = self.device
