@@ -3,7 +3,7 @@ the same link in the same run, descriptors (or copies) issued and the host cost 
 
 Usage: python scripts/bench_pd_transports.py [--transports gloo nixl] [--device cpu]
            [--sizes-kib 4 8 16 32 64 128] [--mib 32] [--repeat 5] [--mode read]
-           [--method auto] [--json FILE]
+           [--method auto] [--regions 1] [--json FILE]
        python scripts/bench_pd_transports.py --device cuda --transports cuda-ipc nixl
 Goals (issue 22): >= 90 % of the ceiling at >= 32 KiB blocks, >= 70 % at 4 KiB; CUDA IPC >= 2x a
 torch index gather of the same blocks.
@@ -18,6 +18,11 @@ on CPU a memcpy of the same bytes (one contiguous ``copy_``, pages touched first
 contiguous device-to-device copy through the mapping of the peer's tensor (cuda-ipc), or of
 local memory (nixl). On CUDA also a torch index gather of the same blocks (``index_select``
 through the mapping). Bytes are checked on D.
+
+``--regions R`` makes each block R pages of the given size, one per registered tensor (a real
+KV cache: a block is a K page and a V page per layer), so the same bytes are R x fewer blocks;
+the gather then runs region by region and the ceiling copies the same bytes between two local
+buffers.
 """
 
 from __future__ import annotations
@@ -98,16 +103,17 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
     )
     bar = PairStore(pair_rank=rank, host="127.0.0.1", port=ports[1], timeout_s=120.0, what="bar")
     total = cfg["mib"] << 20
+    nreg = cfg["regions"]
     sizes = [kib << 10 for kib in cfg["sizes_kib"]]
     caches = []
     for bs in sizes:
-        n = 2 * (total // bs)
+        n = 2 * (total // (bs * nreg))
         c = (
-            torch.randint(0, 255, (n, bs), dtype=torch.uint8, generator=_gen(bs))
+            torch.randint(0, 255, (nreg, n, bs), dtype=torch.uint8, generator=_gen(bs))
             if rank == 0
-            else torch.zeros(n, bs, dtype=torch.uint8)
+            else torch.zeros(nreg, n, bs, dtype=torch.uint8)
         )
-        caches.append(c.to(device))
+        caches.append(list(c.to(device).unbind(0)))
     out: dict[str, Any] = {"sizes": {}}
     step = 0
 
@@ -118,12 +124,12 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
         bar.fetch(f"b{step}")
 
     try:
-        t.register([[c] for c in caches])
+        t.register(caches)
         # The side whose fence means the bytes are in place: D for gloo and pulls, P for pushes.
         initiator = rank == (1 if name == "gloo" or cfg["mode"] == "read" else 0)
         out["stats"] = getattr(t, "stats", {})
         for g, bs in enumerate(sizes):
-            n = total // bs
+            n = total // (bs * nreg)
             perm = torch.randperm(2 * n, generator=_gen(bs + 1))
             src, dst = perm[:n].tolist(), perm[n:].tolist()
             mine, theirs = (src, dst) if rank == 0 else (dst, src)
@@ -156,7 +162,12 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                     else:
                         contig.append(took)
                     barrier()
-            fig: dict[str, Any] = {"blocks": n, "bytes": n * bs, "initiator": initiator}
+            fig: dict[str, Any] = {
+                "blocks": n,
+                "regions": nreg,
+                "bytes": n * bs * nreg,
+                "initiator": initiator,
+            }
             if initiator:
                 fig.update(
                     seconds=statistics.median(times[1:]),
@@ -165,19 +176,21 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                     issued=issued[-1],
                 )
                 if name == "gloo":  # staging chunks, one wire op each
-                    geo = geometry([[c] for c in caches])
+                    geo = geometry(caches)
                     fig["issued"] = len(plan_chunks(g + 1, pairs, geo, 8 << 20))
             if rank == 1:
-                want = torch.randint(0, 255, (2 * n, bs), dtype=torch.uint8, generator=_gen(bs))
-                got = caches[g].cpu()
+                want = torch.randint(
+                    0, 255, (nreg, 2 * n, bs), dtype=torch.uint8, generator=_gen(bs)
+                )
+                got = torch.stack([c.cpu() for c in caches[g]])
                 fig["bytes_match"] = bool(
-                    torch.equal(got[torch.tensor(dst)], want[torch.tensor(src)])
+                    torch.equal(got[:, torch.tensor(dst)], want[:, torch.tensor(src)])
                 )
                 mapped = getattr(t, "_mapped", None)
                 if device == "cuda" and mapped:
-                    fig.update(_cuda_baselines(mapped[g][0], caches[g], src, dst, cfg["repeat"]))
+                    fig.update(_cuda_baselines(mapped[g], caches[g], src, dst, cfg["repeat"]))
                 else:
-                    fig["ceiling_s"] = _ceiling(device, n * bs, cfg["repeat"])
+                    fig["ceiling_s"] = _ceiling(device, n * bs * nreg, cfg["repeat"])
             out["sizes"][str(bs >> 10)] = fig
         out["stats"] = getattr(t, "stats", {})
     finally:
@@ -186,20 +199,34 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
 
 
 def _cuda_baselines(
-    peer: torch.Tensor, local: torch.Tensor, src: list[int], dst: list[int], repeat: int
+    peer: list[torch.Tensor],
+    local: list[torch.Tensor],
+    src: list[int],
+    dst: list[int],
+    repeat: int,
 ) -> dict[str, float]:
-    """Contiguous D2D through the mapping (the ceiling) and a torch index gather of the blocks."""
+    """The ceiling: one contiguous device-to-device copy of the same bytes, through the mapping
+    of the peer's tensor when it is one region (with more, two local buffers of that size: on
+    one GPU the mapping is the same memory); and a torch index gather of the blocks, region by
+    region (what a torch user writes)."""
     n = len(src)
-    si, di = torch.tensor(src, device=local.device), torch.tensor(dst, device=local.device)
+    nbytes = n * sum(t[0].numel() * t.element_size() for t in local)
+    if len(peer) == 1:
+        a, b = peer[0][:n], local[0][:n]
+    else:
+        a = torch.empty(nbytes, dtype=torch.uint8, device=local[0].device)
+        b = torch.empty_like(a)
+    si, di = torch.tensor(src, device=local[0].device), torch.tensor(dst, device=local[0].device)
     ceil, gather = [], []
     for _ in range(repeat + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        local[:n].copy_(peer[:n])
+        b.copy_(a)
         torch.cuda.synchronize()
         ceil.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        local.index_copy_(0, di, peer.index_select(0, si))
+        for p, lo in zip(peer, local, strict=True):
+            lo.index_copy_(0, di, p.index_select(0, si))
         torch.cuda.synchronize()
         gather.append(time.perf_counter() - t0)
     return {
@@ -230,9 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--mode", choices=("read", "write"), default="read")
     parser.add_argument("--method", choices=("auto", "dma", "kernel"), default="auto")
+    parser.add_argument("--regions", type=int, default=1, help="pages per block (tensors)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    if args.regions < 1 or args.mib < 1 or args.repeat < 1:
+        parser.error("--regions, --mib and --repeat must be positive")
     transports = args.transports or (
         ["gloo", "nixl"] if args.device == "cpu" else ["cuda-ipc", "nixl"]
     )
@@ -243,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "mode": args.mode,
         "method": args.method,
+        "regions": args.regions,
         "timeout_s": args.timeout_s,
     }
     console = Console(width=max(Console().width, 120))
@@ -255,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = _merge(res)
         console.print(f"{name}: done ({len(rows[name]['sizes'])} sizes)")
     table = Table(
-        title=f"PD transports, {args.mib} MiB of scattered blocks per hand-off ({args.device})"
+        title=f"PD transports, {args.mib} MiB of scattered blocks per hand-off ({args.device}, "
+        f"{args.regions} page(s) a block)"
     )
-    for col in ("transport", "KiB", "blocks", "GB/s", "contig GB/s", "ceiling GB/s",
+    for col in ("transport", "page KiB", "blocks", "GB/s", "contig GB/s", "ceiling GB/s",
                 "of ceiling", "vs gather", "issued", "launch µs", "ok"):  # fmt: skip
         table.add_column(col, justify="right")
     for name, r in rows.items():

@@ -11,12 +11,13 @@
 # noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
 # its own), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
-# every layout; cross-layer again on the staged path), tp (two GPUs only). Missing Python packages (structlog,
+# every layout; cross-layer again on the staged path), pdx (PD's CUDA IPC transport, scattered
+# pages), pd (kvflow bench --pd on the one GPU over CUDA IPC), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists. REPEAT sets the reload and
 # noreuse-fp32 steps' pairs of runs (default 16 and 9).
 set -u
 OUT=${OUT:-./device-out}
-STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-thread multiround decode contention connector tp}
+STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-thread multiround decode contention connector pdx pd tp}
 mkdir -p "$OUT/logs"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -80,6 +81,14 @@ for step in $STEPS; do
         --json "$OUT/connector_transfer.json"
       run connector_transfer_cross_staged 60 python3 scripts/bench_connector_transfer.py \
         --layouts cross --method staged --json "$OUT/connector_transfer_cross_staged.json" ;;
+    pdx)  # PD's one-GPU transport: scattered pages, one region and a block of 32 pages
+      run pd_transports 150 python3 scripts/bench_pd_transports.py --device cuda \
+        --transports cuda-ipc --mib 256 --json "$OUT/pd_transports.json"
+      run pd_transports_r32 150 python3 scripts/bench_pd_transports.py --device cuda \
+        --transports cuda-ipc --mib 256 --regions 32 --json "$OUT/pd_transports_r32.json" ;;
+    pd)  # P and D as two processes on the one GPU against a colocated engine
+      run bench_pd 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" --pd \
+        --pd-transport cuda-ipc --json "$OUT/bench_pd.json" ;;
     tp)
       if [ "$gpus" -ge 2 ]; then
         run tp_tests 300 python3 -m pytest tests/distributed -q -p no:cacheprovider

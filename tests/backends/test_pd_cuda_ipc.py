@@ -21,10 +21,11 @@ from structlog.testing import capture_logs
 
 from kvflow.backends.base import FenceStatus
 from kvflow.backends.pd.cuda_copy import (
-    MAX_PAIRS,
+    CHUNK_BYTES,
     PairTable,
     ParamBlock,
     choose_method,
+    chunks_of,
     d2d_descriptors,
 )
 from kvflow.backends.pd.cuda_ipc import CudaIpcTransport, Doorbell, process_start, token_of
@@ -427,7 +428,8 @@ def test_d2d_descriptors_coalesce_runs_only_where_rows_are_back_to_back() -> Non
 
 def test_pair_tables_methods_and_the_kernel_parameter_block() -> None:
     """Sides with different pages are a LayoutError; auto picks the kernel for small pages and
-    DMA for large; the parameter block carries the pairs and refuses more than MAX_PAIRS."""
+    DMA for large; the parameter block carries the regions, the chunks and the device ids, and
+    a page is split into CHUNK_BYTES work items."""
     with pytest.raises(LayoutError, match="page sizes"):
         PairTable.of([Region(0, 16, 16, 2, 0)], [Region(0, 32, 32, 2, 0)], group=0)
     t = _table(16, 16)
@@ -437,10 +439,16 @@ def test_pair_tables_methods_and_the_kernel_parameter_block() -> None:
     with pytest.raises(ConfigError):
         choose_method("fast", t, 1)  # type: ignore[arg-type]
     pb = ParamBlock()
-    grid = pb.fill(0xABC, 2, np.array([5, 6, 7]), np.array([1, 2, 3]))
-    assert grid == 1
-    assert pb.ids() == ([5, 6, 7], [1, 2, 3])
-    assert int(pb.raw[0:8].view(np.int64)[0]) == 0xABC
-    big = np.arange(MAX_PAIRS + 1)
-    with pytest.raises(BackendError, match="at most"):
-        pb.fill(0, 1, big, big)
+    items = pb.fill(0xABC, 2, 3, 5, 0x1000)
+    assert items == 2 * 3 * 5
+    i64, i32 = pb.raw.view(np.int64), pb.raw.view(np.int32)
+    assert int(i64[0]) == 0xABC
+    assert (int(i32[2]), int(i32[3])) == (2, 3)
+    assert int(i64[2]) == 5
+    assert (int(i64[3]), int(i64[4])) == (0x1000, 0x1000 + 4 * 5)
+    with pytest.raises(BackendError, match="chunks"):
+        pb.fill(0, 1, 0, 1, 0)
+    assert chunks_of(_table(16, 16)) == 1
+    assert chunks_of(PairTable.of([Region(0, 9000, 9000, 2, 0)] * 2,
+                                  [Region(0, 9000, 9000, 2, 0)] * 2, group=0)) == 3  # fmt: skip
+    assert CHUNK_BYTES == 4096

@@ -252,3 +252,54 @@ def test_a_peer_killed_mid_hand_off_leaves_the_other_serving(
     assert res["after_kill"] == "failed"
     assert res["health"] == (True, True, "failed")
     assert res["stopped"]["failed"] >= 1
+
+
+@pytest.mark.parametrize("method", ["kernel", "dma"])
+def test_one_launch_copies_thousands_of_scattered_pairs_of_every_page_shape(method: str) -> None:
+    """The device copier (no second process: both sides are this process's tensors) moves
+    5,000 scattered pairs byte-exact in one kernel launch: 4 KiB pages, 136 KiB pages split
+    into chunks with a short last chunk, 9,000-byte pages that are not 16-byte aligned, rows
+    with a stride wider than the page; a second, smaller copy reuses the uploaded id buffer."""
+    from kvflow.backends.pd.cuda_ipc import CudaIpcDevice
+    from kvflow.backends.pd.rendezvous import SideLayout, sorted_pairs
+
+    n_src, n_dst, npairs = 6000, 7000, 5000
+    g = torch.Generator().manual_seed(5)
+
+    def group(n: int, fill: bool) -> list[Any]:
+        shapes_ = [(n, 4096), (n, 136 << 10), (n, 9000)]
+        out = [
+            torch.randint(0, 255, s, generator=g, dtype=torch.uint8).cuda()
+            if fill
+            else torch.zeros(s, dtype=torch.uint8, device="cuda")
+            for s in shapes_
+        ]
+        wide = torch.zeros(n, 2, 2048, dtype=torch.uint8, device="cuda")
+        if fill:
+            wide.copy_(torch.randint(0, 255, (n, 2, 2048), generator=g, dtype=torch.uint8))
+        out.append(wide[:, 0])  # a 2 KiB page every 4 KiB
+        return out
+
+    src, dst = group(n_src, True), group(n_dst, False)
+    dev = CudaIpcDevice(method=method)
+    paths = dev.prepare(SideLayout.of([src], what="src"), SideLayout.of([dst], what="dst"))
+    assert paths == [method]
+    s_ids = torch.randperm(n_src, generator=g)[:npairs]
+    d_ids = torch.randperm(n_dst, generator=g)[:npairs]
+    loc, rem = sorted_pairs(list(zip(s_ids.tolist(), d_ids.tolist(), strict=True)))
+    issued = dev.copy(0, loc, rem)
+    if method == "kernel":
+        assert issued == 1
+    torch.cuda.synchronize()
+    si, di = torch.as_tensor(loc).cuda(), torch.as_tensor(rem).cuda()
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(b[di], a[si])
+    untouched = torch.ones(n_dst, dtype=torch.bool, device="cuda")
+    untouched[di] = False
+    assert all(int(b[untouched].count_nonzero()) == 0 for b in dst)
+    few = dev.copy(0, loc[:3][::-1].copy(), rem[:3].copy())  # 3 pairs, reordered sources
+    torch.cuda.synchronize()
+    assert few >= 1
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(b[di[:3]], a[si[:3].flip(0)])
+    dev.close(synchronize=True)

@@ -132,9 +132,11 @@ def _wait(t: Any, fence: Any, limit_s: float) -> str:
     return str(t.query(fence).value)
 
 
-def _pair(rank: int, world_size: int, port: int, mode: str) -> Any:
+def _pair(rank: int, world_size: int, port: int, mode: str, device: str = "cpu") -> Any:
     """One rank of P (0) and D (1): two hand-offs, then the error paths."""
     del world_size
+    if device == "cuda":
+        torch.cuda.set_device(0)
     from kvflow.backends.pd.nixl import NixlTransport
 
     clock = SystemClock()
@@ -143,7 +145,7 @@ def _pair(rank: int, world_size: int, port: int, mode: str) -> Any:
     )
     out: dict[str, Any] = {}
     try:
-        tensors = kv(rank)
+        tensors = [[x.to(device) for x in g] for g in kv(rank)]
         t.register(tensors)
         send = rank == 0
         pairs = PAIRS if send else tuple(tuple((d, s) for s, d in g) for g in PAIRS)
@@ -164,7 +166,7 @@ def _pair(rank: int, world_size: int, port: int, mode: str) -> Any:
             out["cancelled"] = t.query(cancelled).value
         out["stats"] = t.stats
         if rank == 1:
-            out["tensors"] = tensors
+            out["tensors"] = [[x.cpu() for x in g] for g in tensors]
         return out
     finally:
         t.close()

@@ -6,10 +6,10 @@ Two ways, chosen per KV cache group by page size (``choose_method``):
 - ``dma``: one ``cuMemcpyBatchAsync`` (kvflow's CUDA backend's raw-array wrapper) over every
   (run, region) page: a run of blocks consecutive on both sides of a region whose rows are back
   to back is one copy (``d2d_descriptors``);
-- ``kernel``: the staged path's page copier (``kernels.COPY_PAGE``, one warp per page) in a
-  kernel that reads the source page and writes the destination page directly: both are device
-  memory, so no staging slot and no second copy; block ids travel by value
-  (``MAX_PAIRS`` pairs per launch), the region tables are uploaded once.
+- ``kernel``: a copy kernel that reads the source page and writes the destination page
+  directly: both are device memory, so no staging slot and no second copy. A page is split into ``CHUNK_BYTES`` pieces, one warp each; the block
+  ids are one device array uploaded on the copy stream, so a hand-off is one launch; the region
+  tables are uploaded once.
 
 The descriptor and parameter planning here is pure numpy and runs on any machine.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from attrs import frozen
 
-from kvflow.backends.cuda.kernels import COPY_PAGE, THREADS, WARPS, compile_cubin
+from kvflow.backends.cuda.kernels import THREADS, WARPS, compile_cubin
 from kvflow.backends.cuda.plan import Descriptors, runs
 from kvflow.backends.pd.rendezvous import Region
 from kvflow.errors import BackendError, ConfigError, LayoutError
@@ -32,43 +32,90 @@ I64 = npt.NDArray[np.int64]
 Method = Literal["auto", "dma", "kernel"]
 METHODS = ("auto", "dma", "kernel")
 
-MAX_PAIRS = 480
-"""Block pairs one kernel launch carries by value (3,840 of the 4,096 parameter bytes)."""
+CHUNK_BYTES = 4096
+"""A warp copies at most this much of a page per work item (one round of ``COPY_PAGE``'s
+loads), so a large page is spread over many warps instead of one warp looping over it."""
 
-SOURCE = (
-    (
-        r"""
-#define KVF_MAX_PAIRS @MAX_PAIRS@
+SOURCE = r"""
+#define KVF_CHUNK @CHUNK@
 struct KvfPairRegion { long long src; long long dst; long long src_stride; long long dst_stride;
                        long long page; };
-struct KvfPairIds { int src[KVF_MAX_PAIRS]; int dst[KVF_MAX_PAIRS]; };
-"""
-        + COPY_PAGE
-        + r"""
-// Page p is region (p % nregions) of pair (p / nregions).
-extern "C" __global__ void __launch_bounds__(@THREADS@) kvf_pair_copy(
-    const KvfPairRegion* __restrict__ regions, int nregions, int npairs,
-    const __grid_constant__ KvfPairIds ids)
+
+// Work item w is chunk (w % chunks) of region ((w / chunks) % nregions) of pair
+// (w / (chunks * nregions)): consecutive warps copy consecutive bytes of a page. Its source,
+// destination and length; false for a chunk past the end of a smaller region's page.
+__device__ __forceinline__ bool kvf_item(
+    unsigned w, unsigned per_pair, int chunks, const KvfPairRegion* __restrict__ regions,
+    const int* __restrict__ src_ids, const int* __restrict__ dst_ids,
+    const char** s, char** d, int* n)
 {
-    const long long npages = static_cast<long long>(nregions) * npairs;
+    const unsigned i = w / per_pair;
+    const unsigned rest = w - i * per_pair;
+    const unsigned r = rest / chunks;
+    const long long off = static_cast<long long>(rest - r * chunks) * KVF_CHUNK;
+    const KvfPairRegion rg = regions[r];
+    if (off >= rg.page) return false;
+    *n = static_cast<int>(rg.page - off < KVF_CHUNK ? rg.page - off : KVF_CHUNK);
+    *s = reinterpret_cast<const char*>(
+        rg.src + static_cast<long long>(src_ids[i]) * rg.src_stride + off);
+    *d = reinterpret_cast<char*>(rg.dst + static_cast<long long>(dst_ids[i]) * rg.dst_stride + off);
+    return true;
+}
+
+// One chunk (<= 4 KiB) a warp, each lane with up to 8 16-byte loads in flight. The next item's
+// ids and region are read while this item's loads are in flight: reading them after would add
+// a second round trip to every chunk. The pairs are a device array (src ids, then dst ids)
+// uploaded on the copy stream before the launch, so one launch carries any number of them.
+extern "C" __global__ void __launch_bounds__(@THREADS@, 4) kvf_pair_copy(
+    const KvfPairRegion* __restrict__ regions, int nregions, int chunks, long long npairs,
+    const int* __restrict__ src_ids, const int* __restrict__ dst_ids)
+{
+    const unsigned per_pair = static_cast<unsigned>(nregions) * chunks;
+    const unsigned items = per_pair * static_cast<unsigned>(npairs);
     const int lane = threadIdx.x & 31;
-    const long long nwarps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
-    const long long first = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-    for (long long p = first; p < npages; p += nwarps) {
-        const int i = static_cast<int>(p / nregions);
-        const int r = static_cast<int>(p - static_cast<long long>(i) * nregions);
-        const KvfPairRegion rg = regions[r];
-        const char* s = reinterpret_cast<const char*>(
-            rg.src + static_cast<long long>(ids.src[i]) * rg.src_stride);
-        char* d = reinterpret_cast<char*>(rg.dst + static_cast<long long>(ids.dst[i]) * rg.dst_stride);
-        kvf_copy_page(d, s, rg.page, lane);
+    const unsigned nwarps = (gridDim.x * blockDim.x) >> 5;
+    unsigned w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const char* s = nullptr;
+    char* d = nullptr;
+    int n = 0;
+    bool have = w < items && kvf_item(w, per_pair, chunks, regions, src_ids, dst_ids, &s, &d, &n);
+    while (w < items) {
+        const bool vec = have && ((reinterpret_cast<unsigned long long>(s)
+            | reinterpret_cast<unsigned long long>(d) | static_cast<unsigned long long>(n))
+            & 15ull) == 0ull;
+        const int nv = n >> 4;
+        uint4 v[8];
+        if (vec) {
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int k = lane + u * 32;
+                if (k < nv) v[u] = __ldcs(reinterpret_cast<const uint4*>(s) + k);
+            }
+        }
+        const unsigned next = w + nwarps;
+        const char* s2 = nullptr;
+        char* d2 = nullptr;
+        int n2 = 0;
+        const bool have2 = next < items && next > w
+            && kvf_item(next, per_pair, chunks, regions, src_ids, dst_ids, &s2, &d2, &n2);
+        if (vec) {
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int k = lane + u * 32;
+                if (k < nv) __stcs(reinterpret_cast<uint4*>(d) + k, v[u]);
+            }
+        } else if (have) {
+            for (int k = lane; k < n; k += 32) d[k] = s[k];
+        }
+        if (next <= w) break;  // the unsigned index wrapped: every item is done
+        s = s2;
+        d = d2;
+        n = n2;
+        have = have2;
+        w = next;
     }
 }
-"""
-    )
-    .replace("@MAX_PAIRS@", str(MAX_PAIRS))
-    .replace("@THREADS@", str(THREADS))
-)
+""".replace("@CHUNK@", str(CHUNK_BYTES)).replace("@THREADS@", str(THREADS))
 
 
 @frozen
@@ -145,9 +192,14 @@ def choose_method(method: Method, table: PairTable, kernel_max_page_bytes: int) 
     return "kernel" if int(table.page.min()) <= kernel_max_page_bytes else "dma"
 
 
-# Parameter block: regions pointer, nregions, npairs, then the two id arrays.
-_OFFSETS = (0, 8, 12, 16)
-PARAM_BYTES = 16 + 8 * MAX_PAIRS
+# Parameter block: regions pointer, nregions, chunks, npairs, src ids pointer, dst ids pointer.
+_OFFSETS = (0, 8, 12, 16, 24, 32)
+PARAM_BYTES = 40
+
+
+def chunks_of(table: PairTable) -> int:
+    """Work items per (pair, region): the largest page in ``CHUNK_BYTES`` pieces."""
+    return max(1, -(-int(table.page.max()) // CHUNK_BYTES)) if table.num_regions else 1
 
 
 class ParamBlock:
@@ -157,26 +209,30 @@ class ParamBlock:
         self.raw = np.zeros(PARAM_BYTES, dtype=np.uint8)
         base = int(self.raw.ctypes.data)
         self.pointers = np.array([base + o for o in _OFFSETS], dtype=np.uint64)
-        self._regions = self.raw[0:8].view(np.int64)
-        self._counts = self.raw[8:16].view(np.int32)
-        self._src = self.raw[16 : 16 + 4 * MAX_PAIRS].view(np.int32)
-        self._dst = self.raw[16 + 4 * MAX_PAIRS :].view(np.int32)
+        self._i64 = self.raw.view(np.int64)
+        self._i32 = self.raw.view(np.int32)
 
-    def fill(self, regions_ptr: int, num_regions: int, src_ids: I64, dst_ids: I64) -> int:
-        """Write one launch's parameters; returns the grid size (CTAs) to launch with."""
-        n = len(src_ids)
-        if n > MAX_PAIRS or len(dst_ids) != n:
-            raise BackendError(f"one copy launch takes at most {MAX_PAIRS} pairs, got {n}")
-        self._regions[0] = regions_ptr
-        self._counts[0] = num_regions
-        self._counts[1] = n
-        self._src[:n] = src_ids
-        self._dst[:n] = dst_ids
-        return -(-n * num_regions // WARPS)
-
-    def ids(self) -> tuple[list[int], list[int]]:
-        n = int(self._counts[1])
-        return self._src[:n].tolist(), self._dst[:n].tolist()
+    def fill(
+        self, regions_ptr: int, num_regions: int, chunks: int, npairs: int, ids_ptr: int
+    ) -> int:
+        """Write one launch's parameters (``ids_ptr``: ``npairs`` int32 source ids, then as many
+        destination ids); returns the work items, one warp each."""
+        if npairs < 0 or num_regions < 0 or chunks < 1:
+            raise BackendError(
+                f"copy launch: {npairs} pairs, {num_regions} regions, {chunks} chunks"
+            )
+        if npairs * num_regions * chunks >= 1 << 32:
+            raise BackendError(
+                f"copy launch: {npairs} pairs x {num_regions} regions x {chunks} chunks is "
+                "more work items than one launch indexes (2**32)"
+            )
+        self._i64[0] = regions_ptr
+        self._i32[2] = num_regions
+        self._i32[3] = chunks
+        self._i64[2] = npairs
+        self._i64[3] = ids_ptr
+        self._i64[4] = ids_ptr + 4 * npairs
+        return npairs * num_regions * chunks
 
 
 class PairCopyKernel:
@@ -197,21 +253,22 @@ class PairCopyKernel:
         self.params = ParamBlock()
         self.launches = 0
 
-    def copy(self, stream: Any, regions_ptr: int, num_regions: int, src: I64, dst: I64) -> int:
-        """Copy every region of pairs ``src[i] → dst[i]`` on ``stream``; returns launches."""
-        launches = 0
-        for lo in range(0, len(src), MAX_PAIRS):
-            grid = self.params.fill(
-                regions_ptr, num_regions, src[lo : lo + MAX_PAIRS], dst[lo : lo + MAX_PAIRS]
-            )
-            self._launch(stream, min(self.max_ctas, max(grid, 1)))
-            launches += 1
-        self.launches += launches
-        return launches
+    def copy(
+        self, stream: Any, regions_ptr: int, num_regions: int, chunks: int, npairs: int,
+        ids_ptr: int,
+    ) -> int:  # fmt: skip
+        """Copy every region of ``npairs`` pairs (device ids at ``ids_ptr``) on ``stream`` in
+        one launch; returns the launches made (1, or 0 for no pairs)."""
+        items = self.params.fill(regions_ptr, num_regions, chunks, npairs, ids_ptr)
+        if items == 0:
+            return 0
+        self._launch(stream, min(self.max_ctas, -(-items // WARPS)))
+        self.launches += 1
+        return 1
 
     def warm_up(self, stream: Any) -> None:
         """An empty launch, so that lazy loading happens now and not inside a hand-off."""
-        self.params.fill(0, 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        self.params.fill(0, 0, 1, 0, 0)
         self._launch(stream, 1)
 
     def _launch(self, stream: Any, grid: int) -> None:
@@ -226,7 +283,7 @@ class PairCopyKernel:
 
 
 __all__ = [
-    "MAX_PAIRS",
+    "CHUNK_BYTES",
     "METHODS",
     "SOURCE",
     "Method",
@@ -234,5 +291,6 @@ __all__ = [
     "PairTable",
     "ParamBlock",
     "choose_method",
+    "chunks_of",
     "d2d_descriptors",
 ]

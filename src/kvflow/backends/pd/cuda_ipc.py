@@ -293,7 +293,7 @@ class CudaIpcTransport:
                 f"cuda-ipc transport: a {'send' if op.send else 'receive'} on pair rank "
                 f"{self.pair_rank} does not fit {self.mode} mode (rank 0 sends)"
             )
-        check_launch(
+        arrays = check_launch(
             op.pairs, self._layout, self._peer_layout, op.channel, what="cuda-ipc transport"
         )
         fence = IpcFence(
@@ -305,7 +305,7 @@ class CudaIpcTransport:
             self._now() + self.timeout_s,
         )
         self.counters["launches"] += 1
-        if not any(op.pairs):
+        if not any(len(a) for a in arrays):
             fence.status = FenceStatus.DONE
             return fence
         if self.broken is not None:
@@ -316,8 +316,8 @@ class CudaIpcTransport:
             self._bell.ring(op.channel, False, fence.token)
         else:
             parts = []
-            for gp in op.pairs:
-                loc, rem = sorted_pairs(gp) if gp else (np.zeros(0, np.int64),) * 2
+            for arr in arrays:
+                loc, rem = sorted_pairs(arr)
                 parts.append((rem, loc) if self.mode == "read" else (loc, rem))
             fence.pairs = tuple(parts)
             fence.local_ready = self._dev.new_event(interprocess=False)
@@ -489,7 +489,7 @@ class CudaIpcDevice:
         *,
         method: str = "auto",
         kernel_max_page_bytes: int = 512 << 10,
-        kernel_ctas: int = 64,
+        kernel_ctas: int | None = None,
     ) -> None:
         from kvflow.backends.cuda import driver as drv
         from kvflow.backends.pd.cuda_copy import METHODS
@@ -513,6 +513,11 @@ class CudaIpcDevice:
         self._tables: list[Any] = []
         self._paths: list[str] = []
         self._table_dev: list[torch.Tensor] = []
+        self._chunks: list[int] = []
+        self._ids_dev: torch.Tensor | None = None
+        self._ids_pinned: torch.Tensor | None = None
+        self._ids_host: Any = None
+        self._ids_uploaded: Any = None
 
     def check(self, layout: SideLayout) -> None:
         for g, regions in enumerate(layout.groups):
@@ -552,7 +557,12 @@ class CudaIpcDevice:
         return bool(event.query())
 
     def prepare(self, src: SideLayout, dst: SideLayout) -> list[str]:
-        from kvflow.backends.pd.cuda_copy import PairCopyKernel, PairTable, choose_method
+        from kvflow.backends.pd.cuda_copy import (
+            PairCopyKernel,
+            PairTable,
+            choose_method,
+            chunks_of,
+        )
 
         drv = self._drv
         self._ctx.enter()
@@ -577,10 +587,16 @@ class CudaIpcDevice:
             minor = self._ctx.attribute(
                 drv.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
             )
-            self._kernel = PairCopyKernel(f"sm_{major}{minor}", self.kernel_ctas)
+            sms = self._ctx.attribute(
+                drv.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+            )
+            # Enough resident warps on every SM to keep the loads of many pages in flight.
+            ctas = self.kernel_ctas if self.kernel_ctas is not None else 8 * int(sms)
+            self._kernel = PairCopyKernel(f"sm_{major}{minor}", ctas)
             self._table_dev = [
                 torch.from_numpy(t.rows()).to(f"cuda:{self.device}") for t in self._tables
             ]
+            self._chunks = [chunks_of(t) for t in self._tables]
             self._kernel.warm_up(self._cu_stream)
             torch.cuda.synchronize(self.device)
         return list(self._paths)
@@ -591,12 +607,14 @@ class CudaIpcDevice:
         self._ctx.enter()
         table = self._tables[group]
         if self._paths[group] == "kernel":
+            n = len(src_ids)
             launches: int = self._kernel.copy(
                 self._cu_stream,
                 int(self._table_dev[group].data_ptr()),
                 table.num_regions,
-                src_ids,
-                dst_ids,
+                self._chunks[group],
+                n,
+                self._upload_ids(src_ids, dst_ids),
             )
             return launches
         desc = d2d_descriptors(table, src_ids, dst_ids)
@@ -606,6 +624,37 @@ class CudaIpcDevice:
             self._drv.memcpy_each(desc, self._cu_stream)
         return len(desc)
 
+    def _upload_ids(self, src_ids: Any, dst_ids: Any) -> int:
+        """The pairs as one device int32 array (sources, then destinations), copied on the copy
+        stream ahead of the launch that reads it; returns its address."""
+        drv = self._drv
+        n = len(src_ids)
+        if self._ids_host is None or len(self._ids_host) < 2 * n:
+            size = 1 << max(12, (2 * n - 1).bit_length())
+            # Allocated on the copy stream, so that freeing the old one cannot hand its memory
+            # to another stream under a queued kernel.
+            with torch.cuda.stream(self._stream):
+                self._ids_dev = torch.empty(size, dtype=torch.int32, device=self.device)
+            self._ids_pinned = torch.empty(size, dtype=torch.int32, pin_memory=True)
+            self._ids_host = self._ids_pinned.numpy()
+            if self._ids_uploaded is None:
+                self._ids_uploaded = drv.new_event()
+        else:
+            # The pinned buffer is rewritten only after its last upload ran (long since, as a
+            # rule: the upload is the first thing of the previous copy).
+            drv.event_synchronize(self._ids_uploaded)
+        assert self._ids_dev is not None
+        host = self._ids_host
+        host[:n] = src_ids
+        host[n : 2 * n] = dst_ids
+        dev_ptr = int(self._ids_dev.data_ptr())
+        drv.check(
+            drv.cu.cuMemcpyHtoDAsync(dev_ptr, host.ctypes.data, 8 * n, self._cu_stream),
+            "cuMemcpyHtoDAsync(pair ids)",
+        )
+        drv.record(self._ids_uploaded, self._cu_stream)
+        return dev_ptr
+
     def close(self, *, synchronize: bool) -> None:
         if synchronize:
             self._stream.synchronize()
@@ -613,6 +662,13 @@ class CudaIpcDevice:
             self._kernel.unload()
             self._kernel = None
         self._table_dev = []
+        if synchronize:
+            if self._ids_uploaded is not None:
+                self._drv.cu.cuEventDestroy(self._ids_uploaded)
+                self._ids_uploaded = None
+            self._ids_dev = self._ids_pinned = self._ids_host = None
+        # Unsynchronized (a copy may never finish), the id buffers stay: freed, their memory
+        # could be handed out again under an upload or a kernel still queued.
         # Mapped peer memory is unmapped when the rebuilt tensors go; let torch drop its cache.
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 

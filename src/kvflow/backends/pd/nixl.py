@@ -54,7 +54,7 @@ from kvflow.backends.pd.rendezvous import (
     sorted_pairs,
 )
 from kvflow.core.logs import get_logger
-from kvflow.core.pd.common import LaunchCopies, Pairs
+from kvflow.core.pd.common import LaunchCopies
 from kvflow.errors import BackendError, ClosedError, ConfigError, LayoutError, ProtocolError
 
 log = get_logger("kvflow.backend.pd.nixl")
@@ -180,7 +180,7 @@ def _descriptor_array(layout: SideLayout) -> tuple[np.ndarray[Any, Any], tuple[i
 
 
 def xfer_indices(
-    pairs: Pairs,
+    pairs: Sequence[Any],
     local: SideLayout,
     remote: SideLayout,
     local_offsets: Sequence[int],
@@ -192,7 +192,7 @@ def xfer_indices(
     local_parts, remote_parts = [], []
     ndesc = nbytes = 0
     for g, gp in enumerate(pairs):
-        if not gp:
+        if not len(gp):
             continue
         loc, rem = sorted_pairs(gp)
         nl, nr = local.num_blocks(g), remote.num_blocks(g)
@@ -365,14 +365,16 @@ class NixlTransport:
             raise ClosedError("nixl transport is closed")
         if self._prepped is None or self._layout is None or self._peer_layout is None:
             raise ProtocolError("nixl transport: register the KV tensors before launching")
-        check_launch(op.pairs, self._layout, self._peer_layout, op.channel, what="nixl transport")
+        arrays = check_launch(
+            op.pairs, self._layout, self._peer_layout, op.channel, what="nixl transport"
+        )
         initiator = op.send == (self.mode == "write")
         key = f"kvflow:{op.channel}:{op.epoch}:{op.transfer_id}".encode()
         fence = NixlFence(
             next(self._ids), op.transfer_id, key, initiator, self._now() + self.timeout_s
         )
         self.counters.launches += 1
-        if not any(op.pairs):
+        if not any(len(a) for a in arrays):
             fence.status = FenceStatus.DONE
             return fence
         if self.broken is not None:
@@ -386,7 +388,7 @@ class NixlTransport:
             return fence
         p = self._prepped
         local_idx, remote_idx, ndesc, nbytes = xfer_indices(
-            op.pairs, self._layout, self._peer_layout, p.local_offsets, p.remote_offsets
+            arrays, self._layout, self._peer_layout, p.local_offsets, p.remote_offsets
         )
         agent = self._agent
         try:

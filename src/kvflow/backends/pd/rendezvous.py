@@ -148,33 +148,59 @@ class SideLayout:
                 raise LayoutError(f"{what}: group {g}: row bytes per region {a} here, {b} there")
 
 
+_PAIR = np.dtype([("local", np.int64), ("remote", np.int64)])
+
+
+def pair_array(group_pairs: Any) -> Any:
+    """A group's ``(local, remote)`` pairs as one ``(n, 2)`` int64 array, without building a
+    Python object per pair when they come as tuples."""
+    if isinstance(group_pairs, np.ndarray):
+        return group_pairs.astype(np.int64, copy=False).reshape(-1, 2)
+    # numpy reads each 2-tuple as one record: the fastest way from tuples to an array.
+    rec = np.fromiter(group_pairs, dtype=_PAIR, count=len(group_pairs))
+    return rec.view(np.int64).reshape(-1, 2)
+
+
 def check_launch(
     pairs: Pairs, local: SideLayout, remote: SideLayout, channel: int, *, what: str
-) -> None:
-    """``ConfigError`` for a launch that names a group or block that is not registered."""
+) -> tuple[Any, ...]:
+    """``ConfigError`` for a launch that names a group or block that is not registered; else
+    each group's pairs as a ``pair_array``, so that the caller converts them once."""
     if len(pairs) > len(local.groups):
         raise ConfigError(f"{what}: {len(pairs)} groups of pairs, {len(local.groups)} registered")
     if not 0 < channel < CHANNELS:
         raise ConfigError(f"{what}: channel {channel} is outside 1..{CHANNELS - 1}")
+    arrays = []
     for g, gp in enumerate(pairs):
-        if not gp:
+        arr = pair_array(gp)
+        arrays.append(arr)
+        if not len(arr):
             continue
-        arr = np.asarray(gp, dtype=np.int64).reshape(-1, 2)
         for col, side, name in ((0, local, "local"), (1, remote, "remote")):
             n = side.num_blocks(g)
-            bad = arr[(arr[:, col] < 0) | (arr[:, col] >= n), col]
-            if bad.size:
+            ids = arr[:, col]
+            if int(ids.min()) < 0 or int(ids.max()) >= n:
+                bad = ids[(ids < 0) | (ids >= n)]
                 raise ConfigError(
                     f"{what}: group {g}: {name} block {int(bad[0])} is outside 0..{n - 1}"
                 )
+    return tuple(arrays)
 
 
-def sorted_pairs(group_pairs: Sequence[tuple[int, int]]) -> tuple[Any, Any]:
+def sorted_pairs(group_pairs: Any) -> tuple[Any, Any]:
     """A group's pairs as (local, remote) int64 arrays ordered by local id, so that runs of
     consecutive blocks on both sides sit next to each other."""
-    arr = np.asarray(group_pairs, dtype=np.int64).reshape(-1, 2)
+    arr = pair_array(group_pairs)
     order = np.argsort(arr[:, 0], kind="stable")
     return arr[order, 0], arr[order, 1]
 
 
-__all__ = ["MODES", "PairStore", "Region", "SideLayout", "check_launch", "sorted_pairs"]
+__all__ = [
+    "MODES",
+    "PairStore",
+    "Region",
+    "SideLayout",
+    "check_launch",
+    "pair_array",
+    "sorted_pairs",
+]
