@@ -169,7 +169,7 @@ class Instance:
                 self.payloads.append(stats.kv_connector_stats)
             return stats
 
-        self.h.scheduler.make_stats = keep_stats  # type: ignore[method-assign]
+        self.h.scheduler.make_stats = keep_stats  # type: ignore[method-assign,unused-ignore]
         self._clock = SystemClock()
         self.num_blocks = num_blocks
         self.worker = worker_connector(self.h.connector)
