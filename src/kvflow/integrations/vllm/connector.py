@@ -44,14 +44,11 @@ from kvflow.integrations.vllm.config import (
     offload_config,
 )
 from kvflow.integrations.vllm.gpu_view import VLLMGpuCacheView
-from kvflow.integrations.vllm.pd import (
-    PD_ROLES,
+from kvflow.integrations.vllm.pd import PD_ROLES, PDRequestViews, PDSchedulerRole, vllm_compat
+from kvflow.integrations.vllm.pd_relay import (
     KVFlowHandshake,
     KVFlowPDConnectorMetadata,
     KVFlowPDWorkerMetadata,
-    PDRequestViews,
-    PDSchedulerRole,
-    vllm_compat,
 )
 from kvflow.integrations.vllm.relay import (
     KVFlowConnectorMetadata,

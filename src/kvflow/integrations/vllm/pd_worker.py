@@ -28,7 +28,7 @@ from kvflow.connector.api import KVCacheConfig
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import LaunchCopies
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.pd import PDCancel, PDLaunch, free_port
+from kvflow.integrations.vllm.pd_relay import PDCancel, PDLaunch, free_port
 
 if TYPE_CHECKING:
     import torch
