@@ -42,11 +42,12 @@ def test_every_registered_transport_is_a_pd_transport_option(name: str) -> None:
     assert offload_config({"pd_transport": name}, 1).pd.transport.value == name
 
 
-def test_cuda_ipc_on_a_cpu_instance_stops_start_up_naming_why() -> None:
-    """cuda-ipc on this CPU vLLM: no CUDA device, or a KV cache not on CUDA; either way a
-    ConfigError that names pd_transport and the transport."""
-    with pytest.raises(ConfigError, match=r"pd_transport'\]='cuda-ipc'"):
-        Instance("kv_consumer", "D", {"pd_transport": "cuda-ipc"})
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+def test_cuda_ipc_on_a_cpu_instance_stops_start_up_naming_why(role: str) -> None:
+    """cuda-ipc named on this CPU vLLM (a KV cache not on CUDA): a ConfigError that names the
+    option, the transport and the devices, on D and on kv_both alike."""
+    with pytest.raises(ConfigError, match=r"'cuda-ipc' moves KV tensors on cuda; .* on cpu"):
+        Instance(role, "D", {"pd_transport": "cuda-ipc"})
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])

@@ -398,8 +398,10 @@ class PDRig:
             self.p.shutdown()
 
 
-def serve_p(conn: Connection, extra: Mapping[str, Any], model_dir: str) -> None:
-    """A P instance over gloo in a process of its own: answers ``("prefill", prompt, id)`` with
+def serve_p(
+    conn: Connection, extra: Mapping[str, Any], model_dir: str, kv_role: str = "kv_producer"
+) -> None:
+    """A P instance (``kv_role``) over gloo in a process of its own: answers ``("prefill", prompt, id)`` with
     P's params, steps its engine between messages (a CLAIM is answered at once), and answers
     ``"stop"`` with whether it ended idle and with every block free. ``model_dir``: D's tiny
     model folder (the model's name is part of what P and D must agree on)."""
@@ -409,7 +411,7 @@ def serve_p(conn: Connection, extra: Mapping[str, Any], model_dir: str) -> None:
 
     torch.set_num_threads(1)
     vllm_harness._model_dir = Path(model_dir)
-    p = Instance("kv_producer", "P", extra, connector="KVFlowConnector", module=KVFLOW_MODULE)
+    p = Instance(kv_role, "P", extra, connector="KVFlowConnector", module=KVFLOW_MODULE)
     free = p.free_blocks()
     try:
         conn.send("ready")

@@ -114,16 +114,16 @@ def check_pd_transport(pd: PDConfig, device_type: str) -> None:
     from kvflow.backends.pd.registry import transport_status
 
     name = pd.transport.value
+    devices = PD_DEVICES[name]
+    if device_type not in devices:  # first: it imports nothing
+        raise ConfigError(
+            f"kv_connector_extra_config['pd_transport']={name!r} moves KV tensors on "
+            f"{' or '.join(devices)}; this worker's KV cache is on {device_type}"
+        )
     ok, found = transport_status()[name]
     if not ok:
         raise ConfigError(
             f"kv_connector_extra_config['pd_transport']={name!r} is not available here: {found}"
-        )
-    devices = PD_DEVICES[name]
-    if device_type not in devices:
-        raise ConfigError(
-            f"kv_connector_extra_config['pd_transport']={name!r} moves KV tensors on "
-            f"{' or '.join(devices)}; this worker's KV cache is on {device_type}"
         )
 
 
