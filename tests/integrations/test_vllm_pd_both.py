@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorLogging,
     KVConnectorProm,
@@ -276,8 +277,12 @@ def test_a_p_request_naming_no_d_is_served_as_a_plain_request() -> None:
     p = Instance("kv_both", "P", TIMEOUTS, links=pool)
     try:
         p.add(PROMPT, PROXY_PARAMS, max_tokens=1, request_id="r")
-        for _ in range(20):
-            p.step()
+        with capture_logs() as logs:
+            for _ in range(20):
+                p.step()
+        events = [e["event"] for e in logs]
+        assert "vllm_pd_ready" in events, "the first PD request built kv_both's PD half"
+        assert {"event": "pd_no_peer", "request_id": "r", "log_level": "warning"} in logs
         assert p.outputs["r"].kv_transfer_params is None
         assert not p.h.scheduler.requests
         assert p.idle()

@@ -11,6 +11,8 @@ pytest.importorskip("vllm")
 
 from typing import Any
 
+from structlog.testing import capture_logs
+
 from kvflow.backends.pd import registry
 from kvflow.backends.pd.registry import TRANSPORTS
 from kvflow.errors import ConfigError
@@ -70,8 +72,12 @@ def test_kv_both_without_a_usable_default_transport_is_the_cpu_tier_only(
     monkeypatch.setattr(registry, "transport_status", _without("gloo", "torch without gloo"))
     with pytest.raises(ConfigError, match="gloo"):
         Instance("kv_producer", "P", {"pd_peer_engine_id": "D"})
-    inst = Instance("kv_both", "X", {})
+    with capture_logs() as logs:
+        inst = Instance("kv_both", "X", {})
     try:
+        off = [e for e in logs if e["event"] == "vllm_pd_off"]
+        assert off, "the fallback is logged"
+        assert "torch without gloo" in off[0]["reason"]
         assert inst.connector.pd_role is None
         assert inst.worker._pd_worker is None
         inst.add([5] * (2 * BS + 1), PROXY_PARAMS, max_tokens=1, request_id="r")
