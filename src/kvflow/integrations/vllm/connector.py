@@ -266,6 +266,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         """kv_both: "both" where PD per request can run here, else None (the CPU tier only, at
         any TP); a ``pd_transport`` the user named that cannot run is an error."""
         if self.world_size != 1:
+            log.info("vllm_pd_off", reason=f"PD needs one rank per instance, not {self.world_size}")
             return None
         try:
             check_pd_transport(self.config.pd, device_type)

@@ -8,9 +8,12 @@ NixlConnector is: a request whose params say ``do_remote_decode`` makes it P for
 ``do_remote_prefill`` D, neither a plain request on the CPU tier. It has both halves
 (``BothPDConnector``: a producer and a consumer, each with its own driver and control plane,
 their holds on the one ledger of the CPU tier's manager), built at the first request that
-carries PD params, so an instance that never sees one costs nothing more than the CPU tier. The copies are the workers': the driver's transport here
-is a ``RelayTransport``, which hands each launch to the workers in the connector metadata and
-settles its fence when the workers' metadata reports it done (``pd_worker`` moves the bytes).
+carries PD params, so an instance that never sees one costs nothing more than the CPU tier.
+
+The copies are the workers': the driver's transport here is a ``RelayTransport`` (``pd_relay``),
+which hands each launch to the workers in the connector metadata and settles its fence when the
+workers' metadata reports it done (``pd_worker`` moves the bytes); ``pd_stats`` counts what the
+hand-offs did for vLLM's connector stats.
 
 ``kv_transfer_params`` are spelled as vLLM's NIXL connector spells them, so vLLM's example
 disaggregation proxy works unchanged: P returns ``do_remote_prefill``, ``remote_engine_id``,
