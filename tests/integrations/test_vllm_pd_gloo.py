@@ -1,6 +1,6 @@
 """kvflow's PD in vLLM across two processes: a ``kv_producer`` instance in a spawned process and
-a ``kv_consumer`` instance here, each vLLM's real scheduler with ``KVFlowConnector``, the KV
-moved between their CPU tensors by the gloo data plane."""
+a ``kv_consumer`` instance here (or ``kv_both`` on both), each vLLM's real scheduler with
+``KVFlowConnector``, the KV moved between their CPU tensors by the gloo data plane."""
 
 from __future__ import annotations
 
@@ -17,15 +17,19 @@ TIMEOUT_S = 120.0
 PD = {"pd_transport": "gloo", "pd_timeout_s": 30.0, "pd_lease_s": 30.0, "pd_claim_s": 30.0}
 
 
-def test_kv_moves_between_two_processes_byte_exact_over_gloo() -> None:
+@pytest.mark.parametrize(
+    ("p_role", "d_role"), [("kv_producer", "kv_consumer"), ("kv_both", "kv_both")]
+)
+def test_kv_moves_between_two_processes_byte_exact_over_gloo(p_role: str, d_role: str) -> None:
     """P (another process) prefills the proxy's request; D claims P's KV over the control plane,
     receives it over gloo into its reserved blocks, holds exactly the KV P computed, computes one
-    prompt token; afterwards both sides are idle with every block free."""
+    prompt token; afterwards both sides are idle with every block free. The same with kv_both on
+    both instances (each P or D by the request's params)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=serve_p,
-        args=(child, {**PD, "pd_peer_engine_id": "D"}, str(tiny_model_dir())),
+        args=(child, {**PD, "pd_peer_engine_id": "D"}, str(tiny_model_dir()), p_role),
         daemon=True,
     )
     proc.start()
@@ -34,7 +38,7 @@ def test_kv_moves_between_two_processes_byte_exact_over_gloo() -> None:
         assert parent.poll(TIMEOUT_S), "P did not start"
         assert parent.recv() == "ready"
         d = Instance(
-            "kv_consumer", "D", PD, connector="KVFlowConnector", module="kvflow.integrations.vllm"
+            d_role, "D", PD, connector="KVFlowConnector", module="kvflow.integrations.vllm"
         )
         d_free = d.free_blocks()
         prompt = [(i * 53) % 30000 + 10 for i in range(6 * BS + 3)]
@@ -49,7 +53,7 @@ def test_kv_moves_between_two_processes_byte_exact_over_gloo() -> None:
                 break
         assert so.num_scheduled_tokens == {"r1": 1}
         assert d.kv_of(req, len(prompt) - 1) == expected_kv(prompt, len(prompt) - 1)
-        assert d.pd.pd.stats["handoffs_ok"] == 1
+        assert d.stats().counters["pd_handoffs_committed"] == 1
         for _ in range(100_000):
             if "r1" in d.outputs and d.idle():
                 break

@@ -5,14 +5,16 @@ one worker-role twin over CPU tensors in vLLM's layout; a stand-in model writes 
 token's KV (a value of token, position, layer and K/V), so KV that arrives from P can be checked
 byte for byte. The requests carry exactly what vLLM's example disaggregation proxy sends, and D
 gets P's returned ``kv_transfer_params`` after a JSON round trip, as the proxy forwards them. In
-one process the data plane is a ``FakeLink`` (``FakeLinkConnector``); ``serve_p`` runs a P
-instance in a process of its own over gloo.
+one process the data plane is a ``FakeLink`` per P–D pair (``FakeLinkConnector``, the links by
+the pair's data endpoint); ``serve_p`` runs a P instance in a process of its own over gloo.
+Each instance keeps the connector stats vLLM's scheduler published (``stats``).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import threading
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
@@ -29,7 +31,11 @@ from vllm.v1.request import Request, RequestStatus
 from kvflow.backends.pd.fake import FakeLink
 from kvflow.backends.pd.transport import KVTransport
 from kvflow.core.protocol import StepPlan
-from kvflow.integrations.vllm import KVFlowConnector, KVFlowConnectorMetadata
+from kvflow.integrations.vllm import (
+    KVFlowConnector,
+    KVFlowConnectorMetadata,
+    KVFlowConnectorStats,
+)
 from kvflow.runtime.clock import SystemClock
 from tests.integrations.vllm_fakes import worker_connector
 from tests.integrations.vllm_harness import (
@@ -57,16 +63,44 @@ PROXY_PARAMS: Mapping[str, Any] = {
 }
 """What vLLM's example proxy (``toy_proxy_server.py``) sends to P, with ``max_tokens=1``."""
 
+TIMEOUTS: Mapping[str, float] = {"pd_lease_s": 5.0, "pd_claim_s": 5.0, "pd_timeout_s": 5.0}
+
 _ids = itertools.count(1)
 
 
-class FakeLinkConnector(KVFlowConnector):
-    """``KVFlowConnector`` whose workers' data plane is one end of the rig's ``FakeLink``."""
+class LinkPool:
+    """One ``FakeLink`` per data endpoint (a P–D pair): the first pair gets ``first`` (the one
+    a test sets faults on), each further one a link of the same receive timeout."""
 
-    ENDS: ClassVar[dict[int, KVTransport]] = {}
+    def __init__(self, first: FakeLink) -> None:
+        self.first = first
+        self._lock = threading.Lock()  # the workers build their pairs on threads
+        self._links: dict[int, tuple[FakeLink, tuple[KVTransport, KVTransport]]] = {}
+
+    def end(self, pair_rank: int, port: int) -> KVTransport:
+        with self._lock:
+            if port not in self._links:
+                link = self.first if not self._links else FakeLink(self.first.recv_timeout_s)
+                self._links[port] = (link, link.pair())
+            return self._links[port][1][pair_rank]
+
+    def step(self, now: float) -> None:
+        with self._lock:
+            links = [link for link, _ in self._links.values()]
+        for link in links:
+            link.step(now)
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+
+class FakeLinkConnector(KVFlowConnector):
+    """``KVFlowConnector`` whose workers' data plane is one end of a ``FakeLink`` of the pool."""
+
+    POOL: ClassVar[LinkPool] = LinkPool(FakeLink())
 
     def make_pd_transport(self, pair_rank: int, host: str, port: int) -> KVTransport:
-        return self.ENDS[pair_rank]
+        return self.POOL.end(pair_rank, port)
 
 
 def kv_value(token: int, pos: int, layer: int, kv: int) -> float:
@@ -108,7 +142,7 @@ class Instance:
         module: str = RIG_MODULE,
         num_blocks: int = 64,
         policy: str = "recompute",
-        link: FakeLink | None = None,
+        links: LinkPool | None = None,
     ) -> None:
         config = make_vllm_config(
             connector=connector,
@@ -125,7 +159,17 @@ class Instance:
         assert config.kv_transfer_config is not None
         config.kv_transfer_config.engine_id = engine_id
         self.h = VLLMHarness(make_scheduler(config, num_blocks), BS)
-        self.link = link
+        self.links = links
+        self.payloads: list[dict[str, Any]] = []  # the connector stats vLLM published
+        make_stats = self.h.scheduler.make_stats
+
+        def keep_stats(*args: Any, **kwargs: Any) -> Any:
+            stats = make_stats(*args, **kwargs)
+            if stats is not None and stats.kv_connector_stats:
+                self.payloads.append(stats.kv_connector_stats)
+            return stats
+
+        self.h.scheduler.make_stats = keep_stats  # type: ignore[method-assign,unused-ignore]
         self._clock = SystemClock()
         self.num_blocks = num_blocks
         self.worker = worker_connector(self.h.connector)
@@ -180,8 +224,8 @@ class Instance:
 
     def step(self) -> SchedulerOutput:
         """One engine step in the model runner's order; the copies of the CPU tier drained."""
-        if self.link is not None:
-            self.link.step(self._clock.now())
+        if self.links is not None:
+            self.links.step(self._clock.now())
         so = self.h.schedule()
         meta = so.kv_connector_metadata
         w = self.worker
@@ -224,14 +268,23 @@ class Instance:
     def free_blocks(self) -> int:
         return self.h.free_blocks()
 
+    def stats(self) -> KVFlowConnectorStats:
+        """Every connector stats payload vLLM published so far, aggregated."""
+        total = KVFlowConnectorStats()
+        for payload in self.payloads:
+            total.aggregate(KVFlowConnectorStats(data=json.loads(json.dumps(payload))))
+        return total
+
     def idle(self) -> bool:
         """No request, no hand-off, no copy left (the leak check)."""
         pd = self.pd
+        worker_pd = self.worker._pd_worker
+        halves = [] if pd is None else [pd.pd, getattr(pd.pd, "consumer", pd.pd)]
         return (
             not self.h.scheduler.requests
-            and not pd.driver.busy()
-            and not self.worker._pd_worker.busy  # type: ignore[union-attr]
-            and not pd.pd._by_request
+            and (pd is None or not pd.busy())
+            and (worker_pd is None or not worker_pd.busy)
+            and not any(half._by_request for half in halves)
             and not self.h.scheduler.connector.has_pending_push_work()
         )
 
@@ -262,20 +315,24 @@ class PDRig:
         p_extra: Mapping[str, Any] | None = None,
         d_extra: Mapping[str, Any] | None = None,
         policy: str = "recompute",
+        p_role: str = "kv_producer",
+        d_role: str = "kv_consumer",
     ) -> None:
         self.link = link or FakeLink()
-        p_end, d_end = self.link.pair()
-        FakeLinkConnector.ENDS = {0: p_end, 1: d_end}
-        timeouts = {"pd_lease_s": 5.0, "pd_claim_s": 5.0, "pd_timeout_s": 5.0}
+        self.links = FakeLinkConnector.POOL = LinkPool(self.link)
         self.p = Instance(
-            "kv_producer",
+            p_role,
             "P",
-            {**timeouts, "pd_peer_engine_id": "D", **(p_extra or {})},
-            link=self.link,
+            {**TIMEOUTS, "pd_peer_engine_id": "D", **(p_extra or {})},
+            links=self.links,
         )
         try:
             self.d = Instance(
-                "kv_consumer", "D", {**timeouts, **(d_extra or {})}, policy=policy, link=self.link
+                d_role,
+                "D",
+                {**TIMEOUTS, "pd_peer_engine_id": "P", **(d_extra or {})},
+                policy=policy,
+                links=self.links,
             )
         except BaseException:
             self.p.shutdown()
@@ -341,8 +398,10 @@ class PDRig:
             self.p.shutdown()
 
 
-def serve_p(conn: Connection, extra: Mapping[str, Any], model_dir: str) -> None:
-    """A P instance over gloo in a process of its own: answers ``("prefill", prompt, id)`` with
+def serve_p(
+    conn: Connection, extra: Mapping[str, Any], model_dir: str, kv_role: str = "kv_producer"
+) -> None:
+    """A P instance (``kv_role``) over gloo in a process of its own: answers ``("prefill", prompt, id)`` with
     P's params, steps its engine between messages (a CLAIM is answered at once), and answers
     ``"stop"`` with whether it ended idle and with every block free. ``model_dir``: D's tiny
     model folder (the model's name is part of what P and D must agree on)."""
@@ -352,7 +411,7 @@ def serve_p(conn: Connection, extra: Mapping[str, Any], model_dir: str) -> None:
 
     torch.set_num_threads(1)
     vllm_harness._model_dir = Path(model_dir)
-    p = Instance("kv_producer", "P", extra, connector="KVFlowConnector", module=KVFLOW_MODULE)
+    p = Instance(kv_role, "P", extra, connector="KVFlowConnector", module=KVFLOW_MODULE)
     free = p.free_blocks()
     try:
         conn.send("ready")
@@ -385,8 +444,10 @@ __all__ = [
     "BS",
     "KVFLOW_MODULE",
     "PROXY_PARAMS",
+    "TIMEOUTS",
     "FakeLinkConnector",
     "Instance",
+    "LinkPool",
     "PDRig",
     "expected_kv",
     "kv_value",

@@ -102,6 +102,8 @@ def _flush_timeout(value: object) -> float:
 
 class PDTransportKind(enum.StrEnum):
     GLOO = "gloo"  # torch.distributed gloo between the two engines' worker processes (CPU)
+    NIXL = "nixl"  # NIXL (the kvflow[nixl] extra): UCX READ or WRITE, host or GPU tensors
+    CUDA_IPC = "cuda-ipc"  # CUDA IPC between two processes of one host (GPU tensors)
 
 
 def _pd_transport(value: object) -> PDTransportKind:
@@ -159,7 +161,8 @@ def _pd_timeout(value: object) -> float:
 class PDConfig:
     """PD (prefill → decode hand-off) options; a plain mapping spells each ``pd_<name>``.
 
-    - ``transport``: the data plane between the two engines (``gloo``);
+    - ``transport``: the data plane between the two engines (``gloo``, ``nixl``, ``cuda-ipc``:
+      ``kvflow.backends.pd.registry``);
     - ``side_channel_host`` / ``side_channel_port``: where this engine's control plane listens
       (port 0: any free port; the producer's is in the ``kv_transfer_params`` it returns);
     - ``data_port``: the producer's data-plane port (0: a free port chosen at start-up);

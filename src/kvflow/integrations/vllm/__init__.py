@@ -10,9 +10,11 @@ A translation layer over ``kvflow.connector``, by role: ``config`` (vLLM's optio
 groups as an ``OffloadConfig`` and kvflow's groups), ``requests`` (requests and scheduler
 outputs), ``relay`` (the plan and reports through vLLM's metadata, the outcome into
 ``KVConnectorOutput``), ``gpu_view`` (vLLM's GPU block pool), ``telemetry`` (KV cache events,
-stats, Prometheus), ``connector`` (``KVFlowConnector``), and for ``kv_role`` ``kv_producer`` /
-``kv_consumer`` ``pd`` (the P or D scheduler role on kvflow's PD connector, NIXL-named
-``kv_transfer_params``) and ``pd_worker`` (the workers' data plane). The matching, planning,
+stats, Prometheus), ``connector`` (``KVFlowConnector``), and for PD (``kv_role``
+``kv_producer`` / ``kv_consumer``, or ``kv_both`` per request) ``pd`` (the P or D scheduler role
+on kvflow's PD connector, NIXL-named ``kv_transfer_params``), ``pd_relay`` (the copies through
+vLLM's metadata), ``pd_stats`` (PD's connector stats) and ``pd_worker`` (the workers' data
+plane). The matching, planning,
 hand-off and transfer logic all live in kvflow's core, runtime and connector.
 
 This package is the only kvflow code that imports vLLM; importing ``kvflow`` never does.

@@ -100,6 +100,33 @@ def offload_config(extra: Mapping[str, Any] | None, world_size: int) -> OffloadC
         raise ConfigError(f"kv_connector_extra_config: {exc}") from None
 
 
+PD_DEVICES: Mapping[str, tuple[str, ...]] = {
+    "gloo": ("cpu",),
+    "nixl": ("cpu", "cuda"),
+    "cuda-ipc": ("cuda",),
+}
+"""The worker devices whose KV tensors each PD transport moves in the vLLM connector."""
+
+
+def check_pd_transport(pd: PDConfig, device_type: str) -> None:
+    """``ConfigError`` unless ``pd_transport`` can run on this machine and moves KV tensors of
+    ``device_type`` (vLLM's device: ``cpu``, ``cuda``...); names what is missing."""
+    from kvflow.backends.pd.registry import transport_status
+
+    name = pd.transport.value
+    devices = PD_DEVICES[name]
+    if device_type not in devices:  # first: it imports nothing
+        raise ConfigError(
+            f"kv_connector_extra_config['pd_transport']={name!r} moves KV tensors on "
+            f"{' or '.join(devices)}; this worker's KV cache is on {device_type}"
+        )
+    ok, found = transport_status()[name]
+    if not ok:
+        raise ConfigError(
+            f"kv_connector_extra_config['pd_transport']={name!r} is not available here: {found}"
+        )
+
+
 @frozen
 class GroupGeometry:
     """One vLLM KV cache group kvflow offloads, as kvflow sizes it."""
@@ -189,10 +216,12 @@ def kv_cache_geometry(kv_cache_config: VLLMKVCacheConfig, dcp_world_size: int = 
 __all__ = [
     "DEFAULT_CPU_BYTES",
     "OFFLOADED_SPECS",
+    "PD_DEVICES",
     "VLLM_DEFAULTS",
     "VLLM_SIZE_KEYS",
     "GroupGeometry",
     "KVGeometry",
+    "check_pd_transport",
     "kv_cache_geometry",
     "offload_config",
     "valid_keys",

@@ -7,11 +7,14 @@ This class only translates: requests and scheduler outputs (``requests``), block
 kvflow offloads, the plan and reports through vLLM's metadata (``relay``), events and stats
 (``telemetry``). With ``kv_role`` ``kv_producer`` / ``kv_consumer`` the scheduler role is a P or D
 instance's (``pd``: PD beside the CPU tier in one connector object) and the worker role also runs
-the PD data plane (``pd_worker``).
+the PD data plane (``pd_worker``). With ``kv_both`` (one rank) the instance is P or D per request
+as the request's ``kv_transfer_params`` say, as vLLM's NixlConnector is; its PD half is built at
+the first request that carries PD params, so an instance that sees none runs the CPU tier only.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,16 +37,18 @@ from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.config import KVGeometry, kv_cache_geometry, offload_config
+from kvflow.integrations.vllm.config import (
+    KVGeometry,
+    check_pd_transport,
+    kv_cache_geometry,
+    offload_config,
+)
 from kvflow.integrations.vllm.gpu_view import VLLMGpuCacheView
-from kvflow.integrations.vllm.pd import (
-    PD_ROLES,
+from kvflow.integrations.vllm.pd import PD_ROLES, PDRequestViews, PDSchedulerRole, vllm_compat
+from kvflow.integrations.vllm.pd_relay import (
     KVFlowHandshake,
     KVFlowPDConnectorMetadata,
     KVFlowPDWorkerMetadata,
-    PDRequestViews,
-    PDSchedulerRole,
-    vllm_compat,
 )
 from kvflow.integrations.vllm.relay import (
     KVFlowConnectorMetadata,
@@ -186,6 +191,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_transfer_config.kv_connector_extra_config, self.world_size
         )
         self.pd_role: str | None = PD_ROLES.get(str(kv_role))
+        device_type = str(vllm_config.device_config.device_type)
+        if self.pd_role == "both":
+            self.pd_role = self._both_pd(device_type)
+        elif self.pd_role is not None:
+            check_pd_transport(self.config.pd, device_type)
         if self.pd_role is not None:
             if self.world_size != 1:
                 raise ConfigError(
@@ -221,6 +231,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._step = 0
         self._scheduler: SchedulerRole | None = None
         self._pd: PDSchedulerRole | None = None
+        self._pd_pending = False  # kv_both: PD is built at the first request with PD params
+        self._data_endpoint = ""  # this instance's worker data plane (the handshake's)
         self._worker: WorkerRole | None = None
         self._pd_worker: PDWorkerSide | None = None
         self._pd_reply = False  # worker: the scheduler wants this step's answer
@@ -250,11 +262,26 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             worker_loop=self.config.worker_loop.value,
         )
 
+    def _both_pd(self, device_type: str) -> str | None:
+        """kv_both: "both" where PD per request can run here, else None (the CPU tier only, at
+        any TP); a ``pd_transport`` the user named that cannot run is an error."""
+        if self.world_size != 1:
+            log.info("vllm_pd_off", reason=f"PD needs one rank per instance, not {self.world_size}")
+            return None
+        try:
+            check_pd_transport(self.config.pd, device_type)
+        except ConfigError as e:
+            if "pd_transport" in (self._kv_transfer_config.kv_connector_extra_config or {}):
+                raise
+            log.info("vllm_pd_off", reason=str(e))
+            return None
+        return "both"
+
     @property
     def requires_kv_delivery(self) -> bool:
         # The CPU tier is a best-effort cache (a store dropped by preemption is a later miss);
-        # a producer's hand-off is not: D waits for exactly that KV.
-        return self.pd_role == "producer"
+        # a producer's hand-off is not: D waits for exactly that KV (kv_both may be P).
+        return self.pd_role in ("producer", "both")
 
     # -- role construction (overridable) ----------------------------------------------------------
 
@@ -293,27 +320,38 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             ),
             clock=self.clock(),
             tp_size=self.world_size,
+            block_bytes=[g.block_bytes for g in self.geometry.groups],
+            data_endpoint=self._data_endpoint,
         )
 
     def make_pd_transport(self, pair_rank: int, host: str, port: int) -> KVTransport:
-        """The worker's data plane to one peer (``pd_transport``; tests override it)."""
-        from kvflow.backends.pd.gloo import GlooTransport
+        """The worker's data plane to one peer (``pd_transport``, from kvflow's transport
+        registry; tests override it)."""
+        from kvflow.backends.pd.registry import make_transport
 
-        return GlooTransport(
-            pair_rank=pair_rank, host=host, port=port, timeout_s=self.config.pd.timeout_s
+        transport: KVTransport = make_transport(
+            self.config.pd.transport.value,
+            pair_rank=pair_rank,
+            host=host,
+            port=port,
+            now=self.clock().now,
+            timeout_s=self.config.pd.timeout_s,
+            device=self._cuda_device(),
         )
+        return transport
+
+    def _cuda_device(self) -> int:
+        if str(self._vllm_config.device_config.device_type) != "cuda":
+            return 0
+        import torch
+
+        return int(torch.cuda.current_device())
 
     def make_pd_worker(self) -> PDWorkerSide:
         from kvflow.integrations.vllm.pd_worker import PDWorkerSide
 
         assert self.pd_role is not None
         pd = self.config.pd
-        if str(self._vllm_config.device_config.device_type) != "cpu":
-            raise ConfigError(
-                f"pd_transport={pd.transport.value!r} moves CPU tensors; this worker's KV cache "
-                f"is on {self._vllm_config.device_config.device_type} (GPU data planes are not "
-                "wired into the vLLM connector yet)"
-            )
         return PDWorkerSide(
             self.pd_role,
             self.make_pd_transport,
@@ -360,20 +398,31 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         if self._scheduler is None and self.role == KVConnectorRole.SCHEDULER:
             self._scheduler = self.make_scheduler_role(VLLMGpuCacheView(gpu_block_pool))
-            if self.pd_role is not None:
-                from kvflow.connector.offload import OffloadScheduler
-
-                assert isinstance(self._scheduler, OffloadScheduler)
-                self._scheduler = self._pd = self.make_pd_scheduler(self._scheduler)
+            if self.pd_role == "both":
+                self._pd_pending = True
+            elif self.pd_role is not None:
+                self._start_pd()
             self._stats = StatsDelta(sum(self.cpu_blocks))
+
+    def _start_pd(self) -> None:
+        from kvflow.connector.offload import OffloadScheduler
+
+        assert isinstance(self._scheduler, OffloadScheduler)
+        self._pd_pending = False
+        self._scheduler = self._pd = self.make_pd_scheduler(self._scheduler)
+
+    def _view(self, request: Request) -> RequestLike:
+        view = self._views.get(request)
+        if self._pd_pending and getattr(view, "kv_transfer_params", None):
+            self._start_pd()  # kv_both: the first request that is a hand-off
+        return view
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self._stats_dirty = True
-        return self.scheduler_role.get_num_new_matched_tokens(
-            self._views.get(request), num_computed_tokens
-        )
+        view = self._view(request)  # first: it may build kv_both's PD half
+        return self.scheduler_role.get_num_new_matched_tokens(view, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -422,6 +471,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._held is not None:
             self._held.drop(request.request_id)
+        if self._pd_pending:
+            self._view(request)  # a D request finished before admission still releases P
         delay_free, params = self.scheduler_role.request_finished(
             self._views.pop(request), self._ids(block_ids)
         )
@@ -452,8 +503,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         """P: its workers' data-plane endpoints (vLLM's engine core collects them at start-up);
         the producer's params name rank 0's, where D's worker meets it."""
         ours = metadata.get(0)
-        if self._pd is not None and isinstance(ours, KVFlowHandshake):
-            self._pd.data_endpoint = f"{ours.host}:{ours.port}"
+        if isinstance(ours, KVFlowHandshake):
+            self._data_endpoint = f"{ours.host}:{ours.port}"
+            if self._pd is not None:
+                self._pd.data_endpoint = self._data_endpoint
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The CPU tier's KV cache events since the last call (with vLLM's KV events on)."""
@@ -468,10 +521,14 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         """This interval's stats: the scheduler role's counters, occupancy and latencies, or a
         worker's copy bytes and seconds; None when nothing changed (most steps)."""
         if self._scheduler is not None:
+            pd = self._pd.take_stats() if self._pd is not None else None
             if not self._stats_dirty or self._stats is None:
-                return None
+                return pd
             self._stats_dirty = False
-            return self._stats.take(self._scheduler.manager, self._scheduler.take_latencies())
+            stats = self._stats.take(self._scheduler.manager, self._scheduler.take_latencies())
+            if stats is None or pd is None:
+                return stats or pd
+            return stats.aggregate(pd)
         if self._worker is None or not self._copies_dirty:
             return None
         self._copies_dirty = False
@@ -488,7 +545,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
-        return KVFlowConnectorStats() if data is None else KVFlowConnectorStats(data=data)
+        if data is None:
+            return KVFlowConnectorStats()
+        # A copy: vLLM hands one payload to several loggers, and aggregating into this object
+        # must not change what the next logger reads.
+        return KVFlowConnectorStats(data=copy.deepcopy(data))
 
     @classmethod
     def build_prom_metrics(

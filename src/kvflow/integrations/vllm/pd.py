@@ -1,10 +1,19 @@
-"""PD in vLLM, the scheduler side: ``kv_producer`` / ``kv_consumer`` on kvflow's PD connector.
+"""PD in vLLM, the scheduler side: ``kv_producer`` / ``kv_consumer`` / ``kv_both`` on kvflow's PD
+connector.
 
 The scheduler role of a P or D instance is ``kvflow.connector``'s ``PDOffloadConnector`` over the
 instance's CPU tier (``OffloadScheduler``) and a ``PDConnector`` whose ``PDDriver`` owns the
-control plane and the hand-off manager. The copies are the workers': the driver's transport here
-is a ``RelayTransport``, which hands each launch to the workers in the connector metadata and
-settles its fence when the workers' metadata reports it done (``pd_worker`` moves the bytes).
+control plane and the hand-off manager. A ``kv_both`` instance is either per request, as vLLM's
+NixlConnector is: a request whose params say ``do_remote_decode`` makes it P for that request,
+``do_remote_prefill`` D, neither a plain request on the CPU tier. It has both halves
+(``BothPDConnector``: a producer and a consumer, each with its own driver and control plane,
+their holds on the one ledger of the CPU tier's manager), built at the first request that
+carries PD params, so an instance that never sees one costs nothing more than the CPU tier.
+
+The copies are the workers': the driver's transport here is a ``RelayTransport`` (``pd_relay``),
+which hands each launch to the workers in the connector metadata and settles its fence when the
+workers' metadata reports it done (``pd_worker`` moves the bytes); ``pd_stats`` counts what the
+hand-offs did for vLLM's connector stats.
 
 ``kv_transfer_params`` are spelled as vLLM's NIXL connector spells them, so vLLM's example
 disaggregation proxy works unchanged: P returns ``do_remote_prefill``, ``remote_engine_id``,
@@ -17,22 +26,21 @@ What the vLLM layer adds to ``PDConnector`` (``VLLMPDConnector``): a transfer id
 sent none; the recompute threshold; D checks P's digest before claiming (params of another
 prompt are a local prefill, not a load failure); D releases P for a request it finished without
 ever admitting it (aborted or rejected while waiting), and for a full local hit.
+
+Peers: P's hand-off goes to the D its request names (``remote_engine_id`` in the proxy's
+``do_remote_decode`` params, else ``pd_peer_engine_id``), D pulls from the P its params name
+(``remote_engine_id`` / ``remote_host`` / ``remote_port``). The control plane keeps one HELLO per
+peer engine; the data plane one pair per (P, D): P's params name the pair's endpoint for that D
+(the first D gets the worker's own data port, each further D a port of its own).
 """
 
 from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorWorkerMetadata,
-)
-
-from kvflow.backends.base import Fence, FenceStatus
 from kvflow.connector.api import KVCacheConfig, KVConnectorOutput
 from kvflow.connector.config import PDConfig
 from kvflow.connector.offload import OffloadConnector, OffloadScheduler, OffloadWorker
@@ -40,16 +48,27 @@ from kvflow.connector.pd import PDConnector, prompt_hashes
 from kvflow.connector.pd_offload import PDOffloadConnector
 from kvflow.core.block_pool import PoolEvent
 from kvflow.core.logs import get_logger
-from kvflow.core.pd.common import LaunchCopies, PDTimeouts
+from kvflow.core.pd.common import PDTimeouts
 from kvflow.core.pd.consumer import ConsumerManager
 from kvflow.core.pd.messages import Compat, hashes_digest
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
-from kvflow.errors import ConfigError, KVFlowError
-from kvflow.integrations.vllm.relay import KVFlowConnectorMetadata, KVFlowWorkerMetadata
+from kvflow.errors import KVFlowError
+from kvflow.integrations.vllm.pd_relay import (
+    CountingDriver,
+    CountingProducer,
+    KVFlowPDConnectorMetadata,
+    PDCancel,
+    PDLaunch,
+    RelayTransport,
+    free_port,
+)
+from kvflow.integrations.vllm.pd_stats import PDStats
+from kvflow.integrations.vllm.relay import KVFlowConnectorMetadata
 from kvflow.integrations.vllm.requests import RequestViews, VLLMRequestView
+from kvflow.integrations.vllm.telemetry import KVFlowConnectorStats
 from kvflow.runtime.clock import Clock
 from kvflow.runtime.pd_driver import PDDriver
 
@@ -60,8 +79,12 @@ if TYPE_CHECKING:
 
 log = get_logger("kvflow.integrations.vllm.pd")
 
-PD_ROLES: Mapping[str, str] = {"kv_producer": "producer", "kv_consumer": "consumer"}
-"""vLLM's ``kv_role`` → kvflow's PD role (``kv_both``: the CPU tier only)."""
+PD_ROLES: Mapping[str, str] = {
+    "kv_producer": "producer",
+    "kv_consumer": "consumer",
+    "kv_both": "both",
+}
+"""vLLM's ``kv_role`` → kvflow's PD role (``both``: P or D per request, else the CPU tier)."""
 
 
 # ---- kv_transfer_params -----------------------------------------------------------------------
@@ -121,133 +144,37 @@ class PDRequestViews(RequestViews):
     view_type = PDRequestView
 
 
-# ---- what crosses to the workers and back -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PDLaunch:
-    """One launch for the workers' transport; ``data`` is the peer's data plane (D), or ""."""
-
-    fence_id: int
-    op: LaunchCopies
-    data: str
-
-
-@dataclass(frozen=True)
-class PDCancel:
-    fence_id: int
-
-
-class KVFlowPDConnectorMetadata(KVFlowConnectorMetadata):
-    """The CPU tier's plan plus the PD copies to start or cancel; ``want_reply``: a hand-off is
-    live, so the workers answer this step even with nothing to say (vLLM calls the scheduler's
-    ``update_connector_output`` only when some worker output came back)."""
-
-    def __init__(
-        self,
-        base: KVFlowConnectorMetadata,
-        pd_ops: tuple[PDLaunch | PDCancel, ...],
-        want_reply: bool,
-    ) -> None:
-        super().__init__(base.plan, base.echo_invalid_block_ids, base.echo_failed_request_ids)
-        self.pd_ops = pd_ops
-        self.want_reply = want_reply
-
-
-class KVFlowPDWorkerMetadata(KVFlowWorkerMetadata):
-    """A worker's reports plus its settled PD copies: (fence id, ok)."""
-
-    def __init__(
-        self, reports: tuple[StepReport, ...], pd_results: tuple[tuple[int, bool], ...]
-    ) -> None:
-        super().__init__(reports)
-        self.pd_results = pd_results
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVFlowPDWorkerMetadata:
-        if not isinstance(other, KVFlowWorkerMetadata):
-            raise ConfigError(f"cannot merge kvflow worker metadata with {type(other).__name__}")
-        theirs = other.pd_results if isinstance(other, KVFlowPDWorkerMetadata) else ()
-        return KVFlowPDWorkerMetadata(self.reports + other.reports, self.pd_results + theirs)
-
-
-@dataclass
-class KVFlowHandshake(KVConnectorHandshakeMetadata):
-    """A worker's data-plane endpoint, collected by vLLM's engine core for the scheduler."""
-
-    transport: str
-    host: str
-    port: int
-
-
-# ---- the scheduler's transport: copies relayed to the workers ---------------------------------
-
-
-@dataclass(eq=False)
-class RelayFence:
-    fence_id: int
-    status: FenceStatus = FenceStatus.PENDING
-
-
-class RelayTransport:
-    """The scheduler-side ``KVTransport`` of a ``PDDriver``: a launch becomes a ``PDLaunch`` in
-    the next metadata, its fence settles when a worker reports it (TP 1: one rank)."""
-
-    name = "vllm-relay"
-    pushes_completions = False
-
-    def __init__(self, data_of: Callable[[str], str]) -> None:
-        self._data_of = data_of  # peer engine id → its data plane ("" on P)
-        self._ids = itertools.count(1)
-        self._outbox: list[PDLaunch | PDCancel] = []
-        self._fences: dict[int, RelayFence] = {}
-
-    def register(self, groups: Sequence[Sequence[Any]]) -> None:
-        raise ConfigError("the scheduler has no KV tensors: the workers register theirs")
-
-    def launch(self, op: LaunchCopies) -> RelayFence:
-        fence = RelayFence(next(self._ids))
-        self._fences[fence.fence_id] = fence
-        self._outbox.append(PDLaunch(fence.fence_id, op, self._data_of(op.peer)))
-        return fence
-
-    def query(self, fence: Fence) -> FenceStatus:
-        assert isinstance(fence, RelayFence)
-        return fence.status
-
-    def cancel(self, fence: Fence) -> None:
-        assert isinstance(fence, RelayFence)
-        if fence.status is FenceStatus.PENDING:
-            self._outbox.append(PDCancel(fence.fence_id))
-
-    def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
-        return None
-
-    def close(self) -> None:
-        self._fences.clear()
-
-    def settle(self, results: Sequence[tuple[int, bool]]) -> None:
-        for fence_id, ok in results:
-            fence = self._fences.pop(fence_id, None)
-            if fence is not None:
-                fence.status = FenceStatus.DONE if ok else FenceStatus.FAILED
-
-    def take_ops(self) -> tuple[PDLaunch | PDCancel, ...]:
-        out, self._outbox = tuple(self._outbox), []
-        return out
-
-
 # ---- PDConnector with vLLM's extras -----------------------------------------------------------
 
 
 class VLLMPDConnector(PDConnector):
-    """``PDConnector`` plus the recompute threshold, D's digest check, and D releasing P for
-    requests it never admitted or has nothing to pull for."""
+    """``PDConnector`` plus the recompute threshold, D's digest check, D releasing P for
+    requests it never admitted or has nothing to pull for, and the counts of ``pd_stats``."""
 
-    def __init__(self, role: str, kv: KVCacheConfig, driver: PDDriver, cfg: PDConfig) -> None:
+    def __init__(
+        self,
+        role: str,
+        kv: KVCacheConfig,
+        driver: PDDriver,
+        cfg: PDConfig,
+        pd_stats: PDStats | None = None,
+    ) -> None:
         super().__init__(role, kv, driver, peer=cfg.peer_engine_id)
         self.recompute_below = cfg.recompute_below_tokens
+        self.pd_stats = pd_stats or PDStats([])
         self.stats["recomputed_locally"] = 0
         self.stats["released_unadmitted"] = 0
+
+    def _no_peer(self, request: RequestLike, params: Mapping[str, Any]) -> bool:
+        """P: a hand-off whose D is named neither by the request nor by ``pd_peer_engine_id``
+        cannot be claimed (P accepts claims of its named D only): a plain request, never a
+        hold nobody can release early."""
+        if self.role != "producer" or not params.get("do_remote_decode"):
+            return False
+        if params.get("remote_engine_id") or self.peer:
+            return False
+        log.warning("pd_no_peer", request_id=request.request_id)
+        return True
 
     def _reachable(self, request: RequestLike, params: Mapping[str, Any]) -> bool:
         try:
@@ -298,7 +225,12 @@ class VLLMPDConnector(PDConnector):
             and request.request_id not in self._done
         ):
             self.stats["recomputed_locally"] += 1  # nothing pulled from P: D computes it
+        if self._no_peer(request, params):
+            return
         super().update_state_after_alloc(request, block_ids, num_external_tokens)
+        tid = self._by_request.get(request.request_id)
+        if self.role == "consumer" and num_external_tokens and tid is not None:
+            self.pd_stats.claimed(tid, num_external_tokens)
 
     def request_finished(
         self, request: RequestLike, block_ids: GroupBlockIds
@@ -320,15 +252,83 @@ class VLLMPDConnector(PDConnector):
                 )
             self._done.discard(rid)
             return False, None
+        if self._no_peer(request, params):
+            return False, None
         return super().request_finished(request, block_ids)
+
+
+class BothPDConnector(VLLMPDConnector):
+    """A ``kv_both`` instance's PD half: the producer (this object) and a consumer
+    (``consumer``), each over its own driver; a request goes to the consumer when its params
+    say ``do_remote_prefill``, else to the producer (which acts only on ``do_remote_decode``)."""
+
+    def __init__(
+        self,
+        kv: KVCacheConfig,
+        driver: PDDriver,
+        cfg: PDConfig,
+        consumer: VLLMPDConnector,
+        pd_stats: PDStats,
+    ) -> None:
+        super().__init__("producer", kv, driver, cfg, pd_stats)
+        self.consumer = consumer
+
+    @staticmethod
+    def _is_d(request: RequestLike) -> bool:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        return bool(params.get("do_remote_prefill"))
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self._is_d(request):
+            return self.consumer.get_num_new_matched_tokens(request, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
+    ) -> None:
+        if self._is_d(request):
+            self.consumer.update_state_after_alloc(request, block_ids, num_external_tokens)
+        else:
+            super().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput | None:
+        p = super().update_connector_output(output)
+        d = self.consumer.update_connector_output(KVConnectorOutput())
+        assert p is not None
+        assert d is not None
+        return KVConnectorOutput(
+            finished_sending=p.finished_sending | d.finished_sending,
+            finished_recving=p.finished_recving | d.finished_recving,
+            invalid_block_ids=p.invalid_block_ids | d.invalid_block_ids,
+            reports=p.reports,
+        )
+
+    def request_finished(
+        self, request: RequestLike, block_ids: GroupBlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._is_d(request):
+            return self.consumer.request_finished(request, block_ids)
+        return super().request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return super().has_pending_push_work() or self.consumer.has_pending_push_work()
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self.consumer.shutdown()
 
 
 # ---- the scheduler role -----------------------------------------------------------------------
 
 
 class PDSchedulerRole:
-    """The adapter's scheduler role on a P or D instance: ``PDOffloadConnector`` over the CPU
-    tier and a ``VLLMPDConnector``; speaks vLLM's param names and relays the copies."""
+    """The adapter's scheduler role on a P, D or ``kv_both`` instance: ``PDOffloadConnector``
+    over the CPU tier and a ``VLLMPDConnector`` (``BothPDConnector`` for ``kv_both``); speaks
+    vLLM's param names and relays the copies."""
 
     def __init__(
         self,
@@ -341,52 +341,108 @@ class PDSchedulerRole:
         compat: Compat,
         clock: Clock,
         tp_size: int,
+        block_bytes: Sequence[int] = (),
+        data_endpoint: str = "",
     ) -> None:
         self.offload = offload
         self.role = role
         self.cfg = cfg
         self.tp_size = tp_size
         # P: its worker's data plane, from the handshake (else the configured pd_data_port).
-        self.data_endpoint = ""
-        self._data: dict[str, str] = {}  # D: P's engine id → its data plane (one entry per P)
+        self.data_endpoint = data_endpoint
+        self._data: dict[str, str] = {}  # D: P's engine id → the pair's data endpoint
+        self._endpoints: dict[str, str] = {}  # P: D's engine id → the pair's data endpoint
+        self.pd_stats = PDStats(block_bytes)
+        sides = ("producer", "consumer") if role == "both" else (role,)
         timeouts = PDTimeouts(lease_s=cfg.lease_s, claim_s=cfg.claim_s)
-        mgr: ProducerManager | ConsumerManager = (
-            ProducerManager(engine_id, timeouts=timeouts)
-            if role == "producer"
-            else ConsumerManager(engine_id, timeouts=timeouts)
-        )
-        self.relay = RelayTransport(lambda peer: self._data.get(peer, ""))
-        driver = PDDriver(
-            mgr,
-            compat,
-            self.relay,
-            clock=clock,
-            bind=f"tcp://{cfg.side_channel_host}:{cfg.side_channel_port}",
-            hello_timeout_s=cfg.timeout_s,
-        )
+        ids = itertools.count(1)
+        self.relays: dict[str, RelayTransport] = {}
+        self.drivers: dict[str, CountingDriver] = {}
         try:
-            self.pd = VLLMPDConnector(role, kv, driver, cfg)
+            for side in sides:
+                mgr: ProducerManager | ConsumerManager
+                if side == "producer":
+                    mgr = CountingProducer(engine_id, timeouts=timeouts)
+                    mgr.pd_stats = self.pd_stats
+                else:
+                    mgr = ConsumerManager(engine_id, timeouts=timeouts)
+                data_of = self.endpoint_for if side == "producer" else self._data_of
+                relay = self.relays[side] = RelayTransport(
+                    data_of, side=side, stats=self.pd_stats, now=clock.now, ids=ids
+                )
+                # kv_both: the configured port is P's (its params name it); D's is any port.
+                port = cfg.side_channel_port if side == "producer" or role != "both" else 0
+                driver = CountingDriver(
+                    mgr,
+                    compat,
+                    relay,
+                    clock=clock,
+                    bind=f"tcp://{cfg.side_channel_host}:{port}",
+                    hello_timeout_s=cfg.timeout_s,
+                )
+                driver.pd_stats = self.pd_stats
+                self.drivers[side] = driver
+            self.pd = self._connector(kv, cfg)
+            # The scheduler process has no worker: only PDOffloadConnector's scheduler-role
+            # methods are called here.
+            self.both = PDOffloadConnector(
+                OffloadConnector(offload, cast(OffloadWorker, None)), self.pd
+            )
+            if isinstance(self.pd, BothPDConnector):
+                # One owner of GPU refs: the consumer's holds go on the same ledger as P's.
+                self.pd.consumer.driver.manager.ledger.attach(offload.manager.pd_holds)
         except BaseException:
-            driver.close()
+            self.close()
             raise
-        # The scheduler process has no worker: only PDOffloadConnector's scheduler-role
-        # methods are called here.
-        self.both = PDOffloadConnector(
-            OffloadConnector(offload, cast(OffloadWorker, None)), self.pd
-        )
-        host, _, port = driver.address.removeprefix("tcp://").rpartition(":")
-        self.host, self.port = host, int(port)
+        host, _, port_text = self.driver.address.removeprefix("tcp://").rpartition(":")
+        self.host, self.port = host, int(port_text)
         log.info(
             "vllm_pd_ready",
             role=role,
             engine_id=engine_id,
-            control=driver.address,
+            control=[d.address for d in self.drivers.values()],
             transport=cfg.transport.value,
         )
 
+    def _connector(self, kv: KVCacheConfig, cfg: PDConfig) -> VLLMPDConnector:
+        d = self.drivers
+        if self.role != "both":
+            return VLLMPDConnector(self.role, kv, d[self.role], cfg, self.pd_stats)
+        consumer = VLLMPDConnector("consumer", kv, d["consumer"], cfg, self.pd_stats)
+        return BothPDConnector(kv, d["producer"], cfg, consumer, self.pd_stats)
+
     @property
     def driver(self) -> PDDriver:
-        return self.pd.driver
+        """The driver whose control plane P's params name (a consumer's: its only one)."""
+        return self.drivers.get("producer") or self.drivers["consumer"]
+
+    def busy(self) -> bool:
+        return any(d.busy() for d in self.drivers.values())
+
+    def _data_of(self, peer: str) -> str:
+        return self._data.get(peer, "")
+
+    def endpoint_for(self, peer: str) -> str:
+        """P: the data-plane endpoint of the pair with D ``peer`` (its worker hosts it): the
+        worker's own for the first D, a free port of the same host for each further one."""
+        ep = self._endpoints.get(peer)
+        if ep is None:
+            if not self._endpoints and self.data_endpoint:
+                ep = self.data_endpoint
+            elif not self._endpoints and self.cfg.data_port:
+                ep = f"{self.cfg.side_channel_host}:{self.cfg.data_port}"
+            else:
+                host = self.data_endpoint.rpartition(":")[0] or self.cfg.side_channel_host
+                ep = f"{host}:{free_port(host)}"
+            self._endpoints[peer] = ep
+        return ep
+
+    def take_stats(self) -> KVFlowConnectorStats | None:
+        """PD's stats since the last call (``pd_stats``), None when nothing changed."""
+        p, d = self.drivers.get("producer"), self.drivers.get("consumer")
+        return self.pd_stats.take(
+            p.manager.num_live if p is not None else 0, d.manager.num_live if d is not None else 0
+        )
 
     # -- the SchedulerRole calls --------------------------------------------------------------
 
@@ -415,14 +471,18 @@ class PDSchedulerRole:
     def wrap_meta(self, base: KVFlowConnectorMetadata) -> KVFlowPDConnectorMetadata:
         """This step's metadata with the PD copies; CLAIMs and GRANTs that arrived are answered
         first, so their copies start this step."""
-        self.driver.poll()
-        ops = self.relay.take_ops()
-        return KVFlowPDConnectorMetadata(base, ops, bool(ops) or self.driver.busy())
+        ops: list[PDLaunch | PDCancel] = []
+        for side, driver in self.drivers.items():
+            driver.poll()
+            ops.extend(self.relays[side].take_ops())
+        return KVFlowPDConnectorMetadata(base, tuple(ops), bool(ops) or self.busy())
 
     def update_from_reports(
         self, reports: Sequence[StepReport], pd_results: Sequence[tuple[int, bool]] = ()
     ) -> KVConnectorOutput:
-        self.relay.settle(pd_results)
+        if pd_results:
+            for relay in self.relays.values():
+                relay.settle(pd_results)
         return self.both.update_connector_output(KVConnectorOutput(reports=reports))
 
     def request_finished(
@@ -439,6 +499,8 @@ class PDSchedulerRole:
         """P's params for D, in NIXL's names plus kvflow's."""
         bs = self.pd.kv.block_size
         hashes = prompt_hashes(request, bs)
+        ours = getattr(request, "kv_transfer_params", None) or {}
+        peer = str(ours.get("remote_engine_id") or self.cfg.peer_engine_id)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -451,8 +513,7 @@ class PDSchedulerRole:
             "kvflow_transfer_id": params["transfer_id"],
             "kvflow_epoch": params["epoch"],
             "kvflow_digest": hashes_digest(tuple(hashes)).hex(),
-            "kvflow_data": self.data_endpoint
-            or (f"{self.cfg.side_channel_host}:{self.cfg.data_port}" if self.cfg.data_port else ""),
+            "kvflow_data": self.endpoint_for(peer),
         }
 
     def reset_cache(self) -> bool:
@@ -468,7 +529,8 @@ class PDSchedulerRole:
         return self.offload.take_latencies()
 
     def close(self) -> None:
-        self.driver.close()
+        for driver in self.drivers.values():
+            driver.close()
 
 
 def vllm_compat(model: str, dtype: str, kv: KVCacheConfig, spec: Any, tp_size: int) -> Compat:
@@ -490,15 +552,10 @@ def vllm_compat(model: str, dtype: str, kv: KVCacheConfig, spec: Any, tp_size: i
 
 __all__ = [
     "PD_ROLES",
-    "KVFlowHandshake",
-    "KVFlowPDConnectorMetadata",
-    "KVFlowPDWorkerMetadata",
-    "PDCancel",
-    "PDLaunch",
+    "BothPDConnector",
     "PDRequestView",
     "PDRequestViews",
     "PDSchedulerRole",
-    "RelayTransport",
     "VLLMPDConnector",
     "kvflow_params",
     "vllm_compat",

@@ -3,16 +3,19 @@
 The scheduler's ``PDDriver`` decides every copy; its relay hands them here in the connector
 metadata (``PDLaunch`` / ``PDCancel``), and this side launches them on a real ``KVTransport``
 over the worker's KV tensors and reports each settled fence back (fence id, ok) in the worker
-metadata. One transport per peer pair, built at its first launch on a thread of its own (a gloo
+metadata. One transport per pair, built at its first launch on a thread of its own (a gloo
 pair is a rendezvous of both engines' workers, which the first GRANT starts on both sides at
 about the same time), so no engine step ever blocks on the peer: launches wait in a queue until
 the pair is up, and all of them fail if it cannot be built within its timeout (the hand-off then
 drains and D recomputes).
+
+Pairs are keyed by side and endpoint: a producer-side launch names the endpoint this worker
+hosts for that D (one per D), a consumer-side one the endpoint of the P it pulls from (one per
+P), so one worker serves several peers, and a ``kv_both`` worker is both at once.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -25,7 +28,7 @@ from kvflow.connector.api import KVCacheConfig
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import LaunchCopies
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.pd import PDCancel, PDLaunch
+from kvflow.integrations.vllm.pd_relay import PDCancel, PDLaunch, free_port
 
 if TYPE_CHECKING:
     import torch
@@ -34,13 +37,6 @@ log = get_logger("kvflow.integrations.vllm.pd")
 
 TransportFactory = Callable[[int, str, int], KVTransport]
 """(pair rank, host, port) → a transport to that peer; pair rank 0 (P) hosts the pair."""
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (P's data plane when none is configured)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def pd_groups(kv_caches: Mapping[str, torch.Tensor], kv: KVCacheConfig) -> list[list[torch.Tensor]]:
@@ -67,9 +63,9 @@ def pd_groups(kv_caches: Mapping[str, torch.Tensor], kv: KVCacheConfig) -> list[
 
 @define(eq=False)
 class _Pair:
-    """One peer's transport: being built (launches queue), up, or failed."""
+    """One pair's transport: being built (launches queue), up, or failed."""
 
-    key: str
+    key: tuple[str, str]  # (side, endpoint)
     transport: KVTransport | None = None
     queued: list[tuple[int, LaunchCopies]] = field(factory=list)
     thread: threading.Thread | None = None
@@ -89,12 +85,13 @@ class PDWorkerSide:
     ) -> None:
         self.role = role
         self.host = host
-        self.data_port = data_port if data_port or role != "producer" else free_port(host)
+        # P (or kv_both, P for some requests): the first D's pair is hosted here.
+        self.data_port = data_port if data_port or role == "consumer" else free_port(host)
         self.transport_name = transport_name
         self._factory = factory
         self._groups: list[list[torch.Tensor]] | None = None
         self._lock = threading.Lock()
-        self._pairs: dict[str, _Pair] = {}
+        self._pairs: dict[tuple[str, str], _Pair] = {}
         self._live: dict[int, tuple[KVTransport, Fence]] = {}
         self._results: list[tuple[int, bool]] = []
         self._closed = False
@@ -110,7 +107,10 @@ class PDWorkerSide:
                 self._cancel(op.fence_id)
 
     def _launch(self, launch: PDLaunch) -> None:
-        key = "" if self.role == "producer" else launch.data
+        endpoint = launch.data
+        if not endpoint and launch.side == "producer":
+            endpoint = f"{self.host}:{self.data_port}"
+        key = (launch.side, endpoint)
         with self._lock:
             pair = self._pairs.get(key)
             if pair is None:
@@ -127,14 +127,12 @@ class PDWorkerSide:
             log.warning("pd_launch_failed", transfer_id=op.transfer_id, error=str(e))
             self._results.append((fence_id, False))
 
-    def _start(self, key: str) -> _Pair:
+    def _start(self, key: tuple[str, str]) -> _Pair:
         if self._groups is None or self._closed:
             raise ConfigError("PD worker: copies before the KV tensors were registered")
-        if self.role == "producer":
-            rank, host, port = 0, self.host, self.data_port
-        else:
-            host, _, port_text = key.rpartition(":")
-            rank, port = 1, int(port_text or 0)
+        side, endpoint = key
+        host, _, port_text = endpoint.rpartition(":")
+        rank, port = (0 if side == "producer" else 1), int(port_text or 0)
         pair = _Pair(key)
         pair.thread = threading.Thread(
             target=self._build, args=(pair, rank, host, port), name="kvflow-pd-pair", daemon=True
@@ -148,7 +146,7 @@ class PDWorkerSide:
             assert self._groups is not None
             transport.register(self._groups)
         except Exception as e:
-            log.error("pd_pair_failed", peer=pair.key or "consumer", error=str(e))
+            log.error("pd_pair_failed", side=pair.key[0], peer=pair.key[1], error=str(e))
             with self._lock:
                 self._results.extend((fid, False) for fid, _ in pair.queued)
                 pair.queued.clear()
@@ -160,7 +158,12 @@ class PDWorkerSide:
                 transport.close()
                 return
             pair.transport = transport
-            log.info("pd_pair_ready", peer=pair.key or "consumer", transport=self.transport_name)
+            log.info(
+                "pd_pair_ready",
+                side=pair.key[0],
+                peer=pair.key[1],
+                transport=self.transport_name,
+            )
             for fid, op in pair.queued:
                 self._launch_on(transport, fid, op)
             pair.queued.clear()

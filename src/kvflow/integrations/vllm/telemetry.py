@@ -43,6 +43,15 @@ if TYPE_CHECKING:
 KV_EVENT_MEDIUM = MEDIUM_CPU
 """The medium kvflow's events name: its tier is CPU memory, as vLLM's own CPU offload's is."""
 
+PD_COUNTERS = (
+    "pd_handoffs_committed",
+    "pd_handoffs_failed",
+    "pd_handoffs_aborted",
+    "pd_bytes_moved",
+    "pd_blocks_moved",
+    "pd_remote_prefill_tokens",
+)
+"""PD's counters (``pd_stats``): a P, D or ``kv_both`` instance's hand-offs and their copies."""
 COUNTERS = (
     "lookups",
     "hits",
@@ -59,11 +68,20 @@ COUNTERS = (
     "copy_seconds_store",
     "copy_bytes_load",
     "copy_seconds_load",
+    *PD_COUNTERS,
 )
-GAUGES = ("cpu_blocks_used", "cpu_blocks_cached", "cpu_blocks_total", "transfers_in_flight")
-LATENCIES = ("store", "load")
+PD_LATENCY = "pd_transfer"
+GAUGES = (
+    "cpu_blocks_used",
+    "cpu_blocks_cached",
+    "cpu_blocks_total",
+    "transfers_in_flight",
+    "pd_holds_outstanding",
+    "pd_reservations_outstanding",
+)
+LATENCIES = ("store", "load", PD_LATENCY)
 MANAGER_COUNTERS = COUNTERS[:10]
-"""The counters the scheduler role's manager keeps (the others are the workers')."""
+"""The counters the scheduler role's manager keeps (then the workers' copies, and PD's)."""
 
 _read_counters = attrgetter(*MANAGER_COUNTERS)
 """The manager's counters as one tuple, read in C (vLLM asks for stats every step)."""
@@ -260,7 +278,18 @@ _DOC = {
     "cpu_blocks_cached": "CPU tier blocks holding cached KV",
     "cpu_blocks_total": "CPU tier capacity in blocks, all groups",
     "transfers_in_flight": "transfers planned and not yet settled",
+    "pd_handoffs_committed": "PD hand-offs that ended with the KV in D's blocks (P: every copy ok)",
+    "pd_handoffs_failed": "PD hand-offs whose copies failed (D recomputes the prompt)",
+    "pd_handoffs_aborted": "PD hand-offs ended with nothing moved (request gone, released, lease out)",
+    "pd_bytes_moved": "bytes PD copies moved between P and D, this instance's side",
+    "pd_blocks_moved": "KV blocks PD copies moved between P and D, this instance's side",
+    "pd_remote_prefill_tokens": "prompt tokens D got from P instead of computing them",
+    "pd_holds_outstanding": "P: hand-offs live (their blocks held for D, or being prefilled)",
+    "pd_reservations_outstanding": "D: hand-offs live (blocks reserved for P's KV)",
 }
+
+
+_LATENCY_DOC = {PD_LATENCY: "kvflow PD copies, launch to settled as the scheduler saw it"}
 
 
 def _metric_name(name: str, kind: str) -> str:
@@ -296,7 +325,9 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
         self._histograms = {
             d: self._histogram_cls(
                 name=f"vllm:kvflow_{d}_latency_seconds",
-                documentation=f"kvflow {d} transfers, plan to commit (every rank reported)",
+                documentation=_LATENCY_DOC.get(
+                    d, f"kvflow {d} transfers, plan to commit (every rank reported)"
+                ),
                 labelnames=labelnames,
                 buckets=list(LATENCY_BUCKETS_S),
             )
@@ -333,6 +364,8 @@ __all__ = [
     "COUNTERS",
     "GAUGES",
     "KV_EVENT_MEDIUM",
+    "PD_COUNTERS",
+    "PD_LATENCY",
     "KVFlowConnectorStats",
     "KVFlowPromMetrics",
     "StatsDelta",
