@@ -48,8 +48,9 @@ def test_no_thread_and_copies_submitted_within_the_call() -> None:
 
 
 def test_calls_run_no_loop_turn_while_copies_are_only_in_flight() -> None:
-    """With a copy in flight and nothing queued, a call polls the fences without a loop turn;
-    the call after the fence finished runs one and reports the store."""
+    """A launch with nothing queued submits without a loop turn; with a copy in flight a call
+    polls the fences without one, and the call after the fence finished dispatches it (still
+    without a turn) and reports the store."""
     fake = FakeBackend()
     with _opened(fake) as rt:
         turns = [0]
@@ -62,15 +63,16 @@ def test_calls_run_no_loop_turn_while_copies_are_only_in_flight() -> None:
         rt._loop.run_until_complete = counted  # type: ignore[method-assign,assignment]
         rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
         rt.wait_for_save()
-        assert turns[0] == 1  # the executor's turn to submit
+        assert turns[0] == 0  # submitted on this thread: nothing was queued ahead
+        assert rt.runtime.executor.submits == 1
         polls = rt.runtime.reactor.polls
         for _ in range(3):
             assert rt.finish_step() == (set(), set(), StepReport(rank=0))
-        assert turns[0] == 1
+        assert turns[0] == 0
         assert rt.runtime.reactor.polls == polls + 3
         fake.release_all()
         assert rt.finish_step()[0] == {"a"}
-        assert turns[0] == 2
+        assert turns[0] == 0
         assert rt.runtime.in_flight == 0
 
 
