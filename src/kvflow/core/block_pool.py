@@ -168,6 +168,45 @@ class FreeBlockQueue:
             self.appendleft(block)
         return n
 
+    def free_owned(
+        self,
+        blocks: Sequence[Block],
+        block_ids: Sequence[int],
+        on_double_free: Callable[[int], NoReturn],
+    ) -> None:
+        """Drop one ref on each listed block, in order; blocks reaching zero join the queue,
+        hashed at the tail as one run (no call per block), unhashed at the head afterwards
+        (which commutes with appending at the tail). A block without a ref calls
+        ``on_double_free`` (which raises) after what came before it is linked in."""
+        tail = self._tail
+        last = tail.prev_free
+        assert last is not None
+        unhashed: list[Block] = []
+        appended = 0
+        for block_id in block_ids:
+            block = blocks[block_id]
+            refs = block.ref_cnt - 1
+            if refs < 0:
+                break
+            block.ref_cnt = refs
+            if refs == 0:
+                if block.block_hash is None:
+                    unhashed.append(block)
+                else:
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
+                    appended += 1
+        else:
+            block_id = -1
+        last.next_free = tail
+        tail.prev_free = last
+        self.num_free += appended
+        for block in unhashed:
+            self.appendleft(block)
+        if block_id >= 0:
+            on_double_free(block_id)
+
     def first(self) -> Block | None:
         """The block that would be evicted next, or None."""
         block = self._head.next_free
@@ -344,6 +383,27 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
+    def touch_cached(self, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+        """``touch`` of the blocks caching ``block_hashes`` (a hit being pinned), in one pass
+        and without id checks (the blocks are the pool's own); returns their ids. Every hash
+        must be cached: else ``BlockPoolError``, nothing touched."""
+        cached = self._cached
+        try:
+            blocks = [cached[h] for h in block_hashes]
+        except KeyError:
+            raise BlockPoolError(f"{self.name}: a hash to touch is not cached") from None
+        queue = self.free_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                prev, nxt = block.prev_free, block.next_free
+                assert prev is not None and nxt is not None, "a free block off the free queue"
+                prev.next_free = nxt
+                nxt.prev_free = prev
+                block.prev_free = block.next_free = None
+                queue.num_free -= 1
+            block.ref_cnt += 1
+        return tuple([block.block_id for block in blocks])
+
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per listed block; blocks reaching zero join the free queue in order.
 
@@ -375,19 +435,7 @@ class BlockPool:
     def free_owned(self, block_ids: Sequence[int]) -> None:
         """``free`` for a caller that holds one reference on each of these distinct, valid ids
         (kvflow's manager releasing a transfer's CPU blocks): no id checks, one pass."""
-        blocks = self.blocks
-        queue = self.free_queue
-        for block_id in block_ids:
-            block = blocks[block_id]
-            refs = block.ref_cnt - 1
-            if refs < 0:
-                self._double_free(block_id, 1)
-            block.ref_cnt = refs
-            if refs == 0:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
+        self.free_queue.free_owned(self.blocks, block_ids, self._double_free_one)
 
     def _double_free_one(self, block_id: int) -> NoReturn:
         self._double_free(block_id, 1)
