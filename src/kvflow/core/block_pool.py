@@ -91,11 +91,11 @@ class FreeBlockQueue:
     # (or a list of them) costs more than the rest (docs/benchmarks.md, issue 19).
 
     def claim_front(
-        self, n: int, cached: dict[BlockHash, Block]
+        self, n: int, cached: dict[BlockHash, Block], *, record: bool = True
     ) -> tuple[list[int], list[BlockHash]]:
         """Unlink the first ``n`` blocks (the caller checked there are that many) in one relink
         of the head and give each a ref count of 1, dropping its hash from ``cached``. Returns
-        their ids in eviction order and the hashes evicted."""
+        their ids in eviction order and the hashes evicted (none listed unless ``record``)."""
         out: list[int] = []
         evicted: list[BlockHash] = []
         head = self._head
@@ -104,7 +104,8 @@ class FreeBlockQueue:
             assert block is not None
             h = block.block_hash
             if h is not None:
-                evicted.append(h)
+                if record:
+                    evicted.append(h)
                 del cached[h]
                 block.block_hash = None
             block.ref_cnt = 1
@@ -368,7 +369,7 @@ class BlockPool:
             raise BlockPoolError(
                 f"{self.name}: asked for {n} blocks, only {self.free_queue.num_free} free"
             )
-        out, evicted = self.free_queue.claim_front(n, self._cached)
+        out, evicted = self.free_queue.claim_front(n, self._cached, record=self.enable_events)
         if self.ascending_runs:
             out.sort()
         if evicted and self.enable_events:

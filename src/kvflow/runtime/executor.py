@@ -63,6 +63,10 @@ _Command = CopyOrder | _Flush
 
 def coalesce(transfers: Sequence[TransferSpec], direction: Direction) -> CopyBatch:
     """One ``CopyBatch`` holding every block pair of ``transfers``, group by group."""
+    if len(transfers) == 1:
+        # A step's one store or load (the common case): its id tuples are the batch's.
+        (t,) = transfers
+        return CopyBatch(direction, t.gpu_block_ids, t.cpu_block_ids)
     n_groups = max((len(t.gpu_block_ids) for t in transfers), default=0)
     gpu: list[list[int]] = [[] for _ in range(n_groups)]
     cpu: list[list[int]] = [[] for _ in range(n_groups)]
