@@ -629,9 +629,7 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
 
-def render_floor(
-    results: list[dict[str, Any]], args: argparse.Namespace, console: Console
-) -> None:
+def render_floor(results: list[dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
     """``--floor-only``'s table: per case and direction, the floor's quartiles."""
     table = Table(
         title=(

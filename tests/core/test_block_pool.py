@@ -486,3 +486,16 @@ def test_touch_cached_of_a_missing_hash_raises_and_touches_nothing() -> None:
     with pytest.raises(BlockPoolError, match="not cached"):
         pool.touch_cached([h(1), h(3)])
     assert snapshot(pool) == before
+
+
+def test_release_owned_links_what_came_before_a_double_free() -> None:
+    """A double free inside release_owned raises after the blocks released before it (in
+    reverse order) joined the queue, the uncached one at the head: none is lost."""
+    pool = BlockPool(4)
+    a, b, c = pool.get_new_blocks(3)
+    pool.free_owned([a])
+    with pytest.raises(BlockPoolError, match="double free"):
+        pool.release_owned([a, b, c], [h(1), None, h(3)])
+    assert [blk.block_id for blk in pool.free_queue] == [b, a, 3, c]
+    assert pool.num_free_blocks == 4
+    assert pool.is_cached(h(3))

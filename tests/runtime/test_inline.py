@@ -15,7 +15,10 @@ from kvflow.backends.host import HostBackend
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError, ConfigError
+from kvflow.runtime.clock import FakeClock
+from kvflow.runtime.executor import CopyOrder, DmaExecutor
 from kvflow.runtime.inline import InlineSyncWorker
+from kvflow.runtime.reactor import Reactor
 
 STORE = TransferSpec(1, "a", Direction.STORE, [[1]], [[0]])
 
@@ -134,3 +137,46 @@ async def test_built_and_stepped_from_async_code() -> None:
         fake.release_all()
         await anyio.sleep(0)
         assert rt.finish_step()[0] == {"a"}
+
+
+def test_submit_now_only_with_nothing_queued_ahead() -> None:
+    """``DmaExecutor.submit_now`` submits at once while the inbox is empty, and refuses (state
+    unchanged) while an order is queued ahead of it or once the executor is closed."""
+    fake = FakeBackend()
+    fake.register_kv_caches({"l0": torch.randn(2, 8, 4, 2, 8)}, 8)
+    fake.allocate_cpu_tier([4])
+    done: list[tuple[int, ...]] = []
+    executor = DmaExecutor(
+        fake,
+        Reactor(fake, FakeClock()),
+        lambda specs, status, cause: done.append(tuple(s.transfer_id for s in specs)),
+    )
+    order = CopyOrder(1, Direction.STORE, (STORE,))
+    assert executor.can_submit_now
+    executor.submit_now(order)
+    assert (executor.submits, executor.outstanding) == (1, 1)
+    executor.enqueue(order)
+    assert not executor.can_submit_now
+    with pytest.raises(ClosedError, match="overtake"):
+        executor.submit_now(order)
+    assert executor.submits == 1
+    executor.close()
+    assert not executor.can_submit_now
+
+
+class _RefusingBackend(FakeBackend):
+    def submit(self, batch: Any, wait_for: Any = ()) -> Any:
+        raise RuntimeError("device gone")
+
+
+def test_a_refused_submit_at_launch_fails_its_transfers_not_the_call() -> None:
+    """A store submitted at launch that the backend refuses is launched, then failed at once
+    (logged ``copy_submit_failed``): the engine's call returns and the next report says so."""
+    with _opened(_RefusingBackend()) as rt:
+        rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
+        with capture_logs() as logs:
+            rt.wait_for_save()
+        assert any(e["event"] == "copy_submit_failed" for e in logs)
+        sending, _, report = rt.finish_step()
+        assert (sending, report.failed, report.completed) == ({"a"}, (1,), ())
+        assert rt.runtime.in_flight == 0

@@ -139,16 +139,13 @@ class FreeBlockQueue:
         assert last is not None
         unhashed: list[Block] = []
         n = appended = 0
-        for i in range(len(block_ids) - 1, -1, -1):
-            block_id = block_ids[i]
+        bad = -1
+        for block_id, h in zip(reversed(block_ids), reversed(block_hashes), strict=True):
             block = blocks[block_id]
             refs = block.ref_cnt - 1
             if refs < 0:
-                last.next_free = tail
-                tail.prev_free = last
-                self.num_free += appended
-                on_double_free(block_id)
-            h = block_hashes[i]
+                bad = block_id
+                break
             if h is not None and h not in cached:
                 block.block_hash = h
                 cached[h] = block
@@ -167,6 +164,8 @@ class FreeBlockQueue:
         self.num_free += appended
         for block in unhashed:
             self.appendleft(block)
+        if bad >= 0:
+            on_double_free(bad)
         return n
 
     def free_owned(
@@ -184,10 +183,12 @@ class FreeBlockQueue:
         assert last is not None
         unhashed: list[Block] = []
         appended = 0
+        bad = -1
         for block_id in block_ids:
             block = blocks[block_id]
             refs = block.ref_cnt - 1
             if refs < 0:
+                bad = block_id
                 break
             block.ref_cnt = refs
             if refs == 0:
@@ -198,15 +199,13 @@ class FreeBlockQueue:
                     block.prev_free = last
                     last = block
                     appended += 1
-        else:
-            block_id = -1
         last.next_free = tail
         tail.prev_free = last
         self.num_free += appended
         for block in unhashed:
             self.appendleft(block)
-        if block_id >= 0:
-            on_double_free(block_id)
+        if bad >= 0:
+            on_double_free(bad)
 
     def first(self) -> Block | None:
         """The block that would be evicted next, or None."""
@@ -397,7 +396,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 prev, nxt = block.prev_free, block.next_free
-                assert prev is not None and nxt is not None, "a free block off the free queue"
+                assert prev is not None, "a free block off the free queue"
+                assert nxt is not None, "a free block off the free queue"
                 prev.next_free = nxt
                 nxt.prev_free = prev
                 block.prev_free = block.next_free = None
