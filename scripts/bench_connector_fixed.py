@@ -98,6 +98,7 @@ def one_run(args: argparse.Namespace, src: Path, out: Path) -> dict[str, Any]:
 
 
 def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``xs``."""
     if len(xs) < 2:
         return xs[0], xs[0], xs[0]
     q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")

@@ -629,6 +629,12 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
 
+def add_columns(table: Table, columns: Sequence[str]) -> None:
+    """Names left-aligned, figures right-aligned."""
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("layout", "path", "dir") else "right")
+
+
 def render_floor(results: list[dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
     """``--floor-only``'s table: per case and direction, the floor's quartiles."""
     table = Table(
@@ -638,8 +644,9 @@ def render_floor(results: list[dict[str, Any]], args: argparse.Namespace, consol
             f"{args.steps} steps"
         )
     )
-    for col in ("layout", "blocks", "dir", "floor ms (median)", "IQR ms", "launch µs", "IQR µs"):
-        table.add_column(col, justify="left" if col in ("layout", "dir") else "right")
+    add_columns(
+        table, ["layout", "blocks", "dir", "floor ms (median)", "IQR ms", "launch µs", "IQR µs"]
+    )
     for r in results:
         for d in DIRECTIONS:
             f = r[d]
@@ -686,8 +693,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
     if args.floor:
         columns += ["floor ms", "floor launch µs"]
     columns.append("bytes ok")
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("layout", "path", "dir") else "right")
+    add_columns(table, columns)
     for r in results:
         for d in DIRECTIONS:
             f = r[d]

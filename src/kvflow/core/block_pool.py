@@ -168,45 +168,6 @@ class FreeBlockQueue:
             on_double_free(bad)
         return n
 
-    def free_owned(
-        self,
-        blocks: Sequence[Block],
-        block_ids: Sequence[int],
-        on_double_free: Callable[[int], NoReturn],
-    ) -> None:
-        """Drop one ref on each listed block, in order; blocks reaching zero join the queue,
-        hashed at the tail as one run (no call per block), unhashed at the head afterwards
-        (which commutes with appending at the tail). A block without a ref calls
-        ``on_double_free`` (which raises) after what came before it is linked in."""
-        tail = self._tail
-        last = tail.prev_free
-        assert last is not None
-        unhashed: list[Block] = []
-        appended = 0
-        bad = -1
-        for block_id in block_ids:
-            block = blocks[block_id]
-            refs = block.ref_cnt - 1
-            if refs < 0:
-                bad = block_id
-                break
-            block.ref_cnt = refs
-            if refs == 0:
-                if block.block_hash is None:
-                    unhashed.append(block)
-                else:
-                    last.next_free = block
-                    block.prev_free = last
-                    last = block
-                    appended += 1
-        last.next_free = tail
-        tail.prev_free = last
-        self.num_free += appended
-        for block in unhashed:
-            self.appendleft(block)
-        if bad >= 0:
-            on_double_free(bad)
-
     def first(self) -> Block | None:
         """The block that would be evicted next, or None."""
         block = self._head.next_free
@@ -436,7 +397,11 @@ class BlockPool:
     def free_owned(self, block_ids: Sequence[int]) -> None:
         """``free`` for a caller that holds one reference on each of these distinct, valid ids
         (kvflow's manager releasing a transfer's CPU blocks): no id checks, one pass."""
-        self.free_queue.free_owned(self.blocks, block_ids, self._double_free_one)
+        # ``release_owned`` with nothing to cache: it walks the ids in reverse, so reverse them.
+        ids = block_ids if isinstance(block_ids, tuple | list) else list(block_ids)
+        self.free_queue.release_owned(
+            self.blocks, ids[::-1], [None] * len(ids), self._cached, self._double_free_one
+        )
 
     def _double_free_one(self, block_id: int) -> NoReturn:
         self._double_free(block_id, 1)
