@@ -8,9 +8,10 @@ step it (``run_until_complete``) just long enough for what they started to be su
 the reactor polls the backend's fences at each step instead of being woken by a completion
 thread. The same tasks run (the reactor, the DMA executor actor), in the same order; only who
 drives the loop changes. Most calls need no loop turn at all: a launch with nothing queued
-ahead submits on the caller's thread, and a poll dispatches the fences it finds done. Nothing of kvflow runs between the engine's calls, so a copy that
-finishes is seen at the engine's next call, at the latest one step later (vLLM's own offload
-connectors poll their transfers once a step the same way).
+ahead submits on the caller's thread, and a poll dispatches the fences it finds done. Nothing
+of kvflow runs between the engine's calls, so a copy that finishes is seen at the engine's
+next call, at the latest one step later (vLLM's own offload connectors poll their transfers
+once a step the same way).
 
 Use a backend that does not push completions from threads of its own
 (``make_backend(..., inline=True)``): one that does still works (its callbacks queue on the
