@@ -26,15 +26,25 @@ connector's own CPU tier (one ``cuMemcpyAsync`` per pinned chunk, CUDA events; o
 run of the same steps on a backend whose copies finish at once: kvflow's own work per step.
 The first measured load is compared byte for byte with what was stored (a sample of blocks).
 Start-up objects are frozen out of the garbage collector (``gc.freeze``), as vLLM does.
+Requests carry their engine's block hashes (``--hashes engine``, computed when the request is
+made, as vLLM and kvflow's engine do); ``--hashes kvflow`` has the connector hash the prompt
+inside the timed load instead.
+
+``--floor-only`` runs only the floor (no copies, no ceiling: any machine, the CUDA mode's
+host-side work on the host backend's terms) and prints its per-step medians and interquartile
+ranges; ``--profile PATH`` writes a cProfile of the floor's timed spans (``pstats`` format).
 
     PYTHONPATH=src python scripts/bench_connector_transfer.py --json out.json        # on a GPU
     PYTHONPATH=src python scripts/bench_connector_transfer.py --device cpu --blocks 16 \\
         --layers 2 --steps 2                                                         # CPU smoke
+    PYTHONPATH=src python scripts/bench_connector_transfer.py --device cpu --floor-only \\
+        --blocks 512 --profile floor.prof                                            # host work
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import gc
 import json
@@ -49,7 +59,7 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
-from attrs import frozen
+from attrs import define, field, frozen
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -59,6 +69,7 @@ from kvflow.backends.torch_layout import layout_of
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig
 from kvflow.connector.offload import OffloadConnector
+from kvflow.core.hashing import BlockHash, hash_blocks
 from kvflow.core.layout import KVLayout
 from kvflow.core.requests import KVRequest, NewRequest, SchedulerOutput
 from kvflow.core.transfer import Direction
@@ -88,6 +99,24 @@ class LayoutSpec:
         if self.name == "cross":  # every layer of a block in one piece (N, L, 2, 16, 8, 128)
             return {"kv": new(num_blocks, layers, 2, TOKENS, 8, 128)}
         raise ValueError(self.name)
+
+
+@define(eq=False)
+class HashedRequest(KVRequest):
+    """A request that carries its engine's block hashes (vLLM's ``Request.block_hashes``,
+    kvflow's engine's ``Request``), computed when the request is made."""
+
+    hashes: list[BlockHash] = field(factory=list)
+
+    def engine_block_hashes(self, block_size: int) -> list[BlockHash] | None:
+        return self.hashes if block_size == TOKENS else None
+
+
+def make_request(args: argparse.Namespace, request_id: str, tokens: list[int]) -> KVRequest:
+    """The engine's request for ``tokens``: hashed by the engine or (``--hashes kvflow``) not."""
+    if args.hashes == "kvflow":
+        return KVRequest.from_prompt(request_id, tokens)
+    return HashedRequest(request_id, tokens, len(tokens), hashes=hash_blocks(tokens, TOKENS))
 
 
 LAYOUTS = {
@@ -131,6 +160,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="--device cpu: torch's intra-op threads (1: a busy box's thread wake-ups, tens "
         "of ms, stay out of the copies)",
     )
+    p.add_argument(
+        "--hashes",
+        choices=("engine", "kvflow"),
+        default="engine",
+        help="engine: requests carry their block hashes, as vLLM's and kvflow's engines give "
+        "them; kvflow: the connector hashes each prompt itself (inside the timed load)",
+    )
+    p.add_argument(
+        "--floor-only",
+        action="store_true",
+        help="only the floor (copies that finish at once): kvflow's host work per step, any "
+        "machine; prints medians and interquartile ranges",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="write a cProfile of the floor's timed spans to this file (pstats format)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.layout_names = [x for x in args.layouts.split(",") if x]
@@ -138,6 +186,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     bad = [x for x in args.layout_names if x not in LAYOUTS]
     if bad:
         p.error(f"unknown layout(s) {bad}; known: {', '.join(LAYOUTS)}")
+    if args.floor_only and not args.floor:
+        p.error("--floor-only and --no-floor leave nothing to run")
     if not args.block_counts or min(args.block_counts) < 1:
         p.error("--blocks needs positive counts")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1 or args.ceiling_reps < 1:
@@ -196,11 +246,18 @@ def ceiling_gbps(
 class Driver:
     """Plays the engine around one connector: requests, scattered GPU ids, the step calls."""
 
-    def __init__(self, conn: OffloadConnector, num_gpu_blocks: int, seed: int) -> None:
+    def __init__(
+        self,
+        conn: OffloadConnector,
+        num_gpu_blocks: int,
+        seed: int,
+        profiler: cProfile.Profile | None = None,
+    ) -> None:
         self.conn = conn
         self.rng = np.random.default_rng(seed)
         self.num_gpu_blocks = num_gpu_blocks
         self.step_no = 0
+        self.profiler = profiler  # on during the timed spans only
 
     def gpu_ids(self, n: int) -> tuple[int, ...]:
         """``n`` scattered GPU block ids (block 0 is the engine's null block)."""
@@ -248,15 +305,24 @@ class Driver:
         sched.update_state_after_alloc(req, (gpu,), 0)
         n = len(req.all_token_ids)
         new = NewRequest(req.request_id, (gpu,), 0, n)
+        prof = self.profiler
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         launch = self._step(SchedulerOutput(self.next_step(), new_requests=(new,)))
         self._poll(lambda _: not sched.has_pending_push_work(), f"store of {req.request_id}")
-        return time.perf_counter() - t0, launch
+        wall = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+        return wall, launch
 
     def load(self, req: KVRequest, gpu: tuple[int, ...]) -> tuple[float, float]:
         """The load step of a request whose prefix is on the CPU tier; (wall, launch) seconds."""
         sched = self.conn.scheduler
         rid = req.request_id
+        prof = self.profiler
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         hit, _ = sched.get_num_new_matched_tokens(req, 0)
         if not hit:
@@ -264,7 +330,10 @@ class Driver:
         sched.update_state_after_alloc(req, (gpu,), hit)
         launch = self._step(SchedulerOutput(self.next_step()))
         self._poll(lambda out: rid in out.finished_recving, f"load of {rid}")
-        return time.perf_counter() - t0, launch
+        wall = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+        return wall, launch
 
     def finish(self, req: KVRequest, gpu: tuple[int, ...]) -> None:
         """The request leaves (unmeasured): finished, then an empty step that says so."""
@@ -372,10 +441,12 @@ def measure(
     blocks: int,
     num_gpu: int,
     tick: Callable[[], None],
+    profiler: cProfile.Profile | None = None,
 ) -> tuple[dict[str, dict[str, list[float]]], bool | None]:
     """The measured store and load steps on one connector: per direction the wall, launch,
     copy (measured by the backend) and issue seconds of each step; and whether the sampled
-    blocks came back byte for byte (None when ``tensors`` is None: not checked)."""
+    blocks came back byte for byte (None when ``tensors`` is None: not checked). With
+    ``profiler``, the measured steps' timed spans are profiled."""
     device = args.device
     drv = Driver(conn, num_gpu, args.seed)
     rows: dict[str, dict[str, list[float]]] = {
@@ -384,7 +455,8 @@ def measure(
     verified: bool | None = None
     for i in range(args.warmup + args.steps):
         measured = i >= args.warmup
-        store_req = KVRequest.from_prompt(f"s{i}", drv.prompt(blocks, i))
+        drv.profiler = profiler if measured else None
+        store_req = make_request(args, f"s{i}", drv.prompt(blocks, i))
         src = drv.gpu_ids(blocks)
         check = measured and verified is None and tensors is not None
         if check:
@@ -396,7 +468,7 @@ def measure(
         wall, launch = drv.store(store_req, src)
         copies1, issued1 = conn.worker.copy_stats(), issued_s(conn)
         drv.finish(store_req, src)
-        load_req = KVRequest.from_prompt(f"l{i}", [*store_req.all_token_ids, 1])
+        load_req = make_request(args, f"l{i}", [*store_req.all_token_ids, 1])
         dst = drv.gpu_ids(blocks + 1)  # the hit's blocks and one for the new token
         settle(device)
         copies_l, issued_l = conn.worker.copy_stats(), issued_s(conn)
@@ -429,11 +501,13 @@ def bench_layout(
     device = args.device
     num_gpu = 2 * blocks + 2
     tensors = spec.tensors(args.layers, num_gpu, device)
-    for t in tensors.values():
-        t.view(torch.uint8).random_(0, 256)
     block_bytes = sum(t.numel() * t.element_size() for t in tensors.values()) // num_gpu
     step_bytes = blocks * block_bytes
     cpu_blocks = 2 * blocks + 8  # two steps' worth: every store from the third on evicts
+    if args.floor_only:
+        return bench_floor(args, spec, blocks, tensors, block_bytes, cpu_blocks, tick)
+    for t in tensors.values():
+        t.view(torch.uint8).random_(0, 256)
     conn = build_connector(args, tensors, num_gpu, block_bytes, cpu_blocks)
     try:
         backend: Any = conn.worker.backend
@@ -447,7 +521,7 @@ def bench_layout(
     if args.floor:
         null = build_connector(args, tensors, num_gpu, block_bytes, cpu_blocks, NullCopies())
         try:
-            floor, _ = measure(args, null, None, blocks, num_gpu, tick)
+            floor, _ = measure(args, null, None, blocks, num_gpu, tick, args.profiler)
         finally:
             null.worker.shutdown()
     # The next case must not find this one's pinned tier or KV tensors held by frozen cycles.
@@ -489,13 +563,108 @@ def bench_layout(
             "walls_ms": [w * 1e3 for w in r["wall"]],
         }
         if floor is not None:
-            result[d]["floor_ms"] = statistics.median(floor[d]["wall"]) * 1e3
-            result[d]["floor_launch_us"] = statistics.median(floor[d]["launch"]) * 1e6
+            result[d].update(floor_figures(floor[d]))
+    return result
+
+
+def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``xs`` (the median alone for one value)."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def floor_figures(rows: dict[str, list[float]]) -> dict[str, Any]:
+    """A direction's floor steps as figures: medians, quartiles and every step (ms, µs)."""
+    walls = [w * 1e3 for w in rows["wall"]]
+    launches = [la * 1e6 for la in rows["launch"]]
+    (w1, wm, w3), (l1, lm, l3) = quartiles(walls), quartiles(launches)
+    return {
+        "floor_ms": wm,
+        "floor_ms_q1": w1,
+        "floor_ms_q3": w3,
+        "floor_launch_us": lm,
+        "floor_launch_us_q1": l1,
+        "floor_launch_us_q3": l3,
+        "floors_ms": walls,
+        "floor_launches_us": launches,
+    }
+
+
+def bench_floor(
+    args: argparse.Namespace,
+    spec: LayoutSpec,
+    blocks: int,
+    tensors: dict[str, torch.Tensor],
+    block_bytes: int,
+    cpu_blocks: int,
+    tick: Callable[[], None],
+) -> dict[str, Any]:
+    """``--floor-only``: the steps on copies that finish at once, nothing else (the tensors
+    are only registered: never written, so on CPU their pages are never touched)."""
+    num_gpu = 2 * blocks + 2
+    null = build_connector(args, tensors, num_gpu, block_bytes, cpu_blocks, NullCopies())
+    try:
+        floor, _ = measure(args, null, None, blocks, num_gpu, tick, args.profiler)
+    finally:
+        null.worker.shutdown()
+    del tensors
+    gc.unfreeze()
+    gc.collect()
+    result: dict[str, Any] = {
+        "layout": spec.name,
+        "what": spec.what,
+        "blocks": blocks,
+        "layers": args.layers,
+        "block_bytes": block_bytes,
+        "step_bytes": blocks * block_bytes,
+    }
+    for d in DIRECTIONS:
+        result[d] = floor_figures(floor[d])
     return result
 
 
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+
+
+def add_columns(table: Table, columns: Sequence[str]) -> None:
+    """Names left-aligned, figures right-aligned."""
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("layout", "path", "dir") else "right")
+
+
+def render_floor(results: list[dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
+    """``--floor-only``'s table: per case and direction, the floor's quartiles."""
+    table = Table(
+        title=(
+            f"connector floor (copies that finish at once; {args.worker_loop} worker loop, "
+            f"{args.hashes} hashes), {args.layers} layers, scattered GPU ids: "
+            f"{args.steps} steps"
+        )
+    )
+    add_columns(
+        table, ["layout", "blocks", "dir", "floor ms (median)", "IQR ms", "launch µs", "IQR µs"]
+    )
+    for r in results:
+        for d in DIRECTIONS:
+            f = r[d]
+            table.add_row(
+                r["layout"],
+                f"{r['blocks']:,}",
+                d,
+                f"{f['floor_ms']:.3f}",
+                f"{f['floor_ms_q1']:.3f}–{f['floor_ms_q3']:.3f}",
+                f"{f['floor_launch_us']:.0f}",
+                f"{f['floor_launch_us_q1']:.0f}–{f['floor_launch_us_q3']:.0f}",
+            )
+    console.print(table)
+    console.print(
+        "floor = kvflow's own work per step on the engine's thread (wall from the step's "
+        "first timed call until the scheduler sees the result); launch = wait_for_save "
+        "(store) / start_load_kv (load)"
+    )
 
 
 def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Console) -> None:
@@ -524,8 +693,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
     if args.floor:
         columns += ["floor ms", "floor launch µs"]
     columns.append("bytes ok")
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("layout", "path", "dir") else "right")
+    add_columns(table, columns)
     for r in results:
         for d in DIRECTIONS:
             f = r[d]
@@ -572,11 +740,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.setswitchinterval(5e-4)
     if not args.device.startswith("cuda"):
         torch.set_num_threads(args.torch_threads)
+    args.profiler = cProfile.Profile() if args.profile is not None else None
     results = []
     cases = [(LAYOUTS[n], b) for b in args.block_counts for n in args.layout_names]
     try:
         with Progress(console=console, transient=True) as progress:
-            runs = (args.warmup + args.steps) * (2 if args.floor else 1)
+            runs = (args.warmup + args.steps) * (2 if args.floor and not args.floor_only else 1)
             for spec, blocks in cases:
                 task = progress.add_task(f"{spec.name}, {blocks} blocks", total=runs)
                 tick = functools.partial(progress.advance, task)
@@ -585,18 +754,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         structlog.reset_defaults()
         gc.unfreeze()
-    render(results, args, console)
+    if args.floor_only:
+        render_floor(results, args, console)
+    else:
+        render(results, args, console)
+    if args.profiler is not None:
+        args.profiler.dump_stats(str(args.profile))
+        console.print(f"profile of the floor's timed spans: {args.profile}")
     out = {
         "device": device_name(args.device),
         "worker_loop": args.worker_loop,
         "method": args.method,
         "layers": args.layers,
         "steps": args.steps,
+        "hashes": args.hashes,
+        "floor_only": args.floor_only,
         "results": results,
     }
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
-    bad = [r["layout"] for r in results if r["bytes_match"] is False]
+    bad = [r["layout"] for r in results if r.get("bytes_match") is False]
     if bad:
         console.print(f"bytes differ after a round trip: {', '.join(bad)}")
         return 1

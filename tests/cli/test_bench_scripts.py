@@ -130,6 +130,30 @@ def test_connector_transfer_bench_drives_every_layout_through_the_connector(
             assert fig["fixed_ms"] == pytest.approx(fig["wall_ms"] - bytes_at_ceiling_ms)
 
 
+def test_connector_floor_only_reports_quartiles_and_a_profile(tmp_path: Path) -> None:
+    """``--floor-only`` runs only the copies-finish-at-once steps (kvflow's hashing or the
+    engine's), reports each direction's quartiles and every step, and writes a profile."""
+    out, prof = tmp_path / "floor.json", tmp_path / "floor.prof"
+    rc = bench_connector_transfer.main(
+        [
+            "--device", "cpu", "--floor-only", "--layouts", "4k,cross", "--blocks", "6",
+            "--layers", "2", "--steps", "3", "--warmup", "1", "--hashes", "kvflow",
+            "--profile", str(prof), "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    f = json.loads(out.read_text())
+    assert (f["floor_only"], f["hashes"]) == (True, "kvflow")
+    assert [r["layout"] for r in f["results"]] == ["4k", "cross"]
+    for r in f["results"]:
+        for d in ("store", "load"):
+            fig = r[d]
+            assert len(fig["floors_ms"]) == len(fig["floor_launches_us"]) == 3
+            assert fig["floor_ms_q1"] <= fig["floor_ms"] <= fig["floor_ms_q3"]
+            assert 0 < fig["floor_launch_us"] < fig["floor_ms"] * 1e3
+    assert prof.stat().st_size > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_connector_transfer_bench_says_it_needs_cuda() -> None:
     """Without a GPU the default --device cuda exits with status 2 instead of failing."""

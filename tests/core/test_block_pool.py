@@ -431,3 +431,71 @@ def test_owned_free_of_a_free_block_raises() -> None:
     pool.free_owned([b])
     with pytest.raises(BlockPoolError, match="double free"):
         pool.free_owned([b])
+
+
+def test_owned_free_links_what_came_before_a_double_free() -> None:
+    """A double free inside free_owned raises after the blocks before it joined the queue: the
+    free count matches the queue, hashed blocks at the tail and unhashed ones at the head."""
+    pool = BlockPool(4)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache([a], [h(1)])
+    pool.free_owned([c])
+    with pytest.raises(BlockPoolError, match="double free"):
+        pool.free_owned([a, b, c])
+    assert [blk.block_id for blk in pool.free_queue] == [b, c, 3, a]
+    assert pool.num_free_blocks == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 6), st.lists(st.integers(0, 9), min_size=6, max_size=6)),
+        max_size=8,
+    ),
+    st.integers(0, 12),
+)
+def test_touch_cached_matches_find_then_touch(
+    rounds: list[tuple[int, list[int]]], start: int
+) -> None:
+    """touch_cached of cached hashes (free or in use) returns the ids find_longest_prefix
+    names and leaves a pool exactly as touch of them does."""
+    checked, fast = BlockPool(12), BlockPool(12)
+    for n, keys in rounds:
+        n = min(n, checked.num_free_blocks)
+        ids = checked.get_new_blocks(n)
+        assert fast.get_new_blocks(n) == ids
+        hashes = [h(k) for k in keys[:n]]
+        assert checked.cache(ids, hashes) == fast.cache(ids, hashes)
+        keep = len(ids) // 2  # some stay in use, the rest is freed
+        checked.free(ids[keep:][::-1])
+        fast.free(ids[keep:][::-1])
+    cached = [h(k) for k in range(10) if checked.is_cached(h(k))][start % 11 :]
+    want = checked.find_longest_prefix(cached)
+    checked.touch(want)
+    assert fast.touch_cached(cached) == tuple(want)
+    assert snapshot(fast) == snapshot(checked)
+
+
+def test_touch_cached_of_a_missing_hash_raises_and_touches_nothing() -> None:
+    """touch_cached refuses hashes that are not all cached and leaves the pool as it was."""
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache([a, b], [h(1), h(2)])
+    pool.free([b, a])
+    before = snapshot(pool)
+    with pytest.raises(BlockPoolError, match="not cached"):
+        pool.touch_cached([h(1), h(3)])
+    assert snapshot(pool) == before
+
+
+def test_release_owned_links_what_came_before_a_double_free() -> None:
+    """A double free inside release_owned raises after the blocks released before it (in
+    reverse order) joined the queue, the uncached one at the head: none is lost."""
+    pool = BlockPool(4)
+    a, b, c = pool.get_new_blocks(3)
+    pool.free_owned([a])
+    with pytest.raises(BlockPoolError, match="double free"):
+        pool.release_owned([a, b, c], [h(1), None, h(3)])
+    assert [blk.block_id for blk in pool.free_queue] == [b, a, 3, c]
+    assert pool.num_free_blocks == 4
+    assert pool.is_cached(h(3))

@@ -15,7 +15,10 @@ from kvflow.backends.host import HostBackend
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError, ConfigError
+from kvflow.runtime.clock import FakeClock
+from kvflow.runtime.executor import CopyOrder, DmaExecutor
 from kvflow.runtime.inline import InlineSyncWorker
+from kvflow.runtime.reactor import Reactor
 
 STORE = TransferSpec(1, "a", Direction.STORE, [[1]], [[0]])
 
@@ -48,8 +51,9 @@ def test_no_thread_and_copies_submitted_within_the_call() -> None:
 
 
 def test_calls_run_no_loop_turn_while_copies_are_only_in_flight() -> None:
-    """With a copy in flight and nothing queued, a call polls the fences without a loop turn;
-    the call after the fence finished runs one and reports the store."""
+    """A launch with nothing queued submits without a loop turn; with a copy in flight a call
+    polls the fences without one, and the call after the fence finished dispatches it (still
+    without a turn) and reports the store."""
     fake = FakeBackend()
     with _opened(fake) as rt:
         turns = [0]
@@ -62,15 +66,16 @@ def test_calls_run_no_loop_turn_while_copies_are_only_in_flight() -> None:
         rt._loop.run_until_complete = counted  # type: ignore[method-assign,assignment]
         rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
         rt.wait_for_save()
-        assert turns[0] == 1  # the executor's turn to submit
+        assert turns[0] == 0  # submitted on this thread: nothing was queued ahead
+        assert rt.runtime.executor.submits == 1
         polls = rt.runtime.reactor.polls
         for _ in range(3):
             assert rt.finish_step() == (set(), set(), StepReport(rank=0))
-        assert turns[0] == 1
+        assert turns[0] == 0
         assert rt.runtime.reactor.polls == polls + 3
         fake.release_all()
         assert rt.finish_step()[0] == {"a"}
-        assert turns[0] == 2
+        assert turns[0] == 0
         assert rt.runtime.in_flight == 0
 
 
@@ -132,3 +137,46 @@ async def test_built_and_stepped_from_async_code() -> None:
         fake.release_all()
         await anyio.sleep(0)
         assert rt.finish_step()[0] == {"a"}
+
+
+def test_submit_now_only_with_nothing_queued_ahead() -> None:
+    """``DmaExecutor.submit_now`` submits at once while the inbox is empty, and refuses (state
+    unchanged) while an order is queued ahead of it or once the executor is closed."""
+    fake = FakeBackend()
+    fake.register_kv_caches({"l0": torch.randn(2, 8, 4, 2, 8)}, 8)
+    fake.allocate_cpu_tier([4])
+    done: list[tuple[int, ...]] = []
+    executor = DmaExecutor(
+        fake,
+        Reactor(fake, FakeClock()),
+        lambda specs, status, cause: done.append(tuple(s.transfer_id for s in specs)),
+    )
+    order = CopyOrder(1, Direction.STORE, (STORE,))
+    assert executor.can_submit_now
+    executor.submit_now(order)
+    assert (executor.submits, executor.outstanding) == (1, 1)
+    executor.enqueue(order)
+    assert not executor.can_submit_now
+    with pytest.raises(ClosedError, match="overtake"):
+        executor.submit_now(order)
+    assert executor.submits == 1
+    executor.close()
+    assert not executor.can_submit_now
+
+
+class _RefusingBackend(FakeBackend):
+    def submit(self, batch: Any, wait_for: Any = ()) -> Any:
+        raise RuntimeError("device gone")
+
+
+def test_a_refused_submit_at_launch_fails_its_transfers_not_the_call() -> None:
+    """A store submitted at launch that the backend refuses is launched, then failed at once
+    (logged ``copy_submit_failed``): the engine's call returns and the next report says so."""
+    with _opened(_RefusingBackend()) as rt:
+        rt.bind_connector_metadata(StepPlan(1, stores=(STORE,)))
+        with capture_logs() as logs:
+            rt.wait_for_save()
+        assert any(e["event"] == "copy_submit_failed" for e in logs)
+        sending, _, report = rt.finish_step()
+        assert (sending, report.failed, report.completed) == ({"a"}, (1,), ())
+        assert rt.runtime.in_flight == 0

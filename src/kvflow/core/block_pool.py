@@ -91,11 +91,11 @@ class FreeBlockQueue:
     # (or a list of them) costs more than the rest (docs/benchmarks.md, issue 19).
 
     def claim_front(
-        self, n: int, cached: dict[BlockHash, Block]
+        self, n: int, cached: dict[BlockHash, Block], *, record: bool = True
     ) -> tuple[list[int], list[BlockHash]]:
         """Unlink the first ``n`` blocks (the caller checked there are that many) in one relink
         of the head and give each a ref count of 1, dropping its hash from ``cached``. Returns
-        their ids in eviction order and the hashes evicted."""
+        their ids in eviction order and the hashes evicted (none listed unless ``record``)."""
         out: list[int] = []
         evicted: list[BlockHash] = []
         head = self._head
@@ -104,7 +104,8 @@ class FreeBlockQueue:
             assert block is not None
             h = block.block_hash
             if h is not None:
-                evicted.append(h)
+                if record:
+                    evicted.append(h)
                 del cached[h]
                 block.block_hash = None
             block.ref_cnt = 1
@@ -138,16 +139,13 @@ class FreeBlockQueue:
         assert last is not None
         unhashed: list[Block] = []
         n = appended = 0
-        for i in range(len(block_ids) - 1, -1, -1):
-            block_id = block_ids[i]
+        bad = -1
+        for block_id, h in zip(reversed(block_ids), reversed(block_hashes), strict=True):
             block = blocks[block_id]
             refs = block.ref_cnt - 1
             if refs < 0:
-                last.next_free = tail
-                tail.prev_free = last
-                self.num_free += appended
-                on_double_free(block_id)
-            h = block_hashes[i]
+                bad = block_id
+                break
             if h is not None and h not in cached:
                 block.block_hash = h
                 cached[h] = block
@@ -166,6 +164,8 @@ class FreeBlockQueue:
         self.num_free += appended
         for block in unhashed:
             self.appendleft(block)
+        if bad >= 0:
+            on_double_free(bad)
         return n
 
     def first(self) -> Block | None:
@@ -329,7 +329,7 @@ class BlockPool:
             raise BlockPoolError(
                 f"{self.name}: asked for {n} blocks, only {self.free_queue.num_free} free"
             )
-        out, evicted = self.free_queue.claim_front(n, self._cached)
+        out, evicted = self.free_queue.claim_front(n, self._cached, record=self.enable_events)
         if self.ascending_runs:
             out.sort()
         if evicted and self.enable_events:
@@ -343,6 +343,28 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+
+    def touch_cached(self, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+        """``touch`` of the blocks caching ``block_hashes`` (a hit being pinned), in one pass
+        and without id checks (the blocks are the pool's own); returns their ids. Every hash
+        must be cached: else ``BlockPoolError``, nothing touched."""
+        cached = self._cached
+        try:
+            blocks = [cached[h] for h in block_hashes]
+        except KeyError:
+            raise BlockPoolError(f"{self.name}: a hash to touch is not cached") from None
+        queue = self.free_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                prev, nxt = block.prev_free, block.next_free
+                assert prev is not None, "a free block off the free queue"
+                assert nxt is not None, "a free block off the free queue"
+                prev.next_free = nxt
+                nxt.prev_free = prev
+                block.prev_free = block.next_free = None
+                queue.num_free -= 1
+            block.ref_cnt += 1
+        return tuple([block.block_id for block in blocks])
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per listed block; blocks reaching zero join the free queue in order.
@@ -375,19 +397,11 @@ class BlockPool:
     def free_owned(self, block_ids: Sequence[int]) -> None:
         """``free`` for a caller that holds one reference on each of these distinct, valid ids
         (kvflow's manager releasing a transfer's CPU blocks): no id checks, one pass."""
-        blocks = self.blocks
-        queue = self.free_queue
-        for block_id in block_ids:
-            block = blocks[block_id]
-            refs = block.ref_cnt - 1
-            if refs < 0:
-                self._double_free(block_id, 1)
-            block.ref_cnt = refs
-            if refs == 0:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
+        # ``release_owned`` with nothing to cache: it walks the ids in reverse, so reverse them.
+        ids = block_ids if isinstance(block_ids, tuple | list) else list(block_ids)
+        self.free_queue.release_owned(
+            self.blocks, ids[::-1], [None] * len(ids), self._cached, self._double_free_one
+        )
 
     def _double_free_one(self, block_id: int) -> NoReturn:
         self._double_free(block_id, 1)

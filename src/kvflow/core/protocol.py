@@ -91,9 +91,9 @@ class TransferSpec:
         cpu_block_ids: GroupBlockIds,
     ) -> TransferSpec:
         """The same spec without converting or checking the ids, for kvflow's manager, whose
-        store specs pair tuples of the engine's checked GPU ids with tuples of CPU ids from its
-        own pool, group by group and of equal lengths: checking them cost as much as planning
-        the rest of the store. Anything else must go through the constructor."""
+        store and load specs pair tuples of the engine's checked GPU ids with tuples of CPU ids
+        from its own pool, group by group and of equal lengths: checking them cost as much as
+        planning the rest of the transfer. Anything else must go through the constructor."""
         self = object.__new__(cls)
         setattr_ = object.__setattr__
         setattr_(self, "transfer_id", transfer_id)

@@ -205,13 +205,16 @@ def plan(plan: StepPlan, gpu_blocks: Sequence[int], cpu_blocks: Sequence[int]) -
     stored: list[set[int]] = [set() for _ in range(num_groups)]  # CPU blocks stores write
     read: list[set[int]] = [set() for _ in range(num_groups)]  # CPU blocks loads read
     loaded: list[set[int]] = [set() for _ in range(num_groups)]  # GPU blocks loads write
-    for spec in (*plan.stores, *plan.loads):
+    specs = (*plan.stores, *plan.loads)
+    for spec in specs:
         tid = spec.transfer_id
         if tid in ids:
             raise ConfigError(f"step {plan.step} lists a transfer id twice ({tid})")
         ids.add(tid)
         where = f"step {plan.step} transfer {tid} ({spec.direction.value})"
         _spec(where, spec, gpu_blocks, cpu_blocks)
+        if len(specs) == 1:
+            return  # one transfer (a step's store or load): no other one to overlap
         is_load = spec.direction is Direction.LOAD
         for g, (gpu, cpu) in enumerate(zip(spec.gpu_block_ids, spec.cpu_block_ids, strict=True)):
             if not gpu:

@@ -63,6 +63,10 @@ _Command = CopyOrder | _Flush
 
 def coalesce(transfers: Sequence[TransferSpec], direction: Direction) -> CopyBatch:
     """One ``CopyBatch`` holding every block pair of ``transfers``, group by group."""
+    if len(transfers) == 1:
+        # A step's one store or load (the common case): its id tuples are the batch's.
+        (t,) = transfers
+        return CopyBatch(direction, t.gpu_block_ids, t.cpu_block_ids)
     n_groups = max((len(t.gpu_block_ids) for t in transfers), default=0)
     gpu: list[list[int]] = [[] for _ in range(n_groups)]
     cpu: list[list[int]] = [[] for _ in range(n_groups)]
@@ -160,6 +164,8 @@ class DmaExecutor:
         factory=lambda: {d: {} for d in Direction}
     )
     _queued: int = 0  # orders in the inbox, not yet submitted
+    _flushes: int = 0  # flush barriers in the inbox or waited on by the actor
+    _closed: bool = False
     _outstanding: int = 0  # batches submitted, not yet finished
     _no_outstanding: anyio.Event = field(factory=anyio.Event)
     _stopped: anyio.Event = field(factory=anyio.Event)
@@ -185,7 +191,23 @@ class DmaExecutor:
     def outstanding(self) -> int:
         return self._outstanding
 
+    @property
+    def can_submit_now(self) -> bool:
+        """``submit_now`` would keep the inbox's order: nothing is queued ahead of it (no order,
+        no flush barrier) and the executor takes orders."""
+        return not (self._queued or self._flushes or self._closed)
+
     # -- the inbox ----------------------------------------------------------------------------
+    def submit_now(self, order: CopyOrder) -> None:
+        """Submit ``order`` on the caller's thread, now, without the actor's loop turn: for a
+        loop stepped from the engine's thread (``InlineSyncWorker``), where that turn costs the
+        engine more than the submit. Only while ``can_submit_now``; the caller has launched
+        the order's transfers (a refused or empty batch settles them before this returns)."""
+        if not self.can_submit_now:
+            raise ClosedError("DMA executor: an order submitted now would overtake the inbox")
+        if order.transfers:
+            self._submit_order(order)
+
     def enqueue(self, order: CopyOrder) -> None:
         """Queue ``order``; never blocks. Raises ``ClosedError`` once the executor is closing."""
         if not order.transfers:
@@ -209,12 +231,14 @@ class DmaExecutor:
             self._send.send_nowait(_Flush(done))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
             raise ClosedError("DMA executor is closed") from exc
+        self._flushes += 1
         log.debug("flush_requested", queued=self._queued, outstanding=self._outstanding)
         await done.wait()
 
     def close(self, *, drain: bool = True) -> None:
         """Stop taking orders. ``drain``: submit what is queued; else fail it (cause ``shutdown``)."""
         self._cancelling = self._cancelling or not drain
+        self._closed = True
         self._send.close()
 
     async def wait_closed(self) -> None:
@@ -230,6 +254,7 @@ class DmaExecutor:
                     if isinstance(cmd, _Flush):
                         # Everything queued before the barrier is submitted by now.
                         await self._no_outstanding.wait()
+                        self._flushes -= 1
                         cmd.done.set()
                         log.debug("flush_done")
                         continue

@@ -7,9 +7,11 @@ work plus two hand-offs, several times a step. Here the loop has no thread: the 
 step it (``run_until_complete``) just long enough for what they started to be submitted, and
 the reactor polls the backend's fences at each step instead of being woken by a completion
 thread. The same tasks run (the reactor, the DMA executor actor), in the same order; only who
-drives the loop changes. Nothing of kvflow runs between the engine's calls, so a copy that
-finishes is seen at the engine's next call, at the latest one step later (vLLM's own offload
-connectors poll their transfers once a step the same way).
+drives the loop changes. Most calls need no loop turn at all: a launch with nothing queued
+ahead submits on the caller's thread, and a poll dispatches the fences it finds done. Nothing
+of kvflow runs between the engine's calls, so a copy that finishes is seen at the engine's
+next call, at the latest one step later (vLLM's own offload connectors poll their transfers
+once a step the same way).
 
 Use a backend that does not push completions from threads of its own
 (``make_backend(..., inline=True)``): one that does still works (its callbacks queue on the
@@ -78,6 +80,7 @@ class InlineSyncWorker(SyncWorker):
             self._close_loop()
             raise
         self._rt.progress_hooks.append(self._on_progress)
+        self._rt.submit_at_launch = True
         self._settled = False
         self._progress: anyio.Event | None = None
         log.info("inline_worker_runtime_started", rank=self._rt.rank, backend=backend.name)
@@ -127,16 +130,20 @@ class InlineSyncWorker(SyncWorker):
 
     def _step_loop(self) -> None:
         """Let the loop run what the last call queued and dispatch finished copies. A loop turn
-        costs the engine's thread more than a poll; with copies in flight and nothing
-        queued, the fences are polled first and the loop runs only once one has finished.
-        Callers check that the runtime is open."""
+        costs the engine's thread more than a poll or a submit: launches submit at once when
+        nothing is queued (``WorkerRuntime.submit_at_launch``), and with copies in flight the
+        fences are polled and the finished ones dispatched without a turn. Callers check that
+        the runtime is open."""
         rt = self._rt
         if rt.executor.queued:
             self._on_loop(self._settle)
         elif rt.in_flight or rt.executor.outstanding:
             done = rt.reactor.poll()
             if done:
-                self._on_loop(self._settle, done)
+                # Dispatching is plain calls (the settling, the executor's accounting): with
+                # nothing queued the loop need not turn for it. Tasks they wake (a flush's
+                # waiter) run at the loop's next turn, which only calls that wait take.
+                rt.reactor.process(done)
 
     def _on_progress(self) -> None:
         self._settled = True

@@ -76,6 +76,10 @@ class WorkerRuntime:
     """Bounds of the drain at shutdown and of a flush, on ``clock``."""
     progress_hooks: list[Callable[[], None]] = field(factory=list)
     """Called on the loop each time copies settle (the sync facade wakes an idle engine)."""
+    submit_at_launch: bool = False
+    """Submit a launched order on the caller's thread when nothing is queued ahead of it
+    (``DmaExecutor.submit_now``), not on the executor's next loop turn: ``InlineSyncWorker``
+    sets it, since each loop turn it runs costs the engine's thread more than the submit."""
     reactor: Reactor = field(init=False)
     executor: DmaExecutor = field(init=False)
     _entries: dict[int, _Entry] = field(factory=dict)
@@ -296,16 +300,24 @@ class WorkerRuntime:
     def _launch(
         self, step: int, specs: Sequence[TransferSpec], wait_for: tuple[Fence, ...]
     ) -> None:
-        live = [s for s in specs if s.transfer_id in self._entries]
+        entries = self._entries
+        live = [s for s in specs if s.transfer_id in entries]
         if not live:
             return
-        # Enqueue first: if the executor refuses (closing), no transfer has changed state. The
-        # actor cannot run before the transitions below, which are all on this thread.
-        self.executor.enqueue(CopyOrder(step, live[0].direction, tuple(live), wait_for))
+        order = CopyOrder(step, live[0].direction, tuple(live), wait_for)
+        now = self.submit_at_launch and self.executor.can_submit_now
+        if not now:
+            # Enqueue first: if the executor refuses (closing), no transfer has changed state.
+            # The actor cannot run before the transitions below, which are all on this thread.
+            self.executor.enqueue(order)
+        counts = self._live
         for s in live:
-            apply(self._entries[s.transfer_id].transfer, TransferInput.LAUNCH, cause="launched")
+            apply(entries[s.transfer_id].transfer, TransferInput.LAUNCH, cause="launched")
             key = (s.request_id, s.direction)
-            self._live[key] = self._live.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + 1
+        if now:
+            # After the transitions: a refused submit settles its transfers at once.
+            self.executor.submit_now(order)
 
     def _on_done(self, specs: Sequence[TransferSpec], status: FenceStatus, cause: str) -> None:
         self._settled(specs, status, cause)

@@ -79,7 +79,12 @@ class RegionTable:
 
 def block_ids(ids: Sequence[int], limit: int, what: str) -> I64:
     """``ids`` as an int64 array; ``ConfigError`` naming ``what`` if any is outside ``[0, limit)``."""
-    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    arr = (
+        # A tuple of ints (what a CopyBatch holds): fromiter skips asarray's type discovery.
+        np.fromiter(ids, np.int64, len(ids))
+        if isinstance(ids, tuple)
+        else np.asarray(ids, dtype=np.int64).reshape(-1)
+    )
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
         bad = arr[(arr < 0) | (arr >= limit)][0]
         raise ConfigError(f"{what} block id {int(bad)} is outside 0..{limit - 1}")

@@ -131,11 +131,7 @@ class TransferLedger:
 
     def pin(self, g: int, hashes: Sequence[BlockHash]) -> tuple[int, ...]:
         """Pin the cached CPU blocks of group ``g`` holding ``hashes`` (all must be cached)."""
-        pool = self.cpu[g]
-        ids = tuple(pool.find_longest_prefix(hashes))
-        assert len(ids) == len(hashes), "hit blocks vanished during the match"
-        pool.touch(ids)
-        return ids
+        return self.cpu[g].touch_cached(hashes)
 
     def unpin(self, m: PinnedHit) -> None:
         for g, ids in enumerate(m.cpu_block_ids):
@@ -148,6 +144,8 @@ class TransferLedger:
         assert m.load is not None
         gpu, cpu = m.load
         for g, pinned in enumerate(m.cpu_block_ids):
+            if len(cpu[g]) == len(pinned):
+                continue  # the load takes every pinned block (its ids are a subset of them)
             used = set(cpu[g])
             self.cpu[g].free(reversed([b for b in pinned if b not in used]))
         xfer = self._new(Direction.LOAD, st.request.request_id, [st], gpu, cpu)
@@ -225,11 +223,9 @@ class TransferLedger:
         tid = self._next_id
         self._next_id += 1
         store = direction is Direction.STORE
-        spec = (
-            TransferSpec.trusted(tid, request_id, direction, gpu, cpu)
-            if store
-            else TransferSpec(tid, request_id, direction, gpu, cpu)
-        )
+        # Both ends are checked already: GPU ids are the engine's validated table (``validate``
+        # at alloc or in the step), CPU ids come from this ledger's pools, paired per group.
+        spec = TransferSpec.trusted(tid, request_id, direction, gpu, cpu)
         xfer = LiveTransfer(Transfer(tid, direction, request_id), spec, reqs)
         if self.gpu is not None and (not store or self.store_refs):
             # Hold the GPU ends too: the engine may free them (an aborted load, a block leaving

@@ -289,9 +289,15 @@ class OffloadManager:
                 raise ConfigError(
                     f"{rid} group {g}: block table has {len(table[g])} blocks, load needs {lo + n}"
                 )
+            targets = table[g][lo : lo + n]
+            if self._null is None or self._null not in targets:
+                # No null block to skip (full attention): the two slices pair as they are.
+                gpu.append(targets)
+                cpu.append(m.cpu_block_ids[g][:n])
+                continue
             pairs = [
                 (gb, cb)
-                for gb, cb in zip(table[g][lo : lo + n], m.cpu_block_ids[g][:n], strict=True)
+                for gb, cb in zip(targets, m.cpu_block_ids[g][:n], strict=True)
                 if gb != self._null
             ]
             gpu.append(tuple(p[0] for p in pairs))

@@ -36,10 +36,13 @@ class HitMatcher:
         for g in geo.full_groups:
             bs = geo.block_sizes[g]
             hashes = st.hashers[geo.slot[g]].hashes
-            cached = self._cpu[g].is_cached
+            in_cpu = self._cpu[g].cached_hashes
             i, end = num_computed // bs, hit // bs
-            while i < end and cached(hashes[i]):
-                i += 1
+            if i < end and all(map(in_cpu.__contains__, hashes[i:end])):
+                i = end  # every block cached (a whole hit): one pass in C, no call per block
+            else:
+                while i < end and hashes[i] in in_cpu:
+                    i += 1
             hit = min(hit, i * bs // align * align)
         changed = True
         while changed and hit > num_computed:

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""kvflow's host work per connector step, one revision against another, interleaved in one run.
+
+Runs ``bench_connector_transfer.py --floor-only`` (this checkout's script: the same engine calls
+for both) in a fresh process per round and revision, alternating which goes first, with
+``PYTHONPATH`` at this checkout's ``src`` or at a copy of ``--base``'s (``git archive``). Every
+measured step of every round is pooled per revision, layout and direction; the table gives the
+median and interquartile range of the floor (a step's wall on copies that finish at once) and
+of its launch, with the machine's load average before and after.
+
+    PYTHONPATH=src python scripts/bench_connector_fixed.py --base 2621fd2 --rounds 6 \\
+        --json docs/data/connector_fixed_devbox.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "scripts" / "bench_connector_transfer.py"
+DIRECTIONS = ("store", "load")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--base", default="2621fd2", help="the revision to compare against")
+    p.add_argument("--rounds", type=int, default=6, help="processes per revision, interleaved")
+    p.add_argument("--layouts", default="4k,mla,32k,cross")
+    p.add_argument("--blocks", type=int, default=512)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10, help="measured steps per process")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--hashes", choices=("engine", "kvflow"), default="engine")
+    p.add_argument("--worker-loop", choices=("inline", "thread"), default="inline")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1 or args.blocks < 1:
+        p.error("--rounds, --steps and --blocks must be positive")
+    return args
+
+
+def export_src(rev: str, into: Path) -> Path:
+    """``rev``'s ``src`` tree, unpacked under ``into``; its path."""
+    archive = into / "src.tar"
+    with archive.open("wb") as f:
+        subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], stdout=f, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into / "src"
+
+
+def one_run(args: argparse.Namespace, src: Path, out: Path) -> dict[str, Any]:
+    """One ``--floor-only`` process over ``src``; its JSON."""
+    cmd = [
+        sys.executable,
+        str(BENCH),
+        "--device",
+        "cpu",
+        "--floor-only",
+        "--layouts",
+        args.layouts,
+        "--blocks",
+        str(args.blocks),
+        "--layers",
+        str(args.layers),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--hashes",
+        args.hashes,
+        "--worker-loop",
+        args.worker_loop,
+        "--json",
+        str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"{src}: bench_connector_transfer exited {done.returncode}: {tail[0]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``xs``."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=150)
+    revs = {"base": args.base, "branch": "working tree"}
+    pooled: dict[tuple[str, str, str], dict[str, list[float]]] = {}
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="kvflow-fixed-") as tmp:
+        try:
+            base_src = export_src(args.base, Path(tmp))
+        except subprocess.CalledProcessError:
+            console.print(f"bench_connector_fixed: cannot export revision {args.base!r}")
+            return 2
+        trees = {"base": base_src, "branch": ROOT / "src"}
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("rounds", total=2 * args.rounds)
+            for r in range(args.rounds):
+                order = ("base", "branch") if r % 2 == 0 else ("branch", "base")
+                for name in order:
+                    out = one_run(args, trees[name], Path(tmp) / f"{name}{r}.json")
+                    for res in out["results"]:
+                        for d in DIRECTIONS:
+                            acc = pooled.setdefault(
+                                (res["layout"], d, name), {"wall": [], "launch": []}
+                            )
+                            acc["wall"] += res[d]["floors_ms"]
+                            acc["launch"] += res[d]["floor_launches_us"]
+                    progress.advance(task)
+    load_after = os.getloadavg()
+    table = Table(
+        title=(
+            f"connector floor per step, {args.base} vs this branch, interleaved "
+            f"({args.rounds} processes × {args.steps} steps each; {args.blocks} scattered "
+            f"blocks × {args.layers} layers, {args.worker_loop} loop, {args.hashes} hashes)"
+        )
+    )
+    for col in (
+        "layout",
+        "dir",
+        "base ms",
+        "base IQR",
+        "branch ms",
+        "branch IQR",
+        "change",
+        "base launch µs",
+        "branch launch µs",
+    ):
+        table.add_column(col, justify="left" if col in ("layout", "dir") else "right")
+    rows = []
+    for layout in [x for x in args.layouts.split(",") if x]:
+        for d in DIRECTIONS:
+            b, n = pooled[(layout, d, "base")], pooled[(layout, d, "branch")]
+            bw, nw = quartiles(b["wall"]), quartiles(n["wall"])
+            bl, nl = quartiles(b["launch"]), quartiles(n["launch"])
+            rows.append(
+                {
+                    "layout": layout,
+                    "dir": d,
+                    "base_ms": bw,
+                    "branch_ms": nw,
+                    "base_launch_us": bl,
+                    "branch_launch_us": nl,
+                    "steps": len(b["wall"]),
+                }
+            )
+            table.add_row(
+                layout,
+                d,
+                f"{bw[1]:.3f}",
+                f"{bw[0]:.3f}–{bw[2]:.3f}",
+                f"{nw[1]:.3f}",
+                f"{nw[0]:.3f}–{nw[2]:.3f}",
+                f"{nw[1] / bw[1] - 1:+.0%}",
+                f"{bl[1]:.0f} ({bl[0]:.0f}–{bl[2]:.0f})",
+                f"{nl[1]:.0f} ({nl[0]:.0f}–{nl[2]:.0f})",
+            )
+    console.print(table)
+    console.print(
+        f"load average (1, 5, 15 min) before {', '.join(f'{x:.1f}' for x in load_before)}, "
+        f"after {', '.join(f'{x:.1f}' for x in load_after)}; {os.cpu_count()} cores"
+    )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "revisions": revs,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "load_before": load_before,
+                    "load_after": load_after,
+                    "rows": rows,
+                    "steps": {"|".join(k): v for k, v in pooled.items()},
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
