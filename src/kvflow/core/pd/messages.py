@@ -18,6 +18,7 @@ import xxhash
 from attrs import field, frozen
 
 from kvflow.core.hashing import BlockHash
+from kvflow.core.pd.tp import tp_refusal
 from kvflow.errors import ConfigError
 
 GroupIds = tuple[tuple[int, ...], ...]
@@ -106,15 +107,19 @@ class Compat:
 
     def refusals(self, other: Compat) -> list[str]:
         """Why this engine cannot exchange KV with ``other`` (empty when it can): a strict field
-        that differs, wire units that differ, or TP sizes that differ (not supported yet)."""
+        that differs, wire units that differ, or a TP size that cannot hold the model's kv
+        heads (different TP sizes are mapped head slice by head slice, ``core.pd.tp``)."""
         out = [n for n in _STRICT if getattr(self, n) != getattr(other, n)]
         if self.wire != other.wire:
             out.append(
                 f"wire_block_size ({self.wire} vs {other.wire}; block sizes {self.block_size} "
                 f"and {other.block_size} need one unit dividing both)"
             )
-        if self.tp_size != other.tp_size:
-            out.append(f"shard (tp{self.tp_size} vs tp{other.tp_size}: not supported yet)")
+        for side in (self, other):
+            why = tp_refusal(side.num_kv_heads, side.tp_size, side.layout)
+            if why is not None:
+                out.append(f"shard (tp{self.tp_size} vs tp{other.tp_size}: {why})")
+                break
         return out
 
 
