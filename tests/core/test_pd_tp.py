@@ -32,7 +32,8 @@ def _check(plan: tuple[HeadSlice, ...], heads: int, p_tp: int, d_tp: int, layout
     for d, (dlo, dhi) in enumerate(d_heads):
         mine = sorted((s for s in plan if s.d_rank == d), key=lambda s: s.heads)
         # D's shard covered exactly once, in order, with no gap or overlap.
-        assert mine[0].heads[0] == dlo and mine[-1].heads[1] == dhi
+        assert mine[0].heads[0] == dlo
+        assert mine[-1].heads[1] == dhi
         for a, b in itertools.pairwise(mine):
             assert a.heads[1] == b.heads[0]
         for s in mine:
@@ -40,7 +41,8 @@ def _check(plan: tuple[HeadSlice, ...], heads: int, p_tp: int, d_tp: int, layout
             assert plo <= s.heads[0] < s.heads[1] <= phi  # the heads lie on that P rank
             assert s.p_local == (s.heads[0] - plo, s.heads[1] - plo)
             assert s.d_local == (s.heads[0] - dlo, s.heads[1] - dlo)
-            assert s.p_shard == phi - plo and s.d_shard == dhi - dlo
+            assert s.p_shard == phi - plo
+            assert s.d_shard == dhi - dlo
             full = s.p_local == (0, s.p_shard) and s.d_local == (0, s.d_shard)
             assert s.sliced is not full
     # Each pair of ranks is at most one part (one wire pair per rank pair).
@@ -141,4 +143,5 @@ def test_compat_accepts_different_tp_sizes_that_hold_the_heads() -> None:
 def test_compat_refuses_a_peer_whose_tp_cannot_hold_the_heads() -> None:
     """A peer at tp3 with 4 kv heads: refused, naming both TP sizes and why."""
     (why,) = _compat().refusals(_compat(shard="tp3"))
-    assert why.startswith("shard (tp1 vs tp3") and "neither divisible by tp 3" in why
+    assert why.startswith("shard (tp1 vs tp3")
+    assert "neither divisible by tp 3" in why

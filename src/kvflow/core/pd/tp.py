@@ -13,6 +13,8 @@ rank, the global heads, and where they lie in each side's shard.
 
 from __future__ import annotations
 
+import itertools
+
 from attrs import frozen
 
 from kvflow.errors import ConfigError
@@ -89,14 +91,16 @@ def plan_head_slices(
     for d, (dlo, dhi) in enumerate(d_heads):
         # Cut D's range at every P rank boundary; each piece from one of its holders.
         cuts = sorted({dlo, dhi, *(x for lo, hi in p_heads for x in (lo, hi) if dlo < x < dhi)})
-        for lo, hi in zip(cuts, cuts[1:], strict=False):
+        for lo, hi in itertools.pairwise(cuts):
             holders = [p for p, (plo, phi) in enumerate(p_heads) if plo <= lo and hi <= phi]
             # Replicated heads: D's ranks that need the same heads read different P ranks.
             readers = [r for r, (a, b) in enumerate(d_heads) if a <= lo and hi <= b]
             p = holders[readers.index(d) % len(holders)]
             plo = p_heads[p][0]
             out.append(
-                HeadSlice(p, d, (lo, hi), (lo - plo, hi - plo), (lo - dlo, hi - dlo), p_shard, d_shard)
+                HeadSlice(
+                    p, d, (lo, hi), (lo - plo, hi - plo), (lo - dlo, hi - dlo), p_shard, d_shard
+                )
             )
     out.sort(key=lambda s: (s.p_rank, s.d_rank, s.heads))
     return tuple(out)
