@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from tests.engine.helpers import make_engine, prompts, requests
 
+from kvflow.engine.model import model_config
 from kvflow.errors import ConfigError
 from kvflow.pd.router import PDRouter
 from kvflow.pd.worker import WorkerSpec, rank_transport
@@ -24,12 +25,23 @@ def _expected(engine: dict[str, Any]) -> list[tuple[int, ...]]:
     return [r.output_token_ids for r in colocated.run_to_completion(requests(PROMPTS, MAX_TOKENS))]
 
 
-def _assert_clean(router: PDRouter, handoffs: int) -> None:
+def _kv_bytes(prompts: list[list[int]], wire: int) -> int:
+    """The full model's KV bytes of the wire blocks D claims of each prompt (all but the last
+    token, which D computes): float32, K and V, every layer."""
+    cfg = model_config("tiny")
+    per_row = 2 * wire * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    return sum(-(-(len(p) - 1) // wire) * per_row for p in prompts)
+
+
+def _assert_clean(router: PDRouter) -> None:
+    """Both engines whole: every block back, no hand-off live, and on a TP engine no rank's
+    op unreported to rank 0 nor a copy still running on any rank."""
     p, d = router.summaries["P"], router.summaries["D"]
     assert p["leaked_blocks"] == d["leaked_blocks"] == 0
     assert p["live_handoffs"] == d["live_handoffs"] == 0
-    assert d["handoffs_ok"] == handoffs
-    assert p["bytes_moved"] > 0
+    for side, tp in zip((p, d), router.tp, strict=True):
+        if tp > 1:
+            assert side["rank_ops_pending"] == side["ranks_in_flight"] == 0
 
 
 @pytest.mark.parametrize(
@@ -49,7 +61,10 @@ def test_sequential_flow_between_tp_sizes_matches_a_colocated_engine(
         got = router.run(requests(PROMPTS, MAX_TOKENS))
     assert [g.result.output_token_ids for g in got] == expected
     assert all(g.result.prefill_tokens_computed == 1 for g in got)
-    _assert_clean(router, len(PROMPTS))
+    _assert_clean(router)
+    assert router.summaries["D"]["handoffs_ok"] == len(PROMPTS)
+    # Every rank's heads moved: the full model's KV of each prompt, once.
+    assert router.summaries["P"]["bytes_moved"] == _kv_bytes(PROMPTS, wire=4)
 
 
 def test_concurrent_flow_from_tp2_to_tp2_streams_every_rank_s_chunks() -> None:
@@ -61,9 +76,8 @@ def test_concurrent_flow_from_tp2_to_tp2_streams_every_rank_s_chunks() -> None:
     with PDRouter(engine=engine, timeout_s=60, tp=(2, 2), flow="concurrent") as router:
         got = router.run(requests(PROMPTS, MAX_TOKENS))
     assert [g.result.output_token_ids for g in got] == expected
-    p, d = router.summaries["P"], router.summaries["D"]
-    assert p["leaked_blocks"] == d["leaked_blocks"] == 0
-    assert p["live_handoffs"] == d["live_handoffs"] == 0
+    _assert_clean(router)
+    d = router.summaries["D"]
     assert d["handoffs_ok"] + d["handoffs_failed"] == len(PROMPTS)
     assert d["handoffs_ok"] >= 1
     for g in got:

@@ -165,14 +165,21 @@ def _timeouts(spec: WorkerSpec) -> PDTimeouts:
 
 
 def _serve_engine(
-    engine: Engine, conn: Connection, stop_ranks: Callable[[], object] | None = None
+    engine: Engine,
+    conn: Connection,
+    stop_ranks: Callable[[], list[RankStatus]] | None = None,
 ) -> None:
+    """Rank 0's life: announce, serve, then stop the other ranks (their copies still in flight
+    join the summary) and the engine."""
     connector = engine.scheduler_connector
     assert isinstance(connector, PDConnector)
     try:
         conn.send(("ready", connector.driver.address))
         _loop(engine, connector, conn, lambda: summary_of(engine, connector))
         summary = summary_of(engine, connector)
+        if stop_ranks is not None:
+            statuses, stop_ranks = stop_ranks(), None
+            summary["ranks_in_flight"] = sum(s.in_flight for s in statuses)
     finally:
         try:
             if stop_ranks is not None:
@@ -275,6 +282,11 @@ def summary_of(engine: Engine, connector: PDConnector) -> dict[str, Any]:
             getattr(connector.driver.transport, "stats", None) or {"transport": "gloo"}
         ),
         **connector.stats,
+        **(
+            {"rank_ops_pending": len(transport.pending)}
+            if isinstance(transport := connector.driver.transport, RankZeroTransport)
+            else {}
+        ),
     }
 
 
