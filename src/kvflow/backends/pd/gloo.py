@@ -13,7 +13,9 @@ have. Both sides cut a launch into the same wire chunks (``plan_wire``, from the
   chunk's bytes are that side's rows as they lie.
 
 No buffer is allocated per request. Wire tags are the GRANT's channel and the op's index, so two
-hand-offs' copies never match.
+hand-offs' copies never match. A head slice (a strided view: P and D of different TP sizes,
+``backends.pd.fan``) is always staged, gathered from or scattered into the view; both sides of
+such a pair use ``direct_min_bytes=None`` so their plans agree.
 
 Three threads per transport keep the wire busy, each taking chunks in launch order: the
 *preparer* waits for a free slot and gathers into it (torch releases the GIL); the *poster*
