@@ -85,8 +85,10 @@ class _Proc:
         self.address = ""
         self.summary: dict[str, Any] = {}
 
-    def kill(self) -> None:
-        for p in (self.proc, *self.others):
+    def kill(self, rank: int | None = None) -> None:
+        """SIGKILL every rank's process, or only ``rank``'s."""
+        procs = (self.proc, *self.others)
+        for p in procs if rank is None else (procs[rank],):
             p.kill()
 
     def join(self, timeout_s: float) -> None:
@@ -224,9 +226,10 @@ class PDRouter:
         stats: dict[str, Any] = msg[1]
         return stats
 
-    def kill(self, engine_id: str) -> None:
-        """SIGKILL one engine's processes, every rank (tests of a peer's death)."""
-        self._procs[engine_id].kill()
+    def kill(self, engine_id: str, rank: int | None = None) -> None:
+        """SIGKILL one engine's processes, every rank or only ``rank`` (tests of a peer's
+        death)."""
+        self._procs[engine_id].kill(rank)
 
     # ---- flows ------------------------------------------------------------------------------
 
