@@ -145,3 +145,12 @@ def test_compat_refuses_a_peer_whose_tp_cannot_hold_the_heads() -> None:
     (why,) = _compat().refusals(_compat(shard="tp3"))
     assert why.startswith("shard (tp1 vs tp3")
     assert "neither divisible by tp 3" in why
+
+
+def test_a_layout_that_does_not_map_heads_is_refused_only_when_tp_sizes_differ() -> None:
+    """vLLM's layout (``num_kv_heads`` per rank): tp1 vs tp2 refused naming the layout; equal
+    TP sizes accepted whatever the heads (3 heads on each of 2 ranks)."""
+    (why,) = _compat(layout="vllm").refusals(_compat(layout="vllm", shard="tp2"))
+    assert "layout 'vllm' does not map kv heads" in why
+    both = _compat(layout="vllm", num_kv_heads=3, shard="tp2/0")
+    assert both.refusals(_compat(layout="vllm", num_kv_heads=3, shard="tp2/1")) == []

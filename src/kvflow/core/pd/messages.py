@@ -18,7 +18,7 @@ import xxhash
 from attrs import field, frozen
 
 from kvflow.core.hashing import BlockHash
-from kvflow.core.pd.tp import tp_refusal
+from kvflow.core.pd.tp import TP_MAPPED_LAYOUTS, tp_refusal
 from kvflow.errors import ConfigError
 
 GroupIds = tuple[tuple[int, ...], ...]
@@ -107,19 +107,23 @@ class Compat:
 
     def refusals(self, other: Compat) -> list[str]:
         """Why this engine cannot exchange KV with ``other`` (empty when it can): a strict field
-        that differs, wire units that differ, or a TP size that cannot hold the model's kv
-        heads (different TP sizes are mapped head slice by head slice, ``core.pd.tp``)."""
+        that differs, wire units that differ, or TP sizes that differ where the layout does not
+        map kv heads between them or a size cannot hold the model's kv heads (different TP
+        sizes are mapped head slice by head slice, ``core.pd.tp``)."""
         out = [n for n in _STRICT if getattr(self, n) != getattr(other, n)]
         if self.wire != other.wire:
             out.append(
                 f"wire_block_size ({self.wire} vs {other.wire}; block sizes {self.block_size} "
                 f"and {other.block_size} need one unit dividing both)"
             )
-        for side in (self, other):
-            why = tp_refusal(side.num_kv_heads, side.tp_size, side.layout)
+        if self.tp_size != other.tp_size:
+            why = None
+            if self.layout not in TP_MAPPED_LAYOUTS:
+                why = f"layout {self.layout!r} does not map kv heads between TP sizes"
+            for side in (self, other):
+                why = why or tp_refusal(side.num_kv_heads, side.tp_size, side.layout)
             if why is not None:
                 out.append(f"shard (tp{self.tp_size} vs tp{other.tp_size}: {why})")
-                break
         return out
 
 

@@ -22,6 +22,12 @@ from kvflow.errors import ConfigError
 REPLICATED_LAYOUTS = frozenset({"mla"})
 """KV layouts with no head dimension to shard: every rank holds the whole KV."""
 
+TP_MAPPED_LAYOUTS = frozenset({"flash_attn"})
+"""Layouts whose engines exchange KV between different TP sizes: the reference engine's, whose
+``num_kv_heads`` is the model's and whose ranks' pairs move head slices (``pd.worker``). Any
+other layout (vLLM's, whose ``num_kv_heads`` is a rank's) is refused at HELLO when the TP sizes
+differ; the plan itself covers replicated layouts for an engine that wires them."""
+
 Heads = tuple[int, int]
 """A half-open range of kv heads ``[lo, hi)``."""
 
@@ -113,6 +119,7 @@ def rank_slices(plan: tuple[HeadSlice, ...], rank: int, producer: bool) -> list[
 
 __all__ = [
     "REPLICATED_LAYOUTS",
+    "TP_MAPPED_LAYOUTS",
     "HeadSlice",
     "Heads",
     "plan_head_slices",
