@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 from tests.engine.helpers import make_engine, prompts, requests
-from tests.runtime.test_pd_router import _await_launch, _one_block_per_chunk
+from tests.runtime.test_pd_router import check_p_killed_mid_copy
 
-from kvflow.core.pd.common import PDTimeouts
 from kvflow.engine.model import model_config
 from kvflow.errors import ConfigError
 from kvflow.pd.router import PDRouter
@@ -92,28 +91,7 @@ def test_a_p_rank_killed_during_a_running_copy_fails_the_whole_hand_off() -> Non
     part from that rank fails at once, so the whole hand-off fails however the other part
     ends; D holds the claimed blocks until P is declared dead and the quarantine passed, then
     recomputes; the outputs are the colocated engine's and D ends with every block back."""
-    expected = _expected(ENGINE)
-    fast = PDTimeouts(claim_s=2, grant_window_s=1, copy_s=3, heartbeat_s=0.2,
-                      peer_timeout_s=1, drain_retry_s=0.2)  # fmt: skip
-    first, second, third = requests(PROMPTS, MAX_TOKENS)
-    with PDRouter(engine=ENGINE, timeout_s=60, pd_timeouts=fast, tp=(2, 1),
-                  transport_options=_one_block_per_chunk()) as router:  # fmt: skip
-        (ok,) = router.run([first])
-        held = router.prefill(second)
-        before = router.stats("P")["bytes_moved"]
-        rid = router.start_decode(second, held.kv_transfer_params)
-        _await_launch(router, before)
-        router.kill("P", rank=1)
-        got = router.finish_decode(rid)
-        alone = router.decode(third, None)
-    assert ok.result.output_token_ids == expected[0]
-    assert got.result.output_token_ids == expected[1]
-    assert got.result.prefill_tokens_computed == len(PROMPTS[1])
-    assert alone.result.output_token_ids == expected[2]
-    d = router.summaries["D"]
-    assert d["leaked_blocks"] == 0
-    assert d["live_handoffs"] == 0
-    assert (d["handoffs_ok"], d["handoffs_failed"]) == (1, 1)
+    check_p_killed_mid_copy(lambda router: router.kill("P", rank=1), tp=(2, 1))
 
 
 def test_tp_needs_one_port_per_part_and_the_gloo_transport() -> None:
