@@ -38,6 +38,22 @@ def test_bench_pd_prints_the_table_and_writes_the_json(
     assert data["decode_prompt_tokens_computed"] == data["requests"]
 
 
+def test_bench_pd_from_p_tp2_to_d_tp1_matches_the_colocated_engine(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """--pd-tp 2,1: P as two rank processes, D as one; the table names the TP sizes, outputs
+    are identical, every hand-off commits and nothing leaks."""
+    figures = tmp_path / "pd.json"
+    assert main(["bench", "--pd", "--pd-tp", "2,1", *TINY, "--json", str(figures)]) == 0
+    out, _ = capfd.readouterr()
+    assert "P tp2 → D tp1" in out
+    data = json.loads(figures.read_text())
+    assert data["tp"] == [2, 1]
+    assert data["outputs_identical"] is True
+    assert data["leaked_blocks"] == 0
+    assert data["handoffs_ok"] == data["requests"]
+
+
 def test_bench_pd_over_nixl_reports_the_transport_it_chose(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -73,6 +89,13 @@ def test_bench_pd_over_nixl_reports_the_transport_it_chose(
         (["--pd", "--pd-transport", "ncclx"], "invalid choice"),
         (["--pd", "--plot", "x.png"], "--plot is not available with --pd"),
         (["--pd", "--pd-flow", "sideways"], "invalid choice"),
+        (["--pd-tp", "1,2"], "--pd-tp needs --pd"),
+        (["--pd", "--pd-tp", "2"], "--pd-tp '2': two positive sizes"),
+        (["--pd", "--pd-tp", "1,0"], "two positive sizes"),
+        (
+            ["--pd", "--pd-tp", "1,2", "--pd-transport", "nixl"],
+            "--pd-tp runs on --pd-transport gloo",
+        ),
     ],
 )
 def test_bench_pd_errors_are_one_line_and_exit_2(

@@ -1,5 +1,6 @@
 """HELLO's compatibility rule: what a hand-off can map (block sizes that share a wire unit) is
-accepted, what it cannot (no common unit, different TP sizes, a different model) is a typed
+accepted, as are TP sizes that hold the kv heads (mapped head slice by head slice); what it
+cannot (no common unit, a TP size the heads do not divide, a different model) is a typed
 ``PeerError`` at HELLO naming why, on both sides, and nothing is cached."""
 
 from __future__ import annotations
@@ -31,11 +32,24 @@ async def test_block_sizes_16_and_32_with_one_wire_unit_are_accepted() -> None:
             assert p.peer("D") is not None
 
 
+async def test_tp_sizes_that_hold_the_kv_heads_are_accepted() -> None:
+    """P tp1 and D tp2 (2 kv heads, one per D rank): HELLO succeeds; the peer's TP is cached."""
+    clock = FakeClock()
+    with anyio.fail_after(GUARD_S):
+        async with (
+            open_control_plane("P", default_compat(shard="tp1"), clock) as p,
+            open_control_plane("D", default_compat(shard="tp2"), clock) as d,
+        ):
+            info = await d.hello(p.address)
+            assert info.engine_id == "P"
+            assert p.peer("D") is not None
+
+
 @pytest.mark.parametrize(
     ("d_fields", "why"),
     [
         ({"block_size": 32}, "wire_block_size"),  # 16 vs 32, each its own unit
-        ({"shard": "tp2"}, r"shard \(tp2 vs tp1"),
+        ({"shard": "tp3"}, r"shard \(tp3 vs tp1: 2 kv heads are neither divisible by tp 3"),
         ({"num_layers": 3}, "num_layers"),
         ({"block_size": 32, "wire_block_size": 8}, "wire_block_size"),
     ],

@@ -24,6 +24,7 @@ from kvflow.bench.config import BenchConfig
 from kvflow.bench.multi_round import gpu_blocks_for, workload_of
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest, make_kv_cache_config
 from kvflow.engine.model import model_config
+from kvflow.engine.tp import shard_config
 from kvflow.engine.workload import MultiRoundQA
 from kvflow.errors import ConfigError
 from kvflow.pd.router import FLOWS, PDRouter
@@ -81,6 +82,7 @@ class PDBenchResult:
     num_gpu_blocks: int
     transport: str = "gloo"
     transport_stats: dict[str, dict[str, Any]] = field(factory=dict)
+    tp: tuple[int, int] = (1, 1)  # P's and D's TP sizes
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,6 +96,7 @@ class PDBenchResult:
             "transport": self.transport,
             "transport_stats": self.transport_stats,
             "flow": self.flow,
+            "tp": list(self.tp),
             "handoffs_ok": self.handoffs_ok,
             "handoffs_failed": self.handoffs_failed,
             "decode_preemptions": self.decode_preemptions,
@@ -198,13 +201,17 @@ def run_pd_bench(
     *,
     flow: str = "sequential",
     transport: str = "gloo",
+    tp: tuple[int, int] = (1, 1),
     on_round: Callable[[str, int], None] = lambda _name, _round: None,
 ) -> PDBenchResult:
-    """The workload on one colocated engine, then through P and D over ``transport``."""
+    """The workload on one colocated engine, then through P and D over ``transport``, P and D
+    of ``tp`` ranks each."""
     if flow not in FLOWS:
         raise ConfigError(f"--pd-flow {flow!r}: one of {', '.join(FLOWS)}")
     check_pd_transport(transport, cfg.device)
     model_cfg = model_config(cfg.model)
+    for size in tp:
+        shard_config(model_cfg, size)  # ConfigError naming what the size does not divide
     workload = workload_of(cfg, model_cfg)
     probe = make_kv_cache_config(model_cfg, EngineConfig(block_size=cfg.block_size))
     if any(g.sliding_window is not None for g in probe.groups):
@@ -228,7 +235,9 @@ def run_pd_bench(
     ref = _rounds(workload, _colocated(colocated), lambda r: on_round("colocated", r))
     colocated_preemptions = colocated.scheduler.num_preemptions - warm_preemptions
     colocated.shutdown()
-    with PDRouter(model=cfg.model, engine=engine_kwargs, flow=flow, transport=transport) as router:
+    with PDRouter(
+        model=cfg.model, engine=engine_kwargs, flow=flow, transport=transport, tp=tp
+    ) as router:
         _rounds(warm, _through(router), lambda _r: None)
         p0, d0 = router.stats("P"), router.stats("D")
         got = _rounds(workload, _through(router), lambda r: on_round("P → D", r))
@@ -255,6 +264,7 @@ def run_pd_bench(
         num_gpu_blocks=num_blocks,
         transport=transport,
         transport_stats={side: dict(router.summaries[side].get("transport", {})) for side in "PD"},
+        tp=tp,
     )
 
 

@@ -148,6 +148,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --pd: the data plane between P and D: gloo (CPU, default), nixl (the "
         "kvflow[nixl] extra; CPU or GPU), cuda-ipc (two processes on one GPU, --device cuda)",
     )
+    p.add_argument(
+        "--pd-tp",
+        default=None,
+        metavar="P,D",
+        help="with --pd (gloo): P's and D's tensor-parallel sizes, e.g. 1,2 (default 1,1); "
+        "each rank a process, kv heads moved slice by slice between the ranks",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -217,6 +224,17 @@ def check_cuda(device: str) -> None:
         )
 
 
+def pd_tp_of(args: argparse.Namespace) -> tuple[int, int]:
+    """``--pd-tp P,D`` as two sizes; ConfigError naming the accepted form."""
+    text = getattr(args, "pd_tp", None)
+    if text is None:
+        return (1, 1)
+    parts = str(text).split(",")
+    if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+        raise ConfigError(f"--pd-tp {text!r}: two positive sizes, P's and D's, like 1,2")
+    return (int(parts[0]), int(parts[1]))
+
+
 def validate(args: argparse.Namespace) -> BenchConfig:
     """Every check a run can fail that needs no torch: values, output paths, matplotlib, GPU."""
     cfg = config_from_args(args)
@@ -224,6 +242,11 @@ def validate(args: argparse.Namespace) -> BenchConfig:
         raise ConfigError("--pd-flow needs --pd")
     if getattr(args, "pd_transport", None) is not None and not args.pd:
         raise ConfigError("--pd-transport needs --pd")
+    if getattr(args, "pd_tp", None) is not None:
+        if not args.pd:
+            raise ConfigError("--pd-tp needs --pd")
+        if pd_tp_of(args) != (1, 1) and (args.pd_transport or "gloo") != "gloo":
+            raise ConfigError("--pd-tp runs on --pd-transport gloo")
     if getattr(args, "pd", False):
         from kvflow.bench.pd import check_pd_transport
 
@@ -405,7 +428,9 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
     c, pd = result.colocated, result.pd
     table = Table(
         title=(
-            f"kvflow bench --pd ({result.flow} flow, {result.transport}): {result.config.model} "
+            f"kvflow bench --pd ({result.flow} flow, {result.transport}"
+            f"{'' if result.tp == (1, 1) else f', P tp{result.tp[0]} → D tp{result.tp[1]}'}): "
+            f"{result.config.model} "
             f"on {result.config.device}, "
             f"{result.requests} requests ({result.config.users} users × {result.config.rounds} "
             "rounds)"
@@ -482,6 +507,7 @@ def run_pd_command(args: argparse.Namespace, cfg: BenchConfig, console: Console)
             cfg,
             flow=flow,
             transport=args.pd_transport or "gloo",
+            tp=pd_tp_of(args),
             on_round=lambda name, _r: progress.advance(tasks[name]),
         )
     render_pd(result, console)

@@ -29,6 +29,10 @@ Inline driving: the scheduler role polls the driver in ``update_connector_output
 and turns its reports into the output the engine acts on; the worker role only registers the
 KV tensors and waits (bounded) for copies when the engine is idle. The CPU tier is not composed
 here yet (see docs/pd.md).
+
+Tensor parallelism: on a TP engine every rank moves its own kv heads (``connector.pd_tp``);
+rank 0's connector forwards each launch to the other ranks as the step's metadata and turns
+their step reports into the manager's per-rank ``copy_done``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from attrs import define, field
 
 from kvflow.backends.pd.transport import KVTransport
 from kvflow.connector.api import KVCacheConfig, KVConnectorOutput, NullConnector
+from kvflow.connector.pd_tp import RankZeroTransport, wire_groups
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import ROOT_HASH, BlockHash, hash_block, hash_blocks
 from kvflow.core.logs import get_logger
@@ -233,9 +238,14 @@ class PDConnector(NullConnector):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
         """P: note how far each streamed request's prefill gets this step (its KV is fenced
-        once the step's output comes back, in ``update_connector_output``)."""
-        if not self._streams:
-            return None
+        once the step's output comes back, in ``update_connector_output``). On a TP engine:
+        the other ranks' launches and cancels since the last step (``RankOps``)."""
+        if self._streams:
+            self._note_streams(scheduler_output)
+        transport = self.driver.transport
+        return transport.take() if isinstance(transport, RankZeroTransport) else None
+
+    def _note_streams(self, scheduler_output: SchedulerOutput) -> None:
         mgr = self.driver.manager
         assert isinstance(mgr, ProducerManager)
         for rid in scheduler_output.preempted_request_ids:
@@ -256,7 +266,6 @@ class PDConnector(NullConnector):
                 for g, ids in enumerate(c.new_block_ids):
                     st.table[g].extend(ids)
                 st.end = c.num_computed_tokens + c.num_scheduled_tokens
-        return None
 
     def _fence_chunks(self) -> None:
         """P: push the chunks whose KV the step just computed (streamed hand-offs)."""
@@ -277,9 +286,25 @@ class PDConnector(NullConnector):
                 ids = self.rows(tuple(tuple(g) for g in st.table), 0, fenced)
                 self.driver.apply(mgr.kv_chunk(st.transfer_id, st.epoch, ids, fenced, now))
 
+    def _rank_reports(self, output: KVConnectorOutput) -> None:
+        """TP: the other ranks' ends of their copies, as the manager's ``copy_done(rank)``."""
+        transport = self.driver.transport
+        if not isinstance(transport, RankZeroTransport):
+            return
+        mgr = self.driver.manager
+        now = self.driver.now()
+        for r in output.reports:
+            for op_id, ok in [(i, True) for i in r.completed] + [(i, False) for i in r.failed]:
+                op = transport.reported(r.rank, op_id)
+                if op is not None:
+                    self.driver.apply(
+                        mgr.copy_done(op.transfer_id, op.epoch, r.rank, ok, now, op.channel)
+                    )
+
     def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput | None:
         if self._streams:
             self._fence_chunks()
+        self._rank_reports(output)
         self.driver.poll()
         sending: set[str] = set(output.finished_sending)
         recving: set[str] = set(output.finished_recving)
@@ -371,20 +396,13 @@ class PDConnector(NullConnector):
     # ---- worker role ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        groups: list[list[torch.Tensor]] = []
-        sizes: list[int] = []
-        k = self.rows_per_block
-        for g in self.kv.groups:
-            tensors = [
-                # Wire rows: k consecutive token slices of each block (a view, no copy).
-                t.view(t.shape[0] * k, t.shape[1] // k, *t.shape[2:])
-                for name in g.layer_names
-                for t in (kv_caches[name][0], kv_caches[name][1])
-            ]
-            groups.append(tensors)
-            sizes.append(sum(t[0].numel() * t.element_size() for t in tensors))
+        groups = wire_groups(self.kv, kv_caches, self.rows_per_block)
         self.driver.transport.register(groups)
-        self.driver.block_bytes = sizes
+        # Bytes a hand-off moves over every rank: a rank holds 1/tp of the kv heads.
+        tp = self.driver.manager.world_size
+        self.driver.block_bytes = [
+            tp * sum(t[0].numel() * t.element_size() for t in tensors) for tensors in groups
+        ]
 
     def wait_for_progress(self, timeout: float) -> None:
         self.driver.poll()
@@ -405,10 +423,17 @@ def pd_connector_factory(
     clock: Clock | None = None,
     pump: Callable[[float], object] | None = None,
     on_driver: Callable[[PDDriver], None] | None = None,
+    world_size: int = 1,
 ) -> Callable[[KVCacheConfig, GpuCacheView], tuple[PDConnector, PDConnector]]:
-    """An engine ``connector_factory`` for a P (``producer``) or D (``consumer``) engine."""
+    """An engine ``connector_factory`` for a P (``producer``) or D (``consumer``) engine;
+    ``world_size``: its TP ranks (rank 0's ``transport`` is then a ``RankZeroTransport``)."""
     if role not in ROLES:
         raise ConfigError(f"PD role {role!r}: one of {', '.join(ROLES)}")
+    if (world_size > 1) != isinstance(transport, RankZeroTransport):
+        raise ConfigError(
+            f"a PD engine of {world_size} ranks needs rank 0's transport to be a "
+            f"RankZeroTransport exactly when it has other ranks"
+        )
 
     def build(kv: KVCacheConfig, _view: GpuCacheView) -> tuple[PDConnector, PDConnector]:
         if compat.block_size != kv.block_size:
@@ -418,9 +443,9 @@ def pd_connector_factory(
             )
         mgr: ProducerManager | ConsumerManager
         if role == "producer":
-            mgr = ProducerManager(engine_id, timeouts=timeouts)
+            mgr = ProducerManager(engine_id, world_size=world_size, timeouts=timeouts)
         else:
-            mgr = ConsumerManager(engine_id, timeouts=timeouts)
+            mgr = ConsumerManager(engine_id, world_size=world_size, timeouts=timeouts)
         driver = PDDriver(mgr, compat, transport, clock=clock, pump=pump)
         if on_driver is not None:
             on_driver(driver)

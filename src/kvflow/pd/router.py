@@ -10,6 +10,9 @@ connector and decodes. Requests are pipelined: each goes to D as soon as P answe
 Concurrent flow (SGLang, Dynamo): the router names the transfer and sends the request to both at
 once; D reserves and claims while P prefills, P grants when its KV is complete.
 
+Tensor parallelism (``tp=(P's, D's)``, gloo): each engine is that many processes, rank 0 of
+each talks to the router; P's and D's ranks exchange head slices pair by pair (``pd.worker``).
+
 Every wait is bounded: the processes' start, each answer (``timeout_s``), the stop.
 """
 
@@ -29,8 +32,10 @@ from attrs import frozen
 from kvflow.backends.pd.registry import TRANSPORTS
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import PDTimeouts
+from kvflow.core.pd.tp import plan_head_slices
 from kvflow.engine.distributed import free_port
 from kvflow.engine.engine import GenerationRequest, RequestResult
+from kvflow.engine.model import model_config
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.pd.worker import WorkerSpec, serve
 
@@ -61,16 +66,38 @@ def _result(d: dict[str, Any]) -> RequestResult:
 
 
 class _Proc:
+    """One engine: its rank-0 process (with the pipe) and, with TP, its other ranks."""
+
     def __init__(self, ctx: Any, spec: WorkerSpec) -> None:
         self.spec = spec
         self.conn, child = ctx.Pipe()
+        name = f"kvflow-pd-{spec.engine_id}"
         self.proc: BaseProcess = ctx.Process(
-            target=serve, args=(spec, child), name=f"kvflow-pd-{spec.engine_id}", daemon=True
+            target=serve, args=(spec, child), name=name, daemon=True
         )
-        self.proc.start()
+        self.others: list[BaseProcess] = [
+            ctx.Process(target=serve, args=(spec, None, r), name=f"{name}-rank{r}", daemon=True)
+            for r in range(1, spec.tp)
+        ]
+        for p in (self.proc, *self.others):
+            p.start()
         child.close()
         self.address = ""
         self.summary: dict[str, Any] = {}
+
+    def kill(self, rank: int | None = None) -> None:
+        """SIGKILL every rank's process, or only ``rank``'s."""
+        procs = (self.proc, *self.others)
+        for p in procs if rank is None else (procs[rank],):
+            p.kill()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for every rank to leave; kill what stays."""
+        for p in (self.proc, *self.others):
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
 
 
 class PDRouter:
@@ -86,9 +113,22 @@ class PDRouter:
         pd_timeouts: PDTimeouts | None = None,
         transport: str = "gloo",
         transport_options: dict[str, Any] | None = None,
+        tp: tuple[int, int] = (1, 1),
+        engines: dict[str, dict[str, Any]] | None = None,
+        wire_block_size: int | None = None,
     ) -> None:
+        """``tp``: P's and D's TP sizes; ``engines``: per engine ("P", "D") overrides of
+        ``engine`` (a block size of its own, with ``wire_block_size`` the unit both name)."""
         if flow not in FLOWS:
             raise ConfigError(f"PD flow {flow!r}: one of {', '.join(FLOWS)}")
+        if len(tp) != 2 or min(tp) < 1:
+            raise ConfigError(f"PD tp must be two positive sizes (P's, D's), got {tp}")
+        if max(tp) > 1 and transport != "gloo":
+            raise ConfigError(f"PD with TP runs on the gloo transport, not {transport!r}")
+        if set(engines or {}) - {"P", "D"}:
+            raise ConfigError(
+                f"PD engine overrides are for 'P' and 'D', got {sorted(engines or {})}"
+            )
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         self.model = model
@@ -100,6 +140,9 @@ class PDRouter:
             raise ConfigError(f"PD transport {transport!r}: one of {', '.join(TRANSPORTS)}")
         self.transport = transport
         self.transport_options = transport_options
+        self.tp = tp
+        self.engines = {k: dict(v) for k, v in (engines or {}).items()}
+        self.wire_block_size = wire_block_size
         self._procs: dict[str, _Proc] = {}
         self._submitted: dict[str, float] = {}  # start_decode's requests: when sent
         self._ids = 0
@@ -110,18 +153,31 @@ class PDRouter:
         ctx = mp.get_context("spawn")
         port = free_port()
         concurrent = self.flow == "concurrent"
-        for role, me, peer in (("producer", "P", "D"), ("consumer", "D", "P")):
+        p_tp, d_tp = self.tp
+        parts = 0
+        if max(self.tp) > 1:
+            parts = len(plan_head_slices(model_config(self.model).num_kv_heads, p_tp, d_tp))
+        pair_ports = tuple(free_port() for _ in range(parts))
+        for role, me, peer, tp, peer_tp in (
+            ("producer", "P", "D", p_tp, d_tp),
+            ("consumer", "D", "P", d_tp, p_tp),
+        ):
             spec = WorkerSpec(
                 role,
                 me,
                 peer,
                 self.model,
-                self.engine,
+                {**self.engine, **self.engines.get(me, {})},
                 port,
                 concurrent=concurrent,
                 pd_timeouts=self.pd_timeouts,
                 transport=self.transport,
                 transport_options=self.transport_options,
+                tp=tp,
+                peer_tp=peer_tp,
+                pair_ports=pair_ports,
+                tp_port=free_port() if tp > 1 else 0,
+                wire_block_size=self.wire_block_size,
             )
             self._procs[me] = _Proc(ctx, spec)
         try:
@@ -156,10 +212,7 @@ class PDRouter:
                             break
                 except (KVFlowError, OSError, EOFError) as e:
                     log.warning("pd_engine_stop_failed", engine=p.spec.engine_id, error=str(e))
-            p.proc.join(0 if kill else 5.0)
-            if p.proc.is_alive():
-                p.proc.kill()
-                p.proc.join(5.0)
+            p.join(0 if kill else 5.0)
             p.conn.close()
         self.summaries = {k: p.summary for k, p in procs.items()}
 
@@ -173,9 +226,10 @@ class PDRouter:
         stats: dict[str, Any] = msg[1]
         return stats
 
-    def kill(self, engine_id: str) -> None:
-        """SIGKILL one engine process (tests of a peer's death)."""
-        self._procs[engine_id].proc.kill()
+    def kill(self, engine_id: str, rank: int | None = None) -> None:
+        """SIGKILL one engine's processes, every rank or only ``rank`` (tests of a peer's
+        death)."""
+        self._procs[engine_id].kill(rank)
 
     # ---- flows ------------------------------------------------------------------------------
 

@@ -1,6 +1,12 @@
 """One PD engine process: a reference engine with the PD connector, its transport to the peer
 engine (gloo by default; any of ``kvflow.backends.pd.TRANSPORTS``), and a loop that takes requests from the router's pipe and sends results back.
 
+Tensor parallelism (gloo): an engine of ``tp`` ranks is ``tp`` processes in one gloo group of
+their own; rank 0 runs the engine and the loop, the others serve its steps (``engine.tp``).
+Each rank has one gloo pair per part of ``core.pd.tp``'s plan it takes part in (a
+``FanTransport``), built in plan order on every process so the pairs' rendezvous never wait in
+a cycle; the part's index names its store port.
+
 The loop steps the engine even when it has nothing to compute, so the PD driver answers a peer's
 messages (a CLAIM for KV P holds) at once; an idle engine waits on the pipe at most ``IDLE_S``.
 Per-token times are ``time.perf_counter`` (the system's monotonic clock on Linux, the same in
@@ -9,20 +15,31 @@ every process), so the router can measure TTFT and inter-token latency across pr
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from attrs import asdict, frozen
 
+from kvflow.backends.pd.fan import FanTransport
 from kvflow.backends.pd.registry import make_transport
+from kvflow.backends.pd.transport import KVTransport
+from kvflow.connector.api import KVCacheConfig, WorkerConnector
 from kvflow.connector.pd import PDConnector, pd_connector_factory
+from kvflow.connector.pd_tp import PDRankWorker, RankZeroTransport
 from kvflow.core.pd.common import PDTimeouts
 from kvflow.core.pd.messages import Compat
-from kvflow.engine.engine import Engine, EngineConfig
-from kvflow.engine.model import model_config
+from kvflow.core.pd.tp import Heads, plan_head_slices, rank_slices
+from kvflow.engine.distributed import ProcessGroupChannel
+from kvflow.engine.engine import Engine, EngineConfig, make_kv_cache_config
+from kvflow.engine.model import LlamaForCausalLM, model_config
+from kvflow.engine.runner import ModelRunner
+from kvflow.engine.tp import RankStatus, TPModelRunner, TPSpec, build_shard, serve_follower
+from kvflow.errors import ConfigError
 from kvflow.runtime.clock import SystemClock
 from kvflow.runtime.pd_control import default_compat
 
@@ -47,9 +64,21 @@ class WorkerSpec:
     pd_timeouts: PDTimeouts | None = None
     transport: str = "gloo"
     transport_options: dict[str, Any] | None = None
+    tp: int = 1  # this engine's TP ranks
+    peer_tp: int = 1  # the peer engine's
+    pair_ports: tuple[int, ...] = ()  # TP: one store port per part of the plan
+    tp_port: int = 0  # TP > 1: the store of this engine's own group of ranks
+    wire_block_size: int | None = None  # the hand-off's unit (both engines name the same)
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Whether the engines are wired part by part (either has more than one rank)."""
+        return self.tp > 1 or self.peer_tp > 1
 
 
-def compat_of(model: str, config: EngineConfig) -> Compat:
+def compat_of(
+    model: str, config: EngineConfig, tp: int = 1, wire_block_size: int | None = None
+) -> Compat:
     cfg = model_config(model)
     return default_compat(
         model=model,
@@ -58,13 +87,54 @@ def compat_of(model: str, config: EngineConfig) -> Compat:
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
         num_layers=cfg.num_layers,
+        shard=f"tp{tp}",
+        wire_block_size=wire_block_size or 0,
     )
 
 
-def serve(spec: WorkerSpec, conn: Connection) -> None:
-    """The process body: build, announce the control address, serve until told to stop."""
+def rank_transport(spec: WorkerSpec, rank: int) -> FanTransport:
+    """This rank's gloo pairs to the peer's ranks, one per part of the plan it takes part in.
+    A part that moves a head slice is staged on both sides (``direct_min_bytes=None``)."""
+    producer = spec.role == "producer"
+    p_tp, d_tp = (spec.tp, spec.peer_tp) if producer else (spec.peer_tp, spec.tp)
+    plan = plan_head_slices(model_config(spec.model).num_kv_heads, p_tp, d_tp)
+    if len(spec.pair_ports) != len(plan):
+        raise ConfigError(f"{len(plan)} parts of P tp{p_tp} → D tp{d_tp} need as many ports")
+    parts: list[tuple[KVTransport, Heads | None]] = []
+    try:
+        for i in rank_slices(plan, rank, producer):
+            part = plan[i]
+            options = dict(spec.transport_options or {})
+            if part.sliced:
+                options["direct_min_bytes"] = None
+            transport = make_transport(
+                "gloo",
+                pair_rank=0 if producer else 1,
+                host="127.0.0.1",
+                port=spec.pair_ports[i],
+                now=SystemClock().now,
+                timeout_s=spec.timeout_s,
+                options=options,
+            )
+            shard = part.p_shard if producer else part.d_shard
+            heads = part.local(producer)
+            parts.append((transport, None if heads == (0, shard) else heads))
+    except BaseException:
+        for t, _ in parts:
+            t.close()
+        raise
+    return FanTransport(parts)
+
+
+def serve(spec: WorkerSpec, conn: Connection | None, rank: int = 0) -> None:
+    """The process body: build, announce the control address, serve until told to stop
+    (rank 0; ``conn`` is None on the other ranks of a TP engine, which serve rank 0's steps)."""
     torch.set_num_threads(spec.torch_threads)
     config = EngineConfig(**spec.engine)
+    if spec.heterogeneous:
+        _serve_tp(spec, conn, rank, config)
+        return
+    assert conn is not None
     transport = make_transport(
         spec.transport,
         pair_rank=0 if spec.role == "producer" else 1,
@@ -74,28 +144,129 @@ def serve(spec: WorkerSpec, conn: Connection) -> None:
         timeout_s=spec.timeout_s,
         options=spec.transport_options,
     )
-    timeouts = spec.pd_timeouts or PDTimeouts(claim_s=spec.timeout_s if spec.concurrent else 10.0)
+    timeouts = _timeouts(spec)
     engine = Engine(
         model_config(spec.model),
         config,
         connector_factory=pd_connector_factory(
             spec.role,
             spec.engine_id,
-            compat_of(spec.model, config),
+            compat_of(spec.model, config, wire_block_size=spec.wire_block_size),
             transport,
             peer=spec.peer,
             timeouts=timeouts,
         ),
     )
+    _serve_engine(engine, conn)
+
+
+def _timeouts(spec: WorkerSpec) -> PDTimeouts:
+    return spec.pd_timeouts or PDTimeouts(claim_s=spec.timeout_s if spec.concurrent else 10.0)
+
+
+def _serve_engine(
+    engine: Engine,
+    conn: Connection,
+    stop_ranks: Callable[[], list[RankStatus]] | None = None,
+) -> None:
+    """Rank 0's life: announce, serve, then stop the other ranks (their copies still in flight
+    join the summary) and the engine."""
     connector = engine.scheduler_connector
     assert isinstance(connector, PDConnector)
     try:
         conn.send(("ready", connector.driver.address))
         _loop(engine, connector, conn, lambda: summary_of(engine, connector))
         summary = summary_of(engine, connector)
+        if stop_ranks is not None:
+            statuses, stop_ranks = stop_ranks(), None
+            summary["ranks_in_flight"] = sum(s.in_flight for s in statuses)
     finally:
-        engine.shutdown()
+        try:
+            if stop_ranks is not None:
+                stop_ranks()
+        finally:
+            engine.shutdown()
     conn.send(("stopped", summary))
+
+
+def _serve_tp(spec: WorkerSpec, conn: Connection | None, rank: int, config: EngineConfig) -> None:
+    """A rank of a PD engine wired part by part to the peer's ranks (``rank_transport``)."""
+    if spec.transport != "gloo":
+        raise ConfigError(f"PD with TP runs on the gloo transport, not {spec.transport!r}")
+    if spec.tp > 1:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{spec.tp_port}",
+            rank=rank,
+            world_size=spec.tp,
+            timeout=datetime.timedelta(seconds=spec.timeout_s),
+        )
+    try:
+        transport = rank_transport(spec, rank)
+        shard = build_shard(TPSpec(spec.model, config), rank, spec.tp) if spec.tp > 1 else None
+        if rank == 0:
+            assert conn is not None
+            _serve_rank_zero(spec, conn, config, transport, shard)
+        else:
+            assert shard is not None
+            _serve_other_rank(spec, rank, config, transport, shard)
+    finally:
+        if spec.tp > 1:
+            dist.destroy_process_group()
+
+
+def _serve_rank_zero(
+    spec: WorkerSpec,
+    conn: Connection,
+    config: EngineConfig,
+    fan: FanTransport,
+    shard: LlamaForCausalLM | None,
+) -> None:
+    transport: KVTransport = fan if spec.tp == 1 else RankZeroTransport(fan, spec.tp)
+    runners: list[TPModelRunner] = []
+
+    def runner(
+        model: LlamaForCausalLM, kv: KVCacheConfig, c: WorkerConnector, device: torch.device
+    ) -> ModelRunner:
+        if spec.tp == 1:
+            return ModelRunner(model, kv, c, device)
+        runners.append(TPModelRunner(model, kv, c, device, channel=ProcessGroupChannel()))
+        return runners[0]
+
+    engine = Engine(
+        model_config(spec.model) if shard is None else shard.config,
+        config,
+        model=shard,
+        runner_factory=runner,
+        connector_factory=pd_connector_factory(
+            spec.role,
+            spec.engine_id,
+            compat_of(spec.model, config, spec.tp, spec.wire_block_size),
+            transport,
+            peer=spec.peer,
+            timeouts=_timeouts(spec),
+            world_size=spec.tp,
+        ),
+    )
+    _serve_engine(engine, conn, runners[0].stop if runners else None)
+
+
+def _serve_other_rank(
+    spec: WorkerSpec, rank: int, config: EngineConfig, fan: FanTransport, shard: LlamaForCausalLM
+) -> None:
+    kv = make_kv_cache_config(shard.config, config)
+    wire = spec.wire_block_size or config.block_size
+    worker = PDRankWorker(fan, rank, kv, config.block_size // wire)
+    try:
+        runner = ModelRunner(shard, kv, worker, torch.device(config.device))
+        runner.configure_decode(config.decode_graphs, config.max_num_seqs, config.triton_decode)
+        serve_follower(
+            runner,
+            ProcessGroupChannel(),
+            lambda steps: RankStatus(rank, worker.in_flight, {}, steps),
+        )
+    finally:
+        worker.shutdown()
 
 
 def summary_of(engine: Engine, connector: PDConnector) -> dict[str, Any]:
@@ -111,6 +282,11 @@ def summary_of(engine: Engine, connector: PDConnector) -> dict[str, Any]:
             getattr(connector.driver.transport, "stats", None) or {"transport": "gloo"}
         ),
         **connector.stats,
+        **(
+            {"rank_ops_pending": len(transport.pending)}
+            if isinstance(transport := connector.driver.transport, RankZeroTransport)
+            else {}
+        ),
     }
 
 
@@ -156,4 +332,4 @@ def _loop(
             conn.poll(IDLE_S)
 
 
-__all__ = ["IDLE_S", "WorkerSpec", "compat_of", "serve"]
+__all__ = ["IDLE_S", "WorkerSpec", "compat_of", "rank_transport", "serve"]

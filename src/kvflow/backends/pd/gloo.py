@@ -13,7 +13,9 @@ have. Both sides cut a launch into the same wire chunks (``plan_wire``, from the
   chunk's bytes are that side's rows as they lie.
 
 No buffer is allocated per request. Wire tags are the GRANT's channel and the op's index, so two
-hand-offs' copies never match.
+hand-offs' copies never match. A head slice (a strided view: P and D of different TP sizes,
+``backends.pd.fan``) is always staged, gathered from or scattered into the view; both sides of
+such a pair use ``direct_min_bytes=None`` so their plans agree.
 
 Three threads per transport keep the wire busy, each taking chunks in launch order: the
 *preparer* waits for a free slot and gathers into it (torch releases the GIL); the *poster*
@@ -55,6 +57,7 @@ from kvflow.backends.pd.transport import (
     GroupGeometry,
     gather_rows,
     geometry,
+    row_bytes,
     scatter_rows,
 )
 from kvflow.core.logs import get_logger
@@ -135,7 +138,7 @@ def plan_wire(
         if len(arr) and not (arr[:, 0].min() >= 0 and arr[:, 0].max() < gg.num_blocks):
             bad = arr[(arr[:, 0] < 0) | (arr[:, 0] >= gg.num_blocks), 0][0]
             raise ConfigError(f"group {g}: block {bad} is not registered")
-        region_bytes = min(v.shape[1] * v.element_size() for v in gg.views)
+        region_bytes = min(map(row_bytes, gg.views))
         for start, stop, run in _segments(arr, region_bytes, direct_min_bytes):
             per = max(1, MAX_RUN_BYTES // gg.block_bytes) if run else slot_bytes // gg.block_bytes
             if per < 1:
@@ -149,7 +152,10 @@ def plan_wire(
                 part = arr[lo : min(lo + per, stop)]
                 local, remote = tuple(part[:, 0].tolist()), tuple(part[:, 1].tolist())
                 # A side's blocks in a row need no slot; the plan says so (no loop per block).
-                here = len(local) == 1 or bool((np.diff(part[:, 0]) == 1).all())
+                # A strided view (a head slice) is never sent or received as it lies.
+                here = not gg.strided and (
+                    len(local) == 1 or bool((np.diff(part[:, 0]) == 1).all())
+                )
                 chunks.append(WireChunk(len(chunks), g, local, remote, op, run, here))
                 op += ops
     return chunks
@@ -303,7 +309,12 @@ class GlooTransport:
             raise ProtocolError("gloo transport: KV tensors are registered once")
         geo = geometry(groups)
         for g in geo:
-            region = min(v.shape[1] * v.element_size() for v in g.views)
+            if g.strided and self.direct_min_bytes is not None:
+                raise ConfigError(
+                    "gloo transport: head slices (strided views) are staged; both sides of the "
+                    "pair need direct_min_bytes=None"
+                )
+            region = min(map(row_bytes, g.views))
             alone = self.direct_min_bytes is not None and region >= self.direct_min_bytes
             if g.block_bytes > self.slot_bytes and not alone:
                 raise ConfigError(

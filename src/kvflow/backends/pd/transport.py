@@ -3,7 +3,9 @@
 A transport joins one engine's ranks to one peer's (a pair per rank). Each side registers its KV
 tensors once (``register``): per KV cache group, the tensors whose first dimension is the block
 index (a FlashAttention ``(2, N, ...)`` cache registers ``t[0]`` and ``t[1]``); a block of group
-``g`` is the bytes of row ``b`` of each of the group's tensors. ``launch`` starts one side of one
+``g`` is the bytes of row ``b`` of each of the group's tensors. A tensor may be a strided view
+whose last dimension is contiguous (a head slice ``t[:, :, lo:hi]`` when P and D have different
+TP sizes): its rows are then always staged, gathered from or scattered into the view. ``launch`` starts one side of one
 hand-off's copies, ``(local block, remote block)`` pairs per group: on the sender it reads local
 blocks, on the receiver it writes them. It returns a fence that ``query`` answers cheaply, never
 blocking, so the runtime's ``Reactor`` can await it like a backend's. ``cancel`` stops what has
@@ -76,13 +78,21 @@ class Chunk:
 
 @frozen
 class GroupGeometry:
-    """A registered group: its tensors as (num_blocks, row) views of a wide integer type;
-    ``block_bytes`` is one block's bytes over all of them. Staging offsets stay multiples of 8
-    (rows of 8-byte elements), so each region's part of a slot can be viewed in its type."""
+    """A registered group: its tensors as (num_blocks, row) views of a wide integer type (or,
+    ``strided``, views of the block rows' own shape whose last dimension is contiguous: a head
+    slice); ``block_bytes`` is one block's bytes over all of them. Staging offsets stay
+    multiples of 8 (rows of 8-byte elements), so each region's part of a slot can be viewed in
+    its type."""
 
     views: tuple[torch.Tensor, ...]
     num_blocks: int
     block_bytes: int
+    strided: bool = False
+
+
+def row_bytes(view: torch.Tensor) -> int:
+    """The bytes of one block's row of a registered view."""
+    return view[0].numel() * view.element_size()
 
 
 def geometry(groups: Sequence[Sequence[torch.Tensor]]) -> tuple[GroupGeometry, ...]:
@@ -92,18 +102,20 @@ def geometry(groups: Sequence[Sequence[torch.Tensor]]) -> tuple[GroupGeometry, .
         if not tensors:
             raise LayoutError(f"group {g} registers no tensors")
         views = []
+        strided = not all(t.is_contiguous() for t in tensors)
         for i, t in enumerate(tensors):
-            if t.device.type != "cpu" or not t.is_contiguous() or t.dim() < 1:
+            if t.device.type != "cpu" or t.dim() < 1 or (strided and t.stride(-1) != 1):
                 raise LayoutError(
-                    f"group {g} tensor {i}: need a contiguous CPU tensor, got {t.shape}"
+                    f"group {g} tensor {i}: need a CPU tensor, contiguous or a strided view "
+                    f"with a contiguous last dimension, got {tuple(t.shape)} {t.stride()}"
                 )
-            views.append(t.view(torch.uint8).reshape(t.shape[0], -1))
+            b = t.view(torch.uint8)
+            views.append(b if strided else b.reshape(t.shape[0], -1))
         views = _widen(views)
         n = {v.shape[0] for v in views}
         if len(n) != 1:
             raise LayoutError(f"group {g}: tensors disagree on the number of blocks {sorted(n)}")
-        row_bytes = sum(v.shape[1] * v.element_size() for v in views)
-        out.append(GroupGeometry(tuple(views), n.pop(), row_bytes))
+        out.append(GroupGeometry(tuple(views), n.pop(), sum(map(row_bytes, views)), strided))
     return tuple(out)
 
 
@@ -113,7 +125,12 @@ def _widen(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     8-byte elements about ten times faster than bytes."""
     for dtype in (torch.int64, torch.int32, torch.int16):
         size = torch.empty((), dtype=dtype).element_size()
-        if all(r.shape[1] % size == 0 and r.data_ptr() % size == 0 for r in rows):
+        if all(
+            r.shape[-1] % size == 0
+            and r.data_ptr() % size == 0
+            and all(st % size == 0 for st in r.stride()[:-1])
+            for r in rows
+        ):
             return [r.view(dtype) for r in rows]
     return rows
 
@@ -174,8 +191,8 @@ def gather_rows(geo: GroupGeometry, blocks: Sequence[int], out: torch.Tensor) ->
     idx = torch.tensor(blocks, dtype=torch.long)
     pos = 0
     for v in geo.views:
-        size = len(blocks) * v.shape[1] * v.element_size()
-        dst = out[pos : pos + size].view(v.dtype).view(len(blocks), v.shape[1])
+        size = len(blocks) * row_bytes(v)
+        dst = out[pos : pos + size].view(v.dtype).view(len(blocks), *v.shape[1:])
         torch.index_select(v, 0, idx, out=dst)
         pos += size
     return out[:pos]
@@ -188,8 +205,8 @@ def scatter_rows(geo: GroupGeometry, blocks: Sequence[int], data: torch.Tensor) 
     idx = np.asarray(blocks, dtype=np.intp)
     pos = 0
     for v in geo.views:
-        size = len(blocks) * v.shape[1] * v.element_size()
-        rows = data[pos : pos + size].view(v.dtype).view(len(blocks), v.shape[1])
+        size = len(blocks) * row_bytes(v)
+        rows = data[pos : pos + size].view(v.dtype).view(len(blocks), *v.shape[1:])
         v.numpy()[idx] = rows.numpy()
         pos += size
 
@@ -201,5 +218,6 @@ __all__ = [
     "gather_rows",
     "geometry",
     "plan_chunks",
+    "row_bytes",
     "scatter_rows",
 ]

@@ -18,6 +18,7 @@ import xxhash
 from attrs import field, frozen
 
 from kvflow.core.hashing import BlockHash
+from kvflow.core.pd.tp import TP_MAPPED_LAYOUTS, tp_refusal
 from kvflow.errors import ConfigError
 
 GroupIds = tuple[tuple[int, ...], ...]
@@ -106,7 +107,9 @@ class Compat:
 
     def refusals(self, other: Compat) -> list[str]:
         """Why this engine cannot exchange KV with ``other`` (empty when it can): a strict field
-        that differs, wire units that differ, or TP sizes that differ (not supported yet)."""
+        that differs, wire units that differ, or TP sizes that differ where the layout does not
+        map kv heads between them or a size cannot hold the model's kv heads (different TP
+        sizes are mapped head slice by head slice, ``core.pd.tp``)."""
         out = [n for n in _STRICT if getattr(self, n) != getattr(other, n)]
         if self.wire != other.wire:
             out.append(
@@ -114,7 +117,13 @@ class Compat:
                 f"and {other.block_size} need one unit dividing both)"
             )
         if self.tp_size != other.tp_size:
-            out.append(f"shard (tp{self.tp_size} vs tp{other.tp_size}: not supported yet)")
+            why = None
+            if self.layout not in TP_MAPPED_LAYOUTS:
+                why = f"layout {self.layout!r} does not map kv heads between TP sizes"
+            for side in (self, other):
+                why = why or tp_refusal(side.num_kv_heads, side.tp_size, side.layout)
+            if why is not None:
+                out.append(f"shard (tp{self.tp_size} vs tp{other.tp_size}: {why})")
         return out
 
 
