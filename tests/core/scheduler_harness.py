@@ -8,7 +8,7 @@ round trip checks that the right bytes arrived in the right block.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
 
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import BlockKey, BlockPoolGpuView, GpuCacheView
@@ -80,13 +80,25 @@ class KeyedView(BlockPoolGpuView):
         h = self._blocks[block_id].block_hash
         return None if h is None else self._keys.get(h)
 
-    def scan_free(self, after: int | None, limit: int) -> list[tuple[int, BlockKey | None]]:
-        out: list[tuple[int, BlockKey | None]] = []
+    def scan_free(
+        self, after: int | None, limit: int
+    ) -> tuple[list[int], list[tuple[int, BlockKey]]]:
+        ids: list[int] = []
+        keyed: list[tuple[int, BlockKey]] = []
         bid = self.first_free() if after is None else self.next_free(after)
-        while bid is not None and len(out) < limit:
-            out.append((bid, self.block_key(bid)))
+        while bid is not None and len(ids) < limit:
+            ids.append(bid)
+            key = self.block_key(bid)
+            if key is not None:
+                keyed.append((bid, key))
             bid = self.next_free(bid)
-        return out
+        return ids, keyed
+
+    def first_free_in(self, block_ids: Container[int]) -> int | None:
+        bid = self.first_free()
+        while bid is not None and bid not in block_ids:
+            bid = self.next_free(bid)
+        return bid
 
     def keyed_blocks(self) -> Iterator[tuple[int, BlockKey]]:
         for block in self._blocks:

@@ -9,12 +9,13 @@ request loaded holds the right data. At the end, nothing leaks on either pool.
 
 from __future__ import annotations
 
+from attrs import evolve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvflow.core.offload import LAZY_REQUEST_ID, GroupSpec, ResetStatus
 from kvflow.core.protocol import GroupBlockIds, StepPlan
-from kvflow.core.requests import KVRequest
+from kvflow.core.requests import KVRequest, SchedulerOutput
 from tests.core.scheduler_harness import Sim
 
 BS = 4
@@ -183,8 +184,17 @@ def run(
     decode_columns: bool = False,
     interval: int = 1,
     keyed: bool = False,
+    general: bool = False,
 ) -> Engine:
     eng = Engine(policy, decode_columns, interval, keyed)
+    if general:
+        plan_step = eng.sim.mgr.build_step_plan
+
+        def general_path(so: SchedulerOutput) -> StepPlan:
+            # An unknown finished id changes nothing but keeps every step off the fast paths.
+            return plan_step(evolve(so, finished_request_ids=so.finished_request_ids | {"-"}))
+
+        eng.sim.mgr.build_step_plan = general_path  # type: ignore[method-assign,assignment]
     for kind, i, n, mode in script:
         if kind == "admit":
             eng.admit(i % len(BASES), max(8, n))
@@ -248,6 +258,17 @@ def test_keyed_lazy_walk_stores_more_than_the_recorded_one_only_after_a_reset(
         assert a.flush == b.flush
         assert recorded.sim.resets_at_plan[i] > 0, f"plan {i} differs without a reset before it"
         break
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events)
+def test_quiet_lazy_step_fast_path_plans_what_the_general_path_plans(script: list[Event]) -> None:
+    """Lazy steps with no request, finish or preemption take a fast path in ``build_step_plan``
+    (keyed: most steps over vLLM); every plan equals the general path's, for both walks."""
+    for keyed in (False, True):
+        fast = run("lazy", script, keyed=keyed)
+        slow = run("lazy", script, keyed=keyed, general=True)
+        assert fast.sim.workers.plans == slow.sim.workers.plans
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

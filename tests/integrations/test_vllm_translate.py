@@ -253,10 +253,15 @@ def test_keyed_view_reads_the_requests_block_hashes_from_vllms_blocks() -> None:
     cached = [b for b in view.iter_free() if view.block_hash(b) is not None]
     # vLLM frees a request's blocks tail first: the last block is evicted first.
     assert [view.block_key(b) for b in cached] == [(0, hashes[1]), (0, hashes[0])]
-    scanned = view.scan_free(None, 100)
-    assert [b for b, _ in scanned] == list(view.iter_free())
-    assert {b: k for b, k in scanned if k is not None} == dict(view.keyed_blocks())
-    assert view.scan_free(scanned[0][0], 2) == scanned[1:3]
+    ids, keyed = view.scan_free(None, 100)
+    assert ids == list(view.iter_free())
+    assert dict(keyed) == dict(view.keyed_blocks())
+    assert [b for b, _ in keyed] == [b for b in ids if b in dict(keyed)]  # in queue order
+    part, part_keyed = view.scan_free(ids[0], 2)
+    assert part == ids[1:3]
+    assert part_keyed == [(b, k) for b, k in keyed if b in part]
+    assert view.first_free_in({cached[1], cached[0]}) == cached[0]
+    assert view.first_free_in(set()) is None
     assert VLLMKeyedGpuCacheView(pool, {1: 0}).block_key(cached[0]) is None  # not offloaded
 
 

@@ -9,7 +9,7 @@ as in vLLM).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable
 from typing import Protocol, runtime_checkable
 
 from kvflow.core.block_pool import BlockPool
@@ -59,9 +59,16 @@ class KeyedGpuCacheView(GpuCacheView, Protocol):
         if the engine caches nothing in it or kvflow does not offload its group."""
         ...
 
-    def scan_free(self, after: int | None, limit: int) -> list[tuple[int, BlockKey | None]]:
+    def scan_free(
+        self, after: int | None, limit: int
+    ) -> tuple[list[int], list[tuple[int, BlockKey]]]:
         """Up to ``limit`` free blocks in eviction order, from the queue head (``after`` None) or
-        past the free block ``after`` (none if it is not free), each with its ``block_key``."""
+        past the free block ``after`` (none if it is not free); and, of those, the ones with a
+        key, as ``(block id, key)`` in the same order."""
+        ...
+
+    def first_free_in(self, block_ids: Container[int]) -> int | None:
+        """The first free block, from the queue head, that is in ``block_ids``; None if none."""
         ...
 
     def keyed_blocks(self) -> Iterable[tuple[int, BlockKey]]:

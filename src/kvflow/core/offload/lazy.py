@@ -9,7 +9,6 @@ walk reads each free block's key from the engine, so the policy's work per step 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 
 from kvflow.core.block_pool import BlockPool
@@ -56,7 +55,7 @@ class LazyCursor:
         self._cursor: int | None = None  # the last covered block of the GPU free queue
         self._cursor_hash: Hashable | None = None  # its engine hash when the walk passed it
         self._ahead: set[int] = set()  # free blocks from the queue head to the cursor
-        self._order: deque[int] = deque()  # ``_ahead``'s blocks in walk order (and stale ones)
+        self._order: list[int] = []  # ``_ahead``'s blocks in walk order (and stale ones)
         self._keyed: KeyedGpuCacheView | None = (
             view if isinstance(view, KeyedGpuCacheView) else None
         )
@@ -221,54 +220,59 @@ class LazyCursor:
 
     def _prune(self) -> int:
         """Drop the blocks the engine took unseen from the covered prefix; the walk's budget
-        after it. The engine allocates cached blocks from the queue's head (unhashed ones, put
-        before them, go first), so the blocks walked first are the ones gone: the work is one
-        check per block dropped, plus one."""
+        after it. The engine allocates from the queue's head (unhashed blocks it frees go
+        before the covered ones and are taken first), so the covered blocks still free are
+        ``order``'s tail from the first of them the view finds from the head: every block
+        before it in ``order`` is gone. No check per block gone, only the bulk drop."""
+        assert self._keyed is not None
         ahead = self._ahead
         order = self._order
-        is_free = self._view.is_free
-        stale = self._stale
-        while order:
-            b = order[0]
-            if b in ahead:
-                if is_free(b):
-                    break
-                ahead.discard(b)
-                stale.pop(b, None)  # taken: its next content is computed after the reset
-            order.popleft()
+        first = self._keyed.first_free_in(ahead)
+        k = len(order) if first is None else order.index(first)
+        if k:
+            gone = set(order[:k])
+            del order[:k]
+            # A block taken and walked again has a later entry: it is still covered.
+            gone.difference_update(order)
+            ahead.difference_update(gone)
+            stale = self._stale
+            if stale:
+                for b in gone:
+                    stale.pop(b, None)  # taken: its next content is computed after the reset
         if len(order) > 2 * len(ahead) + self._watermark:
             # Blocks taken from the middle of the prefix (``taken``) linger in ``order``.
-            self._order = deque(b for b in order if b in ahead)
+            self._order = [b for b in order if b in ahead]
         return self._watermark - len(ahead)
 
     def _walk_keyed(self, budget: int, picked: list[dict[BlockHash, int]]) -> int | None:
-        """The walk over a keyed view: up to ``budget`` free blocks past the cursor, each
-        block's key read from the engine in one ``scan_free``. Returns the last block passed
-        over (the new cursor), None if none."""
+        """The walk over a keyed view: up to ``budget`` free blocks past the cursor, read from
+        the engine in one ``scan_free`` (the blocks, and the keys of those holding one).
+        Returns the last block passed over (the new cursor), None if none."""
         assert self._keyed is not None
         last = self._cursor
-        scanned = self._keyed.scan_free(last, budget)
-        if not scanned:
+        ids, keyed = self._keyed.scan_free(last, budget)
+        if not ids:
             return last  # the steady state: every free block is covered
-        ahead = self._ahead
-        order = self._order
+        self._ahead.update(ids)
+        self._order.extend(ids)
         stale = self._stale
         storing = self._storing
         cpu = self._cpu
-        for bid, key in scanned:
-            ahead.add(bid)
-            order.append(bid)
-            if key is not None and stale and bid in stale:
-                if stale[bid] == key:
-                    key = None  # computed before the last reset: never stored
-                else:
-                    del stale[bid]
-            if key is not None:
-                g, h = key
-                if h not in storing[g] and h not in picked[g] and not cpu[g].is_cached(h):
-                    picked[g][h] = bid
-                    continue
-            last = bid
+        for bid, (g, h) in keyed:
+            if stale and bid in stale:
+                if stale[bid] == (g, h):
+                    continue  # computed before the last reset: never stored
+                del stale[bid]
+            if h not in storing[g] and h not in picked[g] and not cpu[g].is_cached(h):
+                picked[g][h] = bid
+        if not keyed:
+            return ids[-1]
+        # The cursor is the last block passed over and not picked (a picked one leaves the
+        # free queue while it is stored).
+        taken = {b for p in picked for b in p.values()}
+        for bid in reversed(ids):
+            if bid not in taken:
+                return bid
         return last
 
     def _walk_recorded(

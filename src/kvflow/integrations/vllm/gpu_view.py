@@ -4,7 +4,7 @@ keys."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Container, Hashable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvflow.core.gpu_view import BlockKey
@@ -82,26 +82,43 @@ class VLLMKeyedGpuCacheView(VLLMGpuCacheView):
         g = self._groups.get(h[-4:])
         return None if g is None else (g, h[:-4])
 
-    def scan_free(self, after: int | None, limit: int) -> list[tuple[int, BlockKey | None]]:
+    def scan_free(
+        self, after: int | None, limit: int
+    ) -> tuple[list[int], list[tuple[int, BlockKey]]]:
         queue = self._queue
         if after is None:
             block = queue.fake_free_list_head.next_free_block
         else:
             block = self._blocks[after]
             if block.ref_cnt or block.is_null:
-                return []
+                return [], []
             block = block.next_free_block
         tail = queue.fake_free_list_tail
         groups = self._groups
-        out: list[tuple[int, BlockKey | None]] = []
+        ids: list[int] = []
+        keyed: list[tuple[int, BlockKey]] = []
         # One loop over vLLM's linked list: the lazy walk's per-block cost, so no calls in it.
         while block is not None and block is not tail and limit > 0:
             limit -= 1
+            bid = block.block_id
+            ids.append(bid)
             h = block.block_hash
-            g = None if h is None else groups.get(h[-4:])
-            out.append((block.block_id, None if g is None else (g, h[:-4])))
+            if h is not None:
+                g = groups.get(h[-4:])
+                if g is not None:
+                    keyed.append((bid, (g, h[:-4])))
             block = block.next_free_block
-        return out
+        return ids, keyed
+
+    def first_free_in(self, block_ids: Container[int]) -> int | None:
+        queue = self._queue
+        block = queue.fake_free_list_head.next_free_block
+        tail = queue.fake_free_list_tail
+        while block is not None and block is not tail:
+            if block.block_id in block_ids:
+                return int(block.block_id)
+            block = block.next_free_block
+        return None
 
     def keyed_blocks(self) -> Iterator[tuple[int, BlockKey]]:
         for block in self._blocks:

@@ -306,6 +306,14 @@ def translate_scheduler_output(
     ``running=False`` (the lazy policy over a keyed GPU view, which needs no running request's
     steps) passes on only resumed requests, whose whole new table the manager must see.
     """
+    if (
+        not running
+        and not scheduler_output.scheduled_new_reqs
+        and not scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        and not scheduler_output.finished_req_ids
+        and not scheduler_output.preempted_req_ids
+    ):
+        return SchedulerOutput(step)  # lazy over a keyed view: most steps carry no news
     num_scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
     # Most steps finish, preempt and add nothing: build no empty containers for them.
