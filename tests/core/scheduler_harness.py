@@ -8,12 +8,18 @@ round trip checks that the right bytes arrived in the right block.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
 
 from kvflow.core.block_pool import BlockPool
-from kvflow.core.gpu_view import BlockPoolGpuView, GpuCacheView
+from kvflow.core.gpu_view import BlockKey, BlockPoolGpuView, GpuCacheView
 from kvflow.core.hashing import BlockHash, hash_block, hash_blocks
-from kvflow.core.offload import GroupSpec, OffloadManager, OffloadManagerConfig, StepOutcome
+from kvflow.core.offload import (
+    GroupSpec,
+    OffloadManager,
+    OffloadManagerConfig,
+    ResetStatus,
+    StepOutcome,
+)
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import (
     NO_DECODE_REQUESTS,
@@ -60,8 +66,50 @@ class FakeWorkers:
                 self.unreported.get(tid, set()).discard(report.rank)
 
 
+class KeyedView(BlockPoolGpuView):
+    """``KeyedGpuCacheView`` over the Sim's GPU pool: ``keys`` maps the engine's block hash to
+    kvflow's key of the content (the Sim fills it as it computes blocks), as vLLM's hashes are."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, pool: BlockPool, keys: dict[Hashable, BlockKey]) -> None:
+        super().__init__(pool)
+        self._keys = keys
+
+    def block_key(self, block_id: int) -> BlockKey | None:
+        h = self._blocks[block_id].block_hash
+        return None if h is None else self._keys.get(h)
+
+    def scan_free(
+        self, after: int | None, limit: int
+    ) -> tuple[list[int], list[tuple[int, BlockKey]]]:
+        ids: list[int] = []
+        keyed: list[tuple[int, BlockKey]] = []
+        bid = self.first_free() if after is None else self.next_free(after)
+        while bid is not None and len(ids) < limit:
+            ids.append(bid)
+            key = self.block_key(bid)
+            if key is not None:
+                keyed.append((bid, key))
+            bid = self.next_free(bid)
+        return ids, keyed
+
+    def first_free_in(self, block_ids: Container[int]) -> int | None:
+        bid = self.first_free()
+        while bid is not None and bid not in block_ids:
+            bid = self.next_free(bid)
+        return bid
+
+    def keyed_blocks(self) -> Iterator[tuple[int, BlockKey]]:
+        for block in self._blocks:
+            key = self.block_key(block.block_id)
+            if key is not None:
+                yield block.block_id, key
+
+
 class Sim:
-    """A minimal engine around one ``OffloadManager``; block ids are shared by all groups."""
+    """A minimal engine around one ``OffloadManager``; block ids are shared by all groups.
+    ``keyed``: the lazy policy reads block contents from a ``KeyedView`` (as over vLLM)."""
 
     def __init__(
         self,
@@ -76,8 +124,10 @@ class Sim:
         decode_columns: bool = False,
         eager_store_interval: int = 1,
         enable_events: bool = False,
+        keyed: bool = False,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks, name="gpu")
+        self.keys: dict[Hashable, BlockKey] = {}
         # Pass one-token, non-speculative running requests as DecodeRequests columns.
         self.decode_columns = decode_columns
         self.null: int | None = None
@@ -92,7 +142,7 @@ class Sim:
             eager_store_interval=eager_store_interval,
             enable_events=enable_events,
         )
-        view: GpuCacheView = BlockPoolGpuView(self.gpu)
+        view: GpuCacheView = KeyedView(self.gpu, self.keys) if keyed else BlockPoolGpuView(self.gpu)
         self.mgr = OffloadManager(
             self.config, gpu_view=view if wrap_view is None else wrap_view(view)
         )
@@ -105,6 +155,11 @@ class Sim:
         self.delayed: set[str] = set()  # finished, GPU blocks kept for a copy in flight
         self.flushed: set[int] = set()  # in flight, but their data moved at a preemption flush
         self.gpu_data: dict[int, BlockHash] = {}
+        self.resets = 0  # ``reset_cache`` calls so far
+        self.resets_at_plan: list[int] = []  # ``resets`` when each plan was built
+        self.epoch: dict[
+            int, int
+        ] = {}  # GPU block → ``resets`` when its cached content was computed
         self.cpu_data: list[dict[int, BlockHash]] = [{} for _ in groups]
         self.outcomes: list[StepOutcome] = []
 
@@ -140,7 +195,10 @@ class Sim:
                     continue
                 self.gpu_data[b] = hashes[i]
                 if self.gpu.block(b).block_hash is None:
-                    self.gpu.cache([b], [hash_block(hashes[i], [g])])
+                    engine_hash = hash_block(hashes[i], [g])
+                    self.gpu.cache([b], [engine_hash])
+                    self.keys[engine_hash] = (g, hashes[i])
+                    self.epoch[b] = self.resets
         self.computed[rid] = upto
 
     def add(self, rid: str, tokens: Sequence[int], extra_keys: tuple[str, ...] = ()) -> KVRequest:
@@ -224,6 +282,7 @@ class Sim:
             DecodeRequests(*zip(*decode, strict=True)) if decode else NO_DECODE_REQUESTS,
         )
         plan = self.mgr.build_step_plan(so)
+        self.resets_at_plan.append(self.resets)
         if plan.flush:
             # The worker's handle_preemptions waits for every copy launched so far before this
             # step's forward: their data moves now, whenever their ranks report.
@@ -241,6 +300,12 @@ class Sim:
             spec = item[2] if len(item) == 3 else 0
             self._compute(req, self.computed[req.request_id] + n - spec)
         return plan
+
+    def reset_cache(self) -> ResetStatus:
+        """The engine resets the connector's cache (its own GPU prefix cache stays, as when
+        vLLM's GPU reset fails with requests running)."""
+        self.resets += 1
+        return self.mgr.reset_cache()
 
     def decode(self, req: KVRequest, token: int) -> StepPlan:
         """Append one sampled token and run a decode step for it."""

@@ -9,11 +9,13 @@ request loaded holds the right data. At the end, nothing leaks on either pool.
 
 from __future__ import annotations
 
+from attrs import evolve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflow.core.offload import GroupSpec, ResetStatus
-from kvflow.core.requests import KVRequest
+from kvflow.core.offload import LAZY_REQUEST_ID, GroupSpec, ResetStatus
+from kvflow.core.protocol import GroupBlockIds, StepPlan
+from kvflow.core.requests import KVRequest, SchedulerOutput
 from tests.core.scheduler_harness import Sim
 
 BS = 4
@@ -37,7 +39,9 @@ Event = tuple[str, int, int, str]
 class Engine:
     """The engine's side of the protocol, driving one ``Sim``."""
 
-    def __init__(self, policy: str, decode_columns: bool = False, interval: int = 1) -> None:
+    def __init__(
+        self, policy: str, decode_columns: bool = False, interval: int = 1, keyed: bool = False
+    ) -> None:
         self.sim = Sim(
             [GroupSpec(block_size=BS, num_cpu_blocks=12)],
             world_size=2,
@@ -46,6 +50,7 @@ class Engine:
             gpu_blocks=28 if policy == "eager" else 16,
             decode_columns=decode_columns,
             eager_store_interval=interval,
+            keyed=keyed,
         )
         self.n = 0
         self.waiting: set[str] = set()  # load in flight
@@ -98,8 +103,13 @@ class Engine:
             if room > n // BS + 1:
                 room -= n // BS + 1
                 cached.append((req, n))
-        sim.step(new=new, cached=cached)
+        plan = sim.step(new=new, cached=cached)
         self.running.extend(req for req, _ in new)
+        for spec in plan.stores:
+            if spec.request_id == LAZY_REQUEST_ID:
+                # A lazy store reads free blocks, which keep their content while it runs.
+                for b in spec.gpu_block_ids[0]:
+                    assert sim.epoch[b] == sim.resets, f"GPU block {b}: pre-reset content stored"
 
     def report(self, which: int, mode: str) -> None:
         """Ranks report one in-flight transfer: all done, one rank only, or one rank failed."""
@@ -169,9 +179,22 @@ class Engine:
 
 
 def run(
-    policy: str, script: list[Event], decode_columns: bool = False, interval: int = 1
+    policy: str,
+    script: list[Event],
+    decode_columns: bool = False,
+    interval: int = 1,
+    keyed: bool = False,
+    general: bool = False,
 ) -> Engine:
-    eng = Engine(policy, decode_columns, interval)
+    eng = Engine(policy, decode_columns, interval, keyed)
+    if general:
+        plan_step = eng.sim.mgr.build_step_plan
+
+        def general_path(so: SchedulerOutput) -> StepPlan:
+            # An unknown finished id changes nothing but keeps every step off the fast paths.
+            return plan_step(evolve(so, finished_request_ids=so.finished_request_ids | {"-"}))
+
+        eng.sim.mgr.build_step_plan = general_path  # type: ignore[method-assign,assignment]
     for kind, i, n, mode in script:
         if kind == "admit":
             eng.admit(i % len(BASES), max(8, n))
@@ -184,7 +207,7 @@ def run(
         elif kind == "preempt":
             eng.preempt(i)
         else:
-            status = eng.sim.mgr.reset_cache()
+            status = eng.sim.reset_cache()
             assert (status is ResetStatus.COMPLETE) == (eng.sim.mgr.num_live_transfers() == 0)
         eng.check()
     eng.sim.drain()
@@ -203,6 +226,49 @@ def test_eager_invariants_hold_over_random_events(script: list[Event]) -> None:
 def test_lazy_invariants_hold_over_random_events(script: list[Event]) -> None:
     """Lazy policy: the same invariants hold while stores come from the GPU free queue."""
     run("lazy", script)
+
+
+def _loads(plan: StepPlan) -> list[tuple[str, GroupBlockIds, GroupBlockIds]]:
+    return [(x.request_id, x.gpu_block_ids, x.cpu_block_ids) for x in plan.loads]
+
+
+def _store_pairs(plan: StepPlan) -> set[tuple[int, int]]:
+    return {(g, b) for spec in plan.stores for g, ids in enumerate(spec.gpu_block_ids) for b in ids}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events)
+def test_keyed_lazy_walk_stores_more_than_the_recorded_one_only_after_a_reset(
+    script: list[Event],
+) -> None:
+    """Lazy over a keyed GPU view (contents read from the engine's hashes, nothing recorded per
+    request) plans exactly what lazy over its content records plans, until a plan where the
+    keyed walk stores a superset of the recorded walk's blocks; that happens only after a
+    reset (a block computed after it and freed before its request's cursor passed it: the
+    recorded walk never learns its content). Every lazy store of either walk holds content
+    computed after the last reset (``Engine.step`` checks), and the invariants hold."""
+    recorded, keyed = run("lazy", script), run("lazy", script, keyed=True)
+    for i, (a, b) in enumerate(
+        zip(recorded.sim.workers.plans, keyed.sim.workers.plans, strict=True)
+    ):
+        if a == b:
+            continue
+        assert _store_pairs(a) < _store_pairs(b), f"plan {i}: {a} vs {b}"
+        assert _loads(a) == _loads(b)
+        assert a.flush == b.flush
+        assert recorded.sim.resets_at_plan[i] > 0, f"plan {i} differs without a reset before it"
+        break
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events)
+def test_quiet_lazy_step_fast_path_plans_what_the_general_path_plans(script: list[Event]) -> None:
+    """Lazy steps with no request, finish or preemption take a fast path in ``build_step_plan``
+    (keyed: most steps over vLLM); every plan equals the general path's, for both walks."""
+    for keyed in (False, True):
+        fast = run("lazy", script, keyed=keyed)
+        slow = run("lazy", script, keyed=keyed, general=True)
+        assert fast.sim.workers.plans == slow.sim.workers.plans
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

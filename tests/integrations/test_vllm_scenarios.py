@@ -283,3 +283,30 @@ def test_coalesced_decode_stores_store_the_same_blocks_in_fewer_transfers() -> N
     for rig in rigs:
         assert rig.manager.num_live_transfers() == 0
         assert not rig.h.connector.has_pending_push_work()
+
+
+def test_lazy_never_stores_blocks_computed_before_a_connector_reset() -> None:
+    """Lazy over vLLM's keyed view: a request's blocks computed before the connector's reset
+    (vLLM's GPU reset failed: the request was running) are never stored, even after it finishes
+    and its blocks sit in vLLM's free queue with their hashes; a later request's blocks are."""
+    rig = Rig(policy="lazy")
+    lazy = rig.manager._lazy
+    assert lazy is not None
+    assert lazy._keyed is not None, "vLLM hashes: the keyed walk is used"
+    request = rig.h.add(PROMPT, max_tokens=8)
+    for _ in range(3):
+        rig.step()
+    assert not request.is_finished()
+    assert rig.h.scheduler.reset_connector_cache()
+    plans_before = len(rig.runtime.plans)
+    rig.run()
+    rig.step()
+    rig.run()
+    assert not [t for p in rig.runtime.plans[plans_before:] for t in p.stores]
+    assert rig.manager.stats().cpu_blocks_cached == 0
+    other = rig.h.add([t + 1 for t in PROMPT], max_tokens=1)
+    rig.run()
+    rig.step()
+    rig.run()
+    assert other.is_finished()
+    assert rig.manager.stats().cpu_blocks_cached > 0

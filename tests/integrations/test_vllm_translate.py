@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvflow.core.protocol import StepReport
-from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.requests import CachedRequest, RequestLike, SchedulerOutput
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import (
     KVFlowWorkerMetadata,
@@ -235,6 +235,57 @@ def test_gpu_cache_view_walks_vllms_free_queue_in_eviction_order() -> None:
     view.free(cached)
     assert pool.get_num_free_blocks() == len(expected)
     assert view.is_free(cached[0])
+
+
+def test_keyed_view_reads_the_requests_block_hashes_from_vllms_blocks() -> None:
+    """The keyed view gives each cached free block the request's own block hash (kvflow's CPU
+    key) and kvflow's group, scans the free queue in vLLM's order, and lists every keyed block."""
+    from kvflow.core.gpu_view import KeyedGpuCacheView
+    from kvflow.integrations.vllm import VLLMKeyedGpuCacheView
+
+    h = VLLMHarness.build(num_blocks=16)
+    request = h.add(prompt(40), max_tokens=1)
+    h.run_until_done([request])
+    hashes = list(request.block_hashes)
+    pool = h.scheduler.kv_cache_manager.block_pool
+    view = VLLMKeyedGpuCacheView(pool, {0: 0})
+    assert isinstance(view, KeyedGpuCacheView)
+    cached = [b for b in view.iter_free() if view.block_hash(b) is not None]
+    # vLLM frees a request's blocks tail first: the last block is evicted first.
+    assert [view.block_key(b) for b in cached] == [(0, hashes[1]), (0, hashes[0])]
+    ids, keyed = view.scan_free(None, 100)
+    assert ids == list(view.iter_free())
+    assert dict(keyed) == dict(view.keyed_blocks())
+    assert [b for b, _ in keyed] == [b for b in ids if b in dict(keyed)]  # in queue order
+    part, part_keyed = view.scan_free(ids[0], 2)
+    assert part == ids[1:3]
+    assert part_keyed == [(b, k) for b, k in keyed if b in part]
+    assert view.first_free_in({cached[1], cached[0]}) == cached[0]
+    assert view.first_free_in(set()) is None
+    assert VLLMKeyedGpuCacheView(pool, {1: 0}).block_key(cached[0]) is None  # not offloaded
+
+
+def test_translation_without_running_requests_passes_only_resumed_ones() -> None:
+    """``running=False`` (lazy over a keyed view): no running request reaches kvflow, except a
+    resumed one with its whole new table; new requests still do."""
+    h = VLLMHarness.build(num_blocks=9, max_num_batched_tokens=256)  # 8 usable blocks
+    a = h.add(prompt(64, 1), max_tokens=40)
+    b = h.add(prompt(63, 2), max_tokens=40)
+    seen_new: set[str] = set()
+    resumed: list[CachedRequest] = []
+    for step in range(60):
+        so = h.schedule()
+        out = translate_scheduler_output(so, step=step, num_groups=1, running=False)
+        seen_new |= {n.request_id for n in out.new_requests}
+        assert not out.decode_requests.request_ids
+        assert all(c.resumed_from_preemption for c in out.cached_requests)
+        resumed += out.cached_requests
+        h.finish(so)
+        if resumed:
+            break
+    assert seen_new == {a.request_id, b.request_id}
+    (c,) = resumed
+    assert len(c.new_block_ids[0]) == len(h.block_ids(h.scheduler.requests[c.request_id])[0])
 
 
 def test_relay_writes_the_outcome_into_the_connector_output() -> None:

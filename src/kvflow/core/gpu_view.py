@@ -9,10 +9,14 @@ as in vLLM).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable
 from typing import Protocol, runtime_checkable
 
 from kvflow.core.block_pool import BlockPool
+from kvflow.core.hashing import BlockHash
+
+BlockKey = tuple[int, BlockHash]
+"""A block's content as the CPU tier keys it: (kvflow group, block hash)."""
 
 
 @runtime_checkable
@@ -41,6 +45,34 @@ class GpuCacheView(Protocol):
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop a reference taken with ``touch``."""
+        ...
+
+
+@runtime_checkable
+class KeyedGpuCacheView(GpuCacheView, Protocol):
+    """A ``GpuCacheView`` whose engine hashes are kvflow's CPU keys (vLLM hashing every request
+    at every offloaded group's block size): the lazy policy reads what a free block holds from
+    the engine's block itself, so it records nothing per request and step."""
+
+    def block_key(self, block_id: int) -> BlockKey | None:
+        """The kvflow group and hash of the block's content, from the engine's own hash; None
+        if the engine caches nothing in it or kvflow does not offload its group."""
+        ...
+
+    def scan_free(
+        self, after: int | None, limit: int
+    ) -> tuple[list[int], list[tuple[int, BlockKey]]]:
+        """Up to ``limit`` free blocks in eviction order, from the queue head (``after`` None) or
+        past the free block ``after`` (none if it is not free); and, of those, the ones with a
+        key, as ``(block id, key)`` in the same order."""
+        ...
+
+    def first_free_in(self, block_ids: Container[int]) -> int | None:
+        """The first free block, from the queue head, that is in ``block_ids``; None if none."""
+        ...
+
+    def keyed_blocks(self) -> Iterable[tuple[int, BlockKey]]:
+        """Every block with a key, as ``(block id, key)`` (read at a cache reset only)."""
         ...
 
 
@@ -78,4 +110,4 @@ class BlockPoolGpuView:
         self._pool.free(block_ids)
 
 
-__all__ = ["BlockPoolGpuView", "GpuCacheView"]
+__all__ = ["BlockKey", "BlockPoolGpuView", "GpuCacheView", "KeyedGpuCacheView"]

@@ -3,6 +3,8 @@ its eviction end.
 
 ``LazyCursor.record`` remembers what each completed GPU block holds; ``walk`` returns the
 blocks of the queue's covered prefix the CPU tier lacks, as one ``StoreBatch`` for the ledger.
+Over a ``KeyedGpuCacheView`` (the engine's hashes are kvflow's keys) nothing is recorded: the
+walk reads each free block's key from the engine, so the policy's work per step is the walk's.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 from kvflow.core.block_pool import BlockPool
-from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.gpu_view import BlockKey, GpuCacheView, KeyedGpuCacheView
 from kvflow.core.hashing import BlockHash
 from kvflow.core.logs import debug_enabled, get_logger
 from kvflow.core.offload.config import Geometry
@@ -27,7 +29,9 @@ class LazyCursor:
     (stored, being stored, or holding nothing worth storing). It survives steps: blocks the
     engine takes leave ``_ahead`` (``taken``), freed hashed blocks join behind the cursor. It
     resets, and the next walk starts from the head, when its block is reused, or when a CPU
-    eviction or a failed store may have uncovered a block ahead of it.
+    eviction or a failed store may have uncovered a block ahead of it. Blocks the engine took
+    without the cursor being told (a keyed view's engine passes no steady-decode allocations)
+    leave ``_ahead`` when the walk finds them no longer free at the covered prefix's head.
     """
 
     def __init__(
@@ -51,10 +55,20 @@ class LazyCursor:
         self._cursor: int | None = None  # the last covered block of the GPU free queue
         self._cursor_hash: Hashable | None = None  # its engine hash when the walk passed it
         self._ahead: set[int] = set()  # free blocks from the queue head to the cursor
+        self._order: list[int] = []  # ``_ahead``'s blocks in walk order (and stale ones)
+        self._keyed: KeyedGpuCacheView | None = (
+            view if isinstance(view, KeyedGpuCacheView) else None
+        )
+        # Keyed: blocks whose content predates the last reset (block → its key then).
+        self._stale: dict[int, BlockKey] = {}
 
     def record(self, sts: Sequence[RequestState]) -> None:
         """Advance the requests' cursors to their confirmed blocks, recording what each block
         passed holds."""
+        if self._keyed is not None:
+            # What a block holds is read from the engine at the walk; the requests' cursors
+            # are not used (the engine passes no steady-decode steps).
+            return
         if self._geo.num_groups == 1:
             self._record_one(sts)
         else:
@@ -111,8 +125,11 @@ class LazyCursor:
                     record[b] = (0, hs[i], block_hash(b))
 
     def forget(self) -> None:
-        """Drop every content record (a cache reset)."""
+        """Drop every content record (a cache reset): no block computed before it is stored."""
         self._record.clear()
+        if self._keyed is not None:
+            # Rare (a reset): one pass over the engine's hashed blocks.
+            self._stale = dict(self._keyed.keyed_blocks())
 
     def reset(self, cause: str) -> None:
         """Nothing is covered any more: the next walk starts from the queue head."""
@@ -121,6 +138,7 @@ class LazyCursor:
         self._cursor = None
         self._cursor_hash = None
         self._ahead.clear()
+        self._order.clear()
 
     def taken(self, ids: Sequence[int]) -> None:
         """The engine took these GPU blocks (allocation or prefix hit): they left the free queue,
@@ -132,6 +150,10 @@ class LazyCursor:
             # new content under the old hash. The new owner's ``record`` records it again.
             for b in ids:
                 record.pop(b, None)
+        stale = self._stale
+        if stale:
+            for b in ids:
+                stale.pop(b, None)  # its next content is computed after the reset
         ahead = self._ahead
         if not ahead:
             return
@@ -147,6 +169,12 @@ class LazyCursor:
         over a step's new blocks of all requests at once)."""
         pop = self._record.pop
         ahead = self._ahead
+        if self._stale:
+            tables = list(tables)
+            for ids in tables:
+                for group_ids in ids:
+                    for b in group_ids:
+                        self._stale.pop(b, None)  # its next content is computed after the reset
         for ids in tables:
             for group_ids in ids:
                 for b in group_ids:
@@ -169,13 +197,93 @@ class LazyCursor:
             self.reset("cursor_block_reused")
             cursor = None
         budget = self._watermark - len(ahead)
+        if budget <= 0 and self._keyed is not None:
+            # Only a keyed view's engine takes blocks without telling (``taken`` is exact else).
+            budget = self._prune()
         if budget <= 0:
             return None
-        bid = view.first_free() if cursor is None else view.next_free(cursor)
+        picked: list[dict[BlockHash, int]] = [{} for _ in range(self._geo.num_groups)]
+        if self._keyed is not None:
+            last = self._walk_keyed(budget, picked)
+        else:
+            bid = view.first_free() if cursor is None else view.next_free(cursor)
+            last = self._walk_recorded(bid, budget, picked)
+        if last is not None and last != cursor:
+            self._cursor, self._cursor_hash = last, view.block_hash(last)
+        if not any(picked):
+            return None
+        for p in picked:
+            # A picked block leaves the free queue while its store holds it; it comes back
+            # behind the cursor, already covered.
+            ahead.difference_update(p.values())
+        return StoreBatch(picked, [[None] * len(p) for p in picked])
+
+    def _prune(self) -> int:
+        """Drop the blocks the engine took unseen from the covered prefix; the walk's budget
+        after it. The engine allocates from the queue's head (unhashed blocks it frees go
+        before the covered ones and are taken first), so the covered blocks still free are
+        ``order``'s tail from the first of them the view finds from the head: every block
+        before it in ``order`` is gone. No check per block gone, only the bulk drop."""
+        assert self._keyed is not None
+        ahead = self._ahead
+        order = self._order
+        first = self._keyed.first_free_in(ahead)
+        k = len(order) if first is None else order.index(first)
+        if k:
+            gone = set(order[:k])
+            del order[:k]
+            # A block taken and walked again has a later entry: it is still covered.
+            gone.difference_update(order)
+            ahead.difference_update(gone)
+            stale = self._stale
+            if stale:
+                for b in gone:
+                    stale.pop(b, None)  # taken: its next content is computed after the reset
+        if len(order) > 2 * len(ahead) + self._watermark:
+            # Blocks taken from the middle of the prefix (``taken``) linger in ``order``.
+            self._order = [b for b in order if b in ahead]
+        return self._watermark - len(ahead)
+
+    def _walk_keyed(self, budget: int, picked: list[dict[BlockHash, int]]) -> int | None:
+        """The walk over a keyed view: up to ``budget`` free blocks past the cursor, read from
+        the engine in one ``scan_free`` (the blocks, and the keys of those holding one).
+        Returns the last block passed over (the new cursor), None if none."""
+        assert self._keyed is not None
+        last = self._cursor
+        ids, keyed = self._keyed.scan_free(last, budget)
+        if not ids:
+            return last  # the steady state: every free block is covered
+        self._ahead.update(ids)
+        self._order.extend(ids)
+        stale = self._stale
+        storing = self._storing
+        cpu = self._cpu
+        for bid, (g, h) in keyed:
+            if stale and bid in stale:
+                if stale[bid] == (g, h):
+                    continue  # computed before the last reset: never stored
+                del stale[bid]
+            if h not in storing[g] and h not in picked[g] and not cpu[g].is_cached(h):
+                picked[g][h] = bid
+        if not keyed:
+            return ids[-1]
+        # The cursor is the last block passed over and not picked (a picked one leaves the
+        # free queue while it is stored).
+        taken = {b for p in picked for b in p.values()}
+        for bid in reversed(ids):
+            if bid not in taken:
+                return bid
+        return last
+
+    def _walk_recorded(
+        self, bid: int | None, budget: int, picked: list[dict[BlockHash, int]]
+    ) -> int | None:
+        """The walk over the content records; returns the new cursor as ``_walk_keyed``."""
+        view = self._view
+        ahead = self._ahead
         record = self._record
         null = self._null
-        picked: list[dict[BlockHash, int]] = [{} for _ in range(self._geo.num_groups)]
-        last = cursor
+        last = self._cursor
         while bid is not None:
             budget -= 1
             ahead.add(bid)
@@ -197,15 +305,7 @@ class LazyCursor:
             if budget <= 0:
                 break
             bid = view.next_free(bid)
-        if last is not None and last != cursor:
-            self._cursor, self._cursor_hash = last, view.block_hash(last)
-        if not any(picked):
-            return None
-        for p in picked:
-            # A picked block leaves the free queue while its store holds it; it comes back
-            # behind the cursor, already covered.
-            ahead.difference_update(p.values())
-        return StoreBatch(picked, [[None] * len(p) for p in picked])
+        return last
 
 
 __all__ = ["LazyCursor"]

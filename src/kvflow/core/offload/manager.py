@@ -316,6 +316,19 @@ class OffloadManager:
     def build_step_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """Every load and store of this step (all PENDING transfers are launched). Pure w.r.t. input."""
         so = scheduler_output
+        lazy = self._lazy
+        if (
+            lazy is not None
+            and not so.new_requests
+            and not so.cached_requests
+            and not so.decode_requests.request_ids
+            and not so.finished_request_ids
+            and not so.preempted_request_ids
+            and not self._allocated
+        ):
+            # A lazy step with no news (a keyed view's engine passes no running request): the
+            # general path below does only this for it.
+            return self._quiet_lazy_step(so, lazy)
         # -- boundary check (kvflow.core.validate): the step, new requests' counts and tables --
         validate.scheduler_output(so)
         requests = self._requests
@@ -403,7 +416,6 @@ class OffloadManager:
             self._allocated.clear()
         advancing: list[RequestState] = []
         replaced = False
-        lazy = self._lazy
         store = self._store
         # Eager stores coalesced over ``eager_store_interval`` plans: a request with a completed
         # block joins the deferred ones here, while its state is at hand.
@@ -447,6 +459,19 @@ class OffloadManager:
         if not ledger.pending and not ledger.abandoned:
             return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
         return ledger.launch(so.step, flush)
+
+    def _quiet_lazy_step(self, so: SchedulerOutput, lazy: LazyCursor) -> StepPlan:
+        """``build_step_plan`` of a lazy step without requests, finishes or preemptions: the
+        walk, and whatever it or an earlier call left to launch."""
+        validate.scheduler_output(so)
+        ledger = self._ledger
+        if not self._reset_pending:
+            batch = lazy.walk()
+            if batch is not None:
+                self._plan_store(batch, LAZY_REQUEST_ID)
+        if not ledger.pending and not ledger.abandoned:
+            return StepPlan(so.step, (), (), False, ())
+        return ledger.launch(so.step, False)
 
     def _advance(self, sts: Sequence[RequestState], request_id: str) -> None:
         """Hand the blocks the requests completed since their last call to the store policy;

@@ -42,7 +42,7 @@ from kvflow.integrations.vllm.connector import (
     SchedulerRole,
     WorkerRole,
 )
-from kvflow.integrations.vllm.gpu_view import VLLMGpuCacheView
+from kvflow.integrations.vllm.gpu_view import VLLMGpuCacheView, VLLMKeyedGpuCacheView
 from kvflow.integrations.vllm.relay import (
     KVFlowConnectorMetadata,
     KVFlowWorkerMetadata,
@@ -78,6 +78,7 @@ __all__ = [
     "RequestViews",
     "SchedulerRole",
     "VLLMGpuCacheView",
+    "VLLMKeyedGpuCacheView",
     "VLLMRequestView",
     "WorkerRole",
     "group_block_ids",

@@ -43,7 +43,7 @@ from kvflow.integrations.vllm.config import (
     kv_cache_geometry,
     offload_config,
 )
-from kvflow.integrations.vllm.gpu_view import VLLMGpuCacheView
+from kvflow.integrations.vllm.gpu_view import VLLMGpuCacheView, VLLMKeyedGpuCacheView
 from kvflow.integrations.vllm.pd import PD_ROLES, PDRequestViews, PDSchedulerRole, vllm_compat
 from kvflow.integrations.vllm.pd_relay import (
     KVFlowHandshake,
@@ -223,7 +223,18 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
         views = RequestViews if self.pd_role is None else PDRequestViews
         self._views = views(None if hash_block_size is None else int(hash_block_size))
-        self._held = HeldBlockIds(self._num_groups) if self.config.store_policy == "eager" else None
+        lazy = self.config.store_policy == "lazy"
+        self._held = None if lazy else HeldBlockIds(self._num_groups)
+        # Lazy, with vLLM's hashes as the CPU keys of every group: the lazy walk reads a free
+        # block's key from vLLM's block, so running requests' steps carry no news for the CPU
+        # tier. Dedicated PD roles keep the recorded walk; kv_both keeps the keyed one and
+        # passes running requests on once PD started (hand-offs follow their tables).
+        self._keyed = (
+            lazy
+            and self.pd_role in (None, "both")
+            and hash_block_size is not None
+            and all(g.block_size == int(hash_block_size) for g in groups)
+        )
         # vLLM maps failed block ids back to requests only with a single KV cache group.
         self._per_request_failures = self.geometry.num_vllm_groups > 1
         self._relay = OutcomeRelay(per_request=self._per_request_failures)
@@ -397,7 +408,14 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         if self._scheduler is None and self.role == KVConnectorRole.SCHEDULER:
-            self._scheduler = self.make_scheduler_role(VLLMGpuCacheView(gpu_block_pool))
+            view = (
+                VLLMKeyedGpuCacheView(
+                    gpu_block_pool, {g.vllm_group: i for i, g in enumerate(self.geometry.groups)}
+                )
+                if self._keyed
+                else VLLMGpuCacheView(gpu_block_pool)
+            )
+            self._scheduler = self.make_scheduler_role(view)
             if self.pd_role == "both":
                 self._pd_pending = True
             elif self.pd_role is not None:
@@ -438,7 +456,13 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._step += 1
         plan = self.scheduler_role.build_connector_meta(
             translate_scheduler_output(
-                scheduler_output, step, self._num_groups, self._boundary, self._held, self._select
+                scheduler_output,
+                step,
+                self._num_groups,
+                self._boundary,
+                self._held,
+                self._select,
+                running=not self._keyed or self._pd is not None,
             )
         )
         if plan.stores or plan.loads or plan.abandoned:

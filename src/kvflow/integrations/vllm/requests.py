@@ -288,6 +288,8 @@ def translate_scheduler_output(
     boundary: int = 1,
     held: HeldBlockIds | None = None,
     select: GroupSelect | None = None,
+    *,
+    running: bool = True,
 ) -> SchedulerOutput:
     """vLLM's ``SchedulerOutput`` of one step as kvflow's (block ids per KV cache group).
 
@@ -301,7 +303,17 @@ def translate_scheduler_output(
     With ``held`` (eager policy), new block ids alone are not news: they wait in ``held`` and
     travel with the request's next passed-on step, so only block completions reach the manager.
     ``select`` keeps the block ids of the groups kvflow offloads (``num_groups`` of them).
+    ``running=False`` (the lazy policy over a keyed GPU view, which needs no running request's
+    steps) passes on only resumed requests, whose whole new table the manager must see.
     """
+    if (
+        not running
+        and not scheduler_output.scheduled_new_reqs
+        and not scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        and not scheduler_output.finished_req_ids
+        and not scheduler_output.preempted_req_ids
+    ):
+        return SchedulerOutput(step)  # lazy over a keyed view: most steps carry no news
     num_scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
     # Most steps finish, preempt and add nothing: build no empty containers for them.
@@ -335,7 +347,7 @@ def translate_scheduler_output(
     resumed = cached_data.resumed_req_ids
     req_ids = cached_data.req_ids
     new_block_ids = cached_data.new_block_ids
-    if select is not None:
+    if select is not None and (running or resumed):
         new_block_ids = [None if ids is None else select(ids) for ids in new_block_ids]
     num_computed = cached_data.num_computed_tokens
     no_blocks: GroupBlockIds = ((),) * num_groups
@@ -343,7 +355,23 @@ def translate_scheduler_output(
     decode = NO_DECODE_REQUESTS
     # Every count is 1: the counts are positive ints and vLLM's total is their sum, so they all
     # are 1 exactly when the total equals their number (no pass over the batch's counts).
-    if (
+    if not running:
+        # Nothing per request unless some resumed (rare).
+        for rid, new_ids, computed in zip(
+            req_ids if resumed else (), new_block_ids, num_computed, strict=False
+        ):
+            if rid in resumed:
+                cached.append(
+                    CachedRequest(
+                        rid,
+                        new_ids if _has_blocks(new_ids) else no_blocks,
+                        computed,
+                        num_scheduled[rid],
+                        len(spec.get(rid, ())),
+                        True,
+                    )
+                )
+    elif (
         not resumed
         and not spec
         and num_scheduled
