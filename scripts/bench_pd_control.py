@@ -42,6 +42,7 @@ from kvflow.core.pd.common import (
     Send,
 )
 from kvflow.core.pd.consumer import ConsumerManager
+from kvflow.core.pd.messages import Message
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.runtime.clock import SystemClock
 from kvflow.runtime.pd_control import ControlPlane, default_compat, open_control_plane
@@ -56,17 +57,21 @@ LONG = PDTimeouts(
 async def _run_actions(
     cp: ControlPlane, mgr: ProducerManager | ConsumerManager, actions: list[Action], now: float
 ) -> list[Action]:
-    """Send what is to be sent; complete launched copies at once; return the reports."""
+    """Send what is to be sent (what this turn says to a peer, as one zmq message); complete
+    launched copies at once; return the reports."""
     reports: list[Action] = []
+    sends: dict[str, list[Message]] = {}
     todo = list(actions)
     while todo:
         a = todo.pop(0)
         if isinstance(a, Send):
-            await cp.send(a.peer, a.message)
+            sends.setdefault(a.peer, []).append(a.message)
         elif isinstance(a, LaunchCopies):
             todo.extend(mgr.copy_done(a.transfer_id, a.epoch, 0, True, now))
         else:
             reports.append(a)
+    for peer, msgs in sends.items():
+        cp.post(peer, *msgs)
     return reports
 
 
