@@ -268,3 +268,33 @@ async def test_a_peer_that_stopped_reading_loses_messages_and_nobody_waits() -> 
     finally:
         sink.close(linger=0)
         ctx.term()
+
+
+async def test_a_peer_that_drops_is_lost_and_one_back_as_a_new_process_is_a_restart() -> None:
+    """D's connection dropping makes P forget D's HELLO (a lost peer); D back as a new process
+    (a new incarnation at another address) is a restart; the drop of an address that D left
+    for another one forgets nothing."""
+    clock = FakeClock()
+    with anyio.fail_after(GUARD_S):
+        async with open_control_plane("P", default_compat(), clock) as p:
+            async with open_control_plane("D", default_compat(), clock) as d1:
+                await d1.hello(p.address)
+                assert p.peer("D") is not None
+            with capture_logs() as logs:
+                while p.disconnects < 1:
+                    await anyio.sleep(0)  # yields to the loop's readers; no time passes
+            assert p.take_peer_events() == (["D"], [])
+            assert p.peer("D") is None
+            assert [e["event"] for e in logs] == ["pd_peer_disconnected"]
+            async with open_control_plane("D", default_compat(), clock) as d3:
+                async with open_control_plane("D", default_compat(), clock) as d2:
+                    await d2.hello(p.address)
+                    assert p.take_peer_events() == ([], ["D"])
+                    await d3.hello(p.address)  # another new D, at a third address
+                    assert p.take_peer_events() == ([], ["D"])
+                while p.disconnects < 2:  # d2 closed: its old address dropped
+                    await anyio.sleep(0)
+                info = p.peer("D")
+                assert info is not None
+                assert info.address == d3.address
+                assert p.take_peer_events() == ([], [])

@@ -205,6 +205,7 @@ class ControlPlane:
         self._stopped: asyncio.Future[None] | None = None
         self.on_arrival: Callable[[], object] | None = None  # called on the loop per arrival
         self.dropped = 0
+        self.disconnects = 0  # connections to a peer that dropped
         self.wire_in = 0  # zmq messages received (each carries one or more hand-off messages)
         self._closed = False
 
@@ -414,6 +415,9 @@ class ControlPlane:
             self.clock.now() + self.hello_ttl_s,
             msg.epoch,
         )
+        old = self._peers.get(msg.engine_id)
+        if old is not None and old.address != msg.address:
+            self._by_address.pop(old.address, None)
         self._peers[msg.engine_id] = info
         self._by_address[msg.address] = msg.engine_id
         known = self._incarnations.get(msg.engine_id)
@@ -446,9 +450,11 @@ class ControlPlane:
                 return  # closing
             if event["event"] != zmq.EVENT_DISCONNECTED or self._closed:
                 continue
-            peer = self._by_address.get(address)
-            if peer is None:
-                continue
+            self.disconnects += 1
+            peer = self._by_address.pop(address, None)
+            info = self._peers.get(peer) if peer is not None else None
+            if peer is None or info is None or info.address != address:
+                continue  # an old address of a peer that came back at another one
             # The process behind it died or closed; a later HELLO says whether it came back.
             log.warning("pd_peer_disconnected", engine_id=self.engine_id, peer=peer)
             self.forget(peer)

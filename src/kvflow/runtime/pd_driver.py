@@ -6,26 +6,29 @@ runs on the caller's thread when the engine calls ``poll`` (messages → ``on_me
 fences → ``copy_done``, the manager's timers → ``tick``) and carries out the actions that come
 back. The engine's thread reads the plane's inbox and sends on it directly (both are safe from
 any thread), so a hand-off's messages cost no hop to the portal's thread; an arriving message
-wakes ``wait``.
+wakes ``wait``. The reports the engine acts on (``FinishedSending``, ``FinishedRecving``,
+``FreeBlocks``) are queued for ``take_reports``. Every wait is bounded: HELLO by the control
+plane's timeout, a rebuild by ``rebuild_wait_s``, ``wait`` by its argument, and every hand-off
+by its manager's deadlines; a send never waits.
 
-A peer whose connection drops is lost: its hand-offs fail or drain (``peer_lost``: the
-engine recomputes them, once) and its cached HELLO is gone. A peer that says HELLO as a new
-process (a new incarnation under its engine id: it restarted, or another process took its
-endpoint) gets the same, and then the transport's pair is rebuilt on the rendezvous address the
-new process names in its HELLO (``gloo://host:port``), within ``rebuild_wait_s``; hand-offs
+A peer whose connection drops is lost: its hand-offs fail or drain (``peer_lost``: the engine
+recomputes them, once) and its cached HELLO is gone. A peer that says HELLO as a new process (a
+new incarnation under its engine id: it restarted, or another process took its endpoint) gets
+the same, and then the transport's pair is rebuilt on the rendezvous address the new process
+names in its HELLO (``gloo://host:port``), synchronously, within ``rebuild_wait_s``; hand-offs
 after it use the new pair. A rebuild that fails is logged and leaves the transport broken:
-every later launch fails at once and its request is recomputed, no hand-off waits on it. The reports the engine acts on (``FinishedSending``, ``FinishedRecving``, ``FreeBlocks``)
-are queued for ``take_reports``. Every wait is bounded: HELLO by the control plane's timeout, a
-send by the portal, ``wait`` by its argument, and every hand-off by its manager's deadlines.
+every later launch fails at once and its request is recomputed, no hand-off waits on it.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import attrs
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kvflow.backends.base import Fence, FenceStatus
@@ -41,6 +44,7 @@ from kvflow.core.pd.common import (
     Send,
 )
 from kvflow.core.pd.consumer import ConsumerManager
+from kvflow.core.pd.machines import CONSUMER_TERMINAL, PRODUCER_TERMINAL
 from kvflow.core.pd.messages import Compat
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.errors import ConfigError, KVFlowError
@@ -211,6 +215,19 @@ class PDDriver:
 
     def take_reports(self) -> list[Report]:
         out, self._reports = self._reports, []
+        return out
+
+    def unarmed_timers(self) -> list[str]:
+        """The live hand-offs in a non-terminal state without a deadline due within the longest
+        timeout from now (empty when every one of them will be settled by a timer)."""
+        now = self.clock.now()
+        terminal = PRODUCER_TERMINAL | CONSUMER_TERMINAL
+        longest = max(*attrs.astuple(self.manager.timeouts), self.manager.timeouts.quarantine_s)
+        out = []
+        for tid, t in self.manager.transfers.items():
+            bound = now + max(longest, getattr(t, "claim_s", 0.0))
+            if t.state not in terminal and not (math.isfinite(t.deadline) and t.deadline <= bound):
+                out.append(f"{tid} in {t.state.value}: deadline {t.deadline}")
         return out
 
     def busy(self) -> bool:
