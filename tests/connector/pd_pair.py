@@ -207,12 +207,14 @@ class Pair:
             self.p.take_result(rid)
         return [self.d.take_result(rid) for rid in ids]
 
-    def drain(self, limit: int = 20_000) -> None:
-        for _ in range(limit):
-            if not (self.p.has_unfinished() or self.d.has_unfinished()):
-                return
-            self.step()
-        raise AssertionError("P and D did not settle")
+    def drain(self, guard_s: float = 60.0) -> None:
+        """Step both until neither has a request left (a hold waits out its lease on the
+        engines' clock; a step budget would race the real one)."""
+        self.step_until(
+            lambda: not (self.p.has_unfinished() or self.d.has_unfinished()),
+            "P and D settle",
+            guard_s,
+        )
 
     def check_no_leaks(self) -> None:
         """Both pools whole, no request or hand-off left, nothing held in either ledger."""

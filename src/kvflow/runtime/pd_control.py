@@ -344,8 +344,16 @@ class ControlPlane:
                 self._drop("malformed_frames", frames=len(frames))
                 continue
             sender = frames[0].decode(errors="replace")
+            batch: list[tuple[str, Message]] = []
             for frame in frames[1:]:
-                self._dispatch(sender, frame)
+                self._dispatch(sender, frame, batch)
+            if batch:
+                # One zmq message lands in the inbox at once: a reader on another thread sees
+                # all of what one turn of the peer said, or none of it.
+                self._inbox.extend(batch)
+                _resolve(self._waiter)
+                if self.on_arrival is not None:
+                    self.on_arrival()
 
     def _write(self, address: str, frames: list[bytes], peer: str = "") -> None:
         with self._send_lock:
@@ -356,7 +364,7 @@ class ControlPlane:
             except zmq.Again:
                 self._drop("peer_queue_full", peer=peer or address, messages=len(frames))
 
-    def _dispatch(self, sender: str, data: bytes) -> None:
+    def _dispatch(self, sender: str, data: bytes, batch: list[tuple[str, Message]]) -> None:
         try:
             msg = decode(data)
         except ProtocolError as e:
@@ -373,13 +381,10 @@ class ControlPlane:
             wait.event.set()
         elif self.peer(sender) is None:
             self._drop("no_hello", peer=sender, message=type(msg).__name__)
-        elif len(self._inbox) >= self._inbox_size:
+        elif len(self._inbox) + len(batch) >= self._inbox_size:
             self._drop("inbox_full", peer=sender, message=type(msg).__name__)
         else:
-            self._inbox.append((sender, msg))
-            _resolve(self._waiter)
-            if self.on_arrival is not None:
-                self.on_arrival()
+            batch.append((sender, msg))
 
     def _on_hello(self, msg: Hello) -> None:
         # The hash covers what must be equal; block and TP sizes are checked by rule.

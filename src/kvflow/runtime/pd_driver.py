@@ -5,11 +5,12 @@ The control plane's zmq receive loop runs on an anyio loop in one portal thread;
 runs on the caller's thread when the engine calls ``poll`` (messages → ``on_message``, settled
 fences → ``copy_done``, the manager's timers → ``tick``) and carries out the actions that come
 back. The engine's thread reads the plane's inbox and sends on it directly (both are safe from
-any thread), so a hand-off's messages cost no hop to the portal's thread; an arriving message
-wakes ``wait``. The reports the engine acts on (``FinishedSending``, ``FinishedRecving``,
-``FreeBlocks``) are queued for ``take_reports``. Every wait is bounded: HELLO by the control
-plane's timeout, a rebuild by ``rebuild_wait_s``, ``wait`` by its argument, and every hand-off
-by its manager's deadlines; a send never waits.
+any thread), so a hand-off's messages cost no hop to the portal's thread; what one ``poll``
+says to a peer goes as one zmq message at its end, and an arriving message wakes ``wait``. The
+reports the engine acts on (``FinishedSending``, ``FinishedRecving``, ``FreeBlocks``) are
+queued for ``take_reports``. Every wait is bounded: HELLO by the control plane's timeout, a
+rebuild by ``rebuild_wait_s``, ``wait`` by its argument, and every hand-off by its manager's
+deadlines; a send never waits.
 
 A peer whose connection drops is lost: its hand-offs fail or drain (``peer_lost``: the engine
 recomputes them, once) and its cached HELLO is gone. A peer that says HELLO as a new process (a
@@ -92,6 +93,7 @@ class PDDriver:
         self.block_bytes: list[int] = []  # per group, set once the KV tensors are registered
         self.rebuild_wait_s = rebuild_wait_s
         self.rebuilds = 0  # the transport's pair rebuilt for a restarted peer
+        self._held: dict[str, list[Send]] | None = None  # sends held to the end of ``poll``
         self._closed = False
         self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
@@ -163,6 +165,9 @@ class PDDriver:
         sends: list[Send] = []  # consecutive sends to one peer go as one zmq message
         for a in actions:
             if isinstance(a, Send):
+                if self._held is not None:
+                    self._held.setdefault(a.peer, []).append(a)
+                    continue
                 if sends and sends[0].peer != a.peer:
                     self._post(sends)
                 sends.append(a)
@@ -200,18 +205,27 @@ class PDDriver:
         if self._pump is not None:
             self._pump(now)
         self._peer_events()
-        while (got := self.control.recv_nowait()) is not None:
-            self.apply(self.manager.on_message(got[0], got[1], now))
-        for op, fence in list(self._fences):
-            status = self.transport.query(fence)
-            if status is not FenceStatus.PENDING:
-                self._fences.remove((op, fence))
-                started = self._launched_at.pop(id(fence), None)
-                if started is not None:
-                    self.send_seconds += now - started
-                ok = status is FenceStatus.DONE
-                self.apply(self.manager.copy_done(op.transfer_id, op.epoch, 0, ok, now, op.channel))
-        self.apply(self.manager.tick(now))
+        # What one poll says to a peer (P's GRANTs and DONEs of every claim that came in) goes
+        # as one zmq message at its end: the peer sees the whole turn at once.
+        self._held = {}
+        try:
+            while (got := self.control.recv_nowait()) is not None:
+                self.apply(self.manager.on_message(got[0], got[1], now))
+            for op, fence in list(self._fences):
+                status = self.transport.query(fence)
+                if status is not FenceStatus.PENDING:
+                    self._fences.remove((op, fence))
+                    started = self._launched_at.pop(id(fence), None)
+                    if started is not None:
+                        self.send_seconds += now - started
+                    ok = status is FenceStatus.DONE
+                    done = self.manager.copy_done(op.transfer_id, op.epoch, 0, ok, now, op.channel)
+                    self.apply(done)
+            self.apply(self.manager.tick(now))
+        finally:
+            held, self._held = self._held, None
+            for sends in held.values():
+                self._post(sends)
 
     def take_reports(self) -> list[Report]:
         out, self._reports = self._reports, []
