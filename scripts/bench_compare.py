@@ -31,6 +31,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     # name: (python, script and arguments, relative to the tree)
     "scheduler": (sys.executable, ["scripts/bench_scheduler.py"]),
     "runtime": (sys.executable, ["scripts/bench_runtime.py", "--quick"]),
+    "pd_control": (sys.executable, ["scripts/bench_pd_control.py"]),
     # vLLM's real scheduler lives in its own venv (scripts/install_vllm_extra.sh makes it).
     "vllm": (
         str(Path(os.environ.get("KVFLOW_VLLM_PYTHON", ".venv-vllm/bin/python")).absolute()),
@@ -38,7 +39,7 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     ),
 }
 LABELS = {"measure", "goal", "policy", "transfers/step", "coalesced", "steps", "state", "mode"}
-LABELS |= {"configuration"}
+LABELS |= {"configuration", "what"}
 """Column headers whose cells name a row rather than measure it."""
 
 

@@ -4,7 +4,7 @@ every PD connector test shares (both pools whole, no hand-off or hold left)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow.backends.pd.fake import FakeLink
@@ -17,7 +17,7 @@ from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.pd.common import PDTimeouts
 from kvflow.engine.engine import Engine, EngineConfig, RequestResult
 from kvflow.engine.model import model_config
-from kvflow.runtime.clock import Clock
+from kvflow.runtime.clock import Clock, SystemClock
 from kvflow.runtime.pd_control import default_compat
 from tests.engine.helpers import shared_model
 
@@ -130,6 +130,19 @@ class Pair:
         self.p.step()
         self.d.step()
 
+    def step_until(self, done: Callable[[], bool], what: str, guard_s: float = 20.0) -> None:
+        """Step both engines until ``done()``; between steps wait for a control-plane message
+        to arrive (the drivers' wake-up: zmq delivers on its own threads, so a fast loop of
+        steps alone can outrun it). ``guard_s`` of real time is the safety net."""
+        guard = SystemClock()  # the engines' clock may be a FakeClock that the test moves
+        deadline = guard.now() + guard_s
+        while not done():
+            assert guard.now() < deadline, f"never saw {what} within {guard_s} s"
+            self.step()
+            if not done():
+                self.pc.driver.wait(0.002)
+                self.dc.driver.wait(0.002)
+
     def prefill(self, rid: str, prompt: Sequence[int]) -> RequestResult:
         """P's half of the sequential flow: one output token, then P's params."""
         self.p.add_request(
@@ -194,12 +207,14 @@ class Pair:
             self.p.take_result(rid)
         return [self.d.take_result(rid) for rid in ids]
 
-    def drain(self, limit: int = 20_000) -> None:
-        for _ in range(limit):
-            if not (self.p.has_unfinished() or self.d.has_unfinished()):
-                return
-            self.step()
-        raise AssertionError("P and D did not settle")
+    def drain(self, guard_s: float = 60.0) -> None:
+        """Step both until neither has a request left (a hold waits out its lease on the
+        engines' clock; a step budget would race the real one)."""
+        self.step_until(
+            lambda: not (self.p.has_unfinished() or self.d.has_unfinished()),
+            "P and D settle",
+            guard_s,
+        )
 
     def check_no_leaks(self) -> None:
         """Both pools whole, no request or hand-off left, nothing held in either ledger."""

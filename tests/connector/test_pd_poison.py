@@ -100,11 +100,8 @@ def test_a_granted_hold_outlives_the_lease_while_its_copy_runs(
     pair.d.add_request(
         PROMPTS[1], MAX_TOKENS, request_id="r0", kv_transfer_params=pr.kv_transfer_params
     )
-    for _ in range(50):
-        pair.step()
-        if pair.pc.driver.manager.transfers["t-r0"].state is PState.IN_FLIGHT:
-            break
-    assert pair.pc.driver.manager.transfers["t-r0"].state is PState.IN_FLIGHT
+    pm = pair.pc.driver.manager
+    pair.step_until(lambda: pm.transfers["t-r0"].state is PState.IN_FLIGHT, "P's push launched")
     held = {b for b in pair.p.blocks.block_ids("r0")[0] if b}
     for _ in range(int(3 * lease / 0.25)):
         clock.jump(0.25)
@@ -133,12 +130,12 @@ def test_an_abort_during_a_push_holds_d_s_blocks_until_abort_ack(
         PROMPTS[1], MAX_TOKENS, request_id="r0", kv_transfer_params=pr.kv_transfer_params
     )
     dm = pair.dc.driver.manager
-    for _ in range(50):
-        pair.step()
+
+    def in_flight() -> bool:
         t = dm.transfers.get("t-r0")
-        if t is not None and t.state is DState.IN_FLIGHT:
-            break
-    assert dm.transfers["t-r0"].state is DState.IN_FLIGHT
+        return t is not None and t.state is DState.IN_FLIGHT
+
+    pair.step_until(in_flight, "D's copy in flight")
     reserved = {b for b in pair.d.blocks.block_ids("r0")[0] if b}
     assert reserved
     assert pair.d.scheduler.requests["r0"].status is RequestStatus.WAITING_FOR_REMOTE_KVS

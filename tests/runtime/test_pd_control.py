@@ -20,7 +20,7 @@ from kvflow.core.pd.producer import ProducerManager
 from kvflow.engine.distributed import free_port
 from kvflow.errors import ClosedError, PeerError, ProtocolError
 from kvflow.runtime.clock import FakeClock, SystemClock, wait_all_tasks_blocked
-from kvflow.runtime.pd_control import decode, default_compat, encode, open_control_plane
+from kvflow.runtime.pd_control import PeerInfo, decode, default_compat, encode, open_control_plane
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_leaks")]
 
@@ -199,7 +199,7 @@ async def test_the_system_clock_deadline_needs_no_watchdog() -> None:
 
 
 async def test_what_one_turn_says_to_a_peer_travels_as_one_zmq_message() -> None:
-    """Messages queued in one turn arrive in order, as one multipart zmq message (one wake-up of
+    """Messages posted together arrive in order, as one multipart zmq message (one wake-up of
     each side's zmq I/O thread); each part of a zmq message is judged on its own."""
     clock = FakeClock()
     second = Claim("u", 1, ((2, 3),), (0,), 8, CLAIM.digest)
@@ -209,11 +209,11 @@ async def test_what_one_turn_says_to_a_peer_travels_as_one_zmq_message() -> None
             open_control_plane("D", default_compat(), clock) as d,
         ):
             await d.hello(p.address)
-            await d.send("P", CLAIM)
-            await d.send("P", second)
-            assert list(d._outbox.values()) == [[encode(CLAIM), encode(second)]]
+            before = p.wire_in
+            d.post("P", CLAIM, second)
             assert await p.recv(1.0, "the first") == ("D", CLAIM)
             assert await p.recv(1.0, "the second") == ("D", second)
+            assert p.wire_in == before + 1
             with raw_dealer(p.address) as raw:
                 with capture_logs() as logs:
                     raw.send_multipart([encode(second), b"\x93garbage", encode(CLAIM)])
@@ -221,3 +221,80 @@ async def test_what_one_turn_says_to_a_peer_travels_as_one_zmq_message() -> None
                         await anyio.sleep(0)  # yields to the receive loop; no time passes
                 whys = [e["why"] for e in logs if e["event"] == "pd_control_dropped"]
                 assert whys == ["no_hello", "malformed", "no_hello"]
+
+
+async def test_another_thread_posts_and_reads_without_the_loop() -> None:
+    """An engine's thread posts to a peer and reads the inbox directly (no hop to the loop's
+    thread): its CLAIM reaches P, and P's answer is read by that thread in order."""
+    clock = FakeClock()
+    got: list[object] = []
+    with anyio.fail_after(GUARD_S):
+        async with (
+            open_control_plane("P", default_compat(), clock) as p,
+            open_control_plane("D", default_compat(), clock) as d,
+        ):
+            await d.hello(p.address)
+            await anyio.to_thread.run_sync(d.post, "P", CLAIM)
+            assert await p.recv(1.0, "the claim") == ("D", CLAIM)
+            p.post("D", CLAIM, CLAIM)
+            while len(d._inbox) < 2:
+                await anyio.sleep(0)  # yields to the receive loop; no time passes
+            got.append(await anyio.to_thread.run_sync(d.recv_nowait))
+            got.append(await anyio.to_thread.run_sync(d.recv_nowait))
+            got.append(await anyio.to_thread.run_sync(d.recv_nowait))
+    assert got == [("P", CLAIM), ("P", CLAIM), None]
+
+
+async def test_a_peer_that_stopped_reading_loses_messages_and_nobody_waits() -> None:
+    """With the peer's zmq queue full (its high-water mark), ``post`` returns at once and the
+    message is logged and dropped: no sender ever waits on a peer."""
+    clock = FakeClock()
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.ROUTER)  # accepts the connection, never reads
+    try:
+        sink.setsockopt(zmq.LINGER, 0)
+        sink.setsockopt(zmq.RCVHWM, 1)
+        port = sink.bind_to_random_port("tcp://127.0.0.1")
+        with anyio.fail_after(GUARD_S):
+            async with open_control_plane("D", default_compat(), clock) as d:
+                d._peers["P"] = PeerInfo("P", f"tcp://127.0.0.1:{port}", "", 1, (), 1e9)
+                d._dealer(f"tcp://127.0.0.1:{port}").setsockopt(zmq.SNDHWM, 1)
+                with capture_logs() as logs:
+                    while d.dropped == 0:
+                        d.post("P", CLAIM)
+                        await anyio.sleep(0)
+                whys = {e["why"] for e in logs if e["event"] == "pd_control_dropped"}
+                assert whys == {"peer_queue_full"}
+    finally:
+        sink.close(linger=0)
+        ctx.term()
+
+
+async def test_a_peer_that_drops_is_lost_and_one_back_as_a_new_process_is_a_restart() -> None:
+    """D's connection dropping makes P forget D's HELLO (a lost peer); D back as a new process
+    (a new incarnation at another address) is a restart; the drop of an address that D left
+    for another one forgets nothing."""
+    clock = FakeClock()
+    with anyio.fail_after(GUARD_S):
+        async with open_control_plane("P", default_compat(), clock) as p:
+            async with open_control_plane("D", default_compat(), clock) as d1:
+                await d1.hello(p.address)
+                assert p.peer("D") is not None
+            with capture_logs() as logs:
+                while p.disconnects < 1:
+                    await anyio.sleep(0)  # yields to the loop's readers; no time passes
+            assert p.take_peer_events() == (["D"], [])
+            assert p.peer("D") is None
+            assert [e["event"] for e in logs] == ["pd_peer_disconnected"]
+            async with open_control_plane("D", default_compat(), clock) as d3:
+                async with open_control_plane("D", default_compat(), clock) as d2:
+                    await d2.hello(p.address)
+                    assert p.take_peer_events() == ([], ["D"])
+                    await d3.hello(p.address)  # another new D, at a third address
+                    assert p.take_peer_events() == ([], ["D"])
+                while p.disconnects < 2:  # d2 closed: its old address dropped
+                    await anyio.sleep(0)
+                info = p.peer("D")
+                assert info is not None
+                assert info.address == d3.address
+                assert p.take_peer_events() == ([], [])

@@ -1,8 +1,8 @@
 """The PD router over two spawned engine processes (CPU, gloo data plane, zmq control plane):
 both flows' outputs equal a colocated engine's token for token with poison-on-free in every
 engine, D computes one prompt token per request, SIGKILL of either process (holding KV, or in the
-middle of a running copy) leaves the other serving, and both engines end with every block back
-and no hand-off live."""
+middle of a running copy) leaves the other serving, and both engines end with every block back,
+no hand-off live and no thread left; a live hand-off always has its timer armed."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def test_sequential_flow_over_two_processes_matches_a_colocated_engine() -> None
     assert p["live_handoffs"] == d["live_handoffs"] == 0
     assert p["bytes_moved"] > 0
     assert d["handoffs_ok"] == len(PROMPTS)
+    _assert_clean(router)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +74,7 @@ def test_concurrent_flow_over_two_processes_matches_a_colocated_engine(
     for g in got:
         if g.result.external_loaded_tokens:
             assert g.result.prefill_tokens_computed == 1
+    _assert_clean(router)
 
 
 def test_p_killed_while_holding_the_kv_leaves_d_serving_by_recompute() -> None:
@@ -98,6 +100,7 @@ def test_p_killed_while_holding_the_kv_leaves_d_serving_by_recompute() -> None:
     assert d["leaked_blocks"] == 0
     assert d["live_handoffs"] == 0
     assert d["handoffs_failed"] == 1
+    _assert_clean(router)
 
 
 def test_d_killed_before_it_claims_leaves_p_serving_and_frees_p_s_hold() -> None:
@@ -113,6 +116,18 @@ def test_d_killed_before_it_claims_leaves_p_serving_and_frees_p_s_hold() -> None
     _assert_p_served_on_alone(router, again)
 
 
+def _assert_clean(router: PDRouter) -> None:
+    """The leak check after a PD process test, of every engine that stopped (a killed one has
+    no summary): both pools whole, no hand-off live, no timer unarmed, no thread left."""
+    stopped = {name: s for name, s in router.summaries.items() if s}
+    assert stopped
+    for name, s in stopped.items():
+        assert s["leaked_blocks"] == 0, name
+        assert s["live_handoffs"] == 0, name
+        assert s["unarmed_timers"] == [], name
+        assert s["threads_left"] == [], name
+
+
 def _assert_p_served_on_alone(router: PDRouter, again: RequestResult) -> None:
     """P's prefill after D's death is a colocated engine's, and P ended with nothing leaked."""
     alone = make_engine(**ENGINE).run_to_completion(requests(PROMPTS[1:2], 1))[0]
@@ -121,6 +136,7 @@ def _assert_p_served_on_alone(router: PDRouter, again: RequestResult) -> None:
     assert p["leaked_blocks"] == 0
     assert p["live_handoffs"] == 0
     assert router.summaries["D"] == {}  # killed: no summary
+    _assert_clean(router)
 
 
 def _one_block_per_chunk() -> dict[str, Any]:
@@ -137,6 +153,9 @@ def _await_launch(router: PDRouter, before: int) -> None:
     deadline = clock.now() + 30
     while router.stats("P")["bytes_moved"] == before:  # each ask is a round trip to P
         assert clock.now() < deadline, "P never launched its sends"
+    # Mid-copy, each side's live hand-off (IN_FLIGHT) has its deadline armed.
+    for name in ("P", "D"):
+        assert router.stats(name)["unarmed_timers"] == [], name
 
 
 def test_p_killed_during_a_running_copy_leaves_d_serving_by_recompute() -> None:
@@ -180,6 +199,7 @@ def check_p_killed_mid_copy(kill: Callable[[PDRouter], None], **router_kw: Any) 
     assert d["leaked_blocks"] == 0
     assert d["live_handoffs"] == 0
     assert (d["handoffs_ok"], d["handoffs_failed"]) == (1, 1)
+    _assert_clean(router)
 
 
 def test_d_killed_during_a_running_copy_leaves_p_serving_and_frees_its_hold() -> None:

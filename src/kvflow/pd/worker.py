@@ -16,6 +16,7 @@ every process), so the router can measure TTFT and inter-token latency across pr
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -186,6 +187,10 @@ def _serve_engine(
                 stop_ranks()
         finally:
             engine.shutdown()
+    # The leak check of a PD process: nothing but this thread runs after the shutdown.
+    summary["threads_left"] = [
+        t.name for t in threading.enumerate() if t is not threading.current_thread()
+    ]
     conn.send(("stopped", summary))
 
 
@@ -274,6 +279,7 @@ def summary_of(engine: Engine, connector: PDConnector) -> dict[str, Any]:
     return {
         "leaked_blocks": engine.blocks.num_usable_blocks - engine.blocks.num_free_blocks(),
         "live_handoffs": connector.driver.manager.num_live,
+        "unarmed_timers": connector.driver.unarmed_timers(),
         "bytes_moved": connector.driver.bytes_moved,
         "send_seconds": connector.driver.send_seconds,
         "prefill_tokens_computed": engine.stats.prefill_tokens_computed,

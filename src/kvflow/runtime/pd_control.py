@@ -11,16 +11,23 @@ full inbox are logged and dropped (the managers drop stale ``(transfer_id, epoch
 
 The wire format is msgpack through msgspec: ``[kind, body]`` with ``body`` the attrs message
 encoded by msgspec, so ``kvflow.core`` stays free of msgspec. A zmq message carries one or more
-of them (one frame each): ``send`` queues, and a flush task sends what one turn of the caller
-queued for a peer as one multipart message (each zmq message wakes both sides' zmq I/O threads,
-the control path's main cost on a busy machine); the receive loop drains what is queued
-without waiting on the event loop between messages.
+of them (one frame each): ``post(peer, *msgs)`` sends what one turn says to a peer as one
+multipart message at once, from any thread (each zmq message wakes both sides' zmq I/O threads,
+the control path's main cost on a busy machine). The sockets are plain zmq sockets: the receive
+loop waits on the ROUTER's descriptor with the event loop and then drains what is queued without
+the loop, and a sender (the event loop's task or the engine's thread) writes under one lock, so
+neither side needs a thread hop or a future per message. The inbox is a deque that the engine's
+thread may read (``recv_nowait``) while the loop fills it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import functools
 import math
+import secrets
+import threading
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -28,9 +35,8 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 import zmq
-import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from attrs import define, frozen
+from zmq.utils.monitor import parse_monitor_message
 
 from kvflow import __version__
 from kvflow.core.logs import get_logger
@@ -90,6 +96,7 @@ class PeerInfo:
     tp_size: int
     endpoints: tuple[str, ...]
     expires_at: float
+    incarnation: int = 0  # the peer process's (its HELLO's epoch): a new one is a restart
 
 
 @define(eq=False)
@@ -120,6 +127,22 @@ async def _before(
     return (True, box[0]) if box else (False, None)
 
 
+def _take(q: deque[str]) -> list[str]:
+    out = []
+    while q:
+        out.append(q.popleft())
+    return out
+
+
+def _resolve(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+async def _await(waiter: asyncio.Future[None]) -> None:
+    await waiter
+
+
 class ControlPlane:
     """One engine's control-plane endpoint. Open it with ``open_control_plane``."""
 
@@ -135,7 +158,7 @@ class ControlPlane:
         hello_timeout_s: float,
         hello_ttl_s: float,
         inbox_size: int,
-        context: zmq.asyncio.Context | None = None,
+        context: zmq.Context[Any] | None = None,
     ) -> None:
         for name, value in (("hello_timeout_s", hello_timeout_s), ("hello_ttl_s", hello_ttl_s)):
             if not (math.isfinite(value) and value > 0):
@@ -153,22 +176,37 @@ class ControlPlane:
         # One zmq context per process is zmq's advice: a caller may share its own (not closed
         # here); without one the plane owns a context and terminates it on close.
         self._own_ctx = context is None
-        self._ctx = zmq.asyncio.Context() if context is None else context
-        self._router = self._ctx.socket(zmq.ROUTER)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = (
+            zmq.Context() if context is None else zmq.Context.shadow(context.underlying)
+        )
+        self._router: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        # A peer that restarts on its endpoint reconnects with the same routing id before the
+        # old connection is seen closed: the new one takes over instead of being refused.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.bind(bind)
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._dealers: dict[str, zmq.asyncio.Socket] = {}
-        self._plain_dealers: dict[str, zmq.Socket[bytes]] = {}  # shadows of _dealers
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}  # by address
+        self._send_lock = threading.Lock()  # the dealers are written from any thread
         self._peers: dict[str, PeerInfo] = {}  # by engine id
         self._by_address: dict[str, str] = {}  # address → engine id
         self._hello_waits: dict[str, _HelloWait] = {}  # by address
-        send, receive = anyio.create_memory_object_stream[tuple[str, Message]](inbox_size)
-        self._inbox_send: MemoryObjectSendStream[tuple[str, Message]] = send
-        self._inbox: MemoryObjectReceiveStream[tuple[str, Message]] = receive
-        self._outbox: dict[str, list[bytes]] = {}  # by address, in order
-        self._outbox_ready = anyio.Event()
+        self._inbox: deque[tuple[str, Message]] = deque()
+        self._inbox_size = inbox_size
+        self._waiter: asyncio.Future[None] | None = None  # a ``recv`` waiting, on the loop
+        self._loop: asyncio.AbstractEventLoop | None = None  # while ``run`` runs
+        self._loop_thread = 0
+        self._monitors: dict[str, zmq.Socket[bytes]] = {}  # by address: each dealer's events
+        self._incarnations: dict[str, int] = {}  # by engine id, kept across ``forget``
+        self._lost: deque[str] = deque()
+        self._restarted: deque[str] = deque()
+        # This process's incarnation, in its HELLO's epoch: a peer tells a restart by it.
+        self.incarnation = secrets.randbits(62)
+        self._stopped: asyncio.Future[None] | None = None
+        self.on_arrival: Callable[[], object] | None = None  # called on the loop per arrival
         self.dropped = 0
+        self.disconnects = 0  # connections to a peer that dropped
+        self.wire_in = 0  # zmq messages received (each carries one or more hand-off messages)
         self._closed = False
 
     # -- public -------------------------------------------------------------------------------
@@ -187,8 +225,7 @@ class ControlPlane:
         wait = self._hello_waits.get(address)
         if wait is None:
             wait = self._hello_waits[address] = _HelloWait(anyio.Event())
-            self._outbox.setdefault(address, []).append(encode(Hello(*self._about())))
-            self._outbox_ready.set()
+            self._write(address, [encode(Hello(*self._about()))])
         deadline = self.clock.now() + self.hello_timeout_s
         ok, _ = await _before(self.clock, deadline, wait.event.wait)
         self._hello_waits.pop(address, None)
@@ -205,16 +242,26 @@ class ControlPlane:
             )
         return self._remember(ack)
 
-    async def send(self, peer: str, msg: Message) -> None:
-        """Send ``msg`` to a peer that said HELLO (either way). The message is queued and goes
-        out when this task next yields: what one turn of the caller says to a peer (P's GRANT
-        and DONE) travels as one zmq message, which wakes each side's zmq I/O thread once."""
+    def forget(self, engine_id: str) -> None:
+        """Drop the cached HELLO of ``engine_id`` (it restarted): the next ``hello`` asks again."""
+        info = self._peers.pop(engine_id, None)
+        if info is not None and self._by_address.get(info.address) == engine_id:
+            del self._by_address[info.address]
+
+    def post(self, peer: str, *msgs: Message) -> None:
+        """Send ``msgs`` to a peer that said HELLO (either way), now, as one zmq message (one
+        wake-up of each side's zmq I/O thread). Safe from any thread. A peer whose queue is full
+        (zmq's high-water mark: it stopped reading) loses them, logged: its timers cover a lost
+        message, and no sender ever waits on a peer."""
         self._check_open()
         info = self.peer(peer)
         if info is None:
             raise PeerError(f"{self.engine_id}: no HELLO with peer {peer!r} (or it expired)")
-        self._outbox.setdefault(info.address, []).append(encode(msg))
-        self._outbox_ready.set()
+        self._write(info.address, [encode(m) for m in msgs], peer=peer)
+
+    async def send(self, peer: str, msg: Message) -> None:
+        """``post(peer, msg)`` for a task on the event loop."""
+        self.post(peer, msg)
 
     async def recv(self, timeout_s: float, what: str) -> tuple[str, Message]:
         """The next hand-off message and its sender; ``PeerError`` naming ``what`` at the deadline."""
@@ -222,67 +269,109 @@ class ControlPlane:
         got = self.recv_nowait()
         if got is not None:
             return got
-        ok, got = await _before(self.clock, self.clock.now() + timeout_s, self._inbox.receive)
-        if not ok or got is None:
-            raise PeerError(
-                f"{self.engine_id}: no message within {timeout_s} s while waiting for {what}"
-            )
-        return got
+        deadline = self.clock.now() + timeout_s
+        loop = asyncio.get_running_loop()
+        while True:
+            # A bare future that the receive loop resolves: no anyio event or cancel scope per
+            # message (they cost tens of µs on this path).
+            waiter = self._waiter = loop.create_future()
+            try:
+                if isinstance(self.clock, SystemClock):
+                    timer = loop.call_later(max(deadline - self.clock.now(), 0.0), _resolve, waiter)
+                    try:
+                        await waiter
+                    finally:
+                        timer.cancel()
+                else:
+                    await _before(self.clock, deadline, functools.partial(_await, waiter))
+            finally:
+                self._waiter = None
+            got = self.recv_nowait()
+            if got is not None:
+                return got
+            self._check_open()
+            if self.clock.now() >= deadline:
+                raise PeerError(
+                    f"{self.engine_id}: no message within {timeout_s} s while waiting for {what}"
+                )
 
     def recv_nowait(self) -> tuple[str, Message] | None:
-        """A message already received, if any."""
+        """A message already received, if any. Safe from any thread."""
         try:
-            return self._inbox.receive_nowait()
-        except anyio.WouldBlock:
+            return self._inbox.popleft()
+        except IndexError:
             return None
 
     # -- the receive loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Receive from the ROUTER until closed (run in a task)."""
-        flags = 0
+        """Receive from the ROUTER until closed (run in a task): the loop calls ``_drain``
+        whenever the socket's descriptor turns readable, with no task woken in between."""
+        loop = asyncio.get_running_loop()
+        fd = self._router.fileno()
+        self._stopped = loop.create_future()
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        loop.add_reader(fd, self._drain)
+        for address, mon in self._monitors.items():
+            self._watch(loop, address, mon)
+        try:
+            self._drain()  # what came before the reader was added
+            await self._stopped
+        finally:
+            with self._send_lock:
+                self._loop = None
+                monitors = list(self._monitors.values())
+            loop.remove_reader(fd)
+            for mon in monitors:
+                loop.remove_reader(mon)
+
+    def _drain(self) -> None:
+        # zmq's descriptor is edge-triggered: it turns readable when messages come after a
+        # receive found none, so each wake-up takes everything queued.
+        sock = self._router
         while not self._closed:
             try:
-                # After one awaited receive, take what else is queued without the loop's
-                # event machinery (a done future's await does not yield).
-                frames = await self._router.recv_multipart(flags=flags)
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                flags = 0
-                continue
-            except zmq.ZMQError:
-                if self._closed:
-                    return
-                raise
-            flags = zmq.NOBLOCK
+                return
+            except zmq.ZMQError as e:
+                stopped = self._stopped
+                if not self._closed and stopped is not None and not stopped.done():
+                    stopped.set_exception(e)  # ``run`` raises it
+                return
+            self.wire_in += 1
             if len(frames) < 2:
                 self._drop("malformed_frames", frames=len(frames))
                 continue
             sender = frames[0].decode(errors="replace")
+            batch: list[tuple[str, Message]] = []
             for frame in frames[1:]:
-                await self._dispatch(sender, frame)
+                self._dispatch(sender, frame, batch)
+            if batch:
+                # One zmq message lands in the inbox at once: a reader on another thread sees
+                # all of what one turn of the peer said, or none of it.
+                self._inbox.extend(batch)
+                _resolve(self._waiter)
+                if self.on_arrival is not None:
+                    self.on_arrival()
 
-    async def flush(self) -> None:
-        """Send what ``send`` queued, one zmq message per peer, until closed (run in a task)."""
-        while not self._closed:
-            await self._outbox_ready.wait()
-            self._outbox_ready = anyio.Event()
-            outbox, self._outbox = self._outbox, {}
-            for address, frames in outbox.items():
-                sock = self._dealer(address)
-                try:
-                    # The plain socket under the asyncio one: no future per message.
-                    self._plain(address, sock).send_multipart(frames, flags=zmq.NOBLOCK)
-                except zmq.Again:  # the peer's queue is full (HWM): wait for room
-                    await sock.send_multipart(frames)
+    def _write(self, address: str, frames: list[bytes], peer: str = "") -> None:
+        with self._send_lock:
+            if self._closed:
+                return
+            try:
+                self._dealer(address).send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self._drop("peer_queue_full", peer=peer or address, messages=len(frames))
 
-    async def _dispatch(self, sender: str, data: bytes) -> None:
+    def _dispatch(self, sender: str, data: bytes, batch: list[tuple[str, Message]]) -> None:
         try:
             msg = decode(data)
         except ProtocolError as e:
             self._drop("malformed", peer=sender, error=str(e)[:200])
             return
         if isinstance(msg, Hello):
-            await self._on_hello(msg)
+            self._on_hello(msg)
         elif isinstance(msg, HelloAck):
             wait = self._hello_waits.get(msg.address)
             if wait is None or wait.event.is_set():
@@ -292,13 +381,12 @@ class ControlPlane:
             wait.event.set()
         elif self.peer(sender) is None:
             self._drop("no_hello", peer=sender, message=type(msg).__name__)
+        elif len(self._inbox) + len(batch) >= self._inbox_size:
+            self._drop("inbox_full", peer=sender, message=type(msg).__name__)
         else:
-            try:
-                self._inbox_send.send_nowait((sender, msg))
-            except anyio.WouldBlock:
-                self._drop("inbox_full", peer=sender, message=type(msg).__name__)
+            batch.append((sender, msg))
 
-    async def _on_hello(self, msg: Hello) -> None:
+    def _on_hello(self, msg: Hello) -> None:
         # The hash covers what must be equal; block and TP sizes are checked by rule.
         refused = self.compat.refusals(msg.compat)
         accepted = msg.compat_hash == self.compat_hash and not refused
@@ -307,15 +395,13 @@ class ControlPlane:
             self._remember(msg)
         else:
             log.warning("pd_peer_incompatible", peer=msg.engine_id, fields=reason)
-        ack = HelloAck(*self._about(), accepted, reason)
-        self._outbox.setdefault(msg.address, []).append(encode(ack))
-        self._outbox_ready.set()
+        self._write(msg.address, [encode(HelloAck(*self._about(), accepted, reason))])
 
     def _about(self) -> tuple[str, int, str, str, str, Compat, int, tuple[str, ...]]:
         """HELLO's and HELLO_ACK's common fields: who this engine is and what its KV is."""
         return (
             PEER_TRANSFER,
-            0,
+            self.incarnation,
             self.engine_id,
             self.address,
             self.compat_hash,
@@ -332,27 +418,77 @@ class ControlPlane:
             msg.tp_size,
             msg.endpoints,
             self.clock.now() + self.hello_ttl_s,
+            msg.epoch,
         )
+        old = self._peers.get(msg.engine_id)
+        if old is not None and old.address != msg.address:
+            self._by_address.pop(old.address, None)
         self._peers[msg.engine_id] = info
         self._by_address[msg.address] = msg.engine_id
+        known = self._incarnations.get(msg.engine_id)
+        self._incarnations[msg.engine_id] = msg.epoch
+        if known is not None and known != msg.epoch:
+            # Another process under this engine id: what it holds of the old one's is gone.
+            log.warning("pd_peer_restarted", engine_id=self.engine_id, peer=msg.engine_id)
+            self._restarted.append(msg.engine_id)
+            self._wake()
         log.info("pd_peer_hello", engine_id=self.engine_id, peer=msg.engine_id, address=msg.address)
         return info
 
-    def _dealer(self, address: str) -> zmq.asyncio.Socket:
+    def take_peer_events(self) -> tuple[list[str], list[str]]:
+        """The peers whose connection dropped (their cached HELLO is gone) and the peers that
+        came back as a new process (a HELLO of a new incarnation), since the last call, in
+        order. Safe from any thread."""
+        return _take(self._lost), _take(self._restarted)
+
+    def _wake(self) -> None:
+        if self.on_arrival is not None:
+            self.on_arrival()
+
+    def _on_monitor(self, address: str, mon: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(mon.recv_multipart(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return  # closing
+            if event["event"] != zmq.EVENT_DISCONNECTED or self._closed:
+                continue
+            self.disconnects += 1
+            peer = self._by_address.pop(address, None)
+            info = self._peers.get(peer) if peer is not None else None
+            if peer is None or info is None or info.address != address:
+                continue  # an old address of a peer that came back at another one
+            # The process behind it died or closed; a later HELLO says whether it came back.
+            log.warning("pd_peer_disconnected", engine_id=self.engine_id, peer=peer)
+            self.forget(peer)
+            self._lost.append(peer)
+            self._wake()
+
+    def _dealer(self, address: str) -> zmq.Socket[bytes]:
         sock = self._dealers.get(address)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTING_ID, self.engine_id.encode())
+            # zmq reports the connection dropping on a socket of its own, which the loop reads.
+            mon = self._monitors[address] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(address)
             self._dealers[address] = sock
+            loop = self._loop
+            if loop is not None:
+                watch = functools.partial(self._watch, loop, address, mon)
+                if self._loop_thread == threading.get_ident():
+                    watch()
+                else:
+                    loop.call_soon_threadsafe(watch)
         return sock
 
-    def _plain(self, address: str, sock: zmq.asyncio.Socket) -> zmq.Socket[bytes]:
-        plain = self._plain_dealers.get(address)
-        if plain is None:
-            plain = self._plain_dealers[address] = zmq.Socket.shadow(sock.underlying)
-        return plain
+    def _watch(self, loop: asyncio.AbstractEventLoop, address: str, mon: zmq.Socket[bytes]) -> None:
+        loop.add_reader(mon, self._on_monitor, address, mon)
+        # A read that finds nothing arms zmq's descriptor (it signals only after one).
+        self._on_monitor(address, mon)
 
     def _drop(self, why: str, **fields: Any) -> None:
         self.dropped += 1
@@ -364,21 +500,16 @@ class ControlPlane:
 
     def close(self) -> None:
         """Close every socket and the context (no linger). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for address, frames in self._outbox.items():  # what was said just before closing
-            # A full queue at close drops the message: the peer's timers cover a lost one.
-            with contextlib.suppress(zmq.ZMQError):
-                self._plain(address, self._dealer(address)).send_multipart(
-                    frames, flags=zmq.NOBLOCK
-                )
-        self._outbox.clear()
-        for sock in self._dealers.values():
-            sock.close(linger=0)
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for address, sock in self._dealers.items():
+                sock.disable_monitor()
+                self._monitors[address].close(linger=0)
+                sock.close(linger=0)
         self._router.close(linger=0)
-        self._inbox_send.close()
-        self._inbox.close()
+        _resolve(self._waiter)  # a waiting ``recv`` sees the plane closed
         if self._own_ctx:
             self._ctx.term()
 
@@ -395,7 +526,7 @@ async def open_control_plane(
     hello_timeout_s: float = 5.0,
     hello_ttl_s: float = 300.0,
     inbox_size: int = 1024,
-    context: zmq.asyncio.Context | None = None,
+    context: zmq.Context[Any] | None = None,
 ) -> AsyncIterator[ControlPlane]:
     """An open control plane with its receive loop running; closed on exit."""
     cp = ControlPlane(
@@ -413,7 +544,6 @@ async def open_control_plane(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cp.run)
-            tg.start_soon(cp.flush)
             try:
                 yield cp
             finally:

@@ -4,18 +4,32 @@ stepped inline from the engine's own calls (like ``InlineSyncWorker``).
 The control plane's zmq receive loop runs on an anyio loop in one portal thread; everything else
 runs on the caller's thread when the engine calls ``poll`` (messages → ``on_message``, settled
 fences → ``copy_done``, the manager's timers → ``tick``) and carries out the actions that come
-back. The reports the engine acts on (``FinishedSending``, ``FinishedRecving``, ``FreeBlocks``)
-are queued for ``take_reports``. Every wait is bounded: HELLO by the control plane's timeout, a
-send by the portal, ``wait`` by its argument, and every hand-off by its manager's deadlines.
+back. The engine's thread reads the plane's inbox and sends on it directly (both are safe from
+any thread), so a hand-off's messages cost no hop to the portal's thread; what one ``poll``
+says to a peer goes as one zmq message at its end, and an arriving message wakes ``wait``. The
+reports the engine acts on (``FinishedSending``, ``FinishedRecving``, ``FreeBlocks``) are
+queued for ``take_reports``. Every wait is bounded: HELLO by the control plane's timeout, a
+rebuild by ``rebuild_wait_s``, ``wait`` by its argument, and every hand-off by its manager's
+deadlines; a send never waits.
+
+A peer whose connection drops is lost: its hand-offs fail or drain (``peer_lost``: the engine
+recomputes them, once) and its cached HELLO is gone. A peer that says HELLO as a new process (a
+new incarnation under its engine id: it restarted, or another process took its endpoint) gets
+the same, and then the transport's pair is rebuilt on the rendezvous address the new process
+names in its HELLO (``gloo://host:port``), synchronously, within ``rebuild_wait_s``; hand-offs
+after it use the new pair. A rebuild that fails is logged and leaves the transport broken:
+every later launch fails at once and its request is recomputed, no hand-off waits on it.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import attrs
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kvflow.backends.base import Fence, FenceStatus
@@ -31,9 +45,10 @@ from kvflow.core.pd.common import (
     Send,
 )
 from kvflow.core.pd.consumer import ConsumerManager
+from kvflow.core.pd.machines import CONSUMER_TERMINAL, PRODUCER_TERMINAL
 from kvflow.core.pd.messages import Compat
 from kvflow.core.pd.producer import ProducerManager
-from kvflow.errors import KVFlowError
+from kvflow.errors import ConfigError, KVFlowError
 from kvflow.runtime.clock import Clock, SystemClock
 from kvflow.runtime.pd_control import ControlPlane, PeerInfo, open_control_plane
 
@@ -56,7 +71,15 @@ class PDDriver:
         bind: str = "tcp://127.0.0.1:0",
         hello_timeout_s: float = 5.0,
         pump: Callable[[float], object] | None = None,
+        endpoints: tuple[str, ...] | None = None,
+        rebuild_wait_s: float = 30.0,
     ) -> None:
+        if not rebuild_wait_s > 0:
+            raise ConfigError(f"rebuild_wait_s must be positive, got {rebuild_wait_s!r}")
+        if endpoints is None:
+            # The transport's own rendezvous, for a peer that must rebuild the pair with it.
+            at = getattr(transport, "address", None)
+            endpoints = (f"gloo://{at[0]}:{at[1]}",) if isinstance(at, tuple) else ()
         self.manager = manager
         self.transport = transport
         self.clock: Clock = clock or SystemClock()
@@ -68,6 +91,9 @@ class PDDriver:
         self.bytes_moved = 0
         self.send_seconds = 0.0  # sends: launch → seen settled (a floor on their speed)
         self.block_bytes: list[int] = []  # per group, set once the KV tensors are registered
+        self.rebuild_wait_s = rebuild_wait_s
+        self.rebuilds = 0  # the transport's pair rebuilt for a restarted peer
+        self._held: dict[str, list[Send]] | None = None  # sends held to the end of ``poll``
         self._closed = False
         self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
@@ -80,6 +106,7 @@ class PDDriver:
                         self.clock,
                         bind=bind,
                         hello_timeout_s=hello_timeout_s,
+                        endpoints=endpoints,
                     )
                 )
             )
@@ -88,6 +115,7 @@ class PDDriver:
             self._portal_cm.__exit__(None, None, None)
             raise
         transport.set_wakeup(self._wake.set)
+        self.control.on_arrival = self._wake.set
 
     @property
     def address(self) -> str:
@@ -99,23 +127,53 @@ class PDDriver:
         return self.manager.engine_id
 
     def connect(self, address: str) -> PeerInfo:
-        """HELLO with the peer at ``address`` unless cached; ``PeerError`` within the timeout."""
+        """HELLO with the peer at ``address`` unless cached; ``PeerError`` within the timeout.
+        A peer found restarted has its old hand-offs failed and the pair rebuilt first."""
         info: PeerInfo = self._call(self.control.hello, address)
+        self._peer_events()
         return info
+
+    def _peer_events(self) -> None:
+        lost, restarted = self.control.take_peer_events()
+        for peer in (*lost, *restarted):
+            self.apply(self.manager.peer_lost(peer, self.clock.now()))
+        for peer in restarted:
+            self._rebuild(peer)
+
+    def _rebuild(self, peer: str) -> None:
+        """The transport's pair anew, on the rendezvous the restarted ``peer`` named (bounded
+        by ``rebuild_wait_s``); a failure is logged and leaves the transport broken."""
+        rebuild = getattr(self.transport, "rebuild", None)
+        info = self.control.peer(peer)
+        at = _rendezvous(info.endpoints) if info is not None else None
+        if rebuild is None or at is None:
+            log.warning("pd_rebuild_skipped", peer=peer, transport=type(self.transport).__name__)
+            return
+        try:
+            rebuild(host=at[0], port=at[1], wait_s=self.rebuild_wait_s)
+        except KVFlowError as e:
+            log.warning("pd_rebuild_failed", peer=peer, error=str(e))
+            return
+        self.rebuilds += 1
+        log.info("pd_transport_rebuilt_for_peer", peer=peer, host=at[0], port=at[1])
 
     def now(self) -> float:
         return self.clock.now()
 
     def apply(self, actions: list[Action]) -> None:
         """Carry out a manager's actions: send, launch, cancel; queue the engine's reports."""
+        sends: list[Send] = []  # consecutive sends to one peer go as one zmq message
         for a in actions:
             if isinstance(a, Send):
-                try:
-                    self._call(self.control.send, a.peer, a.message)
-                except KVFlowError as e:
-                    # A peer without HELLO (gone, or never met): the manager's timers decide.
-                    log.warning("pd_send_failed", peer=a.peer, error=str(e))
-            elif isinstance(a, LaunchCopies):
+                if self._held is not None:
+                    self._held.setdefault(a.peer, []).append(a)
+                    continue
+                if sends and sends[0].peer != a.peer:
+                    self._post(sends)
+                sends.append(a)
+                continue
+            self._post(sends)
+            if isinstance(a, LaunchCopies):
                 fence = self.transport.launch(a)
                 self._fences.append((a, fence))
                 if a.send:
@@ -127,6 +185,17 @@ class PDDriver:
                         self.transport.cancel(fence)
             else:
                 self._reports.append(a)
+        self._post(sends)
+
+    def _post(self, sends: list[Send]) -> None:
+        if not sends:
+            return
+        try:
+            self.control.post(sends[0].peer, *(s.message for s in sends))
+        except KVFlowError as e:
+            # A peer without HELLO (gone, or never met): the manager's timers decide.
+            log.warning("pd_send_failed", peer=sends[0].peer, error=str(e))
+        sends.clear()
 
     def poll(self) -> None:
         """Deliver what arrived, report settled copies, fire due timers (never blocks)."""
@@ -135,21 +204,44 @@ class PDDriver:
         now = self.clock.now()
         if self._pump is not None:
             self._pump(now)
-        while (got := self._call_sync(self.control.recv_nowait)) is not None:
-            self.apply(self.manager.on_message(got[0], got[1], now))
-        for op, fence in list(self._fences):
-            status = self.transport.query(fence)
-            if status is not FenceStatus.PENDING:
-                self._fences.remove((op, fence))
-                started = self._launched_at.pop(id(fence), None)
-                if started is not None:
-                    self.send_seconds += now - started
-                ok = status is FenceStatus.DONE
-                self.apply(self.manager.copy_done(op.transfer_id, op.epoch, 0, ok, now, op.channel))
-        self.apply(self.manager.tick(now))
+        self._peer_events()
+        # What one poll says to a peer (P's GRANTs and DONEs of every claim that came in) goes
+        # as one zmq message at its end: the peer sees the whole turn at once.
+        self._held = {}
+        try:
+            while (got := self.control.recv_nowait()) is not None:
+                self.apply(self.manager.on_message(got[0], got[1], now))
+            for op, fence in list(self._fences):
+                status = self.transport.query(fence)
+                if status is not FenceStatus.PENDING:
+                    self._fences.remove((op, fence))
+                    started = self._launched_at.pop(id(fence), None)
+                    if started is not None:
+                        self.send_seconds += now - started
+                    ok = status is FenceStatus.DONE
+                    done = self.manager.copy_done(op.transfer_id, op.epoch, 0, ok, now, op.channel)
+                    self.apply(done)
+            self.apply(self.manager.tick(now))
+        finally:
+            held, self._held = self._held, None
+            for sends in held.values():
+                self._post(sends)
 
     def take_reports(self) -> list[Report]:
         out, self._reports = self._reports, []
+        return out
+
+    def unarmed_timers(self) -> list[str]:
+        """The live hand-offs in a non-terminal state without a deadline due within the longest
+        timeout from now (empty when every one of them will be settled by a timer)."""
+        now = self.clock.now()
+        terminal = PRODUCER_TERMINAL | CONSUMER_TERMINAL
+        longest = max(*attrs.astuple(self.manager.timeouts), self.manager.timeouts.quarantine_s)
+        out = []
+        for tid, t in self.manager.transfers.items():
+            bound = now + max(longest, getattr(t, "claim_s", 0.0))
+            if t.state not in terminal and not (math.isfinite(t.deadline) and t.deadline <= bound):
+                out.append(f"{tid} in {t.state.value}: deadline {t.deadline}")
         return out
 
     def busy(self) -> bool:
@@ -157,8 +249,8 @@ class PDDriver:
         return bool(self.manager.num_live or self._fences or self._reports)
 
     def wait(self, timeout_s: float) -> None:
-        """Block up to ``timeout_s`` for a copy to settle (a peer's message wakes nobody: it is
-        seen at the next poll); at once when no hand-off is live."""
+        """Block up to ``timeout_s`` for a copy to settle or a peer's message to arrive; at once
+        when no hand-off is live."""
         if not (self._fences or self.manager.num_live):
             return
         self._wake.wait(timeout_s)
@@ -186,13 +278,15 @@ class PDDriver:
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self._portal.call(fn, *args)
 
-    def _call_sync(self, fn: Callable[[], Any]) -> Any:
-        # The control plane's inbox is the loop's: read it on the loop's thread.
-        return self._portal.call(_sync, fn)
 
-
-async def _sync(fn: Callable[[], Any]) -> Any:
-    return fn()
+def _rendezvous(endpoints: tuple[str, ...]) -> tuple[str, int] | None:
+    """``(host, port)`` of the first ``gloo://host:port`` endpoint, if any."""
+    for e in endpoints:
+        scheme, _, rest = e.partition("://")
+        host, _, port = rest.rpartition(":")
+        if scheme == "gloo" and host and port.isdigit():
+            return host, int(port)
+    return None
 
 
 __all__ = ["PDDriver", "Report"]

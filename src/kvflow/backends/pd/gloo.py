@@ -236,6 +236,7 @@ class GlooTransport:
         self.pair_rank = pair_rank
         self.timeout_s = timeout_s
         self._store, self._pg = self._rendezvous(host, port, timeout_s)
+        self.address = (host, port)  # the pair's rendezvous (a peer's rebuild names a new one)
         self.peer = 1 - pair_rank
         self.slot_bytes = slot_bytes
         self.direct_min_bytes = direct_min_bytes
@@ -295,6 +296,7 @@ class GlooTransport:
             if not self._idle.wait_for(lambda: self._chunks_live == 0, timeout=wait_s):
                 raise BackendError(f"gloo transport: copies still running after {wait_s} s")
         self._store, self._pg = self._rendezvous(host, port, wait_s)
+        self.address = (host, port)
         with self._lock:
             self.broken = None
         log.info("pd_transport_rebuilt", transport="gloo", pair_rank=self.pair_rank, port=port)
