@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from collections.abc import MutableMapping
 from typing import Any
 
 from structlog.testing import capture_logs
@@ -23,7 +24,8 @@ OTHER = [(i * 41) % 30000 + 17 for i in range(3 * BS + 9)]  # 3 full blocks + 9 
 THIRD = [(i * 43) % 30000 + 23 for i in range(2 * BS + 3)]  # 2 full blocks + 3 tokens
 
 
-def events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+def events(logs: list[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
+    """The captured log entries of one event."""
     return [e for e in logs if e["event"] == name]
 
 
