@@ -62,6 +62,7 @@ def test_one_p_binds_each_hand_off_to_the_d_that_claims_it() -> None:
         counters = p.stats().counters
         assert counters["pd_handoffs_committed"] == 3
         assert not events(logs, "pd_bind_refused")
+        assert not events(logs, "pd_send_failed"), "nothing was sent to an unbound peer"
     finally:
         fleet.close()
 
@@ -95,6 +96,7 @@ def test_two_new_ds_racing_for_the_first_pair_one_recomputes() -> None:
         assert bound == {a["kvflow_transfer_id"]: "D1", c["kvflow_transfer_id"]: "D2"}
         assert len(fleet.links) == 2
         assert p.free_blocks() == free
+        assert not events(logs, "pd_send_failed"), "nothing was sent to an unbound peer"
     finally:
         fleet.close()
 
