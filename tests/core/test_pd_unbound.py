@@ -11,7 +11,6 @@ from kvflow.core.pd.common import (
     Action,
     FinishedSending,
     LaunchCopies,
-    PDTimeouts,
     Send,
 )
 from kvflow.core.pd.machines import PState
@@ -31,12 +30,8 @@ from kvflow.core.pd.messages import (
 )
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.errors import ProtocolError
-from tests.core.pd_world import World, of, prompt_hashes, sends
-
-T = PDTimeouts(lease_s=5, grant_window_s=2, copy_s=4, done_s=3, prefill_s=9, drain_retry_s=1)
-IDS = ((10, 11, 12),)
-HASHES = prompt_hashes(1, 3)
-CLAIM = Claim("t", 1, ((0, 1),), (1,), 12, hashes_digest(HASHES))
+from tests.core.pd_world import World, of, sends
+from tests.core.test_pd_producer import CLAIM, HASHES, IDS, T
 
 
 def unbound_ready(**kw: object) -> ProducerManager:

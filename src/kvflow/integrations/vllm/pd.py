@@ -499,7 +499,7 @@ class PDSchedulerRole:
     ) -> None:
         params = getattr(request, "kv_transfer_params", None) or {}
         if params.get("data"):
-            me = self.drivers["consumer"].engine_id
+            me = self.driver.engine_id
             data = params["data_for"].get(me) or str(params["data"])
             self._data[str(params["remote_engine_id"])] = data
             self._data_of_transfer[str(params["transfer_id"])] = data
