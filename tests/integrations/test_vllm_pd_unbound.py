@@ -116,3 +116,23 @@ def test_a_d_request_with_a_named_peer_and_an_unbound_one_share_the_pair() -> No
         assert fleet.instances["P"].stats().counters["pd_handoffs_committed"] == 2
     finally:
         fleet.close()
+
+
+def test_one_new_d_with_two_requests_in_flight_binds_both_to_one_pair() -> None:
+    """A new D gets two unbound requests' params before claiming either (both name the same
+    spare endpoint): its first claim takes the spare, the second finds D paired there already;
+    both move byte-exact over the one pair."""
+    fleet = Fleet({"P": ""}, {"D1": "", "D2": ""})
+    try:
+        with capture_logs() as logs:
+            a = fleet.prefill("P", PROMPT, "a", d=None)
+            b = fleet.prefill("P", OTHER, "b", d=None)
+            assert a["kvflow_data"] == b["kvflow_data"]
+            fleet.decode("D1", PROMPT, a, "a")
+            fleet.decode("D1", OTHER, b, "b")
+            fleet.settle()
+        assert not events(logs, "pd_bind_refused")
+        assert len(fleet.links) == 1
+        assert fleet.instances["P"].stats().counters["pd_handoffs_committed"] == 2
+    finally:
+        fleet.close()
