@@ -17,6 +17,7 @@ from attrs import define, field
 
 from kvflow.core.hashing import BlockHash, hash_blocks
 from kvflow.core.pd.common import (
+    ANY_PEER,
     Action,
     CancelCopies,
     FinishedRecving,
@@ -29,7 +30,7 @@ from kvflow.core.pd.common import (
     flat,
 )
 from kvflow.core.pd.consumer import ConsumerManager
-from kvflow.core.pd.messages import GroupIds, Message
+from kvflow.core.pd.messages import Claim, GroupIds, Message, hashes_digest
 from kvflow.core.pd.producer import ProducerManager
 
 POISON = ("poison",)
@@ -102,7 +103,9 @@ class Violation(AssertionError):
 
 
 class World:
-    """P ("P") and D ("D"), each with ``ranks`` ranks and ``groups`` KV cache groups."""
+    """P ("P") and D ("D"), each with ``ranks`` ranks and ``groups`` KV cache groups. With
+    ``unbound`` P's hand-offs name no D (ANY_PEER) and ``rival_claim`` lets a second D ("D2",
+    which never answers anything) race D for one."""
 
     def __init__(
         self,
@@ -112,8 +115,11 @@ class World:
         blocks: int = 24,
         timeouts: PDTimeouts = TIMEOUTS,
         max_inflight: int = 2,
+        unbound: bool = False,
     ) -> None:
         self.now = 0.0
+        self.p_peer = ANY_PEER if unbound else "D"  # what P's engine names as the hand-off's D
+        self.rivals = 0
         self.ranks = ranks
         self.blocks = blocks
         self.groups = groups
@@ -191,7 +197,7 @@ class World:
             self.prefilling.add(tid)
             self.fenced[tid] = 0
             hashes = prompt_hashes(self._next, blocks) if stream else None
-            self.do("P", self.p.begin(tid, 1, "D", self.now, block_hashes=hashes))
+            self.do("P", self.p.begin(tid, 1, self.p_peer, self.now, block_hashes=hashes))
         else:
             self.kv_ready(tid)
         seed = self._next if right_request else self._next + 10_000
@@ -251,12 +257,28 @@ class World:
         self.fenced.pop(tid, None)
         self._fence(tid, len(h.p_ids[0]))
         hashes = prompt_hashes(int(tid[1:]), len(h.p_ids[0]))
-        self.do("P", self.p.kv_ready(tid, 1, "D", h.p_ids, hashes, self.now))
+        self.do("P", self.p.kv_ready(tid, 1, self.p_peer, h.p_ids, hashes, self.now))
+
+    def rival_claim(self, tid: str) -> None:
+        """D2 claims P's hand-off ``tid`` as D would (right prompt, its own blocks): an unbound
+        one binds to whoever claims first, a bound one drops it."""
+        h = self.handoffs[tid]
+        if not self.alive["P"]:
+            return
+        n = len(h.p_ids[0])
+        blocks = tuple(tuple(range(100, 100 + n - s)) for s in h.start)
+        claim = Claim(
+            tid, 1, blocks, h.start, n * BLOCK_SIZE, hashes_digest(prompt_hashes(int(tid[1:]), n))
+        )
+        self.rivals += 1
+        self.do("P", self.p.on_message("D2", claim, self.now))
 
     # -- carrying out actions -----------------------------------------------------------------
 
     def do(self, side: str, actions: Iterable[Action]) -> None:
         for a in actions:
+            if isinstance(a, Send | LaunchCopies) and a.peer == ANY_PEER:
+                raise Violation(f"{side} addressed an unbound peer: {a}")
             if isinstance(a, Send):
                 if self.alive[side]:
                     self.net.append(Wire(side, a.peer, a.message))
@@ -315,7 +337,7 @@ class World:
 
     def deliver(self, i: int) -> None:
         w = self.net.pop(i)
-        if not self.alive[w.dst]:
+        if w.dst == "D2" or not self.alive[w.dst]:  # the rival D never answers
             return
         mgr: Any = self.p if w.dst == "P" else self.d
         self.do(w.dst, mgr.on_message(w.src, w.message, self.now))
@@ -382,7 +404,7 @@ class World:
                         if (g, local) in self.free[side]:
                             raise Violation(f"{side}: copy {op} runs on a free block")
             assert mgr.num_live <= len(self.handoffs)
-            assert len(mgr.peers) <= 1
+            assert len(mgr.peers) <= (2 if self.rivals and side == "P" else 1)
         # D's copies of a hand-off use channels of P's copies of it (or P's not launched yet);
         # no two live sends share one.
         for (side, tid), chans in self.channels.items():

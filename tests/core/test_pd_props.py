@@ -1,5 +1,6 @@
 """A hypothesis state machine over the PD producer, consumer and a fake network: drops,
-duplicates, reorders, delays, copy failures, aborts on both sides, peer death and clock jumps.
+duplicates, reorders, delays, copy failures, aborts on both sides, peer death and clock jumps;
+P's hand-offs bound to D or unbound (ANY_PEER), and a second D that races D's claims.
 
 After every step: no block is freed (or written) under a running copy, held and free blocks are
 disjoint, state stays bounded. Committed KV always comes from P's blocks of the right request
@@ -21,9 +22,13 @@ from tests.core.pd_world import World
 class PDMachine(RuleBasedStateMachine):
     world: World
 
-    @initialize(ranks=st.sampled_from([1, 2]), max_inflight=st.sampled_from([1, 2]))
-    def setup(self, ranks: int, max_inflight: int) -> None:
-        self.world = World(ranks=ranks, max_inflight=max_inflight)
+    @initialize(
+        ranks=st.sampled_from([1, 2]),
+        max_inflight=st.sampled_from([1, 2]),
+        unbound=st.booleans(),
+    )
+    def setup(self, ranks: int, max_inflight: int, unbound: bool) -> None:
+        self.world = World(ranks=ranks, max_inflight=max_inflight, unbound=unbound)
 
     @precondition(lambda self: len(self.world.handoffs) < 12)
     @rule(
@@ -71,6 +76,14 @@ class PDMachine(RuleBasedStateMachine):
             w.net.pop(i)
         elif len(w.net) < 40:
             w.net.append(w.net[i])
+
+    @precondition(lambda self: bool(self.world.handoffs))
+    @rule(data=st.data(), roll=st.integers(0, 3))
+    def rival_claims(self, data: st.DataObject, roll: int) -> None:
+        """A second D claims one of P's hand-offs (first come binds an unbound one)."""
+        w = self.world
+        if roll == 0:
+            w.rival_claim(data.draw(st.sampled_from(sorted(w.handoffs))))
 
     @precondition(lambda self: bool(self.world.ops))
     @rule(data=st.data(), ok=st.booleans())

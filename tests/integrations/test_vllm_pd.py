@@ -184,7 +184,6 @@ def test_params_of_another_prompt_are_a_local_prefill_not_a_load_failure(rig: PD
 @pytest.mark.parametrize(
     ("role", "extra", "message"),
     [
-        ("kv_producer", {}, "pd_peer_engine_id"),
         ("kv_consumer", {"pd_lease_s": 0}, "pd_lease_s"),
         ("kv_consumer", {"pd_transport": "carrier-pigeon"}, "pd_transport"),
         ("kv_consumer", {"pd_side_channel_port": 70000}, "pd_side_channel_port"),
@@ -195,7 +194,7 @@ def test_params_of_another_prompt_are_a_local_prefill_not_a_load_failure(rig: PD
 def test_pd_options_are_checked_at_start_up(
     role: str, extra: dict[str, object], message: str
 ) -> None:
-    """A missing, unknown or bad PD option stops start-up with a ConfigError naming it."""
+    """An unknown or bad PD option stops start-up with a ConfigError naming it."""
     with pytest.raises(ConfigError, match=message):
         Instance(role, "X", extra)
 

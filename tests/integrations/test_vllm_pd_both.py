@@ -25,9 +25,8 @@ from tests.integrations.vllm_pd_rig import (
     BS,
     PROXY_PARAMS,
     TIMEOUTS,
-    FakeLinkConnector,
+    Fleet,
     Instance,
-    LinkPool,
     PDRig,
     expected_kv,
     waiting_for_kv,
@@ -184,57 +183,6 @@ def _aborted() -> Any:
     return RequestStatus.FINISHED_ABORTED
 
 
-class Fleet:
-    """Several P and D instances over one link pool, stepped together."""
-
-    def __init__(self, ps: dict[str, str], ds: dict[str, str]) -> None:
-        self.links = FakeLinkConnector.POOL = LinkPool(FakeLink())
-        self.instances: dict[str, Instance] = {}
-        try:
-            for name, peer in ps.items():
-                extra = {**TIMEOUTS, "pd_peer_engine_id": peer}
-                self.instances[name] = Instance("kv_producer", name, extra, links=self.links)
-            for name in ds:
-                self.instances[name] = Instance("kv_consumer", name, TIMEOUTS, links=self.links)
-        except BaseException:
-            self.close()
-            raise
-
-    def run(self, until: Any, max_steps: int = 300) -> None:
-        for _ in range(max_steps):
-            if until():
-                return
-            for i in self.instances.values():
-                i.step()
-        raise AssertionError(f"not reached in {max_steps} steps")
-
-    def prefill(self, p: str, prompt: list[int], rid: str, d: str | None) -> dict[str, Any]:
-        """``p`` prefills for D ``d`` (named by the proxy's params; None: P's configured one)."""
-        params = dict(PROXY_PARAMS) if d is None else {**PROXY_PARAMS, "remote_engine_id": d}
-        inst = self.instances[p]
-        inst.add(prompt, params, max_tokens=1, request_id=rid)
-        self.run(lambda: rid in inst.outputs)
-        out = inst.outputs[rid].kv_transfer_params
-        assert out is not None
-        return dict(out)
-
-    def decode(self, d: str, prompt: list[int], params: dict[str, Any], rid: str) -> None:
-        """D ``d`` runs the request on P's KV: one prompt token computed, the KV byte-exact."""
-        inst = self.instances[d]
-        req = inst.add(prompt, params, max_tokens=2, request_id=rid)
-        self.run(lambda: rid in inst.computed)
-        assert inst.computed[rid] == 1
-        assert inst.kv_of(req, len(prompt) - 1) == expected_kv(prompt, len(prompt) - 1)
-        self.run(lambda: rid in inst.outputs)
-
-    def settle(self) -> None:
-        self.run(lambda: all(i.idle() for i in self.instances.values()), max_steps=400)
-
-    def close(self) -> None:
-        for i in self.instances.values():
-            i.shutdown()
-
-
 def test_one_p_serves_two_d_instances_each_on_a_pair_of_its_own() -> None:
     """P's requests name their D (remote_engine_id): two D schedulers each pull their own
     prompt's KV from the one P, through a data-plane pair per D; P ends with every block free."""
@@ -270,21 +218,25 @@ def test_one_d_pulls_from_two_p_instances() -> None:
         fleet.close()
 
 
-def test_a_p_request_naming_no_d_is_served_as_a_plain_request() -> None:
-    """kv_both without pd_peer_engine_id and a proxy that names no D: P cannot know whose claim
-    to accept, so it holds nothing and returns no params (D will prefill itself)."""
-    pool = FakeLinkConnector.POOL = LinkPool(FakeLink())
-    p = Instance("kv_both", "P", TIMEOUTS, links=pool)
+def test_a_kv_both_request_naming_no_d_begins_unbound_and_the_claiming_d_gets_it() -> None:
+    """kv_both without pd_peer_engine_id and a proxy that names no D: the first PD request
+    builds kv_both's PD half, P holds the KV unbound (pd_unbound) and returns params naming the
+    spare data endpoint; the D that claims it binds it and gets the KV byte-exact."""
+    fleet = Fleet({}, {"D": ""})
     try:
-        p.add(PROMPT, PROXY_PARAMS, max_tokens=1, request_id="r")
+        p = fleet.instances["P"] = Instance("kv_both", "P", TIMEOUTS, links=fleet.links)
+        free = p.free_blocks()
         with capture_logs() as logs:
-            for _ in range(20):
-                p.step()
-        events = [e["event"] for e in logs]
-        assert "vllm_pd_ready" in events, "the first PD request built kv_both's PD half"
-        assert {"event": "pd_no_peer", "request_id": "r", "log_level": "warning"} in logs
-        assert p.outputs["r"].kv_transfer_params is None
-        assert not p.h.scheduler.requests
-        assert p.idle()
+            params = fleet.prefill("P", PROMPT, "r", d=None)
+            events = [e["event"] for e in logs]
+            assert "vllm_pd_ready" in events, "the first PD request built kv_both's PD half"
+            assert {"event": "pd_unbound", "request_id": "r", "log_level": "info"} in logs
+            assert params["kvflow_data_for"] == {}
+            assert params["kvflow_data"]
+            fleet.decode("D", PROMPT, params, "r")
+            fleet.settle()
+        bound = [(e["transfer_id"], e["peer"]) for e in logs if e["event"] == "pd_peer_bound"]
+        assert bound == [(params["kvflow_transfer_id"], "D")]
+        assert p.free_blocks() == free
     finally:
-        p.shutdown()
+        fleet.close()

@@ -7,7 +7,8 @@ byte for byte. The requests carry exactly what vLLM's example disaggregation pro
 gets P's returned ``kv_transfer_params`` after a JSON round trip, as the proxy forwards them. In
 one process the data plane is a ``FakeLink`` per P–D pair (``FakeLinkConnector``, the links by
 the pair's data endpoint); ``serve_p`` runs a P instance in a process of its own over gloo.
-Each instance keeps the connector stats vLLM's scheduler published (``stats``).
+Each instance keeps the connector stats vLLM's scheduler published (``stats``); ``Fleet`` steps
+several P and D instances together over one link pool.
 """
 
 from __future__ import annotations
@@ -303,6 +304,58 @@ def expected_kv(prompt: list[int], upto: int) -> list[float]:
             for kv in (0, 1):
                 out.extend([kv_value(prompt[pos], pos, layer, kv)] * (NUM_KV_HEADS * HEAD_SIZE))
     return out
+
+
+class Fleet:
+    """Several P and D instances over one link pool, stepped together; ``ps`` maps each P to
+    its ``pd_peer_engine_id`` ("": none, so a request naming no D begins unbound)."""
+
+    def __init__(self, ps: dict[str, str], ds: dict[str, str]) -> None:
+        self.links = FakeLinkConnector.POOL = LinkPool(FakeLink())
+        self.instances: dict[str, Instance] = {}
+        try:
+            for name, peer in ps.items():
+                extra = {**TIMEOUTS, **({"pd_peer_engine_id": peer} if peer else {})}
+                self.instances[name] = Instance("kv_producer", name, extra, links=self.links)
+            for name in ds:
+                self.instances[name] = Instance("kv_consumer", name, TIMEOUTS, links=self.links)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, until: Any, max_steps: int = 300) -> None:
+        for _ in range(max_steps):
+            if until():
+                return
+            for i in self.instances.values():
+                i.step()
+        raise AssertionError(f"not reached in {max_steps} steps")
+
+    def prefill(self, p: str, prompt: list[int], rid: str, d: str | None) -> dict[str, Any]:
+        """``p`` prefills for D ``d`` (named by the proxy's params; None: P's configured one)."""
+        params = dict(PROXY_PARAMS) if d is None else {**PROXY_PARAMS, "remote_engine_id": d}
+        inst = self.instances[p]
+        inst.add(prompt, params, max_tokens=1, request_id=rid)
+        self.run(lambda: rid in inst.outputs)
+        out = inst.outputs[rid].kv_transfer_params
+        assert out is not None
+        return dict(out)
+
+    def decode(self, d: str, prompt: list[int], params: dict[str, Any], rid: str) -> None:
+        """D ``d`` runs the request on P's KV: one prompt token computed, the KV byte-exact."""
+        inst = self.instances[d]
+        req = inst.add(prompt, params, max_tokens=2, request_id=rid)
+        self.run(lambda: rid in inst.computed)
+        assert inst.computed[rid] == 1
+        assert inst.kv_of(req, len(prompt) - 1) == expected_kv(prompt, len(prompt) - 1)
+        self.run(lambda: rid in inst.outputs)
+
+    def settle(self) -> None:
+        self.run(lambda: all(i.idle() for i in self.instances.values()), max_steps=400)
+
+    def close(self) -> None:
+        for i in self.instances.values():
+            i.shutdown()
 
 
 class PDRig:

@@ -28,6 +28,11 @@ CHANNELS = 1 << 19
 """Data-plane channels per producer: a transport's wire tags are ``channel << 12 | op``."""
 
 
+ANY_PEER = ""
+"""A producer hand-off's peer before it is bound: the router named no D, so the first valid
+CLAIM's sender becomes its peer (``ProducerManager``)."""
+
+
 def _positive(_: object, attribute: object, value: float) -> None:
     if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
         name = getattr(attribute, "name", "?")
@@ -430,6 +435,7 @@ def drop_stale(side: str, peer: str, message: Message, why: str) -> None:
 
 
 __all__ = [
+    "ANY_PEER",
     "Action",
     "BlockLedger",
     "BlockRefs",

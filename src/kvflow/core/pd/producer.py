@@ -20,16 +20,25 @@ The rules it keeps (PD.md §1): only a hold that was never granted expires (READ
 granted hold is freed only after every rank's send settled; a claim for an ended or aborted
 attempt is refused (tombstones), and anything about an unknown or stale ``(transfer_id, epoch)``
 is logged and dropped.
+
+Unbound hand-offs: a request whose router did not say which D will decode it (vLLM's stock
+proxy) begins with ``peer=ANY_PEER``. The first valid CLAIM binds it to the claiming peer
+(``pd_peer_bound``; a peer reaches ``on_message`` only after HELLO), and from then on it is an
+ordinary hand-off with that peer. Until then nothing is sent to, watched for or launched toward
+it: any other message about it is dropped as stale, its lease expiry releases its blocks with
+no peer to tell, and ``peer_lost`` never matches it. ``may_bind`` lets the caller refuse a
+binding (NACK ``unknown_transfer``; the hand-off stays unbound).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from attrs import define, field
 
 from kvflow.core.hashing import BlockHash
 from kvflow.core.pd.common import (
+    ANY_PEER,
     CHANNELS,
     Action,
     BlockLedger,
@@ -71,7 +80,7 @@ class PTransfer:
 
     transfer_id: str
     epoch: int
-    peer: str
+    peer: str  # ANY_PEER until the first valid claim binds it
     deadline: float
     state: PState = PState.PREFILLING
     block_ids: GroupIds = ()
@@ -93,6 +102,14 @@ class PTransfer:
     # The engine handed the request's blocks to the hand-off (kv_ready, or an abort while a
     # streamed push ran): its end is FinishedSending. Before that the running request owns them.
     engine_waits: bool = False
+    any_peer: bool = False  # begun unbound: the engine's later calls still name ANY_PEER
+
+    def __attrs_post_init__(self) -> None:
+        self.any_peer = self.peer == ANY_PEER
+
+    def is_peer(self, peer: str) -> bool:
+        """Whether the engine's ``peer`` names this hand-off's (ANY_PEER if it began unbound)."""
+        return peer == self.peer or (self.any_peer and peer == ANY_PEER)
 
 
 class ProducerManager(HandoffSide[PTransfer]):
@@ -107,10 +124,12 @@ class ProducerManager(HandoffSide[PTransfer]):
         world_size: int = 1,
         timeouts: PDTimeouts | None = None,
         max_inflight: int = 4,
+        may_bind: Callable[[str, str], bool] | None = None,
     ) -> None:
         super().__init__(
             engine_id, world_size=world_size, timeouts=timeouts, max_inflight=max_inflight
         )
+        self.may_bind = may_bind  # (transfer_id, peer) → whether an unbound hand-off may bind
         self.ledger = BlockLedger(
             shared=True, side=self.side
         )  # prefix-cached blocks serve several hand-offs
@@ -129,7 +148,8 @@ class ProducerManager(HandoffSide[PTransfer]):
         block_hashes: Sequence[BlockHash] | None = None,
     ) -> list[Action]:
         """A request whose KV D will receive started prefilling (the concurrent flow); with the
-        prompt's ``block_hashes`` a claim can be granted before the KV is complete."""
+        prompt's ``block_hashes`` a claim can be granted before the KV is complete. ``peer``
+        ANY_PEER: the first valid claim binds the hand-off to its sender."""
         if transfer_id in self.transfers:
             raise ProtocolError(f"hand-off {transfer_id!r} already exists on P")
         self.transfers[transfer_id] = PTransfer(
@@ -189,18 +209,17 @@ class ProducerManager(HandoffSide[PTransfer]):
         """The request's KV is complete in ``block_ids``; P holds them for D until released."""
         ids = tuple(tuple(g) for g in block_ids)
         t = self.transfers.get(transfer_id)
-        if t is not None and t.state is PState.STREAMING and (t.epoch, t.peer) == (epoch, peer):
+        same = t is not None and t.epoch == epoch and t.is_peer(peer)
+        if t is not None and t.state is PState.STREAMING and same:
             return self._streamed_ready(t, ids, block_hashes, now)
-        if t is not None and t.state is PState.DRAINING and (t.epoch, t.peer) == (epoch, peer):
+        if t is not None and t.state is PState.DRAINING and same:
             # A streamed hand-off stopped mid-way: its drain's FinishedSending frees the blocks,
             # all the request's (the hold had only the chunks pushed, or none).
             self.ledger.grow(transfer_id, ids)
             t.engine_waits = True
             t.block_ids = ids
             return []
-        if t is not None and (
-            t.state is not PState.PREFILLING or (t.epoch, t.peer) != (epoch, peer)
-        ):
+        if t is not None and (t.state is not PState.PREFILLING or not same):
             raise ProtocolError(
                 f"kv_ready for hand-off {transfer_id!r} (epoch {epoch}, peer {peer!r}) does not "
                 f"match its state {t.state.value} (epoch {t.epoch}, peer {t.peer!r})"
@@ -292,9 +311,12 @@ class ProducerManager(HandoffSide[PTransfer]):
         return out
 
     def peer_lost(self, peer: str, now: float) -> list[Action]:
-        """``peer`` is dead: its claimed hand-offs drain, its unclaimed holds are released."""
+        """``peer`` is dead: its claimed hand-offs drain, its unclaimed holds are released
+        (never an unbound one: it has no peer yet)."""
         log.warning("pd_peer_lost", side="producer", peer=peer)
         out: list[Action] = []
+        if peer == ANY_PEER:
+            return out
         for t in [t for t in self.transfers.values() if t.peer == peer]:
             if PRODUCER_MACHINE.next_state(t.state, PI.PEER_LOST) is not None:
                 self._stop(t, PI.PEER_LOST, "peer_lost", now, out)
@@ -309,8 +331,17 @@ class ProducerManager(HandoffSide[PTransfer]):
         if isinstance(msg, Heartbeat):
             return out
         t = self.transfers.get(msg.transfer_id)
+        if peer == ANY_PEER:  # no engine is named so: never one an unbound hand-off binds to
+            drop_stale("producer", peer, msg, "unnamed_peer")
+            return out
+        if t is not None and t.peer == ANY_PEER:
+            if not isinstance(msg, Claim) or msg.epoch != t.epoch:
+                self._not_yours(peer, msg, "unbound", out)
+                return out
+            if not self._bind(t, msg, peer, out):
+                return out
         if t is not None and t.peer != peer:
-            drop_stale("producer", peer, msg, "wrong_peer")
+            self._not_yours(peer, msg, "wrong_peer", out)
             return out
         if t is not None and t.epoch != msg.epoch:
             if isinstance(msg, Abort):  # an attempt P no longer runs: nothing of it writes
@@ -339,6 +370,32 @@ class ProducerManager(HandoffSide[PTransfer]):
             drop_stale("producer", peer, msg, "unknown" if t is None else "unexpected")
         self._launch_waiting(now, out)
         return out
+
+    @staticmethod
+    def _not_yours(peer: str, msg: Message, why: str, out: list[Action]) -> None:
+        """A message about a hand-off that is not ``peer``'s: dropped; an ABORT is acked (P
+        never writes blocks of a peer its hand-off is not bound to), so that peer's drain
+        ends instead of re-sending while P heartbeats it for other hand-offs."""
+        drop_stale("producer", peer, msg, why)
+        if isinstance(msg, Abort):
+            out.append(Send(peer, AbortAck(msg.transfer_id, msg.epoch)))
+
+    def _bind(self, t: PTransfer, claim: Claim, peer: str, out: list[Action]) -> bool:
+        """Bind an unbound hand-off to the sender of a valid ``claim``; False (with a NACK to
+        the sender, the hand-off still unbound) if the claim is refused."""
+        # A claim while P prefills with no prompt known waits for kv_ready: checked then.
+        check = t.state is not PState.PREFILLING or bool(t.digest)
+        reason = self._claim_problem(t, claim) if check else None
+        if reason is None and self.may_bind is not None and not self.may_bind(t.transfer_id, peer):
+            log.warning("pd_bind_refused", transfer_id=t.transfer_id, peer=peer)
+            reason = NackReason.UNKNOWN_TRANSFER
+        if reason is not None:
+            log.warning("pd_claim_refused", transfer_id=t.transfer_id, reason=reason.value)
+            out.append(Send(peer, Nack(t.transfer_id, t.epoch, reason)))
+            return False
+        t.peer = peer
+        log.info("pd_peer_bound", transfer_id=t.transfer_id, epoch=t.epoch, peer=peer)
+        return True
 
     def _on_claim(self, t: PTransfer, claim: Claim, now: float, out: list[Action]) -> None:
         if t.state is PState.PREFILLING and t.digest:

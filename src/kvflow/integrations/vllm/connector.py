@@ -196,17 +196,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self.pd_role = self._both_pd(device_type)
         elif self.pd_role is not None:
             check_pd_transport(self.config.pd, device_type)
-        if self.pd_role is not None:
-            if self.world_size != 1:
-                raise ConfigError(
-                    f"KVFlowConnector {kv_role}: PD with {self.world_size} ranks is not "
-                    "supported yet (one rank per instance)"
-                )
-            if self.pd_role == "producer" and not self.config.pd.peer_engine_id:
-                raise ConfigError(
-                    "KVFlowConnector kv_producer needs kv_connector_extra_config"
-                    "['pd_peer_engine_id']: the engine_id of the consumer its hand-offs go to"
-                )
+        if self.pd_role is not None and self.world_size != 1:
+            raise ConfigError(
+                f"KVFlowConnector {kv_role}: PD with {self.world_size} ranks is not "
+                "supported yet (one rank per instance)"
+            )
         # Every group kind is checked here, at start-up, in both roles.
         self.geometry: KVGeometry = kv_cache_geometry(
             kv_cache_config, int(parallel.decode_context_parallel_size)

@@ -28,10 +28,16 @@ prompt are a local prefill, not a load failure); D releases P for a request it f
 ever admitting it (aborted or rejected while waiting), and for a full local hit.
 
 Peers: P's hand-off goes to the D its request names (``remote_engine_id`` in the proxy's
-``do_remote_decode`` params, else ``pd_peer_engine_id``), D pulls from the P its params name
-(``remote_engine_id`` / ``remote_host`` / ``remote_port``). The control plane keeps one HELLO per
-peer engine; the data plane one pair per (P, D): P's params name the pair's endpoint for that D
-(the first D gets the worker's own data port, each further D a port of its own).
+``do_remote_decode`` params, else ``pd_peer_engine_id``); with neither (vLLM's stock proxy tells
+P nothing about D) it begins unbound and the first D to claim it gets it. D pulls from the P its
+params name (``remote_engine_id`` / ``remote_host`` / ``remote_port``). The control plane keeps
+one HELLO per peer engine; the data plane one pair per (P, D), hosted by P's worker (the first D
+gets the worker's own data port, each further D a port of its own). P's params name the pair's
+endpoint for their D; for an unbound hand-off they name the endpoint of each D P has a pair
+with (``kvflow_data_for``) and the next free one (``kvflow_data``), which a new D takes: P lets
+a claim bind only if the endpoint its sender picked from those params is the one P pairs it
+on, so the copy goes over the claiming D's own pair (``PDSchedulerRole.may_bind``; a claim that
+lost that race is refused and D computes the prompt itself).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from kvflow.connector.pd import PDConnector, prompt_hashes
 from kvflow.connector.pd_offload import PDOffloadConnector
 from kvflow.core.block_pool import PoolEvent
 from kvflow.core.logs import get_logger
-from kvflow.core.pd.common import PDTimeouts
+from kvflow.core.pd.common import LaunchCopies, PDTimeouts
 from kvflow.core.pd.consumer import ConsumerManager
 from kvflow.core.pd.messages import Compat, hashes_digest
 from kvflow.core.pd.producer import ProducerManager
@@ -116,6 +122,7 @@ def kvflow_params(params: Mapping[str, Any] | None, request_id: str) -> dict[str
             "remote_address": f"tcp://{params['remote_host']}:{int(params['remote_port'])}",
             "digest": str(params.get("kvflow_digest") or ""),
             "data": str(params.get("kvflow_data") or ""),
+            "data_for": {str(k): str(v) for k, v in (params.get("kvflow_data_for") or {}).items()},
         }
     return {}
 
@@ -164,17 +171,6 @@ class VLLMPDConnector(PDConnector):
         self.pd_stats = pd_stats or PDStats([])
         self.stats["recomputed_locally"] = 0
         self.stats["released_unadmitted"] = 0
-
-    def _no_peer(self, request: RequestLike, params: Mapping[str, Any]) -> bool:
-        """P: a hand-off whose D is named neither by the request nor by ``pd_peer_engine_id``
-        cannot be claimed (P accepts claims of its named D only): a plain request, never a
-        hold nobody can release early."""
-        if self.role != "producer" or not params.get("do_remote_decode"):
-            return False
-        if params.get("remote_engine_id") or self.peer:
-            return False
-        log.warning("pd_no_peer", request_id=request.request_id)
-        return True
 
     def _reachable(self, request: RequestLike, params: Mapping[str, Any]) -> bool:
         try:
@@ -225,8 +221,14 @@ class VLLMPDConnector(PDConnector):
             and request.request_id not in self._done
         ):
             self.stats["recomputed_locally"] += 1  # nothing pulled from P: D computes it
-        if self._no_peer(request, params):
-            return
+        if (
+            self.role == "producer"
+            and params.get("do_remote_decode")
+            and not (params.get("remote_engine_id") or self.peer)
+            and request.request_id not in self._by_request
+        ):
+            # No D named (the stock proxy): the first D to claim the hand-off binds it.
+            log.info("pd_unbound", request_id=request.request_id)
         super().update_state_after_alloc(request, block_ids, num_external_tokens)
         tid = self._by_request.get(request.request_id)
         if self.role == "consumer" and num_external_tokens and tid is not None:
@@ -251,8 +253,6 @@ class VLLMPDConnector(PDConnector):
                     self, request, tuple(() for _ in self.kv.groups), 0
                 )
             self._done.discard(rid)
-            return False, None
-        if self._no_peer(request, params):
             return False, None
         return super().request_finished(request, block_ids)
 
@@ -351,7 +351,12 @@ class PDSchedulerRole:
         # P: its worker's data plane, from the handshake (else the configured pd_data_port).
         self.data_endpoint = data_endpoint
         self._data: dict[str, str] = {}  # D: P's engine id → the pair's data endpoint
+        self._data_of_transfer: dict[str, str] = {}  # D: each hand-off's, from its params
         self._endpoints: dict[str, str] = {}  # P: D's engine id → the pair's data endpoint
+        self._spare = ""  # P: the endpoint the next new D's pair gets ("": none chosen yet)
+        self._own_used = False  # P: the worker's own data endpoint went to a pair
+        # P: an unbound hand-off's params → (the spare they named, the Ds they named a pair of)
+        self._offers: dict[str, tuple[str, frozenset[str]]] = {}
         self.pd_stats = PDStats(block_bytes)
         sides = ("producer", "consumer") if role == "both" else (role,)
         timeouts = PDTimeouts(lease_s=cfg.lease_s, claim_s=cfg.claim_s)
@@ -362,11 +367,11 @@ class PDSchedulerRole:
             for side in sides:
                 mgr: ProducerManager | ConsumerManager
                 if side == "producer":
-                    mgr = CountingProducer(engine_id, timeouts=timeouts)
+                    mgr = CountingProducer(engine_id, timeouts=timeouts, may_bind=self.may_bind)
                     mgr.pd_stats = self.pd_stats
                 else:
                     mgr = ConsumerManager(engine_id, timeouts=timeouts)
-                data_of = self.endpoint_for if side == "producer" else self._data_of
+                data_of = self._p_data_of if side == "producer" else self._data_of
                 relay = self.relays[side] = RelayTransport(
                     data_of, side=side, stats=self.pd_stats, now=clock.now, ids=ids
                 )
@@ -419,23 +424,57 @@ class PDSchedulerRole:
     def busy(self) -> bool:
         return any(d.busy() for d in self.drivers.values())
 
-    def _data_of(self, peer: str) -> str:
-        return self._data.get(peer, "")
+    def _data_of(self, op: LaunchCopies) -> str:
+        return self._data_of_transfer.get(op.transfer_id) or self._data.get(op.peer, "")
+
+    def _p_data_of(self, op: LaunchCopies) -> str:
+        return self.endpoint_for(op.peer)
 
     def endpoint_for(self, peer: str) -> str:
         """P: the data-plane endpoint of the pair with D ``peer`` (its worker hosts it): the
         worker's own for the first D, a free port of the same host for each further one."""
         ep = self._endpoints.get(peer)
         if ep is None:
-            if not self._endpoints and self.data_endpoint:
-                ep = self.data_endpoint
-            elif not self._endpoints and self.cfg.data_port:
-                ep = f"{self.cfg.side_channel_host}:{self.cfg.data_port}"
+            ep = self._endpoints[peer] = self.spare_endpoint()
+            self._spare = ""
+        return ep
+
+    def spare_endpoint(self) -> str:
+        """P: the endpoint the next D that P has no pair with gets (chosen once, kept until a D
+        takes it)."""
+        if not self._spare:
+            own = self.data_endpoint or (
+                f"{self.cfg.side_channel_host}:{self.cfg.data_port}" if self.cfg.data_port else ""
+            )
+            if own and not self._own_used:
+                self._own_used = True
+                self._spare = own
             else:
                 host = self.data_endpoint.rpartition(":")[0] or self.cfg.side_channel_host
-                ep = f"{host}:{free_port(host)}"
-            self._endpoints[peer] = ep
-        return ep
+                self._spare = f"{host}:{free_port(host)}"
+        return self._spare
+
+    def may_bind(self, transfer_id: str, peer: str) -> bool:
+        """P: whether D ``peer``'s claim may bind unbound hand-off ``transfer_id``: only if the
+        endpoint D picked from the hand-off's params (its own pair's if they named one, else
+        the spare) is the one P pairs it on; a new D takes the spare then. False when another
+        new D took that spare first (its claim is refused; the next params name a new one)."""
+        offer = self._offers.pop(transfer_id, None)
+        if offer is None:
+            log.warning("pd_bind_no_offer", transfer_id=transfer_id, peer=peer)
+            return False
+        spare, known = offer
+        if peer in known:
+            return True
+        mine = self._endpoints.get(peer)
+        if mine is not None:
+            return mine == spare
+        if spare in self._endpoints.values():
+            return False
+        self._endpoints[peer] = spare
+        if self._spare == spare:
+            self._spare = ""
+        return True
 
     def take_stats(self) -> KVFlowConnectorStats | None:
         """PD's stats since the last call (``pd_stats``), None when nothing changed."""
@@ -460,7 +499,10 @@ class PDSchedulerRole:
     ) -> None:
         params = getattr(request, "kv_transfer_params", None) or {}
         if params.get("data"):
-            self._data[str(params["remote_engine_id"])] = str(params["data"])
+            me = self.driver.engine_id
+            data = params["data_for"].get(me) or str(params["data"])
+            self._data[str(params["remote_engine_id"])] = data
+            self._data_of_transfer[str(params["transfer_id"])] = data
         self.both.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
@@ -488,6 +530,9 @@ class PDSchedulerRole:
     def request_finished(
         self, request: RequestLike, block_ids: GroupBlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
+        ours = getattr(request, "kv_transfer_params", None) or {}
+        if ours.get("do_remote_prefill"):
+            self._data_of_transfer.pop(str(ours.get("transfer_id")), None)
         delay, params = self.both.request_finished(request, block_ids)
         if params is None or not params.get("do_remote_prefill"):
             return delay, params
@@ -501,6 +546,15 @@ class PDSchedulerRole:
         hashes = prompt_hashes(request, bs)
         ours = getattr(request, "kv_transfer_params", None) or {}
         peer = str(ours.get("remote_engine_id") or self.cfg.peer_engine_id)
+        data: dict[str, Any] = {"kvflow_data": self.endpoint_for(peer) if peer else ""}
+        if not peer:
+            mgr = self.drivers["producer"].manager
+            for tid in [k for k in self._offers if k not in mgr.transfers]:
+                del self._offers[tid]  # ended unclaimed
+            data["kvflow_data"] = self.spare_endpoint()
+            data["kvflow_data_for"] = dict(self._endpoints)
+            known = frozenset(self._endpoints)
+            self._offers[str(params["transfer_id"])] = (data["kvflow_data"], known)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -513,7 +567,7 @@ class PDSchedulerRole:
             "kvflow_transfer_id": params["transfer_id"],
             "kvflow_epoch": params["epoch"],
             "kvflow_digest": hashes_digest(tuple(hashes)).hex(),
-            "kvflow_data": self.endpoint_for(peer),
+            **data,
         }
 
     def reset_cache(self) -> bool:

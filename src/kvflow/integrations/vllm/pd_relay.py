@@ -20,14 +20,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvflow.backends.base import Fence, FenceStatus
-from kvflow.core.pd.common import Action, LaunchCopies
-from kvflow.core.pd.messages import Abort, Done, DoneStatus, Message
+from kvflow.core.logs import get_logger
+from kvflow.core.pd.common import ANY_PEER, Action, LaunchCopies
+from kvflow.core.pd.messages import Abort, Claim, Done, DoneStatus, Message
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.core.protocol import StepReport
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.pd_stats import PDStats
 from kvflow.integrations.vllm.relay import KVFlowConnectorMetadata, KVFlowWorkerMetadata
 from kvflow.runtime.pd_driver import PDDriver, Report
+
+log = get_logger("kvflow.integrations.vllm.pd")
 
 
 def free_port(host: str) -> int:
@@ -118,14 +121,14 @@ class RelayTransport:
 
     def __init__(
         self,
-        data_of: Callable[[str], str],
+        data_of: Callable[[LaunchCopies], str],
         *,
         side: str,
         stats: PDStats,
         now: Callable[[], float],
         ids: Iterator[int] | None = None,
     ) -> None:
-        self._data_of = data_of  # peer engine id → the pair's data endpoint
+        self._data_of = data_of  # a launch → the data endpoint of its (P, D) pair
         self.side = side
         self._stats = stats
         self._now = now
@@ -140,7 +143,7 @@ class RelayTransport:
         fence = RelayFence(next(self._ids), op, self._now())
         self._fences[fence.fence_id] = fence
         self._stats.copy_launched(op)
-        self._outbox.append(PDLaunch(fence.fence_id, op, self._data_of(op.peer), self.side))
+        self._outbox.append(PDLaunch(fence.fence_id, op, self._data_of(op), self.side))
         return fence
 
     def query(self, fence: Fence) -> FenceStatus:
@@ -174,7 +177,11 @@ class RelayTransport:
 
 class CountingProducer(ProducerManager):
     """P's ``ProducerManager`` that tells ``pd_stats`` when D says a hand-off failed (a DONE
-    that is not ok, or an ABORT: D's receive or check went wrong while P's sends were fine)."""
+    that is not ok, or an ABORT: D's receive or check went wrong while P's sends were fine).
+
+    It also releases an unbound hand-off whose claim was refused: the proxy sent its params to
+    one D, and that D cannot take it, so nobody will (P's blocks come back now, not at the
+    lease's end)."""
 
     pd_stats: PDStats | None = None
 
@@ -182,7 +189,12 @@ class CountingProducer(ProducerManager):
         failed = isinstance(msg, Abort) or (isinstance(msg, Done) and msg.status != DoneStatus.OK)
         if failed and self.pd_stats is not None:
             self.pd_stats.peer_failed(msg.transfer_id)
-        return super().on_message(peer, msg, now)
+        out = super().on_message(peer, msg, now)
+        t = self.transfers.get(msg.transfer_id)
+        if isinstance(msg, Claim) and t is not None and t.peer == ANY_PEER and t.epoch == msg.epoch:
+            log.info("pd_unbound_released", transfer_id=t.transfer_id, peer=peer)
+            out.extend(self.abort(t.transfer_id, now))
+        return out
 
 
 class CountingDriver(PDDriver):
