@@ -38,6 +38,23 @@ def test_bench_pd_prints_the_table_and_writes_the_json(
     assert data["decode_prompt_tokens_computed"] == data["requests"]
 
 
+def test_bench_pd_in_half_precision_checks_against_the_colocated_engine(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """--dtype bfloat16: the PD run replays the colocated run's answers and the JSON's check
+    compares tokens, else first-token logits, with the colocated engine's; it passes, and
+    says which it compared."""
+    figures = tmp_path / "pd.json"
+    assert main(["bench", "--pd", "--dtype", "bfloat16", *TINY, "--json", str(figures)]) == 0
+    out, _ = capfd.readouterr()
+    assert "outputs vs the colocated engine" in out
+    check = json.loads(figures.read_text())["check"]
+    assert check["passed"] is True
+    assert check["requests"] == 4
+    assert check["kind"] in ("tokens", "first_token_logits")
+    assert check["max_rel_logits_err"] <= check["tolerance"]
+
+
 def test_bench_pd_from_p_tp2_to_d_tp1_matches_the_colocated_engine(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

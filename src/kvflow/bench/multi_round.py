@@ -279,21 +279,43 @@ def compare_to_reference(
     """The offload run against the no-eviction replay of its prompts: tokens, else every
     request's first-token logits within ``tolerance`` (relative L2 distance)."""
     ref_by_key = {(r.user, r.round): r.result for r in ref.records}
-    same, worst = 0, 0.0
+    pairs = []
     for rec in on.records:
         theirs = ref_by_key[(rec.user, rec.round)]
-        same += theirs.output_token_ids == rec.result.output_token_ids
-        mine, expected = rec.result.first_logits, theirs.first_logits
-        if mine is None or expected is None:
-            raise ConfigError(f"request {rec.result.request_id}: first-token logits not recorded")
-        err = float(torch.linalg.vector_norm(mine - expected) / torch.linalg.vector_norm(expected))
+        pairs.append(
+            (
+                rec.result.request_id,
+                rec.result.output_token_ids,
+                theirs.output_token_ids,
+                rec.result.first_logits,
+                theirs.first_logits,
+            )
+        )
+    return check_outputs(pairs, "no-eviction replay of the offload run's prompts", tolerance)
+
+
+def check_outputs(
+    pairs: Sequence[tuple[str, Sequence[int], Sequence[int], Any, Any]],
+    reference: str,
+    tolerance: float = LOGITS_TOLERANCE,
+) -> CorrectnessCheck:
+    """Requests' ``(id, tokens, reference tokens, first-token logits, reference logits)``:
+    tokens identical, else every request's first-token logits within ``tolerance``."""
+    same, worst = 0, 0.0
+    for request_id, mine, theirs, logits, expected in pairs:
+        same += tuple(mine) == tuple(theirs)
+        if logits is None or expected is None:
+            raise ConfigError(f"request {request_id}: first-token logits not recorded")
+        err = float(
+            torch.linalg.vector_norm(logits - expected) / torch.linalg.vector_norm(expected)
+        )
         worst = max(worst, err)
-    tokens_identical = same == len(on.records)
+    tokens_identical = same == len(pairs)
     return CorrectnessCheck(
         kind="tokens" if tokens_identical else "first_token_logits",
-        reference="no-eviction replay of the offload run's prompts",
+        reference=reference,
         tokens_identical=tokens_identical,
-        requests=len(on.records),
+        requests=len(pairs),
         requests_identical=same,
         max_rel_logits_err=worst,
         tolerance=tolerance,
@@ -434,6 +456,7 @@ __all__ = [
     "CorrectnessCheck",
     "RunResult",
     "block_bytes_per_group",
+    "check_outputs",
     "compare_to_reference",
     "gpu_blocks_for",
     "offload_engine",

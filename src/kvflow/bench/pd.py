@@ -4,7 +4,11 @@ colocated engine.
 
 Both sides run the same workload round by round (each answer joins its user's history) on the
 same model weights (the engines' ``seed``) and the same GPU pool size; outputs are greedy, so
-``outputs_identical`` must hold. TTFT is the router's submit → D's first token for PD, arrival →
+in float32 ``outputs_identical`` must hold. In half precision the engines' kernels depend on
+batch composition (P prefills in other batches than the colocated engine), so there the PD run
+replays the colocated run's answers (the same prompts every round) and each request's
+first-token logits must be within ``LOGITS_TOLERANCE`` of the colocated engine's where its
+tokens differ (``check``). TTFT is the router's submit → D's first token for PD, arrival →
 first token for the colocated engine; ITL is every gap between a request's consecutive tokens.
 """
 
@@ -21,7 +25,12 @@ from attrs import asdict, field, frozen
 
 from kvflow.backends.pd.registry import TRANSPORTS
 from kvflow.bench.config import BenchConfig
-from kvflow.bench.multi_round import gpu_blocks_for, workload_of
+from kvflow.bench.multi_round import (
+    CorrectnessCheck,
+    check_outputs,
+    gpu_blocks_for,
+    workload_of,
+)
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest, make_kv_cache_config
 from kvflow.engine.model import model_config
 from kvflow.engine.tp import shard_config
@@ -83,10 +92,18 @@ class PDBenchResult:
     transport: str = "gloo"
     transport_stats: dict[str, dict[str, Any]] = field(factory=dict)
     tp: tuple[int, int] = (1, 1)  # P's and D's TP sizes
+    check: CorrectnessCheck | None = None  # None: tokens only (outputs_identical)
+
+    @property
+    def passed(self) -> bool:
+        """The outputs passed their check and nothing leaked."""
+        ok = self.outputs_identical if self.check is None else self.check.passed
+        return ok and self.leaked_blocks == 0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "outputs_identical": self.outputs_identical,
+            "check": None if self.check is None else asdict(self.check),
             "requests": self.requests,
             "decode_prompt_tokens_computed": self.decode_prompt_tokens_computed,
             "prefill_prompt_tokens_computed": self.prefill_prompt_tokens_computed,
@@ -111,16 +128,20 @@ class PDBenchResult:
 
 
 Outputs = dict[tuple[int, int], tuple[int, ...]]
+Served = tuple[tuple[int, ...], float, list[float], int, Any]
 
 
 def _rounds(
     workload: MultiRoundQA,
-    serve: Callable[
-        [list[GenerationRequest]], list[tuple[tuple[int, ...], float, list[float], int]]
-    ],
+    serve: Callable[[list[GenerationRequest]], list[Served]],
     on_round: Callable[[int], None],
+    *,
+    answers: Outputs | None = None,
+    logits: dict[tuple[int, int], Any] | None = None,
 ) -> tuple[Outputs, list[float], list[float], int, float]:
-    """Run the workload through ``serve`` (tokens, TTFT, token times, prompt tokens computed)."""
+    """Run the workload through ``serve`` (tokens, TTFT, token times, prompt tokens computed,
+    first-token logits, kept in ``logits``); ``answers`` join the histories instead of the
+    served ones."""
     start = time.perf_counter()
     histories = [list(workload.system_prompt()) for _ in range(workload.num_users)]
     outputs: Outputs = {}
@@ -132,9 +153,11 @@ def _rounds(
         for user in range(workload.num_users):
             histories[user] += workload.question(user, rnd)
             reqs.append(GenerationRequest(histories[user], workload.answer_len, f"u{user}-r{rnd}"))
-        for user, (tokens, ttft, times, n) in enumerate(serve(reqs)):
+        for user, (tokens, ttft, times, n, first) in enumerate(serve(reqs)):
             outputs[(user, rnd)] = tokens
-            histories[user] += list(tokens)
+            if logits is not None:
+                logits[(user, rnd)] = first
+            histories[user] += list(tokens if answers is None else answers[(user, rnd)])
             ttfts.append(ttft)
             itls += [b - a for a, b in itertools.pairwise(times)]
             computed += n
@@ -158,8 +181,15 @@ def _colocated(engine: Engine) -> Callable[[list[GenerationRequest]], list[Any]]
         for r in reqs:
             assert r.request_id is not None
             res = engine.take_result(r.request_id)
+            first = None if res.first_logits is None else res.first_logits.float().cpu()
             out.append(
-                (res.output_token_ids, res.ttft_s, times[r.request_id], res.prefill_tokens_computed)
+                (
+                    res.output_token_ids,
+                    res.ttft_s,
+                    times[r.request_id],
+                    res.prefill_tokens_computed,
+                    first,
+                )
             )
         return out
 
@@ -174,6 +204,7 @@ def _through(router: PDRouter) -> Callable[[list[GenerationRequest]], list[Any]]
                 g.ttft_s,
                 list(g.token_times),
                 g.result.prefill_tokens_computed,
+                g.result.first_logits,
             )
             for g in router.run(reqs)
         ]
@@ -225,6 +256,9 @@ def run_pd_bench(
         "dtype": cfg.dtype,
         "device": cfg.device,
     }
+    half = cfg.resolved_dtype != "float32"
+    if half:
+        engine_kwargs["record_first_logits"] = True
     colocated = Engine(model_cfg, EngineConfig(**engine_kwargs))
     warm = MultiRoundQA(
         num_users=1, num_rounds=1, seed=workload.seed + 1, vocab_size=workload.vocab_size
@@ -232,7 +266,10 @@ def run_pd_bench(
     _rounds(warm, _colocated(colocated), lambda _r: None)  # first-call costs, untimed
     colocated.reset_prefix_cache()
     warm_preemptions = colocated.scheduler.num_preemptions
-    ref = _rounds(workload, _colocated(colocated), lambda r: on_round("colocated", r))
+    ref_logits: dict[tuple[int, int], Any] = {}
+    ref = _rounds(
+        workload, _colocated(colocated), lambda r: on_round("colocated", r), logits=ref_logits
+    )
     colocated_preemptions = colocated.scheduler.num_preemptions - warm_preemptions
     colocated.shutdown()
     with PDRouter(
@@ -240,7 +277,14 @@ def run_pd_bench(
     ) as router:
         _rounds(warm, _through(router), lambda _r: None)
         p0, d0 = router.stats("P"), router.stats("D")
-        got = _rounds(workload, _through(router), lambda r: on_round("P → D", r))
+        got_logits: dict[tuple[int, int], Any] = {}
+        got = _rounds(
+            workload,
+            _through(router),
+            lambda r: on_round("P → D", r),
+            answers=ref[0] if half else None,
+            logits=got_logits,
+        )
     p, d = router.summaries["P"], router.summaries["D"]
     seconds = float(p["send_seconds"]) - float(p0["send_seconds"])
     moved = int(p["bytes_moved"]) - int(p0["bytes_moved"])
@@ -265,6 +309,15 @@ def run_pd_bench(
         transport=transport,
         transport_stats={side: dict(router.summaries[side].get("transport", {})) for side in "PD"},
         tp=tp,
+        check=check_outputs(
+            [
+                (f"u{k[0]}-r{k[1]}", got[0][k], ref[0][k], got_logits[k], ref_logits[k])
+                for k in sorted(ref[0])
+            ],
+            f"colocated engine, the same prompts ({cfg.resolved_dtype}: its answers replayed)",
+        )
+        if half
+        else None,
     )
 
 

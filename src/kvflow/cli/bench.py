@@ -474,8 +474,23 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
             table.add_row(f"transport chosen ({side})", "—", chosen)
     table.add_row("wall time (s)", f"{c.wall_s:.2f}", f"{pd.wall_s:.2f}")
     console.print(table)
-    verdict = "[green]identical[/]" if result.outputs_identical else "[red]DIFFERENT[/]"
-    console.print(f"greedy outputs, colocated vs P → D: {verdict}")
+    check = result.check
+    if check is None:
+        verdict = "[green]identical[/]" if result.outputs_identical else "[red]DIFFERENT[/]"
+        console.print(f"greedy outputs, colocated vs P → D: {verdict}")
+        return
+    head = (
+        f"outputs vs the {check.reference}: tokens identical in {check.requests_identical}/"
+        f"{check.requests} requests"
+    )
+    if check.tokens_identical:
+        console.print(f"{head}: [green]identical[/]")
+        return
+    verdict = "[green]equivalent[/]" if check.passed else "[red]MISMATCH[/]"
+    console.print(
+        f"{head}; first-token logits, largest relative L2 distance "
+        f"{check.max_rel_logits_err:.2e} (tolerance {check.tolerance}): {verdict}"
+    )
 
 
 def _flat(value: object) -> str:
@@ -514,7 +529,7 @@ def run_pd_command(args: argparse.Namespace, cfg: BenchConfig, console: Console)
     if args.json is not None:
         args.json.write_text(json.dumps(result.to_json(), indent=2))
         console.print(f"wrote {args.json}")
-    return 0 if result.outputs_identical and result.leaked_blocks == 0 else 1
+    return 0 if result.passed else 1
 
 
 def run_bench_command(args: argparse.Namespace, console: Console | None = None) -> int:

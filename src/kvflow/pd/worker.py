@@ -328,10 +328,12 @@ def _loop(
         for o in outputs:
             times[o.request_id].append(now)
             if o.finished:
-                result = engine.take_result(o.request_id)
-                conn.send(
-                    ("result", asdict(result), arrivals.pop(o.request_id), times.pop(o.request_id))
-                )
+                result = asdict(engine.take_result(o.request_id))
+                if result.get("first_logits") is not None:
+                    # A host copy: a device tensor would travel as a CUDA IPC handle that this
+                    # process must outlive.
+                    result["first_logits"] = result["first_logits"].float().cpu()
+                conn.send(("result", result, arrivals.pop(o.request_id), times.pop(o.request_id)))
         if not engine.has_unfinished():
             if stopping:
                 return
