@@ -172,6 +172,21 @@ def _pair(rank: int, world_size: int, port: int, mode: str, device: str = "cpu")
         t.close()
 
 
+def assert_moved(res: list[Any]) -> None:
+    """Both hand-offs DONE on both sides; D's named blocks hold exactly P's, the rest zero."""
+    assert [r["first"] for r in res] == ["done", "done"]
+    assert [r["again"] for r in res] == ["done", "done"]
+    src, dst = kv(0), res[1]["tensors"]
+    for g, pairs in enumerate(PAIRS):
+        named = {d for _, d in pairs}
+        for s_t, d_t in zip(src[g], dst[g], strict=True):
+            for s, d in pairs:
+                assert torch.equal(d_t[d], s_t[s]), (g, s, d)
+            for b in range(d_t.shape[0]):
+                if b not in named:
+                    assert not d_t[b].any(), (g, b)
+
+
 @pytest.fixture(scope="module", params=["read", "write"])
 def res(request: pytest.FixtureRequest) -> list[Any]:
     """One spawned pair per mode runs every scenario (spawning is the slow part)."""
@@ -185,17 +200,7 @@ def test_nixl_pair_moves_scattered_blocks_byte_exact(res: list[Any]) -> None:
     """D's named blocks hold exactly P's source blocks (one- and two-region groups, different
     pool sizes, twice); every other block of D is untouched; both sides' fences settle DONE
     (the passive one on the notification)."""
-    assert [r["first"] for r in res] == ["done", "done"]
-    assert [r["again"] for r in res] == ["done", "done"]
-    src, dst = kv(0), res[1]["tensors"]
-    for g, pairs in enumerate(PAIRS):
-        named = {d for _, d in pairs}
-        for s_t, d_t in zip(src[g], dst[g], strict=True):
-            for s, d in pairs:
-                assert torch.equal(d_t[d], s_t[s]), (g, s, d)
-            for b in range(d_t.shape[0]):
-                if b not in named:
-                    assert not d_t[b].any(), (g, b)
+    assert_moved(res)
 
 
 @needs_nixl

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.backends.test_pd_nixl import PAIRS, _pair, kv
+from tests.backends.test_pd_nixl import _pair, assert_moved
 
 from kvflow.backends.pd.nixl import load_nixl
 from kvflow.engine.distributed import free_port, launch
@@ -31,17 +31,7 @@ def res(request: pytest.FixtureRequest) -> list[Any]:
 def test_nixl_moves_device_blocks_byte_exact_and_names_the_ucx_transport(res: list[Any]) -> None:
     """D's named device blocks hold exactly P's, twice, every other block untouched; both
     fences settle DONE; the stats name the UCX transport chosen for device memory."""
-    assert [r["first"] for r in res] == ["done", "done"]
-    assert [r["again"] for r in res] == ["done", "done"]
-    src, dst = kv(0), res[1]["tensors"]
-    for g, pairs in enumerate(PAIRS):
-        named = {d for _, d in pairs}
-        for s_t, d_t in zip(src[g], dst[g], strict=True):
-            for s, d in pairs:
-                assert torch.equal(d_t[d], s_t[s]), (g, s, d)
-            for b in range(d_t.shape[0]):
-                if b not in named:
-                    assert not d_t[b].any(), (g, b)
+    assert_moved(res)
     initiator = next(r for r in res if r["stats"]["transfers"])
     assert initiator["stats"]["backend"] == "UCX"
     assert initiator["stats"]["ucx"].get("read") or initiator["stats"]["ucx"].get("write")
