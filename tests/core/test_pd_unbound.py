@@ -125,14 +125,14 @@ def test_may_bind_can_refuse_a_binding() -> None:
     "msg",
     [
         Abort("t", 1, "x"),
-        Release("t", 1),
+        Release("t", 2),
         Done("t", 1, DoneStatus.OK),
         Claim("t", 2, ((0, 1),), (1,), 12, hashes_digest(HASHES)),
         Abort("t", 2, "x"),
     ],
 )
 def test_any_other_message_for_an_unbound_hand_off_is_dropped(msg: Message) -> None:
-    """Aborts, releases, DONEs and claims of another epoch about an unbound hold are dropped
+    """Aborts, DONEs, and releases and claims of another epoch about an unbound hold are dropped
     as stale (why=unbound), an abort acked (nothing of P writes that peer's blocks); the hold
     stays, unbound and unwatched."""
     p = unbound_ready()
@@ -143,6 +143,19 @@ def test_any_other_message_for_an_unbound_hand_off_is_dropped(msg: Message) -> N
     assert [e["why"] for e in logs if e["event"] == "pd_message_dropped"] == ["unbound"]
     t = p.transfers["t"]
     assert (t.peer, t.state, len(p.peers)) == (ANY_PEER, PState.READY, 0)
+
+
+def test_a_release_of_an_unbound_hold_lets_go_at_once_and_tells_nobody() -> None:
+    """A D that needs nothing of an unbound hold (a full local prefix hit behind a stock
+    proxy) RELEASEs it: P's blocks come back now, not at the lease's end, and no message goes
+    out; a later claim of it is NACKed as expired."""
+    p = unbound_ready()
+    with capture_logs() as logs:
+        out = p.on_message("D1", Release("t", 1), 0.1)
+    assert out == [FinishedSending("t", IDS)]
+    assert not p.transfers
+    assert any(e["event"] == "pd_peer_bound" and e.get("cause") == "release" for e in logs)
+    assert p.on_message("D2", CLAIM, 0.2) == [Send("D2", Nack("t", 1, NackReason.EXPIRED))]
 
 
 def test_a_message_from_an_unnamed_peer_is_dropped() -> None:

@@ -335,10 +335,22 @@ class ProducerManager(HandoffSide[PTransfer]):
             drop_stale("producer", peer, msg, "unnamed_peer")
             return out
         if t is not None and t.peer == ANY_PEER:
-            if not isinstance(msg, Claim) or msg.epoch != t.epoch:
+            if (
+                isinstance(msg, Release)
+                and msg.epoch == t.epoch
+                and t.state in (PState.PREFILLING, PState.READY)
+            ):
+                # The D the proxy sent this request to needs none of it (a full local hit):
+                # P lets go now rather than at the lease's end. Nothing was granted to anyone.
+                t.peer = peer
+                log.info(
+                    "pd_peer_bound", transfer_id=t.transfer_id, epoch=t.epoch, peer=peer,
+                    cause="release",
+                )  # fmt: skip
+            elif not isinstance(msg, Claim) or msg.epoch != t.epoch:
                 self._not_yours(peer, msg, "unbound", out)
                 return out
-            if not self._bind(t, msg, peer, out):
+            elif not self._bind(t, msg, peer, out):
                 return out
         if t is not None and t.peer != peer:
             self._not_yours(peer, msg, "wrong_peer", out)
