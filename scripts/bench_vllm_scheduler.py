@@ -202,6 +202,14 @@ def main() -> None:
         help="the 'kvflow eager' row's eager_store_interval (default: kvflow's, 4)",
     )
     parser.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="run only the configurations whose name contains TEXT (repeatable; 'no connector' "
+        "and 'SimpleCPUOffload eager', the ratios' bases, always run): e.g. --only eager",
+    )
+    parser.add_argument(
         "--no-collect",
         action="store_true",
         help="no gc.collect() before each round and no automatic collection while timing "
@@ -259,6 +267,9 @@ def main() -> None:
         extra: dict[str, object] = {"cpu_bytes_to_use": cpu_bytes, "store_policy": policy, **more}
         configs.append((f"kvflow {label}", "KVFlowConnector", KVFLOW_MODULE, extra, kvflow_echo))
 
+    if args.only:
+        always = ("no connector", "SimpleCPUOffload eager")
+        configs = [c for c in configs if c[0] in always or any(t in c[0] for t in args.only)]
     rigs: dict[str, Rig] = {}
     with Progress() as progress:
         task = progress.add_task("prefill", total=len(configs))
