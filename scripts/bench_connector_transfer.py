@@ -358,6 +358,18 @@ class Driver:
         self._poll(lambda _: True, "an empty step")
 
 
+def case_fields(spec: LayoutSpec, blocks: int, layers: int, block_bytes: int) -> dict[str, Any]:
+    """What names one case in the JSON, for both the full run and the floor."""
+    return {
+        "layout": spec.name,
+        "what": spec.what,
+        "blocks": blocks,
+        "layers": layers,
+        "block_bytes": block_bytes,
+        "step_bytes": blocks * block_bytes,
+    }
+
+
 def sample_pages(tensors: dict[str, torch.Tensor], ids: Sequence[int]) -> list[torch.Tensor]:
     """Copies of the pages of blocks ``ids`` in every tensor, as raw bytes."""
     index = torch.tensor(list(ids), dtype=torch.long)
@@ -546,12 +558,7 @@ def bench_layout(
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     result: dict[str, Any] = {
-        "layout": spec.name,
-        "what": spec.what,
-        "blocks": blocks,
-        "layers": args.layers,
-        "block_bytes": block_bytes,
-        "step_bytes": step_bytes,
+        **case_fields(spec, blocks, args.layers, block_bytes),
         "path": path,
         "bytes_match": verified,
         "copy_time_measured": all(s.measured for s in stats.values() if s.batches),
@@ -602,14 +609,7 @@ def bench_floor(
     del tensors
     gc.unfreeze()
     gc.collect()
-    result: dict[str, Any] = {
-        "layout": spec.name,
-        "what": spec.what,
-        "blocks": blocks,
-        "layers": args.layers,
-        "block_bytes": block_bytes,
-        "step_bytes": blocks * block_bytes,
-    }
+    result = case_fields(spec, blocks, args.layers, block_bytes)
     for d in DIRECTIONS:
         result[d] = floor_figures(floor[d])
     return result
