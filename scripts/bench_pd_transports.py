@@ -44,7 +44,7 @@ from rich.table import Table
 from kvflow.backends.base import FenceStatus
 from kvflow.backends.pd.rendezvous import PairStore
 from kvflow.backends.pd.transport import geometry, plan_chunks
-from kvflow.core.pd.common import LaunchCopies
+from kvflow.core.pd.common import BlockPairs, LaunchCopies
 from kvflow.engine.distributed import free_port
 from kvflow.runtime.clock import SystemClock
 
@@ -133,12 +133,11 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
             perm = torch.randperm(2 * n, generator=_gen(bs + 1))
             src, dst = perm[:n].tolist(), perm[n:].tolist()
             mine, theirs = (src, dst) if rank == 0 else (dst, src)
-            pairs = tuple(
-                tuple(zip(mine, theirs, strict=True)) if k == g else () for k in range(len(sizes))
-            )
+            # As the PD managers hand them: a group's pairs in two columns.
+            none = BlockPairs((), ())
+            pairs = tuple(BlockPairs(mine, theirs) if k == g else none for k in range(len(sizes)))
             contiguous = tuple(
-                tuple(zip(range(n), range(n), strict=True)) if k == g else ()
-                for k in range(len(sizes))
+                BlockPairs(range(n), range(n)) if k == g else none for k in range(len(sizes))
             )
             times, launch_s, issued, contig = [], [], [], []
             for r in range(cfg["repeat"] + 1):

@@ -316,8 +316,12 @@ class CudaIpcTransport:
             self._bell.ring(op.channel, False, fence.token)
         else:
             parts = []
-            for arr in arrays:
-                loc, rem = sorted_pairs(arr)
+            for g, arr in enumerate(arrays):
+                # The kernel copies pages in any order; sorting pays only for runs of DMA copies.
+                if g < len(self.paths) and self.paths[g] == "kernel":
+                    loc, rem = arr[:, 0], arr[:, 1]
+                else:
+                    loc, rem = sorted_pairs(arr)
                 parts.append((rem, loc) if self.mode == "read" else (loc, rem))
             fence.pairs = tuple(parts)
             fence.local_ready = self._dev.new_event(interprocess=False)

@@ -52,6 +52,7 @@ from attrs import define, frozen
 from torch._C._distributed_c10d import TCPStore
 
 from kvflow.backends.base import Fence, FenceStatus
+from kvflow.backends.pd.rendezvous import pair_array
 from kvflow.backends.pd.transport import (
     MAX_OPS,
     GroupGeometry,
@@ -134,7 +135,7 @@ def plan_wire(
     last = op + MAX_OPS
     for g, group_pairs in enumerate(pairs):
         gg = geo[g]
-        arr = np.asarray(group_pairs, dtype=np.int64).reshape(-1, 2)
+        arr = pair_array(group_pairs)
         if len(arr) and not (arr[:, 0].min() >= 0 and arr[:, 0].max() < gg.num_blocks):
             bad = arr[(arr[:, 0] < 0) | (arr[:, 0] >= gg.num_blocks), 0][0]
             raise ConfigError(f"group {g}: block {bad} is not registered")

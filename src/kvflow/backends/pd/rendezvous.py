@@ -19,7 +19,7 @@ import torch
 from attrs import asdict, frozen
 from torch._C._distributed_c10d import TCPStore
 
-from kvflow.core.pd.common import CHANNELS, Pairs
+from kvflow.core.pd.common import CHANNELS, BlockPairs, Pairs
 from kvflow.errors import BackendError, ConfigError, LayoutError
 
 MODES = ("read", "write")
@@ -152,10 +152,15 @@ _PAIR = np.dtype([("local", np.int64), ("remote", np.int64)])
 
 
 def pair_array(group_pairs: Any) -> Any:
-    """A group's ``(local, remote)`` pairs as one ``(n, 2)`` int64 array, without building a
-    Python object per pair when they come as tuples."""
+    """A group's ``(local, remote)`` pairs as one ``(n, 2)`` int64 array: from ``BlockPairs``
+    a column at a time, from tuples without building a Python object per pair."""
     if isinstance(group_pairs, np.ndarray):
         return group_pairs.astype(np.int64, copy=False).reshape(-1, 2)
+    if isinstance(group_pairs, BlockPairs):
+        arr = np.empty((len(group_pairs), 2), dtype=np.int64)
+        arr[:, 0] = group_pairs.local
+        arr[:, 1] = group_pairs.remote
+        return arr
     # numpy reads each 2-tuple as one record: the fastest way from tuples to an array.
     rec = np.fromiter(group_pairs, dtype=_PAIR, count=len(group_pairs))
     return rec.view(np.int64).reshape(-1, 2)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Generic, Protocol, TypeVar, overload
 
 from attrs import define, field, frozen
 
@@ -21,7 +21,64 @@ from kvflow.errors import ConfigError, ProtocolError
 
 log = get_logger("kvflow.pd")
 
-Pairs = tuple[tuple[tuple[int, int], ...], ...]
+
+class BlockPairs:
+    """One KV cache group's (local block, remote block) pairs of a hand-off, kept as two columns.
+
+    The managers cut both columns from the hand-off's id tuples by slicing, and a transport turns
+    each column into an array in one pass, where a tuple per pair would cost a Python object to
+    build and another to read for every block. It reads as the sequence of ``(local, remote)``
+    pairs and compares equal to that sequence as a tuple."""
+
+    __slots__ = ("local", "remote")
+
+    def __init__(self, local: Sequence[int], remote: Sequence[int]) -> None:
+        if len(local) != len(remote):
+            raise ProtocolError(
+                f"{len(local)} local blocks paired with {len(remote)} remote blocks"
+            )
+        self.local: tuple[int, ...] = tuple(local)
+        self.remote: tuple[int, ...] = tuple(remote)
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[int, int]]) -> BlockPairs:
+        """From ``(local, remote)`` pairs."""
+        cols = tuple(zip(*pairs, strict=True))
+        return cls(*cols) if cols else cls((), ())
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return zip(self.local, self.remote, strict=True)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, int]: ...
+    @overload
+    def __getitem__(self, index: slice) -> BlockPairs: ...
+    def __getitem__(self, index: int | slice) -> tuple[int, int] | BlockPairs:
+        if isinstance(index, slice):
+            return BlockPairs(self.local[index], self.remote[index])
+        return self.local[index], self.remote[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockPairs):
+            return self.local == other.local and self.remote == other.remote
+        if isinstance(other, tuple):
+            return tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"BlockPairs({list(self)!r})"
+
+
+GroupPairs = BlockPairs | tuple[tuple[int, int], ...]
+"""One group's pairs: ``BlockPairs`` from the managers, or plain ``(local, remote)`` tuples."""
+
+Pairs = tuple[GroupPairs, ...]
 """Per KV cache group, the (local block, remote block) pairs of one hand-off."""
 
 CHANNELS = 1 << 19
@@ -438,11 +495,13 @@ __all__ = [
     "ANY_PEER",
     "Action",
     "BlockLedger",
+    "BlockPairs",
     "BlockRefs",
     "CancelCopies",
     "FinishedRecving",
     "FinishedSending",
     "FreeBlocks",
+    "GroupPairs",
     "HandoffRecord",
     "HandoffSide",
     "LaunchCopies",

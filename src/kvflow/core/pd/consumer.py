@@ -30,12 +30,12 @@ from kvflow.core.hashing import BlockHash
 from kvflow.core.pd.common import (
     CHANNELS,
     Action,
+    BlockPairs,
     CancelCopies,
     FinishedRecving,
     FreeBlocks,
     HandoffSide,
     LaunchCopies,
-    Pairs,
     Send,
     drop_stale,
     log,
@@ -80,7 +80,7 @@ class DTransfer:
     claim_s: float
     state: DState = DState.RESERVED
     grant_deadline: float = 0.0
-    pairs: Pairs = ()
+    pairs: tuple[BlockPairs, ...] = ()
     grant_hashes: tuple[BlockHash, ...] = ()
     launched: bool = False
     settled: set[int] = field(factory=set)
@@ -282,7 +282,7 @@ class ConsumerManager(HandoffSide[DTransfer]):
         t.received |= span
         t.chunks[ready.channel] = set()
         pairs = tuple(
-            tuple((d[i], s + i) for i in range(ready.start, ready.stop))
+            BlockPairs(d[ready.start : ready.stop], range(s + ready.start, s + ready.stop))
             for s, d in zip(t.start, t.block_ids, strict=True)
         )
         self._apply(t, DI.LAUNCH, f"chunk_{ready.start}_{ready.stop}")
@@ -309,9 +309,7 @@ class ConsumerManager(HandoffSide[DTransfer]):
             self._drain(t, DI.FAIL, "grant_malformed", now, out)
             return
         self._apply(t, DI.GRANT, "grant")
-        t.pairs = tuple(
-            tuple(zip(d, p, strict=True)) for d, p in zip(t.block_ids, grant.block_ids, strict=True)
-        )
+        t.pairs = tuple(BlockPairs(d, p) for d, p in zip(t.block_ids, grant.block_ids, strict=True))
         t.grant_hashes = grant.block_hashes
         t.channel = grant.channel
         # The window counts from the grant's arrival: later than P's send, but D's receive

@@ -42,11 +42,11 @@ from kvflow.core.pd.common import (
     CHANNELS,
     Action,
     BlockLedger,
+    BlockPairs,
     CancelCopies,
     FinishedSending,
     HandoffSide,
     LaunchCopies,
-    Pairs,
     PDTimeouts,
     Send,
     drop_stale,
@@ -87,7 +87,7 @@ class PTransfer:
     block_hashes: tuple[BlockHash, ...] = ()
     digest: bytes = b""
     pending_claim: Claim | None = None
-    pairs: Pairs = ()
+    pairs: tuple[BlockPairs, ...] = ()
     launched: bool = False
     settled: set[int] = field(factory=set)
     failed: bool = False
@@ -426,14 +426,14 @@ class ProducerManager(HandoffSide[PTransfer]):
             out.append(Send(t.peer, Nack(t.transfer_id, t.epoch, reason)))
             return
         t.pairs = tuple(
-            tuple(zip(t.block_ids[g][s : s + len(d)], d, strict=True))
+            BlockPairs(t.block_ids[g][s : s + len(d)], d)
             for g, (s, d) in enumerate(zip(claim.start, claim.block_ids, strict=True))
         )
         self._apply(t, PI.CLAIM, "claim")
         t.channel = self._take_channel()
         t.deadline = now + self.timeouts.grant_window_s
         self.peers.watch(t.peer, now)
-        mine = tuple(tuple(p for p, _ in g) for g in t.pairs)
+        mine = tuple(g.local for g in t.pairs)
         out.append(
             Send(
                 t.peer,
@@ -486,7 +486,7 @@ class ProducerManager(HandoffSide[PTransfer]):
         held = tuple(g[: t.fenced] for g in t.block_ids)
         self.ledger.grow(t.transfer_id, held)
         pairs = tuple(
-            tuple((t.block_ids[g][s + i], d[i]) for i in range(start, stop))
+            BlockPairs(t.block_ids[g][s + start : s + stop], d[start:stop])
             for g, (s, d) in enumerate(zip(claim.start, claim.block_ids, strict=True))
         )
         channel = self._take_channel()
