@@ -8,7 +8,6 @@ drives it from an event loop.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -26,7 +25,7 @@ from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import ExtraKey
 from kvflow.core.logs import get_logger
 from kvflow.engine.block_manager import BlockManager
-from kvflow.engine.kv_cache import kv_cache_groups, poison_blocks
+from kvflow.engine.kv_cache import kv_cache_groups
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import (
@@ -293,9 +292,8 @@ class Engine:
             self.runner.now = clock
         self._first_logits: dict[str, torch.Tensor] = {}
         if config.poison_freed_blocks:
-            caches = self.runner.kv_caches
-            self.blocks.on_freed = functools.partial(poison_blocks, caches)
-            poison_blocks(caches, list(range(1, self.kv_cache_config.num_blocks)))
+            self.blocks.on_freed = self.runner.poison
+            self.runner.poison(list(range(1, self.kv_cache_config.num_blocks)))
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._finished: dict[str, Request] = {}

@@ -10,7 +10,7 @@ while the forward runs on the device; only then does the host wait for the step'
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from attrs import define, frozen
@@ -24,6 +24,7 @@ from kvflow.engine.kv_cache import (
     allocate_kv_caches,
     build_attention_metadata,
     layer_name,
+    poison_blocks,
 )
 from kvflow.engine.model import LlamaForCausalLM
 from kvflow.engine.scheduler import ScheduledChunk, StepBatch
@@ -122,6 +123,11 @@ class ModelRunner:
         self._readback_buf: torch.Tensor | None = None
         self._readback_event: torch.cuda.Event | None = None
         connector.register_kv_caches(dict(self.kv_caches))
+
+    def poison(self, block_ids: Sequence[int]) -> None:
+        """Poison-on-free: overwrite ``block_ids`` in this runner's KV cache (the engine calls it
+        with every block a free leaves unreferenced)."""
+        poison_blocks(self.kv_caches, block_ids)
 
     def configure_decode(
         self, graphs: str, max_rows: int, triton: bool, max_tokens: int = 0

@@ -125,6 +125,10 @@ class StepMessage:
     out: SchedulerOutput
     batch: StepBatch
     meta: object
+    # Poison-on-free: the blocks rank 0 poisoned since the last step. The block pool lives on
+    # rank 0, so the other ranks poison them on receipt, before the step, as rank 0 did before
+    # launching it; a use after free on any rank then reads poison.
+    freed: tuple[int, ...] = ()
 
 
 @frozen
@@ -173,12 +177,18 @@ class TPModelRunner(ModelRunner):
         super().__init__(model, kv_config, connector, device)
         self.channel = channel
         self.stopped = False
+        self._freed: list[int] = []
+
+    def poison(self, block_ids: Sequence[int]) -> None:
+        super().poison(block_ids)
+        self._freed.extend(block_ids)
 
     def launch(
         self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
     ) -> LaunchedStep:
         # The ranks' outputs are compared and merged only once every rank has its tokens.
-        self.channel.broadcast(StepMessage(out, batch, connector_meta))
+        freed, self._freed = tuple(self._freed), []
+        self.channel.broadcast(StepMessage(out, batch, connector_meta, freed))
         mine = super().launch(out, batch, connector_meta)
         return LaunchedStep.finished(self._gather(out, mine))
 
@@ -208,6 +218,13 @@ class TPModelRunner(ModelRunner):
         return [s for s in gathered[1:] if isinstance(s, RankStatus)]
 
 
+def follow_step(runner: ModelRunner, msg: StepMessage) -> ModelRunnerOutput:
+    """A rank other than 0 runs rank 0's step: the blocks rank 0 poisoned first, then the step."""
+    if msg.freed:
+        runner.poison(msg.freed)
+    return runner.execute(msg.out, msg.batch, msg.meta)
+
+
 def serve_follower(
     runner: ModelRunner, channel: ProcessGroupChannel, status: Callable[[int], RankStatus]
 ) -> int:
@@ -222,7 +239,7 @@ def serve_follower(
             return steps
         if not isinstance(msg, StepMessage):
             raise KVFlowError(f"rank {channel.rank}: unexpected message {type(msg).__name__}")
-        channel.gather(runner.execute(msg.out, msg.batch, msg.meta))
+        channel.gather(follow_step(runner, msg))
         steps += 1
 
 
@@ -445,6 +462,7 @@ __all__ = [
     "TPModelRunner",
     "TPSpec",
     "build_shard",
+    "follow_step",
     "merge_outputs",
     "rank_engine_config",
     "run_rank",
