@@ -39,7 +39,7 @@ from rich.table import Table
 
 from kvflow.backends.base import FenceStatus
 from kvflow.backends.pd.gloo import GlooFence, GlooTransport
-from kvflow.core.pd.common import LaunchCopies
+from kvflow.core.pd.common import BlockPairs, LaunchCopies
 from kvflow.engine.distributed import free_port, launch
 
 
@@ -95,10 +95,17 @@ def _rank(rank: int, world_size: int, port: int, cfg: dict[str, Any]) -> dict[st
                     src, dst = perm[:n].tolist(), perm[n:].tolist()
                 mine = src if rank == 0 else dst
                 theirs = dst if rank == 0 else src
+                # As the PD managers hand them: a group's pairs in two columns.
+                none = BlockPairs((), ())
                 pairs = tuple(
-                    tuple(zip(mine, theirs, strict=True)) if k == g else ()
-                    for k in range(len(sizes))
+                    BlockPairs(mine, theirs) if k == g else none for k in range(len(sizes))
                 )
+                # The raw send moves the very bytes the hand-off does: a buffer never written
+                # would be read from the kernel's shared zero page, faster than real memory.
+                if rank == 0:
+                    raw.copy_(caches[g][torch.tensor(src)].flatten())
+                else:
+                    raw.zero_()
                 if rank == 1:
                     caches[g].zero_()
                 kv_s: list[tuple[float, float]] = []

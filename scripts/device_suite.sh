@@ -12,7 +12,8 @@
 # its own), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), pdx (PD's CUDA IPC transport, scattered
-# pages), pd (kvflow bench --pd on the one GPU over CUDA IPC), tp (two GPUs only). Missing Python packages (structlog,
+# pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
+# wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists. REPEAT sets the reload and
 # noreuse-fp32 steps' pairs of runs (default 16 and 9).
 set -u
@@ -20,8 +21,10 @@ OUT=${OUT:-./device-out}
 STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-thread multiround decode contention connector pdx pd tp}
 mkdir -p "$OUT/logs"
 if compgen -G ".whl/*.whl" >/dev/null; then
+  wheels=(.whl/*.whl)
+  if compgen -G ".nixlwhl/*.whl" >/dev/null; then wheels+=(.nixlwhl/*.whl); fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/kvflow-site .whl/*.whl || exit 1
+    --target /tmp/kvflow-site "${wheels[@]}" || exit 1
   export PYTHONPATH=/tmp/kvflow-site:src
 else
   export PYTHONPATH=src
@@ -85,7 +88,25 @@ for step in $STEPS; do
       run pd_transports 150 python3 scripts/bench_pd_transports.py --device cuda \
         --transports cuda-ipc --mib 256 --json "$OUT/pd_transports.json"
       run pd_transports_r32 150 python3 scripts/bench_pd_transports.py --device cuda \
-        --transports cuda-ipc --mib 256 --regions 32 --json "$OUT/pd_transports_r32.json" ;;
+        --transports cuda-ipc --mib 256 --regions 32 --json "$OUT/pd_transports_r32.json"
+      run pd_transports_r32_1g 200 python3 scripts/bench_pd_transports.py --device cuda \
+        --transports cuda-ipc --mib 1024 --regions 32 --json "$OUT/pd_transports_r32_1g.json" ;;
+    gloo)  # PD's CPU transport on this host's cores (the dev box has two): default 4 x 4 MiB
+      # ring, and a ring of smaller slots, which a host with cores to spare may pipeline better
+      run pd_gloo 150 env CUDA_VISIBLE_DEVICES= python3 scripts/bench_pd_transfer.py \
+        --sizes-kib 4 8 16 32 64 128 --repeat 11 --json "$OUT/pd_gloo.json"
+      run pd_gloo_1m 120 env CUDA_VISIBLE_DEVICES= python3 scripts/bench_pd_transfer.py \
+        --sizes-kib 32 64 128 --repeat 11 --slots 8 --slot-mib 1 --json "$OUT/pd_gloo_1m.json" ;;
+    nixl)  # NIXL between the two processes' device memory beside kvflow's CUDA IPC; UCX's
+      # cuda_ipc does GET only over NVLink unless told (a PCIe GPU), so both modes, cuda_ipc on
+      run pd_transports_nixl 200 env UCX_TLS=cuda_ipc,cuda_copy,tcp,sm,self \
+        UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y python3 scripts/bench_pd_transports.py --device cuda \
+        --transports nixl cuda-ipc --mib 256 --regions 32 --sizes-kib 4 32 128 --repeat 3 \
+        --json "$OUT/pd_transports_nixl_read.json"
+      run pd_transports_nixl_write 200 env UCX_TLS=cuda_ipc,cuda_copy,tcp,sm,self \
+        python3 scripts/bench_pd_transports.py --device cuda --transports nixl cuda-ipc \
+        --mib 256 --regions 32 --sizes-kib 4 32 128 --repeat 3 --mode write \
+        --json "$OUT/pd_transports_nixl_write.json" ;;
     pd)  # P and D as two processes on the one GPU against a colocated engine
       run bench_pd 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" --pd \
         --pd-transport cuda-ipc --json "$OUT/bench_pd.json" ;;
