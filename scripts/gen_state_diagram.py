@@ -19,7 +19,7 @@ from kvflow.core.pd.machines import (
     PState,
 )
 from kvflow.core.transfer import render_mermaid, render_table
-from kvflow.engine.scheduler import REQUEST_MACHINE, RequestInput, RequestStatus
+from kvflow.engine.request import REQUEST_MACHINE, RequestInput, RequestStatus
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "state-machines.md"
 
@@ -37,9 +37,9 @@ def render() -> str:
         "```mermaid\n" + render_mermaid() + "```\n\n"
         "Every (state, input) pair; a dash is illegal:\n\n" + render_table() + "\n"
         "## Request (the reference engine)\n\n"
-        "`kvflow.engine.scheduler.REQUEST_MACHINE`: a request's life in kvflow's reference engine,\n"
+        "`kvflow.engine.request.REQUEST_MACHINE`: a request's life in kvflow's reference engine,\n"
         "including the wait for an asynchronous load from the CPU tier (`waiting_for_remote_kvs`,\n"
-        "as in vLLM). Applied only by `kvflow.engine.scheduler.transition`, which logs\n"
+        "as in vLLM). Applied only by `kvflow.engine.request.transition`, which logs\n"
         "`request_transition`.\n\n"
         "```mermaid\n" + REQUEST_MACHINE.render_mermaid() + "```\n\n"
         "Every (state, input) pair; a dash is illegal:\n\n"

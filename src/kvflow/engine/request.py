@@ -1,0 +1,163 @@
+"""A request of the reference engine: its state, its life as one transition table
+(``TRANSITIONS``, applied by ``transition``) and what it cost (``RequestStats``)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+from attrs import define, field
+
+from kvflow.core.fsm import Machine
+from kvflow.core.hashing import BlockHash, BlockHasher, ExtraKey
+
+
+class RequestStatus(enum.StrEnum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # an async external load is in flight
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks given back; waits to be recomputed
+    FINISHED = "finished"  # done generating; blocks may still be held for the connector
+    FREED = "freed"  # blocks returned; terminal
+
+
+class RequestInput(enum.StrEnum):
+    SCHEDULE = "schedule"
+    WAIT_REMOTE = "wait_remote"  # blocks allocated, an async load started
+    REMOTE_DONE = "remote_done"  # the connector reported the load finished
+    PREEMPT = "preempt"
+    FINISH = "finish"
+    RELEASE_BLOCKS = "release_blocks"  # a loaded, not yet running request gives its blocks back
+    FREE = "free"
+    ABORT = "abort"  # the client gave up on it; blocks are held while a connector drains
+
+
+RS, RI = RequestStatus, RequestInput
+
+TRANSITIONS: Mapping[tuple[RequestStatus, RequestInput], RequestStatus] = {
+    (RS.WAITING, RI.SCHEDULE): RS.RUNNING,
+    (RS.WAITING, RI.WAIT_REMOTE): RS.WAITING_FOR_REMOTE_KVS,
+    (RS.WAITING_FOR_REMOTE_KVS, RI.REMOTE_DONE): RS.WAITING,
+    (RS.RUNNING, RI.PREEMPT): RS.PREEMPTED,
+    (RS.RUNNING, RI.FINISH): RS.FINISHED,
+    (RS.PREEMPTED, RI.SCHEDULE): RS.RUNNING,
+    (RS.PREEMPTED, RI.WAIT_REMOTE): RS.WAITING_FOR_REMOTE_KVS,
+    (RS.FINISHED, RI.FREE): RS.FREED,
+    (RS.WAITING, RI.RELEASE_BLOCKS): RS.WAITING,
+    (RS.WAITING, RI.ABORT): RS.FINISHED,
+    (RS.WAITING_FOR_REMOTE_KVS, RI.ABORT): RS.FINISHED,
+    (RS.RUNNING, RI.ABORT): RS.FINISHED,
+    (RS.PREEMPTED, RI.ABORT): RS.FINISHED,
+}
+"""A request's whole life. Anything not listed is illegal."""
+
+REQUEST_MACHINE: Machine[RequestStatus, RequestInput] = Machine(
+    "request",
+    TRANSITIONS,
+    id_field="request_id",
+    initial=RS.WAITING,
+    terminal=(RS.FREED,),
+    logger="kvflow.engine.scheduler",
+)
+
+
+@define(eq=False)
+class RequestStats:
+    """What one request cost and got; filled in by the scheduler as it runs."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefill_tokens_computed: int = 0
+    decode_tokens_computed: int = 0
+    gpu_cached_tokens: int = 0  # GPU prefix-cache hits, summed over admissions
+    external_loaded_tokens: int = 0  # loaded through the connector (valid ones only)
+    recomputed_tokens: int = 0  # rolled back after a failed load
+    num_preemptions: int = 0
+    # When the first token's path happened, for the per-phase TTFT breakdown (engine clock).
+    admitted_time: float | None = None  # first given GPU blocks
+    match_s: float = 0.0  # the connector's get_num_new_matched_tokens, at that admission
+    load_launched_time: float | None = None  # the step that issued its async load launched
+    load_seen_time: float | None = None  # the scheduler took its finished load
+    compute_start_time: float | None = None  # first step computing its tokens, once scheduled
+    first_token_step_time: float | None = None  # the step sampling its first token, scheduled
+
+
+@define(eq=False)
+class Request:
+    """One generation request; implements ``kvflow.core.requests.RequestLike``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stats: RequestStats
+    extra_keys: tuple[ExtraKey, ...] = ()
+    block_size: int = 16
+    output_token_ids: list[int] = field(factory=list)
+    all_token_ids: list[int] = field(factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    # Async external load in flight: tokens computed once it finishes (shrunk by load errors).
+    load_target_tokens: int = 0
+    pending_external_tokens: int = 0  # of those, loaded by the connector
+    reset_after_load: bool = False  # a failed load left it unable to resume in place
+    kv_transfer_params: dict[str, object] | None = None
+    _hasher: BlockHasher | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        self._hasher = BlockHasher(self.block_size, self.extra_keys)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """Chained hashes of every full block of known tokens."""
+        hasher = self._hasher
+        assert hasher is not None
+        if hasher.num_tokens < self.num_tokens:
+            hasher.extend(self.all_token_ids[hasher.num_tokens :])
+        return hasher.hashes
+
+    def engine_block_hashes(self, block_size: int) -> list[BlockHash] | None:
+        """``kvflow.core.requests.EngineHashedRequest``: the engine's own hash list, kept current
+        by ``append_token``, so a connector keys its tier by it instead of hashing every block a
+        second time. None at any other block size."""
+        return self.block_hashes if block_size == self.block_size else None
+
+    def append_token(self, token: int) -> None:
+        """Append a sampled token; a block it completes is hashed at once, because a connector
+        reads the live hash list before the engine itself asks for it again."""
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+        if len(self.all_token_ids) % self.block_size == 0:
+            self.block_hashes  # noqa: B018 - the property extends the live list
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.output_token_ids) >= self.max_tokens
+
+
+def transition(request: Request, event: RequestInput, *, cause: str) -> RequestStatus:
+    """Apply one input to ``request`` by the table and log it; illegal pairs raise and change
+    nothing."""
+    request.status = REQUEST_MACHINE.apply(request.request_id, request.status, event, cause=cause)
+    return request.status
+
+
+__all__ = [
+    "REQUEST_MACHINE",
+    "TRANSITIONS",
+    "Request",
+    "RequestInput",
+    "RequestStats",
+    "RequestStatus",
+    "transition",
+]
