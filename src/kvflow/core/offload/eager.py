@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvflow.core.block_pool import BlockPool
 from kvflow.core.hashing import BlockHash
 from kvflow.core.logs import get_logger
 from kvflow.core.offload.config import Geometry
 from kvflow.core.offload.state import RequestState, StoreBatch, next_boundary
+from kvflow.core.run_pool import RunBlockPool
 
 log = get_logger("kvflow.scheduler")
 
@@ -25,7 +25,7 @@ class EagerStore:
     def __init__(
         self,
         geometry: Geometry,
-        cpu: Sequence[BlockPool],
+        cpu: Sequence[RunBlockPool],
         storing: Sequence[dict[BlockHash, int]],
         *,
         null_block_id: int | None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvflow.core.block_pool import BlockPool, StoredBlockInfo
+from kvflow.core.block_pool import StoredBlockInfo
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash
 from kvflow.core.logs import debug_enabled, get_logger
@@ -22,6 +22,7 @@ from kvflow.core.offload.holds import GpuHolds
 from kvflow.core.offload.state import LiveTransfer, PinnedHit, RequestState, StoreBatch, all_ids
 from kvflow.core.offload.stats import Counters
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
+from kvflow.core.run_pool import RunBlockPool
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
 from kvflow.errors import ReportError
 
@@ -56,13 +57,9 @@ class TransferLedger:
         self.events = config.enable_events
         self._geo = geometry
         self.cpu = [
-            # Ascending runs: a store's CPU blocks in few contiguous pieces (fewer copies).
-            BlockPool(
-                s.num_cpu_blocks,
-                name=f"cpu[{g}]",
-                enable_events=config.enable_events,
-                ascending_runs=True,
-            )
+            # Ascending runs: a store's CPU blocks in few contiguous pieces (fewer copies), and
+            # the pool's work per store or load per run, not per block.
+            RunBlockPool(s.num_cpu_blocks, name=f"cpu[{g}]", enable_events=config.enable_events)
             for g, s in enumerate(groups)
         ]
         self.gpu = gpu_view

@@ -1,6 +1,6 @@
 """The offload manager: answers the engine scheduler's calls and orchestrates the other parts.
 
-``OffloadManager`` owns kvflow's CPU tier (one ``BlockPool`` per KV cache group, held by its
+``OffloadManager`` owns kvflow's CPU tier (one ``RunBlockPool`` per KV cache group, held by its
 ``TransferLedger``) and its prefix cache. The engine's scheduler calls it like vLLM's KV
 connector scheduler API:
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from attrs import asdict
 
 from kvflow.core import validate
-from kvflow.core.block_pool import AllBlocksCleared, BlockPool, PoolEvent
+from kvflow.core.block_pool import AllBlocksCleared, PoolEvent
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
 from kvflow.core.logs import debug_enabled, get_logger
@@ -52,6 +52,7 @@ from kvflow.core.offload.state import (
 from kvflow.core.offload.stats import Counters, OffloadStats, StepOutcome
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.run_pool import RunBlockPool
 from kvflow.core.transfer import Direction, TransferState
 from kvflow.errors import ConfigError, ProtocolError
 
@@ -109,7 +110,7 @@ class OffloadManager:
     # ---- queries ------------------------------------------------------------------------------
 
     @property
-    def cpu_pools(self) -> tuple[BlockPool, ...]:
+    def cpu_pools(self) -> tuple[RunBlockPool, ...]:
         """The CPU tier, one pool per group (read-only use: tests and metrics)."""
         return tuple(self._cpu)
 

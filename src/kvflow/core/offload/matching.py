@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvflow.core.block_pool import BlockPool
 from kvflow.core.offload.config import Geometry
 from kvflow.core.offload.state import RequestState
+from kvflow.core.run_pool import RunBlockPool
 
 
 class HitMatcher:
     """Finds a request's longest CPU hit, whole blocks consistent over all groups."""
 
-    def __init__(self, geometry: Geometry, cpu: Sequence[BlockPool]) -> None:
+    def __init__(self, geometry: Geometry, cpu: Sequence[RunBlockPool]) -> None:
         self._geo = geometry
         self._cpu = cpu
 
