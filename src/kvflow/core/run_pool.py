@@ -173,6 +173,10 @@ class RunBlockPool:
     def is_cached(self, block_hash: BlockHash) -> bool:
         return block_hash in self._cached
 
+    def none_cached(self, block_hashes: Iterable[BlockHash]) -> bool:
+        """Whether none of these hashes is cached (one pass in C)."""
+        return self._cached.keys().isdisjoint(block_hashes)
+
     @property
     def cached_hashes(self) -> Container[BlockHash]:
         """The hashes cached now (live, read-only use), as ``BlockPool.cached_hashes``."""
