@@ -16,6 +16,7 @@ pool exactly as it was.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Container, Iterable, Iterator, Sequence
 from typing import cast
 
@@ -28,6 +29,7 @@ from kvflow.core.block_pool import (
     StoredBlockInfo,
 )
 from kvflow.core.hashing import BlockHash
+from kvflow.core.idruns import EVERY_CAP, ascending_runs, every
 from kvflow.errors import BlockPoolError, ConfigError
 
 
@@ -46,36 +48,8 @@ class _Run:
 
 
 def _runs(ids: Sequence[int], every: list[int]) -> list[tuple[int, int, int]] | None:
-    """``ids`` as runs of consecutive ids, ``(lo, hi, position of lo in ids)``, in order, if
-    they are strictly ascending; else None. ``every`` is ``list(range(num_blocks))``. A binary
-    search per run finds where it ends and one comparison in C against a slice of ``every``
-    checks it: a store's few runs cost a few microseconds, not a pass per id."""
-    seq = ids if type(ids) is list else list(ids)
-    n = len(seq)
-    out: list[tuple[int, int, int]] = []
-    i = 0
-    prev_hi = -1
-    while i < n:
-        a = seq[i]
-        if type(a) is not int or a < prev_hi or a + n - i > len(every):
-            return None
-        if seq[n - 1] - a == n - 1 - i:
-            j = n
-        else:
-            lo, hi = i + 1, n - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if seq[mid - 1] - a == mid - 1 - i:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            j = lo
-        if j - i > 1 and seq[i:j] != every[a : a + j - i]:
-            return None
-        out.append((a, a + j - i, i))
-        prev_hi = a + j - i
-        i = j
-    return out
+    """``ascending_runs`` within the pool (``every`` is its ``_ids``)."""
+    return ascending_runs(ids, every, len(every))
 
 
 class RunBlockPool:
@@ -105,7 +79,9 @@ class RunBlockPool:
         self._refs = [0] * num_blocks
         # The ids as int objects made once: ``get_new_blocks`` hands out slices of it, and run
         # checks compare against it, without making an int per block.
-        self._ids = list(range(num_blocks))
+        self._ids = (
+            every(num_blocks)[:num_blocks] if num_blocks <= EVERY_CAP else list(range(num_blocks))
+        )
         self._nones: list[None] = [None] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
@@ -343,8 +319,7 @@ class RunBlockPool:
                 if run.desc:
                     hs.reverse()  # eviction order
                 live = cast("list[BlockHash]", hs) if all(hs) else [x for x in hs if x is not None]
-                for x in live:
-                    del cached[x]
+                deque(map(cached.__delitem__, live), 0)  # each del in C
                 if record:
                     evicted += live
                 hashes[a:b] = nones[:m]
@@ -513,13 +488,14 @@ class RunBlockPool:
         if not n:
             return 0
         refs, hashes, cached = self._refs, self._hash, self._cached
-        runs = _runs(block_ids, self._ids)
-        if (
-            runs is not None
-            and all(refs[lo:hi].count(1) == hi - lo for lo, hi, _ in runs)
-            and all(hashes[lo:hi].count(None) == hi - lo for lo, hi, _ in runs)
-            and all(block_hashes)  # no None (an empty hash takes the per-block path)
-        ):
+        # no None (an empty hash takes the per-block path)
+        runs = _runs(block_ids, self._ids) if all(block_hashes) else None
+        if runs is not None:
+            for lo, hi, _ in runs:
+                if refs[lo:hi].count(1) != hi - lo or hashes[lo:hi].count(None) != hi - lo:
+                    runs = None  # not fresh from ``get_new_blocks``
+                    break
+        if runs is not None:
             full = cast("Sequence[BlockHash]", block_hashes)
             before = len(cached)
             cached.update(zip(full, block_ids, strict=True))

@@ -204,7 +204,12 @@ class TransferLedger:
         tid = xfer.transfer.transfer_id
         for g, hs in enumerate(hashes):
             if hs:
-                self.storing[g].update(dict.fromkeys(hs, tid))
+                picked = batch.blocks[g]
+                if not self.storing[g] and len(hs) == len(picked):
+                    # Nothing else being stored: a new map, sized from the picks (a dict).
+                    self.storing[g] = dict.fromkeys(picked, tid)
+                else:
+                    self.storing[g].update(dict.fromkeys(hs, tid))
         return evicted
 
     def _new(
