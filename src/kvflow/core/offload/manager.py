@@ -269,6 +269,7 @@ class OffloadManager:
         if num_external_tokens == 0:
             if st is not None:
                 self._drop_match(st)
+                st.checked_table = tuple(map(tuple, table)) if table else None
             return
         m = None if st is None else st.match
         if st is None or m is None:
@@ -306,6 +307,7 @@ class OffloadManager:
         if self._ledger.holds:
             self._ledger.holds.check_load(b for ids in gpu for b in ids)  # PD writes them
         st.request = request
+        st.checked_table = tuple(map(tuple, table))
         m.load = (tuple(gpu), tuple(cpu))
         if self._lazy is not None:
             for ids in table:
@@ -336,6 +338,7 @@ class OffloadManager:
         check = self._check_table
         num_groups = self._num_groups
         dirty: list[_News] = []
+        prechecked: set[int] = set()  # new requests whose ids the allocation checked
         for new in so.new_requests:
             st = requests.get(new.request_id)
             if st is None:
@@ -345,6 +348,8 @@ class OffloadManager:
             end = new.num_computed_tokens + new.num_scheduled_tokens - new.num_spec_tokens
             confirmed = confirmed_tokens(st, end)
             check(st, end, confirmed, new.block_ids, True)
+            if st.checked_table is not None and st.checked_table == new.block_ids:
+                prechecked.add(len(dirty))
             dirty.append((st, confirmed, new.block_ids, True))
         no_new = self._no_new
         news = self._running_news
@@ -392,8 +397,16 @@ class OffloadManager:
                     check(st, end, confirmed, ids, False)
             dirty.append((st, confirmed, ids, False))
         # -- boundary check (kvflow.core.validate): every entry that changes something --
+        entries = dirty
+        if prechecked:
+            # Ids validated at allocation, given again unchanged: checked as no ids (the rest
+            # of the entry still is).
+            entries = [
+                (e[0], e[1], self._no_new, e[3]) if i in prechecked else e
+                for i, e in enumerate(dirty)
+            ]
         validate.step_entries(
-            dirty, _request_id, num_groups, self.config.num_gpu_blocks, self._null
+            entries, _request_id, num_groups, self.config.num_gpu_blocks, self._null
         )
         # Every table is checked: from here on nothing raises on bad input.
 
@@ -428,6 +441,7 @@ class OffloadManager:
         for st, confirmed, ids, replace in dirty:
             if replace:
                 replaced = True
+                st.checked_table = None  # used up (the step passed its checks)
                 st.table = tuple([list(g) for g in ids])
                 st.cursor = [0] * num_groups
             elif num_groups == 1:
