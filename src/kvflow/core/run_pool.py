@@ -149,6 +149,19 @@ class RunBlockPool:
     def is_cached(self, block_hash: BlockHash) -> bool:
         return block_hash in self._cached
 
+    def ids_of(self, block_hashes: Sequence[BlockHash]) -> list[int] | None:
+        """The ids of the blocks caching these hashes if every one is cached, else None (one
+        pass in C)."""
+        try:
+            return list(map(self._cached.__getitem__, block_hashes))
+        except KeyError:
+            return None
+
+    def pin_ids(self, ids: list[int]) -> tuple[int, ...]:
+        """``touch_cached`` of hashes whose ids ``ids_of`` just gave (nothing changed since)."""
+        self._touch(ids)
+        return tuple(ids)
+
     def none_cached(self, block_hashes: Iterable[BlockHash]) -> bool:
         """Whether none of these hashes is cached (one pass in C)."""
         return self._cached.keys().isdisjoint(block_hashes)

@@ -130,6 +130,10 @@ class TransferLedger:
         """Pin the cached CPU blocks of group ``g`` holding ``hashes`` (all must be cached)."""
         return self.cpu[g].touch_cached(hashes)
 
+    def pin_ids(self, g: int, ids: list[int]) -> tuple[int, ...]:
+        """``pin`` of blocks whose ids the matcher just looked up (``RunBlockPool.ids_of``)."""
+        return self.cpu[g].pin_ids(ids)
+
     def unpin(self, m: PinnedHit) -> None:
         for g, ids in enumerate(m.cpu_block_ids):
             self.cpu[g].free(reversed(ids))

@@ -226,10 +226,17 @@ class OffloadManager:
             return 0, False
         first: list[int] = []
         pinned: list[tuple[int, ...]] = []
+        found = self._matcher.found
         for g in range(self._num_groups):
             lo, hi = self._matcher.needed_blocks(g, num_computed_tokens, hit)
-            hashes = st.hashers[self._geo.slot[g]].hashes
-            pinned.append(self._ledger.pin(g, hashes[lo:hi]))
+            looked = found.get(g)
+            if looked is not None and looked[0] <= lo and hi - looked[0] <= len(looked[1]):
+                # The matcher looked these blocks up just now: pin its ids.
+                start = looked[0]
+                pinned.append(self._ledger.pin_ids(g, looked[1][lo - start : hi - start]))
+            else:
+                hashes = st.hashers[self._geo.slot[g]].hashes
+                pinned.append(self._ledger.pin(g, hashes[lo:hi]))
             first.append(lo)
         st.match = PinnedHit(num_computed_tokens, num_external, tuple(first), tuple(pinned))
         self._n.hits += 1
