@@ -27,6 +27,9 @@ from kvflow.core.block_pool import (
     BlockStored,
     PoolEvent,
     StoredBlockInfo,
+    check_cache_input,
+    double_free_error,
+    stored_event,
 )
 from kvflow.core.hashing import BlockHash
 from kvflow.core.idruns import EVERY_CAP, ascending_runs, every
@@ -287,10 +290,7 @@ class RunBlockPool:
                 self._double_free(b, count)
 
     def _double_free(self, block_id: int, count: int) -> None:
-        raise BlockPoolError(
-            f"{self.name}: double free of block {block_id} "
-            f"(ref count {self._refs[block_id]}, freeing {count})"
-        )
+        raise double_free_error(self.name, block_id, self._refs[block_id], count)
 
     # ---- mutations -----------------------------------------------------------------------
 
@@ -452,23 +452,12 @@ class RunBlockPool:
     def cache(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Enter in-use blocks into the prefix cache under the given hashes; per block, whether it
         was cached (a hash another block holds stays with that block)."""
-        if len(block_ids) != len(block_hashes):
-            raise BlockPoolError(
-                f"{self.name}: {len(block_ids)} blocks but {len(block_hashes)} hashes"
-            )
-        self._check_ids(block_ids)
-        seen: set[int] = set()
+        if len(block_ids) == len(block_hashes):
+            self._check_ids(block_ids)
         refs, hashes = self._refs, self._hash
-        for b, h in zip(block_ids, block_hashes, strict=True):
-            if refs[b] == 0:
-                raise BlockPoolError(f"{self.name}: cannot cache free block {b}")
-            if hashes[b] is not None or b in seen:
-                raise BlockPoolError(f"{self.name}: block {b} is already cached")
-            if not isinstance(h, bytes):
-                raise BlockPoolError(
-                    f"{self.name}: block hash must be bytes, got {type(h).__name__}"
-                )
-            seen.add(b)
+        check_cache_input(
+            self.name, block_ids, block_hashes, refs.__getitem__, lambda b: hashes[b] is not None
+        )
         done: list[bool] = []
         cached = self._cached
         for b, h in zip(block_ids, block_hashes, strict=True):
@@ -479,10 +468,7 @@ class RunBlockPool:
             cached[h] = b
             done.append(True)
         if self.enable_events and True in done:
-            stored = [(b, h) for b, h, ok in zip(block_ids, block_hashes, done, strict=True) if ok]
-            self._events.append(
-                BlockStored(tuple(h for _, h in stored), tuple(b for b, _ in stored))
-            )
+            self._events.append(stored_event(block_ids, block_hashes, done))
         return done
 
     def release_owned(
