@@ -79,7 +79,9 @@ class TransferLedger:
         self.shared: dict[int, LiveTransfer] = {}  # live step stores, by transfer id
         self.pending: list[LiveTransfer] = []  # PENDING transfers, launched by the next plan
         self.abandoned: list[int] = []  # for the next plan
-        self.storing: list[dict[BlockHash, int]] = [{} for _ in groups]  # hash → transfer id
+        # Per group, every hash a live store writes → the GPU block it reads; each hash is in
+        # one live store alone (the store policies skip hashes being stored).
+        self.storing: list[dict[BlockHash, int]] = [{} for _ in groups]
         self.waiting: dict[RequestState, None] = {}  # finished requests kept for their transfers
         self.finished_sending: set[str] = set()  # for the next outcome
         self.finished_recving: set[str] = set()
@@ -205,15 +207,17 @@ class TransferLedger:
         )
         xfer.hashes = tuple(hashes)
         xfer.owners = tuple(owners)
-        tid = xfer.transfer.transfer_id
         for g, hs in enumerate(hashes):
             if hs:
                 picked = batch.blocks[g]
-                if not self.storing[g] and len(hs) == len(picked):
-                    # Nothing else being stored: a new map, sized from the picks (a dict).
-                    self.storing[g] = dict.fromkeys(picked, tid)
+                if len(hs) < len(picked):
+                    self.storing[g].update(zip(hs, gpu[g], strict=True))  # what fitted
+                elif self.storing[g]:
+                    self.storing[g].update(picked)
                 else:
-                    self.storing[g].update(dict.fromkeys(hs, tid))
+                    # Nothing else being stored: the batch's picks (hash → GPU block, the
+                    # batch is done with them) become the map, without a copy.
+                    self.storing[g] = picked
         return evicted
 
     def _new(
@@ -463,8 +467,7 @@ class TransferLedger:
                     storing.clear()
                 else:
                     for h in hs:
-                        if storing.get(h) == tid:
-                            del storing[h]
+                        storing.pop(h, None)
                 if commit:
                     keep: Sequence[BlockHash | None] = hs
                     if x.dropped:
