@@ -408,8 +408,8 @@ class RunBlockPool:
         ids = block_ids if isinstance(block_ids, tuple | list) else list(block_ids)
         self._check_ids(ids)
         self._check_refs(ids)
-        for b in ids:
-            self._drop_one(b)
+        # Checked: what ``free_owned`` assumes holds (repeated ids take its per-block path).
+        self.free_owned(ids)
 
     def free_owned(self, block_ids: Sequence[int]) -> None:
         """``free`` for a caller that holds one reference on each of these distinct, valid ids
