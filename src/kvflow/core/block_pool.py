@@ -14,7 +14,7 @@ Every mutating call validates all its arguments before changing anything, so a m
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from attrs import define, frozen
 
@@ -259,7 +259,35 @@ def double_free_error(name: str, block_id: int, refs: int, count: int) -> BlockP
     )
 
 
-class BlockPool:
+class PrefixCacheQueries:
+    """What both pools (``BlockPool``, the CPU tier's ``RunBlockPool``) answer alike from their
+    hash map (``_cached``, hash → block or id) and their event list."""
+
+    __slots__ = ()
+    _cached: dict[BlockHash, Any]
+    _events: list[PoolEvent]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
+    @property
+    def cached_hashes(self) -> Container[BlockHash]:
+        """The hashes cached now (live, read-only use): ``h in pool.cached_hashes`` is
+        ``is_cached(h)`` without a call, for loops over many blocks."""
+        return self._cached
+
+    def take_events(self) -> list[PoolEvent]:
+        """Drain the events recorded since the last call."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+
+class BlockPool(PrefixCacheQueries):
     """Ref-counted blocks, an LRU free queue and a hash → block prefix cache for one tier."""
 
     __slots__ = (
@@ -304,10 +332,6 @@ class BlockPool:
         return self.free_queue.num_free
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks in use (ref count > 0)."""
         return 1.0 - self.free_queue.num_free / len(self.blocks)
@@ -344,15 +368,6 @@ class BlockPool:
                 break
             out.append(block.block_id)
         return out
-
-    def is_cached(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._cached
-
-    @property
-    def cached_hashes(self) -> Container[BlockHash]:
-        """The hashes cached now (live, read-only use): ``h in pool.cached_hashes`` is
-        ``is_cached(h)`` without a call, for loops over many blocks."""
-        return self._cached
 
     # ---- mutations -----------------------------------------------------------------------
 
@@ -539,11 +554,6 @@ class BlockPool:
             self._events.append(AllBlocksCleared())
         return True
 
-    def take_events(self) -> list[PoolEvent]:
-        """Drain the events recorded since the last call."""
-        events, self._events = self._events, []
-        return events
-
 
 __all__ = [
     "AllBlocksCleared",
@@ -553,6 +563,7 @@ __all__ = [
     "BlockStored",
     "FreeBlockQueue",
     "PoolEvent",
+    "PrefixCacheQueries",
     "StoredBlockInfo",
     "check_cache_input",
     "double_free_error",

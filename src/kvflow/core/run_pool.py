@@ -17,7 +17,7 @@ pool exactly as it was.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import cast
 
 from kvflow.core.block_pool import (
@@ -26,6 +26,7 @@ from kvflow.core.block_pool import (
     BlockRemoved,
     BlockStored,
     PoolEvent,
+    PrefixCacheQueries,
     StoredBlockInfo,
     check_cache_input,
     double_free_error,
@@ -55,7 +56,7 @@ def _runs(ids: Sequence[int], every: list[int]) -> list[tuple[int, int, int]] | 
     return ascending_runs(ids, every, len(every))
 
 
-class RunBlockPool:
+class RunBlockPool(PrefixCacheQueries):
     """Ref-counted blocks, an LRU free queue of id runs and a hash → id prefix cache."""
 
     __slots__ = (
@@ -105,10 +106,6 @@ class RunBlockPool:
         return len(self._refs)
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks in use (ref count > 0)."""
         return 1.0 - self.num_free_blocks / len(self._refs)
@@ -149,9 +146,6 @@ class RunBlockPool:
             out.append(b)
         return out
 
-    def is_cached(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._cached
-
     def ids_of(self, block_hashes: Sequence[BlockHash]) -> list[int] | None:
         """The ids of the blocks caching these hashes if every one is cached, else None (one
         pass in C)."""
@@ -168,11 +162,6 @@ class RunBlockPool:
     def none_cached(self, block_hashes: Iterable[BlockHash]) -> bool:
         """Whether none of these hashes is cached (one pass in C)."""
         return self._cached.keys().isdisjoint(block_hashes)
-
-    @property
-    def cached_hashes(self) -> Container[BlockHash]:
-        """The hashes cached now (live, read-only use), as ``BlockPool.cached_hashes``."""
-        return self._cached
 
     # ---- the free queue ------------------------------------------------------------------
 
@@ -590,11 +579,6 @@ class RunBlockPool:
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True
-
-    def take_events(self) -> list[PoolEvent]:
-        """Drain the events recorded since the last call."""
-        events, self._events = self._events, []
-        return events
 
 
 __all__ = ["RunBlockPool"]
