@@ -7,12 +7,12 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvflow.core.block_pool import BlockPool
 from kvflow.core.hashing import BlockHash, BlockHasher, HashChain
 from kvflow.core.offload.config import Geometry, GroupSpec, OffloadManagerConfig
 from kvflow.core.offload.eager import EagerStore
 from kvflow.core.offload.state import RequestState, StoreBatch
 from kvflow.core.requests import KVRequest
+from kvflow.core.run_pool import RunBlockPool
 
 BS = 4
 NULL = 0
@@ -23,10 +23,12 @@ def _hash(i: int) -> BlockHash:
 
 
 _request = st.tuples(
-    st.lists(st.integers(0, 6), min_size=0, max_size=8),  # GPU block ids (0: the null block)
-    st.lists(st.integers(0, 5), min_size=8, max_size=8),  # engine hashes (few: duplicates)
-    st.integers(0, 8 * BS),  # confirmed tokens
-    st.integers(0, 8),  # the store cursor before the call
+    # GPU block ids (0: the null block; few or many: a prefill's blocks all picked at once).
+    st.lists(st.integers(0, 6) | st.integers(7, 60), min_size=0, max_size=12),
+    # Engine hashes: few (duplicates, cached, being stored) or many (a whole prefill picked).
+    st.lists(st.integers(0, 5) | st.integers(6, 400), min_size=12, max_size=12),
+    st.integers(0, 12 * BS),  # confirmed tokens
+    st.integers(0, 12) | st.just(0),  # the store cursor before the call
     st.booleans(),  # hashed by kvflow itself (else by the engine)
 )
 
@@ -34,7 +36,7 @@ _request = st.tuples(
 def _states(specs: list[tuple[Any, ...]]) -> list[RequestState]:
     out = []
     for n, (ids, hashes, confirmed, cursor, own) in enumerate(specs):
-        tokens = list(range(n * 1000, n * 1000 + 8 * BS))
+        tokens = list(range(n * 1000, n * 1000 + 12 * BS))
         confirmed = min(confirmed, len(ids) * BS)
         hashers: list[HashChain]
         if own:
@@ -60,7 +62,7 @@ def _states(specs: list[tuple[Any, ...]]) -> list[RequestState]:
 
 def _store(cached: list[int], storing: list[int]) -> EagerStore:
     config = OffloadManagerConfig(groups=(GroupSpec(block_size=BS, num_cpu_blocks=16),))
-    pool = BlockPool(16, name="cpu")
+    pool = RunBlockPool(16, name="cpu")
     hashes = [_hash(h) for h in dict.fromkeys(cached)]
     ids = pool.get_new_blocks(len(hashes))
     pool.cache(ids, hashes)
@@ -91,4 +93,32 @@ def test_one_group_collect_equals_the_general_one(
     batch_one, batch_general = StoreBatch.empty(1), StoreBatch.empty(1)
     _store(cached, storing)._collect_one(one, batch_one, pick)
     _store(cached, storing)._collect_groups(general, batch_general, pick)
+    assert _result(batch_one, one) == _result(batch_general, general)
+
+
+_prefill = st.tuples(
+    st.lists(st.integers(1, 60), min_size=8, max_size=12, unique=True),  # no null block
+    st.lists(st.integers(0, 400), min_size=12, max_size=12, unique=True),
+    st.just(12 * BS),
+    st.integers(0, 2),
+    st.booleans(),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(_prefill | _request, min_size=1, max_size=3),
+    st.lists(st.integers(0, 400), max_size=3),
+    st.lists(st.integers(0, 400), max_size=2),
+)
+def test_whole_prefills_are_picked_as_the_general_loop_picks(
+    specs: list[tuple[Any, ...]], cached: list[int], storing: list[int]
+) -> None:
+    """Requests completing many blocks at once (picked as a whole where nothing is skipped)
+    give the same batch as the loop over groups, with or without a block cached, being
+    stored or picked by an earlier request of the batch."""
+    one, general = _states(specs), _states(specs)
+    batch_one, batch_general = StoreBatch.empty(1), StoreBatch.empty(1)
+    _store(cached, storing)._collect_one(one, batch_one, True)
+    _store(cached, storing)._collect_groups(general, batch_general, True)
     assert _result(batch_one, one) == _result(batch_general, general)

@@ -14,6 +14,7 @@ from kvflow.core.offload.config import Geometry, GroupSpec, OffloadManagerConfig
 from kvflow.core.offload.lazy import LazyCursor
 from kvflow.core.offload.state import RequestState
 from kvflow.core.protocol import StepReport
+from kvflow.core.run_pool import RunBlockPool
 from kvflow.errors import ReportError
 from tests.core.scheduler_harness import Sim
 from tests.core.test_offload_eager import BS, NULL, _hash, _request, _states
@@ -33,7 +34,7 @@ def _cursor(engine_hashed: list[int]) -> LazyCursor:
     gpu.free(ids)
     return LazyCursor(
         Geometry.of(config),
-        [BlockPool(16, name="cpu")],
+        [RunBlockPool(16, name="cpu")],
         [{}],
         BlockPoolGpuView(gpu),
         null_block_id=NULL,

@@ -505,3 +505,40 @@ def test_a_block_size_the_engine_does_not_hash_is_hashed_by_kvflow(make_sim: Mak
     small, large = sim.mgr.cpu_pools
     assert all(small.get_cached_block(h) is not None for h in engine)
     assert all(large.get_cached_block(h) is not None for h in hash_blocks(list(range(16)), 8))
+
+
+def test_ids_checked_at_allocation_are_not_checked_again_unchanged(
+    make_sim: MakeSim, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new request scheduled with the very ids update_state_after_alloc validated has its
+    store planned without a second id check; scheduled with other ids, they are checked (a
+    repeated id is a ConfigError and the step changes nothing)."""
+    from kvflow.core import validate
+    from kvflow.core.requests import NewRequest
+
+    seen: list[Any] = []
+    checked = validate.step_entries
+
+    def spy(entries: Any, *args: Any) -> None:
+        seen.append([e[2] for e in entries])
+        checked(entries, *args)
+
+    monkeypatch.setattr(validate, "step_entries", spy)
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", list(range(8)))
+    sim.match(a)
+    table = sim.alloc(a, 8, 0)
+    plan = sim.mgr.build_step_plan(SchedulerOutput(1, (NewRequest("a", [list(table[0])], 0, 8),)))
+    assert seen[-1] == [((),)], "the allocation's ids are not checked twice"
+    assert len(plan.stores) == 1
+    sim.workers.run(plan)
+    sim._compute(a, 8)
+    b = sim.add("b", list(range(100, 108)))
+    sim.match(b)
+    sim.alloc(b, 8, 0)
+    bad = [sim.tables["b"][0][0]] * 2
+    with pytest.raises(ConfigError, match="given twice"):
+        sim.mgr.build_step_plan(SchedulerOutput(2, (NewRequest("b", [bad], 0, 8),)))
+    assert seen[-1] == [(tuple(bad),)]
+    sim.complete()
+    assert sim.on_cpu(a) == [True, True]

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvflow.core.offload import LAZY_REQUEST_ID, GroupSpec, ResetStatus
 from kvflow.core.protocol import GroupBlockIds, StepPlan
 from kvflow.core.requests import KVRequest, SchedulerOutput
+from kvflow.core.transfer import Direction
 from tests.core.scheduler_harness import Sim
 
 BS = 4
@@ -163,8 +164,18 @@ class Engine:
     def check(self) -> None:
         """Ref counts match what transfers and pins hold; cached CPU data matches its hash; no
         GPU block is free while a copy that reads or writes it is in flight (and was not
-        flushed by a preemption: the engine may free those blocks, not write them first)."""
+        flushed by a preemption: the engine may free those blocks, not write them first); the
+        hashes being stored are exactly the live stores' hashes, each in one store."""
         sim = self.sim
+        ledger = sim.mgr._ledger
+        live = [
+            h
+            for x in ledger.xfers.values()
+            if x.spec.direction is Direction.STORE
+            for h in x.hashes[0]
+        ]
+        assert len(live) == len(set(live)), "a hash in two live stores"
+        assert ledger.storing[0].keys() == set(live)
         pool = sim.mgr.cpu_pools[0]
         held = sim.mgr.cpu_refs()[0]
         for block in pool.blocks:

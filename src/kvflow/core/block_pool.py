@@ -14,7 +14,7 @@ Every mutating call validates all its arguments before changing anything, so a m
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from attrs import define, frozen
 
@@ -223,7 +223,71 @@ class AllBlocksCleared:
 PoolEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class BlockPool:
+def check_cache_input(
+    name: str,
+    block_ids: Sequence[int],
+    block_hashes: Sequence[BlockHash],
+    refs: Callable[[int], int],
+    held: Callable[[int], bool],
+) -> None:
+    """``cache``'s checks, shared by both pools: as many hashes as blocks, each block in use
+    (``refs``), not cached (``held``) nor listed twice, each hash bytes."""
+    if len(block_ids) != len(block_hashes):
+        raise BlockPoolError(f"{name}: {len(block_ids)} blocks but {len(block_hashes)} hashes")
+    seen: set[int] = set()
+    for b, h in zip(block_ids, block_hashes, strict=True):
+        if refs(b) == 0:
+            raise BlockPoolError(f"{name}: cannot cache free block {b}")
+        if held(b) or b in seen:
+            raise BlockPoolError(f"{name}: block {b} is already cached")
+        if not isinstance(h, bytes):
+            raise BlockPoolError(f"{name}: block hash must be bytes, got {type(h).__name__}")
+        seen.add(b)
+
+
+def stored_event(
+    block_ids: Sequence[int], block_hashes: Sequence[BlockHash], done: Sequence[bool]
+) -> BlockStored:
+    """The ``BlockStored`` of a ``cache`` call: the blocks it cached (``done``)."""
+    stored = [(b, h) for b, h, ok in zip(block_ids, block_hashes, done, strict=True) if ok]
+    return BlockStored(tuple(h for _, h in stored), tuple(b for b, _ in stored))
+
+
+def double_free_error(name: str, block_id: int, refs: int, count: int) -> BlockPoolError:
+    return BlockPoolError(
+        f"{name}: double free of block {block_id} (ref count {refs}, freeing {count})"
+    )
+
+
+class PrefixCacheQueries:
+    """What both pools (``BlockPool``, the CPU tier's ``RunBlockPool``) answer alike from their
+    hash map (``_cached``, hash → block or id) and their event list."""
+
+    __slots__ = ()
+    _cached: dict[BlockHash, Any]
+    _events: list[PoolEvent]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
+    @property
+    def cached_hashes(self) -> Container[BlockHash]:
+        """The hashes cached now (live, read-only use): ``h in pool.cached_hashes`` is
+        ``is_cached(h)`` without a call, for loops over many blocks."""
+        return self._cached
+
+    def take_events(self) -> list[PoolEvent]:
+        """Drain the events recorded since the last call."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+
+class BlockPool(PrefixCacheQueries):
     """Ref-counted blocks, an LRU free queue and a hash → block prefix cache for one tier."""
 
     __slots__ = (
@@ -268,10 +332,6 @@ class BlockPool:
         return self.free_queue.num_free
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks in use (ref count > 0)."""
         return 1.0 - self.free_queue.num_free / len(self.blocks)
@@ -308,15 +368,6 @@ class BlockPool:
                 break
             out.append(block.block_id)
         return out
-
-    def is_cached(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._cached
-
-    @property
-    def cached_hashes(self) -> Container[BlockHash]:
-        """The hashes cached now (live, read-only use): ``h in pool.cached_hashes`` is
-        ``is_cached(h)`` without a call, for loops over many blocks."""
-        return self._cached
 
     # ---- mutations -----------------------------------------------------------------------
 
@@ -407,10 +458,7 @@ class BlockPool:
         self._double_free(block_id, 1)
 
     def _double_free(self, block_id: int, count: int) -> NoReturn:
-        raise BlockPoolError(
-            f"{self.name}: double free of block {block_id} "
-            f"(ref count {self.blocks[block_id].ref_cnt}, freeing {count})"
-        )
+        raise double_free_error(self.name, block_id, self.blocks[block_id].ref_cnt, count)
 
     def cache(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Enter in-use blocks into the prefix cache under the given hashes.
@@ -418,22 +466,15 @@ class BlockPool:
         Returns, per block, whether it was cached: a hash already held by another block is left
         with that block (the new block stays uncached and is evicted first once freed).
         """
-        if len(block_ids) != len(block_hashes):
-            raise BlockPoolError(
-                f"{self.name}: {len(block_ids)} blocks but {len(block_hashes)} hashes"
-            )
-        blocks = self._lookup(block_ids)
-        seen: set[int] = set()
-        for block, h in zip(blocks, block_hashes, strict=True):
-            if block.ref_cnt == 0:
-                raise BlockPoolError(f"{self.name}: cannot cache free block {block.block_id}")
-            if block.block_hash is not None or block.block_id in seen:
-                raise BlockPoolError(f"{self.name}: block {block.block_id} is already cached")
-            if not isinstance(h, bytes):
-                raise BlockPoolError(
-                    f"{self.name}: block hash must be bytes, got {type(h).__name__}"
-                )
-            seen.add(block.block_id)
+        blocks = self._lookup(block_ids) if len(block_ids) == len(block_hashes) else []
+        every = self.blocks
+        check_cache_input(
+            self.name,
+            block_ids,
+            block_hashes,
+            lambda b: every[b].ref_cnt,
+            lambda b: every[b].block_hash is not None,
+        )
         done: list[bool] = []
         cached = self._cached
         for block, h in zip(blocks, block_hashes, strict=True):
@@ -444,12 +485,7 @@ class BlockPool:
             cached[h] = block
             done.append(True)
         if self.enable_events and True in done:
-            stored = [
-                (b.block_id, h) for b, h, ok in zip(blocks, block_hashes, done, strict=True) if ok
-            ]
-            self._events.append(
-                BlockStored(tuple(h for _, h in stored), tuple(b for b, _ in stored))
-            )
+            self._events.append(stored_event([b.block_id for b in blocks], block_hashes, done))
         return done
 
     def release_owned(
@@ -518,11 +554,6 @@ class BlockPool:
             self._events.append(AllBlocksCleared())
         return True
 
-    def take_events(self) -> list[PoolEvent]:
-        """Drain the events recorded since the last call."""
-        events, self._events = self._events, []
-        return events
-
 
 __all__ = [
     "AllBlocksCleared",
@@ -532,5 +563,9 @@ __all__ = [
     "BlockStored",
     "FreeBlockQueue",
     "PoolEvent",
+    "PrefixCacheQueries",
     "StoredBlockInfo",
+    "check_cache_input",
+    "double_free_error",
+    "stored_event",
 ]

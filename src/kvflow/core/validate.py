@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar, cast
 
+from kvflow.core.idruns import EVERY_CAP, ascending_runs, every
 from kvflow.core.protocol import GroupBlockIds, StepPlan, TransferSpec
 from kvflow.core.requests import SchedulerOutput
 from kvflow.core.transfer import Direction
@@ -67,6 +68,7 @@ def group_ids(
 
 
 _INT = frozenset({int})
+_RUNS_FROM = 16  # ids from which a list is first tried as ascending runs
 
 
 def check_ids(
@@ -90,6 +92,14 @@ def id_problem(ids: Sequence[int], num_blocks: int | None, null_block_id: int | 
     common short lists: no set, no copy, unless there are several ids."""
     if not ids:
         return None
+    if (
+        len(ids) >= _RUNS_FROM
+        and num_blocks is not None
+        and num_blocks <= EVERY_CAP
+        and ids[0] < ids[-1]
+        and ascending_runs(ids, every(num_blocks), num_blocks) is not None
+    ):
+        return None  # ascending runs in range (a CPU tier's ids): unique, no min, max or set
     lo, hi = min(ids), max(ids)
     if lo < 0 or (num_blocks is not None and hi >= num_blocks):
         bad = lo if lo < 0 else hi

@@ -297,14 +297,16 @@ class DmaExecutor:
             return
         self.submits += 1
         self._in_flight[order.direction][id(fence)] = (fence, gpu)
-        log.debug(
-            "copy_batch_submitted",
-            step=order.step,
-            direction=order.direction.value,
-            transfers=len(transfers),
-            blocks=batch.num_blocks,
-            waits=len(wait_for),
-        )
+        # Guarded: with structlog configured, a filtered-out call still binds a logger.
+        if log.debug_enabled():
+            log.debug(
+                "copy_batch_submitted",
+                step=order.step,
+                direction=order.direction.value,
+                transfers=len(transfers),
+                blocks=batch.num_blocks,
+                waits=len(wait_for),
+            )
         per_group = [len(ids) for ids in batch.gpu_block_ids]
         stats = self.throughput[order.direction]
 
@@ -352,7 +354,8 @@ class DmaExecutor:
             direction, fence = submitted
             del self._in_flight[direction][id(fence)]
         self._outstanding -= 1
-        log.debug("copy_batch_finished", transfers=len(transfers), status=status.value)
+        if log.debug_enabled():
+            log.debug("copy_batch_finished", transfers=len(transfers), status=status.value)
         if self._outstanding == 0:
             self._no_outstanding.set()
         self._finish(transfers, status, cause)

@@ -251,15 +251,16 @@ class WorkerRuntime:
         self._plan = plan
         self._loads_launched = not plan.loads
         self._stores_launched = not plan.stores
-        log.debug(
-            "step_bound",
-            rank=self.rank,
-            step=plan.step,
-            stores=len(plan.stores),
-            loads=len(plan.loads),
-            flush=plan.flush,
-            abandoned=len(plan.abandoned),
-        )
+        if log.debug_enabled():  # with structlog configured, a filtered-out call still binds
+            log.debug(
+                "step_bound",
+                rank=self.rank,
+                step=plan.step,
+                stores=len(plan.stores),
+                loads=len(plan.loads),
+                flush=plan.flush,
+                abandoned=len(plan.abandoned),
+            )
 
     def _abandon(self, transfer_ids: Sequence[int]) -> None:
         for tid in transfer_ids:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from kvflow.core.block_pool import BlockPool
 from kvflow.core.gpu_view import BlockKey, GpuCacheView, KeyedGpuCacheView
 from kvflow.core.hashing import BlockHash
 from kvflow.core.logs import debug_enabled, get_logger
 from kvflow.core.offload.config import Geometry
 from kvflow.core.offload.state import RequestState, StoreBatch, next_boundary
 from kvflow.core.protocol import GroupBlockIds
+from kvflow.core.run_pool import RunBlockPool
 
 log = get_logger("kvflow.scheduler")
 
@@ -37,7 +37,7 @@ class LazyCursor:
     def __init__(
         self,
         geometry: Geometry,
-        cpu: Sequence[BlockPool],
+        cpu: Sequence[RunBlockPool],
         storing: Sequence[dict[BlockHash, int]],
         view: GpuCacheView,
         *,

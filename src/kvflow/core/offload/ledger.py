@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvflow.core.block_pool import BlockPool, StoredBlockInfo
+from kvflow.core.block_pool import StoredBlockInfo
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash
 from kvflow.core.logs import debug_enabled, get_logger
@@ -22,6 +22,7 @@ from kvflow.core.offload.holds import GpuHolds
 from kvflow.core.offload.state import LiveTransfer, PinnedHit, RequestState, StoreBatch, all_ids
 from kvflow.core.offload.stats import Counters
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
+from kvflow.core.run_pool import RunBlockPool
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
 from kvflow.errors import ReportError
 
@@ -56,13 +57,9 @@ class TransferLedger:
         self.events = config.enable_events
         self._geo = geometry
         self.cpu = [
-            # Ascending runs: a store's CPU blocks in few contiguous pieces (fewer copies).
-            BlockPool(
-                s.num_cpu_blocks,
-                name=f"cpu[{g}]",
-                enable_events=config.enable_events,
-                ascending_runs=True,
-            )
+            # Ascending runs: a store's CPU blocks in few contiguous pieces (fewer copies), and
+            # the pool's work per store or load per run, not per block.
+            RunBlockPool(s.num_cpu_blocks, name=f"cpu[{g}]", enable_events=config.enable_events)
             for g, s in enumerate(groups)
         ]
         self.gpu = gpu_view
@@ -82,7 +79,9 @@ class TransferLedger:
         self.shared: dict[int, LiveTransfer] = {}  # live step stores, by transfer id
         self.pending: list[LiveTransfer] = []  # PENDING transfers, launched by the next plan
         self.abandoned: list[int] = []  # for the next plan
-        self.storing: list[dict[BlockHash, int]] = [{} for _ in groups]  # hash → transfer id
+        # Per group, every hash a live store writes → the GPU block it reads; each hash is in
+        # one live store alone (the store policies skip hashes being stored).
+        self.storing: list[dict[BlockHash, int]] = [{} for _ in groups]
         self.waiting: dict[RequestState, None] = {}  # finished requests kept for their transfers
         self.finished_sending: set[str] = set()  # for the next outcome
         self.finished_recving: set[str] = set()
@@ -132,6 +131,10 @@ class TransferLedger:
     def pin(self, g: int, hashes: Sequence[BlockHash]) -> tuple[int, ...]:
         """Pin the cached CPU blocks of group ``g`` holding ``hashes`` (all must be cached)."""
         return self.cpu[g].touch_cached(hashes)
+
+    def pin_ids(self, g: int, ids: list[int]) -> tuple[int, ...]:
+        """``pin`` of blocks whose ids the matcher just looked up (``RunBlockPool.ids_of``)."""
+        return self.cpu[g].pin_ids(ids)
 
     def unpin(self, m: PinnedHit) -> None:
         for g, ids in enumerate(m.cpu_block_ids):
@@ -204,10 +207,17 @@ class TransferLedger:
         )
         xfer.hashes = tuple(hashes)
         xfer.owners = tuple(owners)
-        tid = xfer.transfer.transfer_id
         for g, hs in enumerate(hashes):
             if hs:
-                self.storing[g].update(dict.fromkeys(hs, tid))
+                picked = batch.blocks[g]
+                if len(hs) < len(picked):
+                    self.storing[g].update(zip(hs, gpu[g], strict=True))  # what fitted
+                elif self.storing[g]:
+                    self.storing[g].update(picked)
+                else:
+                    # Nothing else being stored: the batch's picks (hash → GPU block, the
+                    # batch is done with them) become the map, without a copy.
+                    self.storing[g] = picked
         return evicted
 
     def _new(
@@ -457,8 +467,7 @@ class TransferLedger:
                     storing.clear()
                 else:
                     for h in hs:
-                        if storing.get(h) == tid:
-                            del storing[h]
+                        storing.pop(h, None)
                 if commit:
                     keep: Sequence[BlockHash | None] = hs
                     if x.dropped:

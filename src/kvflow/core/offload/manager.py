@@ -1,6 +1,6 @@
 """The offload manager: answers the engine scheduler's calls and orchestrates the other parts.
 
-``OffloadManager`` owns kvflow's CPU tier (one ``BlockPool`` per KV cache group, held by its
+``OffloadManager`` owns kvflow's CPU tier (one ``RunBlockPool`` per KV cache group, held by its
 ``TransferLedger``) and its prefix cache. The engine's scheduler calls it like vLLM's KV
 connector scheduler API:
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from attrs import asdict
 
 from kvflow.core import validate
-from kvflow.core.block_pool import AllBlocksCleared, BlockPool, PoolEvent
+from kvflow.core.block_pool import AllBlocksCleared, PoolEvent
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import BlockHash, BlockHasher, EngineBlockHashes, HashChain
 from kvflow.core.logs import debug_enabled, get_logger
@@ -52,6 +52,7 @@ from kvflow.core.offload.state import (
 from kvflow.core.offload.stats import Counters, OffloadStats, StepOutcome
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.run_pool import RunBlockPool
 from kvflow.core.transfer import Direction, TransferState
 from kvflow.errors import ConfigError, ProtocolError
 
@@ -109,7 +110,7 @@ class OffloadManager:
     # ---- queries ------------------------------------------------------------------------------
 
     @property
-    def cpu_pools(self) -> tuple[BlockPool, ...]:
+    def cpu_pools(self) -> tuple[RunBlockPool, ...]:
         """The CPU tier, one pool per group (read-only use: tests and metrics)."""
         return tuple(self._cpu)
 
@@ -225,10 +226,17 @@ class OffloadManager:
             return 0, False
         first: list[int] = []
         pinned: list[tuple[int, ...]] = []
+        found = self._matcher.found
         for g in range(self._num_groups):
             lo, hi = self._matcher.needed_blocks(g, num_computed_tokens, hit)
-            hashes = st.hashers[self._geo.slot[g]].hashes
-            pinned.append(self._ledger.pin(g, hashes[lo:hi]))
+            looked = found.get(g)
+            if looked is not None and looked[0] <= lo and hi - looked[0] <= len(looked[1]):
+                # The matcher looked these blocks up just now: pin its ids.
+                start = looked[0]
+                pinned.append(self._ledger.pin_ids(g, looked[1][lo - start : hi - start]))
+            else:
+                hashes = st.hashers[self._geo.slot[g]].hashes
+                pinned.append(self._ledger.pin(g, hashes[lo:hi]))
             first.append(lo)
         st.match = PinnedHit(num_computed_tokens, num_external, tuple(first), tuple(pinned))
         self._n.hits += 1
@@ -268,6 +276,7 @@ class OffloadManager:
         if num_external_tokens == 0:
             if st is not None:
                 self._drop_match(st)
+                st.checked_table = tuple(map(tuple, table)) if table else None
             return
         m = None if st is None else st.match
         if st is None or m is None:
@@ -305,6 +314,7 @@ class OffloadManager:
         if self._ledger.holds:
             self._ledger.holds.check_load(b for ids in gpu for b in ids)  # PD writes them
         st.request = request
+        st.checked_table = tuple(map(tuple, table))
         m.load = (tuple(gpu), tuple(cpu))
         if self._lazy is not None:
             for ids in table:
@@ -335,6 +345,7 @@ class OffloadManager:
         check = self._check_table
         num_groups = self._num_groups
         dirty: list[_News] = []
+        prechecked: set[int] = set()  # new requests whose ids the allocation checked
         for new in so.new_requests:
             st = requests.get(new.request_id)
             if st is None:
@@ -344,6 +355,8 @@ class OffloadManager:
             end = new.num_computed_tokens + new.num_scheduled_tokens - new.num_spec_tokens
             confirmed = confirmed_tokens(st, end)
             check(st, end, confirmed, new.block_ids, True)
+            if st.checked_table is not None and st.checked_table == new.block_ids:
+                prechecked.add(len(dirty))
             dirty.append((st, confirmed, new.block_ids, True))
         no_new = self._no_new
         news = self._running_news
@@ -391,8 +404,16 @@ class OffloadManager:
                     check(st, end, confirmed, ids, False)
             dirty.append((st, confirmed, ids, False))
         # -- boundary check (kvflow.core.validate): every entry that changes something --
+        entries = dirty
+        if prechecked:
+            # Ids validated at allocation, given again unchanged: checked as no ids (the rest
+            # of the entry still is).
+            entries = [
+                (e[0], e[1], self._no_new, e[3]) if i in prechecked else e
+                for i, e in enumerate(dirty)
+            ]
         validate.step_entries(
-            dirty, _request_id, num_groups, self.config.num_gpu_blocks, self._null
+            entries, _request_id, num_groups, self.config.num_gpu_blocks, self._null
         )
         # Every table is checked: from here on nothing raises on bad input.
 
@@ -427,6 +448,7 @@ class OffloadManager:
         for st, confirmed, ids, replace in dirty:
             if replace:
                 replaced = True
+                st.checked_table = None  # used up (the step passed its checks)
                 st.table = tuple([list(g) for g in ids])
                 st.cursor = [0] * num_groups
             elif num_groups == 1:

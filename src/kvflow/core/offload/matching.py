@@ -7,17 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvflow.core.block_pool import BlockPool
 from kvflow.core.offload.config import Geometry
 from kvflow.core.offload.state import RequestState
+from kvflow.core.run_pool import RunBlockPool
 
 
 class HitMatcher:
     """Finds a request's longest CPU hit, whole blocks consistent over all groups."""
 
-    def __init__(self, geometry: Geometry, cpu: Sequence[BlockPool]) -> None:
+    def __init__(self, geometry: Geometry, cpu: Sequence[RunBlockPool]) -> None:
         self._geo = geometry
         self._cpu = cpu
+        # Per full-attention group, from the last ``longest_hit``: the first block index it
+        # looked up as a whole and those blocks' CPU ids (the pin then needs no second lookup).
+        self.found: dict[int, tuple[int, list[int]]] = {}
 
     def needed_blocks(self, g: int, num_computed: int, hit: int) -> tuple[int, int]:
         """Block index range of group ``g`` a hit of ``hit`` tokens loads."""
@@ -33,13 +36,19 @@ class HitMatcher:
         geo = self._geo
         align = geo.align
         hit = num_tokens // align * align
+        looked = self.found
+        looked.clear()
         for g in geo.full_groups:
             bs = geo.block_sizes[g]
             hashes = st.hashers[geo.slot[g]].hashes
-            in_cpu = self._cpu[g].cached_hashes
+            pool = self._cpu[g]
+            in_cpu = pool.cached_hashes
             i, end = num_computed // bs, hit // bs
-            if i < end and all(map(in_cpu.__contains__, hashes[i:end])):
-                i = end  # every block cached (a whole hit): one pass in C, no call per block
+            ids = pool.ids_of(hashes[i:end]) if i < end else None
+            if ids is not None:
+                # Every block cached (a whole hit): one pass in C, no call per block.
+                looked[g] = (i, ids)
+                i = end
             else:
                 while i < end and hashes[i] in in_cpu:
                     i += 1

@@ -68,6 +68,9 @@ class RequestState:
     # Live (not yet released) transfers, but for step stores (``LiveTransfer.shared``):
     # registering the request in each would touch every storing request's state twice per store.
     transfers: dict[int, LiveTransfer] = field(factory=dict)
+    # The table ``update_state_after_alloc`` validated: the step that schedules the request
+    # with these same ids need not check them again (read and cleared by that step).
+    checked_table: GroupBlockIds | None = None
     finishing: bool = False  # gone for the engine; state kept until its transfers settle
     delay_free: bool = False  # the engine waits for finished_sending to free its GPU blocks
 
