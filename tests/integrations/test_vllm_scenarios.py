@@ -310,3 +310,24 @@ def test_lazy_never_stores_blocks_computed_before_a_connector_reset() -> None:
     rig.run()
     assert other.is_finished()
     assert rig.manager.stats().cpu_blocks_cached > 0
+
+
+def test_a_store_every_step_stores_each_block_at_the_step_it_completes() -> None:
+    """On vLLM's scheduler with a store every step, over a long steady decode of requests at
+    different offsets (where the adapter finds the due requests from a steady run's residues),
+    every block a request completed is in the CPU tier right after the step that completed it."""
+    rig = Rig(num_blocks=64, extra={"eager_store_interval": 1})
+    requests = [
+        rig.h.add(PROMPT[: 20 + 9 * i], max_tokens=70, request_id=f"r{i}") for i in range(3)
+    ]
+    cpu = rig.manager.cpu_pools[0]
+    held = rig.h.connector._held
+    shortcut_steps = 0
+    for _ in range(60):
+        rig.step()
+        shortcut_steps += held._phases is not None
+        for request in requests:
+            full = request.block_hashes[: request.num_computed_tokens // 16]
+            assert all(cpu.get_cached_block(h) is not None for h in full), request.request_id
+    assert shortcut_steps > 40, "the steady run took the residue shortcut"
+    assert all(len(r.block_hashes) >= 5 for r in requests)

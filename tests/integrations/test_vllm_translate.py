@@ -474,3 +474,89 @@ def test_decode_step_holds_ids_of_several_groups_as_tuples() -> None:
     assert columns == DecodeRequests(["a"], [3], [((1, 3), (2,))])
     assert columns.new_block_ids == (((1, 3), (2,)),)
     assert held.take("b") == ((5,), (6,))
+
+
+# One engine step of a decode run: ("steady", per-request count moves) takes every count up by
+# one unless its move says it went back (vLLM recomputing after a failed load); "gap" is a step
+# the translation's general path handled (anything may change); "leave" / "join" change the
+# batch. Only what vLLM can do after a steady step: no count grows by more than one.
+_steady_step = st.tuples(
+    st.just("steady"),
+    st.lists(st.sampled_from([0] * 20 + [-1, -3]), min_size=6, max_size=6),
+)
+_phase_scripts = st.lists(
+    st.one_of(
+        _steady_step,
+        _steady_step,
+        _steady_step,
+        _steady_step,
+        st.tuples(st.just("gap"), st.lists(st.integers(-3, 5), min_size=6, max_size=6)),
+        st.tuples(st.just("leave"), st.lists(st.integers(0, 5), min_size=1, max_size=1)),
+        st.tuples(st.just("join"), st.lists(st.integers(0, 40), min_size=1, max_size=1)),
+    ),
+    min_size=4,
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), _phase_scripts, st.integers(1, 5))
+def test_decode_step_finds_the_due_requests_of_a_steady_run_as_a_full_pass_does(
+    start: list[int], script: list[tuple[str, list[int]]], boundary: int
+) -> None:
+    """Over random runs of steady steps (counts up by one, some going back), gaps, and requests
+    leaving and joining, decode_step with the engine step (the residue shortcut) returns the
+    same columns as without it (a pass over the batch), at every step."""
+    from kvflow.integrations.vllm import HeldBlockIds
+
+    fast, full = HeldBlockIds(num_groups=1), HeldBlockIds(num_groups=1)
+    rids = [f"r{i}" for i in range(len(start))]
+    counts = list(start)
+    step, joined = 0, len(start)
+    for kind, moves in script:
+        step += 1
+        if kind == "steady":
+            counts = [
+                c + 1 if moves[i % 6] == 0 else max(0, c + moves[i % 6])
+                for i, c in enumerate(counts)
+            ]
+        elif kind == "gap":
+            counts = [max(0, c + moves[i % 6]) for i, c in enumerate(counts)]
+            continue  # the general path ran: decode_step was not called this step
+        elif kind == "leave":
+            if len(rids) > 1:
+                k = moves[0] % len(rids)
+                del rids[k], counts[k]
+            continue
+        else:
+            rids.append(f"r{joined}")
+            counts.append(moves[0])
+            joined += 1
+            continue
+        new_ids: list[tuple[list[int]] | None] = [
+            ([step * 10 + i],) if c % boundary == 0 else None for i, c in enumerate(counts)
+        ]
+        got = fast.decode_step(list(rids), new_ids, list(counts), boundary, step)
+        want = full.decode_step(list(rids), new_ids, list(counts), boundary)
+        assert got == want
+    assert all(fast.take(r) == full.take(r) for r in rids)
+
+
+def test_decode_step_uses_the_residue_shortcut_over_a_steady_run() -> None:
+    """Over the same requests decoding one token a step, the third step on finds its due
+    requests from the residues indexed at the second, and a request whose count went back
+    breaks the run (the next step makes a full pass again)."""
+    from kvflow.integrations.vllm import HeldBlockIds
+
+    held = HeldBlockIds(num_groups=1)
+    rids, counts = ["a", "b", "c"], [1, 2, 3]
+    for step in range(1, 4):
+        columns = held.decode_step(rids, [None] * 3, counts, 4, step)
+        assert list(columns.request_ids) == [
+            r for r, c in zip(rids, counts, strict=True) if c % 4 == 3
+        ]
+        assert (held._phases is not None) == (step >= 2)
+        counts = [c + 1 for c in counts]
+    counts[0] -= 2  # vLLM recomputes part of request a
+    held.decode_step(rids, [None] * 3, counts, 4, 4)
+    assert held._phases is None

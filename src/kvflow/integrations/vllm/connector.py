@@ -414,7 +414,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 self._pd_pending = True
             elif self.pd_role is not None:
                 self._start_pd()
-            self._stats = StatsDelta(sum(self.cpu_blocks))
+            self._stats = StatsDelta(self._scheduler.manager, sum(self.cpu_blocks))
 
     def _start_pd(self) -> None:
         from kvflow.connector.offload import OffloadScheduler
@@ -446,9 +446,14 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(
         self, scheduler_output: VLLMSchedulerOutput
     ) -> KVFlowConnectorMetadata:
+        # Every step: each attribute read once, no property on the way.
+        role = self._scheduler
+        if role is None:
+            role = self.scheduler_role  # raises the error that says why
         step = self._step
-        self._step += 1
-        plan = self.scheduler_role.build_connector_meta(
+        self._step = step + 1
+        pd = self._pd
+        plan = role.build_connector_meta(
             translate_scheduler_output(
                 scheduler_output,
                 step,
@@ -456,26 +461,30 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 self._boundary,
                 self._held,
                 self._select,
-                running=not self._keyed or self._pd is not None,
+                running=not self._keyed or pd is not None,
             )
         )
         if plan.stores or plan.loads or plan.abandoned:
             self._stats_dirty = True
         meta = KVFlowConnectorMetadata(plan, *self._relay.take_echo())
-        return meta if self._pd is None else self._pd.wrap_meta(meta)
+        return meta if pd is None else pd.wrap_meta(meta)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         outcome: OutcomeLike | None = None
-        if self._pd is not None:
+        pd = self._pd
+        if pd is not None:
             # PD: the driver is polled every step the workers answer (its copies settle here).
             results = meta.pd_results if isinstance(meta, KVFlowPDWorkerMetadata) else ()
             reports = meta.reports if isinstance(meta, KVFlowWorkerMetadata) else ()
-            outcome = self._pd.update_from_reports(reports, results)
+            outcome = pd.update_from_reports(reports, results)
             if reports or not outcome.is_empty:
                 self._stats_dirty = True
         elif isinstance(meta, KVFlowWorkerMetadata) and meta.reports:
-            outcome = self.scheduler_role.update_from_reports(meta.reports)
+            role = self._scheduler
+            if role is None:
+                role = self.scheduler_role
+            outcome = role.update_from_reports(meta.reports)
             self._stats_dirty = True
         self._relay.apply(connector_output, outcome)
 
@@ -543,7 +552,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             if not self._stats_dirty or self._stats is None:
                 return pd
             self._stats_dirty = False
-            stats = self._stats.take(self._scheduler.manager, self._scheduler.take_latencies())
+            stats = self._stats.take(self._scheduler.take_latencies())
             if stats is None or pd is None:
                 return stats or pd
             return stats.aggregate(pd)

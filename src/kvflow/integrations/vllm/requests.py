@@ -164,11 +164,27 @@ class HeldBlockIds:
     them into new tuples.
     """
 
-    __slots__ = ("_ids", "_no_blocks")
+    __slots__ = (
+        "_ids",
+        "_no_blocks",
+        "_phase_ids",
+        "_phase_shift",
+        "_phase_step",
+        "_phase_sum",
+        "_phases",
+    )
 
     def __init__(self, num_groups: int) -> None:
         self._ids: dict[str, GroupBlockIds] = {}
         self._no_blocks: GroupBlockIds = ((),) * num_groups
+        # The last steady step (``decode_step`` with ``step``): its request ids, its step, the sum
+        # of its counts, and once the same requests ran two steps in a row, their indices by
+        # count modulo the boundary as of the step ``_phase_shift`` steps ago.
+        self._phase_ids: list[str] | None = None
+        self._phase_step = -1
+        self._phase_sum = 0
+        self._phase_shift = 0
+        self._phases: list[list[int]] | None = None
 
     def hold(self, request_id: str, new_ids: Sequence[Sequence[int]] | None) -> None:
         """Keep this step's new block ids (in vLLM's per-group form) for later."""
@@ -196,10 +212,14 @@ class HeldBlockIds:
         new_block_ids: Sequence[Sequence[Sequence[int]] | None],
         num_computed: Sequence[int],
         boundary: int,
+        step: int | None = None,
     ) -> DecodeRequests:
         """One steady-decode step of vLLM's running requests (one token each): hold the step's
         new ids, and return the requests whose token completes a multiple of ``boundary``, each
-        with every id held for it, as ``DecodeRequests`` columns."""
+        with every id held for it, as ``DecodeRequests`` columns.
+
+        ``step`` (the engine step, consecutive over calls) lets a run of such steps over the same
+        requests find the requests due without a pass over the batch: see ``_due``."""
         held = self._ids
         get = held.get
         # ``compress`` keeps the entries that are not None, in C: most are None.
@@ -217,25 +237,72 @@ class HeldBlockIds:
                     held[rid] = (tuple(ids[0]),)
                 else:
                     held[rid] = group_block_ids(ids)
-        # One pass builds the three columns: a comprehension per column is a code object per
-        # column, and each costs more cold (as every step starts) than the loop's iterations.
-        last = boundary - 1
+        due = None if step is None else self._due(req_ids, num_computed, boundary, step)
+        if step is None:
+            self._phase_ids = None
         rids: list[str] = []
         counts: list[int] = []
         news: list[GroupBlockIds] = []
         pop = held.pop
         none = self._no_blocks
-        for i, computed in enumerate(num_computed):
-            if computed % boundary == last:
+        if due is not None:
+            for i in due:
                 rid = req_ids[i]
                 rids.append(rid)
-                counts.append(computed)
+                counts.append(num_computed[i])
                 news.append(pop(rid, none))
+        else:
+            # One pass builds the three columns: a comprehension per column is a code object
+            # per column, and each costs more cold (as every step starts) than the iterations.
+            last = boundary - 1
+            for i, computed in enumerate(num_computed):
+                if computed % boundary == last:
+                    rid = req_ids[i]
+                    rids.append(rid)
+                    counts.append(computed)
+                    news.append(pop(rid, none))
         if not rids:
             return NO_DECODE_REQUESTS
         # vLLM's str ids and int counts, and held tuples of tuples of ints: valid columns by
         # construction, and checking them cost as much as the rest of the step's translation.
         return DecodeRequests.trusted(rids, counts, news)
+
+    def _due(
+        self, req_ids: Sequence[str], num_computed: Sequence[int], boundary: int, step: int
+    ) -> list[int] | None:
+        """Indices of the requests due at this steady step, without a pass in Python over the
+        batch once the same requests ran steady steps in a row; None: make that pass.
+
+        Why it is exact: the previous step was steady (one token for each request), so no count
+        grew by more than one since; counts that sum to exactly one more each therefore all grew
+        by exactly one (a count that went back, as vLLM's recomputation after a failed load does,
+        fails the sum). So every request keeps its count modulo ``boundary`` of ``_phase_shift``
+        steps ago, shifted by that many, and the requests due now (count ``boundary - 1`` modulo
+        ``boundary``) are one residue class of that step's counts. Requests that finish, are
+        preempted or join change the list of ids, and any other step breaks the run of steps.
+        """
+        total = sum(num_computed)  # in C; the list comparison below is too
+        phase_ids = self._phase_ids
+        steady = (
+            phase_ids is not None
+            and step == self._phase_step + 1
+            and total == self._phase_sum + len(num_computed)
+            and req_ids == phase_ids
+        )
+        self._phase_step, self._phase_sum = step, total
+        if not steady:
+            self._phase_ids, self._phases = list(req_ids), None
+            return None
+        phases = self._phases
+        if phases is None:
+            # The second steady step in a row over these requests: index them by count.
+            phases = self._phases = [[] for _ in range(boundary)]
+            for i, computed in enumerate(num_computed):
+                phases[computed % boundary].append(i)
+            self._phase_shift = 0
+        else:
+            self._phase_shift += 1
+        return phases[(boundary - 1 - self._phase_shift) % boundary]
 
     def drop(self, request_id: str) -> None:
         """Forget the request's held ids: it finished, or its whole table is about to be replaced."""
@@ -306,14 +373,37 @@ def translate_scheduler_output(
     ``running=False`` (the lazy policy over a keyed GPU view, which needs no running request's
     steps) passes on only resumed requests, whose whole new table the manager must see.
     """
+    new_reqs = scheduler_output.scheduled_new_reqs
+    cached_data = scheduler_output.scheduled_cached_reqs
     if (
-        not running
-        and not scheduler_output.scheduled_new_reqs
-        and not scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        not new_reqs
+        and not cached_data.resumed_req_ids
         and not scheduler_output.finished_req_ids
         and not scheduler_output.preempted_req_ids
     ):
-        return SchedulerOutput(step)  # lazy over a keyed view: most steps carry no news
+        # Nearly every step over vLLM: only running requests, none resumed, finished or
+        # preempted. After vLLM's own scheduling this code is out of the CPU caches, so the
+        # common cases return here without the general path's preamble.
+        if not running:
+            return SchedulerOutput(step)  # lazy over a keyed view: no news
+        if (
+            select is None
+            and not scheduler_output.scheduled_spec_decode_tokens
+            and scheduler_output.num_scheduled_tokens
+            and scheduler_output.total_num_scheduled_tokens
+            == len(scheduler_output.num_scheduled_tokens)
+        ):
+            # Steady decode (one token per request: the counts are positive ints summing to
+            # the total, so they all are 1 when the total equals their number).
+            ids, computed = cached_data.new_block_ids, cached_data.num_computed_tokens
+            return SchedulerOutput(
+                step,
+                decode_requests=decode_columns(
+                    cached_data.req_ids, ids, computed, boundary, ((),) * num_groups
+                )
+                if held is None
+                else held.decode_step(cached_data.req_ids, ids, computed, boundary, step),
+            )
     num_scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
     # Most steps finish, preempt and add nothing: build no empty containers for them.
@@ -327,7 +417,6 @@ def translate_scheduler_output(
         # A finished request's blocks are gone, a preempted one resumes with a whole new table.
         for rid in finished | preempted:
             held.drop(rid)
-    new_reqs = scheduler_output.scheduled_new_reqs
     new: tuple[NewRequest, ...] = ()
     if new_reqs:
         new = tuple(
@@ -343,7 +432,6 @@ def translate_scheduler_output(
         if held is not None and len(held):
             for r in new_reqs:
                 held.drop(r.req_id)
-    cached_data = scheduler_output.scheduled_cached_reqs
     resumed = cached_data.resumed_req_ids
     req_ids = cached_data.req_ids
     new_block_ids = cached_data.new_block_ids

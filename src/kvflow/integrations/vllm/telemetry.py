@@ -87,6 +87,9 @@ _read_counters = attrgetter(*MANAGER_COUNTERS)
 """The manager's counters as one tuple, read in C (vLLM asks for stats every step)."""
 
 _COUNTERS_KEY, _GAUGES_KEY, _LATENCY_KEY = "counters", "gauges", "latency_s"
+_DIRECTION_KEY = {d: d.value for d in Direction}
+"""A direction's name in the payload (plain ``str``: it crosses processes), by dict lookup:
+an enum's ``value`` is a Python-level descriptor."""
 _UNDESCRIBED = block_pool.StoredBlockInfo(None, ())
 
 
@@ -210,53 +213,69 @@ class KVFlowConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not (self.counters or self.gauges or any(self.latencies.values()))
+        data = self.data  # vLLM asks every step: the dicts directly, not through the properties
+        return not (data[_COUNTERS_KEY] or data[_GAUGES_KEY] or any(data[_LATENCY_KEY].values()))
 
 
 class StatsDelta:
     """The scheduler role's counters since the previous interval, read cheaply each step from the
-    manager's live counters: a payload only when something moved (vLLM asks every step)."""
+    manager's live counters: a payload only when something moved (vLLM asks every step).
 
-    __slots__ = ("_last", "_last_gauges", "_total_blocks")
+    With a store every step something moves every step, so this runs once a step; after vLLM's
+    own scheduling every object and function it touches is out of the CPU caches, so it touches
+    few: the manager's counter object, pools and live-transfer count are looked up once, the
+    pools' sizes are constants, and the payload is built without its class's ``__init__``.
+    """
 
-    def __init__(self, total_cpu_blocks: int) -> None:
+    __slots__ = ("_counters", "_last", "_last_gauges", "_live", "_pools", "_total_blocks", "_used")
+
+    def __init__(self, manager: OffloadManager, total_cpu_blocks: int) -> None:
+        self._counters = manager.counters
+        self._live = manager.num_live_transfers
+        self._pools = manager.cpu_pools
+        self._used = sum(pool.num_blocks for pool in self._pools)  # minus the free ones
         self._last: tuple[int, ...] = (0,) * len(MANAGER_COUNTERS)
         self._last_gauges: tuple[int, int, int] | None = None
         self._total_blocks = total_cpu_blocks
 
-    def take(
-        self, manager: OffloadManager, latencies: Sequence[tuple[Direction, float]]
-    ) -> KVFlowConnectorStats | None:
-        n = manager.counters
-        now: tuple[int, ...] = _read_counters(n)
-        used = cached = 0
-        for pool in manager.cpu_pools:
-            used += pool.num_blocks - pool.num_free_blocks
+    def take(self, latencies: Sequence[tuple[Direction, float]]) -> KVFlowConnectorStats | None:
+        now: tuple[int, ...] = _read_counters(self._counters)
+        used = self._used
+        cached = 0
+        for pool in self._pools:
+            used -= pool.num_free_blocks
             cached += pool.num_cached_blocks
-        gauges = (used, cached, manager.num_live_transfers())
-        if now == self._last and gauges == self._last_gauges and not latencies:
+        gauges = (used, cached, self._live())
+        last = self._last
+        if now == last and gauges == self._last_gauges and not latencies:
             return None
-        counters = {
-            name: v - last
-            for name, v, last in zip(MANAGER_COUNTERS, now, self._last, strict=True)
-            if v != last
-        }
-        self._last, self._last_gauges = now, gauges
+        counters: dict[str, float] = {}
+        if now != last:
+            for name, v, before in zip(MANAGER_COUNTERS, now, last, strict=True):
+                if v != before:
+                    counters[name] = v - before
+            self._last = now
+        self._last_gauges = gauges
         observed: dict[str, list[float]] = {}
         for direction, seconds in latencies:
-            observed.setdefault(direction.value, []).append(seconds)
-        return KVFlowConnectorStats(
-            data={
-                _COUNTERS_KEY: counters,
-                _GAUGES_KEY: {
-                    "cpu_blocks_used": used,
-                    "cpu_blocks_cached": cached,
-                    "cpu_blocks_total": self._total_blocks,
-                    "transfers_in_flight": gauges[2],
-                },
-                _LATENCY_KEY: observed,
-            }
-        )
+            key = _DIRECTION_KEY[direction]
+            seen = observed.get(key)
+            if seen is None:
+                observed[key] = [seconds]
+            else:
+                seen.append(seconds)
+        stats: KVFlowConnectorStats = object.__new__(KVFlowConnectorStats)
+        stats.data = {
+            _COUNTERS_KEY: counters,
+            _GAUGES_KEY: {
+                "cpu_blocks_used": used,
+                "cpu_blocks_cached": cached,
+                "cpu_blocks_total": self._total_blocks,
+                "transfers_in_flight": gauges[2],
+            },
+            _LATENCY_KEY: observed,
+        }
+        return stats
 
 
 _DOC = {
