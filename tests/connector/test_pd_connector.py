@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvflow.backends.pd.fake import FakeLink
-from kvflow.engine.scheduler import RequestStatus
+from kvflow.engine.request import RequestStatus
 from tests.connector.pd_pair import Pair, engine
 from tests.engine.helpers import prompts, requests
 from tests.pd_leaks import no_leaks  # noqa: F401 - the fixture, used by pytestmark

@@ -15,7 +15,7 @@ import torch
 from kvflow.backends.pd.fake import FakeLink
 from kvflow.core.pd.machines import DState, PState
 from kvflow.engine.engine import Engine
-from kvflow.engine.scheduler import RequestStatus
+from kvflow.engine.request import RequestStatus
 from kvflow.runtime.clock import FakeClock
 from tests.connector.pd_pair import Pair, engine
 from tests.engine.helpers import prompts, requests

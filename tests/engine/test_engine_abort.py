@@ -3,7 +3,7 @@ the blocks come back, the other requests' outputs are unchanged, a finished one 
 
 from __future__ import annotations
 
-from kvflow.engine.scheduler import RequestStatus
+from kvflow.engine.request import RequestStatus
 from tests.engine.helpers import make_engine, prompts, requests
 
 PROMPTS = prompts([12, 9, 14])

@@ -12,7 +12,7 @@ from kvflow.connector.api import SchedulerConnector, WorkerConnector
 from kvflow.core.requests import RequestLike
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest
 from kvflow.engine.model import model_config
-from kvflow.engine.scheduler import RequestStatus
+from kvflow.engine.request import RequestStatus
 from tests.engine.fake_connector import FakeConnector
 from tests.engine.helpers import make_engine, requests, shared_model, shared_prefix_prompts
 

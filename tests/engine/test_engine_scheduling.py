@@ -15,7 +15,7 @@ from kvflow.core.hashing import hash_blocks
 from kvflow.core.requests import EngineHashedRequest, SchedulerOutput
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest
 from kvflow.engine.model import build_model, model_config, read_safetensors, save_weights
-from kvflow.engine.scheduler import Request, RequestInput, RequestStats, RequestStatus, transition
+from kvflow.engine.request import Request, RequestInput, RequestStats, RequestStatus, transition
 from kvflow.errors import ConfigError, TransitionError
 from tests.engine.helpers import make_engine, prompts, requests, shared_model, shared_prefix_prompts
 

@@ -27,14 +27,9 @@ from kvflow.core.logs import get_logger
 from kvflow.engine.block_manager import BlockManager
 from kvflow.engine.kv_cache import kv_cache_groups
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model
+from kvflow.engine.request import Request, RequestStats
 from kvflow.engine.runner import ModelRunner
-from kvflow.engine.scheduler import (
-    Request,
-    RequestStats,
-    Scheduler,
-    SchedulerConfig,
-    StepOutput,
-)
+from kvflow.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from kvflow.errors import ConfigError, KVFlowError
 
 log = get_logger("kvflow.engine")

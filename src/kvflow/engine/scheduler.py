@@ -24,15 +24,7 @@ from kvflow.core.logs import get_logger
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.core.requests import CachedRequest, NewRequest, SchedulerOutput
 from kvflow.engine.block_manager import BlockManager
-from kvflow.engine.request import (
-    REQUEST_MACHINE,
-    TRANSITIONS,
-    Request,
-    RequestInput,
-    RequestStats,
-    RequestStatus,
-    transition,
-)
+from kvflow.engine.request import Request, RequestInput, RequestStatus, transition
 from kvflow.errors import ConfigError
 
 log = get_logger("kvflow.engine.scheduler")
@@ -568,16 +560,9 @@ class Scheduler:
 
 
 __all__ = [
-    "REQUEST_MACHINE",
-    "TRANSITIONS",
-    "Request",
-    "RequestInput",
-    "RequestStats",
-    "RequestStatus",
     "ScheduledChunk",
     "Scheduler",
     "SchedulerConfig",
     "StepBatch",
     "StepOutput",
-    "transition",
 ]
