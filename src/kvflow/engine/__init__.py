@@ -2,8 +2,9 @@
 
 Llama-architecture model (``model``), paged KV cache and attention (``kv_cache``), block tables and
 GPU prefix caching on kvflow's block pool (``block_manager``), a request's life (``request``),
-continuous batching with chunked prefill and preemption (``scheduler``), the worker-side step (``runner``), the engine loop
-(``engine``), an async frontend (``frontend``) and the multi-round QA workload (``workload``).
+continuous batching with chunked prefill and preemption (``scheduler``), the worker-side step
+(``runner``), the engine loop (``engine``), an async frontend (``frontend``) and the multi-round
+QA workload (``workload``).
 """
 
 from kvflow.engine.engine import (
