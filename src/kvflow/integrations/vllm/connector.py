@@ -17,8 +17,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -31,10 +31,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.config import OffloadConfig
-from kvflow.core.block_pool import PoolEvent
 from kvflow.core.logs import follow_host_logging, get_logger
-from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
-from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.protocol import GroupBlockIds, StepReport
+from kvflow.core.requests import RequestLike
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.config import (
@@ -64,6 +63,7 @@ from kvflow.integrations.vllm.requests import (
     group_block_ids,
     translate_scheduler_output,
 )
+from kvflow.integrations.vllm.roles import SchedulerRole, WorkerRole
 from kvflow.integrations.vllm.telemetry import (
     KVFlowConnectorStats,
     KVFlowPromMetrics,
@@ -72,7 +72,6 @@ from kvflow.integrations.vllm.telemetry import (
 )
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -90,52 +89,12 @@ if TYPE_CHECKING:
 
     from kvflow.backends.pd.transport import KVTransport
     from kvflow.connector.offload import OffloadScheduler
-    from kvflow.core.offload import OffloadManager
     from kvflow.integrations.vllm.pd_worker import PDWorkerSide
     from kvflow.runtime.clock import Clock
 
 log = get_logger("kvflow.integrations.vllm")
 
 VLLM_VERSION_TESTED = "0.32.0"
-
-
-class SchedulerRole(Protocol):
-    """The calls the adapter makes of ``kvflow.connector.OffloadScheduler``."""
-
-    def get_num_new_matched_tokens(
-        self, request: RequestLike, num_computed_tokens: int
-    ) -> tuple[int | None, bool]: ...
-    def update_state_after_alloc(
-        self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
-    ) -> None: ...
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan: ...
-    def update_from_reports(self, reports: Sequence[StepReport]) -> OutcomeLike: ...
-    def request_finished(
-        self, request: RequestLike, block_ids: GroupBlockIds
-    ) -> tuple[bool, dict[str, Any] | None]: ...
-    def reset_cache(self) -> bool: ...
-    def has_pending_push_work(self) -> bool: ...
-    @property
-    def manager(self) -> OffloadManager: ...
-    def take_events(self) -> list[tuple[int, PoolEvent]]: ...
-    def take_latencies(self) -> list[tuple[Direction, float]]: ...
-
-
-class WorkerRole(Protocol):
-    """The calls the adapter makes of ``kvflow.connector.OffloadWorker``."""
-
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None: ...
-    def bind_connector_metadata(self, meta: object) -> None: ...
-    def handle_preemptions(self, meta: object) -> None: ...
-    def start_load_kv(self) -> None: ...
-    def wait_for_save(self) -> None: ...
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]: ...
-    def build_worker_report(self) -> StepReport: ...
-    def get_block_ids_with_load_errors(self) -> set[int]: ...
-    def copy_throughput(self) -> dict[Direction, tuple[int, float]]: ...
-    def shutdown(self) -> None: ...
 
 
 def _world_rank() -> int:
