@@ -217,11 +217,20 @@ def test_several_hand_offs_at_once_each_get_their_own_request_s_kv(rig: PDRig) -
     ]
     rig.d.step()
     assert all(waiting_for_kv(r) for r in reqs)
-    so = rig.until_scheduled("r0")
-    assert set(so.num_scheduled_tokens) == {"r0", "r1", "r2"}
-    assert set(so.num_scheduled_tokens.values()) == {1}
-    for req, prompt in zip(reqs, prompts, strict=True):
-        assert rig.d.kv_of(req, len(prompt) - 1) == expected_kv(prompt, len(prompt) - 1)
+    # The hand-offs' completions come over real sockets, so they may land in different D steps;
+    # each request is checked in the step D first schedules it, before its blocks can be freed.
+    first: dict[str, int] = {}
+    for _ in range(200):
+        rig.p.step()
+        so = rig.d.step()
+        for k, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
+            rid = f"r{k}"
+            if rid in so.num_scheduled_tokens and rid not in first:
+                first[rid] = so.num_scheduled_tokens[rid]
+                assert rig.d.kv_of(req, len(prompt) - 1) == expected_kv(prompt, len(prompt) - 1)
+        if len(first) == 3:
+            break
+    assert first == {"r0": 1, "r1": 1, "r2": 1}, "each computes only its last prompt token"
     rig.run(lambda: all(f"r{k}" in rig.d.outputs for k in range(3)))
     assert rig.d.pd.pd.stats["handoffs_ok"] == 3
     rig.settle()
