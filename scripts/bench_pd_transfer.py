@@ -2,7 +2,7 @@
 bytes.
 
 Usage: python scripts/bench_pd_transfer.py [--sizes-kib 4 8 16 32 64 128] [--mib 32]
-                                           [--repeat 5] [--slots 4] [--slot-mib 4]
+                                           [--repeat 5] [--slots 8] [--slot-mib 1]
                                            [--direct-kib 1024] [--layouts scattered contiguous]
                                            [--json FILE]
 Goal (issue 21): kvflow >= 80 % of the raw send at blocks of 32 KiB and more.
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-kib", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
     parser.add_argument("--mib", type=int, default=32, help="bytes per hand-off, MiB")
     parser.add_argument("--repeat", type=int, default=11)
-    parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--slot-mib", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--slot-mib", type=int, default=1)
     parser.add_argument(
         "--direct-kib",
         type=int,

@@ -91,12 +91,12 @@ for step in $STEPS; do
         --transports cuda-ipc --mib 256 --regions 32 --json "$OUT/pd_transports_r32.json"
       run pd_transports_r32_1g 200 python3 scripts/bench_pd_transports.py --device cuda \
         --transports cuda-ipc --mib 1024 --regions 32 --json "$OUT/pd_transports_r32_1g.json" ;;
-    gloo)  # PD's CPU transport on this host's cores (the dev box has two): default 4 x 4 MiB
-      # ring, and a ring of smaller slots, which a host with cores to spare may pipeline better
+    gloo)  # PD's CPU transport on this host's cores (the dev box has two): the default 8 x 1 MiB
+      # ring, and the old default 4 x 4 MiB beside it
       run pd_gloo 150 env CUDA_VISIBLE_DEVICES= python3 scripts/bench_pd_transfer.py \
         --sizes-kib 4 8 16 32 64 128 --repeat 11 --json "$OUT/pd_gloo.json"
-      run pd_gloo_1m 120 env CUDA_VISIBLE_DEVICES= python3 scripts/bench_pd_transfer.py \
-        --sizes-kib 32 64 128 --repeat 11 --slots 8 --slot-mib 1 --json "$OUT/pd_gloo_1m.json" ;;
+      run pd_gloo_4x4 120 env CUDA_VISIBLE_DEVICES= python3 scripts/bench_pd_transfer.py \
+        --sizes-kib 32 64 128 --repeat 11 --slots 4 --slot-mib 4 --json "$OUT/pd_gloo_4x4.json" ;;
     nixl)  # NIXL between the two processes' device memory beside kvflow's CUDA IPC; UCX's
       # cuda_ipc does GET only over NVLink unless told (a PCIe GPU), so both modes, cuda_ipc on
       run pd_transports_nixl 200 env UCX_TLS=cuda_ipc,cuda_copy,tcp,sm,self \

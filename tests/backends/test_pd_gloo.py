@@ -29,13 +29,17 @@ PAIRS_0 = (
 )
 PAIRS_1 = ((1, 30), (31, 0), (12, 13), (4, 20), (5, 21), (6, 22), (7, 23), (8, 24))
 PAIRS_2 = ((1, 6), (7, 0))
-PAIRS = (PAIRS_0, PAIRS_1, PAIRS_2)
+PAIRS_3 = ((2, 9), (9, 3), (15, 0), (4, 4))
+PAIRS = (PAIRS_0, PAIRS_1, PAIRS_2, PAIRS_3)
+SLOT_BYTES = 1024
+GROWN_SLOT_BYTES = 2 * 768  # group 3's blocks: staged (rows under direct_min_bytes), > a slot
 
 
 def kv(rank: int) -> list[list[torch.Tensor]]:
     """Group 0: one (64, 2, 128) fp16 tensor (512 B blocks); group 1: K and V of (32, 256) u8;
     group 2: K and V of (8, 32768) int16 (128 KiB blocks, larger than a slot: each block sent
-    straight from its rows)."""
+    straight from its rows); group 3: K and V of (16, 768) u8 (1.5 KiB blocks of short rows:
+    staged, so the slots grow to hold one)."""
     if rank == 0:
         g = torch.Generator().manual_seed(7)
         k0 = torch.randn(64, 2, 128, generator=g).half()
@@ -43,13 +47,17 @@ def kv(rank: int) -> list[list[torch.Tensor]]:
         v1 = torch.randint(0, 255, (32, 256), generator=g, dtype=torch.uint8)
         k2 = torch.randint(-999, 999, (8, 32768), generator=g, dtype=torch.int16)
         v2 = torch.randint(-999, 999, (8, 32768), generator=g, dtype=torch.int16)
+        k3 = torch.randint(0, 255, (16, 768), generator=g, dtype=torch.uint8)
+        v3 = torch.randint(0, 255, (16, 768), generator=g, dtype=torch.uint8)
     else:
         k0 = torch.zeros(64, 2, 128).half()
         k1 = torch.zeros(32, 256, dtype=torch.uint8)
         v1 = torch.zeros(32, 256, dtype=torch.uint8)
         k2 = torch.zeros(8, 32768, dtype=torch.int16)
         v2 = torch.zeros(8, 32768, dtype=torch.int16)
-    return [[k0], [k1, v1], [k2, v2]]
+        k3 = torch.zeros(16, 768, dtype=torch.uint8)
+        v3 = torch.zeros(16, 768, dtype=torch.uint8)
+    return [[k0], [k1, v1], [k2, v2], [k3, v3]]
 
 
 def _wait(t: GlooTransport, fence: GlooFence, limit_s: float) -> str:
@@ -74,17 +82,18 @@ def _pair(rank: int, world_size: int, port: int, port2: int, mode: str) -> Any:
         port=port,
         timeout_s=3.0,
         slots=2,
-        slot_bytes=1024,
+        slot_bytes=SLOT_BYTES,
         direct_min_bytes=1024,
     )
     try:
         tensors = kv(rank)
         t.register(tensors)
+        grown = t.slot_bytes
         send = rank == 0
         pairs = PAIRS if send else tuple(tuple((d, s) for s, d in g) for g in PAIRS)
         first = _wait(t, t.launch(LaunchCopies("h1", 1, "peer", send, pairs, 1)), 30.0)
         again = _wait(t, t.launch(LaunchCopies("h2", 1, "peer", send, pairs, 2)), 30.0)
-        out: dict[str, Any] = {"first": first, "again": again}
+        out: dict[str, Any] = {"first": first, "again": again, "slot_bytes": grown}
         if rank == 1:
             out["tensors"] = tensors
         if mode == "orphan" and rank == 1:
@@ -117,8 +126,9 @@ def res() -> list[Any]:
 
 def test_gloo_pair_moves_scattered_blocks_byte_exact(res: list[Any]) -> None:
     """D's named blocks hold exactly P's source blocks (groups of one and two regions, more
-    chunks than slots, twice through the same ring, large blocks sent without staging); every
-    other block is untouched."""
+    chunks than slots, twice through the same ring, large blocks sent without staging, blocks
+    larger than the configured slot staged in grown slots); every other block is untouched."""
+    assert [r["slot_bytes"] for r in res] == [GROWN_SLOT_BYTES, GROWN_SLOT_BYTES]
     assert [r["first"] for r in res] == ["done", "done"]
     assert [r["again"] for r in res] == ["done", "done"]
     src, dst = kv(0), res[1]["tensors"]

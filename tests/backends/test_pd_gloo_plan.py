@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvflow.backends.pd.gloo import plan_wire
 from kvflow.backends.pd.transport import MAX_OPS, geometry
+from kvflow.core.pd.common import OP_BITS
 from kvflow.errors import ConfigError
 
 GEO = geometry(
@@ -68,7 +69,7 @@ def test_both_sides_plan_the_same_wire_and_cover_every_pair_once(
             assert len(c.local) * min(v.shape[1] * 8 for v in geo.views) >= direct
         else:
             assert len(c.local) * geo.block_bytes <= slot
-        assert c.tag >> 12 == 5
+        assert c.tag >> OP_BITS == 5
     ops = [c.tag + (len(GEO[c.group].views) if c.run else 1) for c in a]
     assert len(set(ops)) == len(ops)
 

@@ -27,7 +27,9 @@ it scatters. gloo's point-to-point ``Work.is_completed()`` never turns true unle
 waits on it (measured, torch 2.13), hence the waiting thread; the fence is a counter ``query``
 reads without blocking, and the completer calls the wakeup when a launch settles
 (``pushes_completions``). Both sides of a pair must use the same ``slot_bytes`` and
-``direct_min_bytes``.
+``direct_min_bytes``. The default ring, 8 slots of 1 MiB, keeps the pipeline deep: on a host
+with cores to spare a scattered hand-off then runs at the raw send's speed (docs/benchmarks.md);
+a slot grows to the largest staged block at ``register``.
 
 A gloo error or timeout leaves the pair's group in an unknown state: the transport turns
 *broken*, aborts the group (so every op still posted ends at once: nothing writes a block after
@@ -62,7 +64,7 @@ from kvflow.backends.pd.transport import (
     scatter_rows,
 )
 from kvflow.core.logs import get_logger
-from kvflow.core.pd.common import CHANNELS, LaunchCopies, Pairs
+from kvflow.core.pd.common import CHANNELS, OP_BITS, LaunchCopies, Pairs
 from kvflow.errors import BackendError, ClosedError, ConfigError, ProtocolError
 
 log = get_logger("kvflow.backend.pd.gloo")
@@ -131,7 +133,7 @@ def plan_wire(
     if not 0 < channel < CHANNELS:
         raise ConfigError(f"channel {channel} is outside 1..{CHANNELS - 1}")
     chunks: list[WireChunk] = []
-    op = channel << 12
+    op = channel << OP_BITS
     last = op + MAX_OPS
     for g, group_pairs in enumerate(pairs):
         gg = geo[g]
@@ -215,8 +217,8 @@ class GlooTransport:
         host: str,
         port: int,
         timeout_s: float = 30.0,
-        slots: int = 4,
-        slot_bytes: int = 4 << 20,
+        slots: int = 8,
+        slot_bytes: int = 1 << 20,
         direct_min_bytes: int | None = 1 << 20,
         send_pause_s: float = 0.0,
     ) -> None:
@@ -239,6 +241,7 @@ class GlooTransport:
         self._store, self._pg = self._rendezvous(host, port, timeout_s)
         self.address = (host, port)  # the pair's rendezvous (a peer's rebuild names a new one)
         self.peer = 1 - pair_rank
+        self.slots = slots
         self.slot_bytes = slot_bytes
         self.direct_min_bytes = direct_min_bytes
         # Fault tests: the sender pauses before each chunk of a launch but the first, so a copy
@@ -317,12 +320,24 @@ class GlooTransport:
                     "gloo transport: head slices (strided views) are staged; both sides of the "
                     "pair need direct_min_bytes=None"
                 )
-            region = min(map(row_bytes, g.views))
-            alone = self.direct_min_bytes is not None and region >= self.direct_min_bytes
-            if g.block_bytes > self.slot_bytes and not alone:
-                raise ConfigError(
-                    f"a block ({g.block_bytes} B) does not fit a {self.slot_bytes} B slot"
-                )
+        # A staged chunk holds whole blocks, so a slot grows to the largest staged block (a
+        # large model's block spans many layers). Both sides register the same geometry, so
+        # both grow alike and their plans still agree.
+        need = max(
+            (
+                -(-g.block_bytes // 8) * 8
+                for g in geo
+                if self.direct_min_bytes is None
+                or min(map(row_bytes, g.views)) < self.direct_min_bytes
+            ),
+            default=0,
+        )
+        if need > self.slot_bytes:
+            log.info(
+                "pd_gloo_slots_grown", slot_bytes=need, configured=self.slot_bytes, slots=self.slots
+            )
+            self.slot_bytes = need
+            self._ring = torch.empty(self.slots * need, dtype=torch.uint8)
         self._geo = geo
 
     def launch(self, op: LaunchCopies) -> GlooFence:

@@ -25,7 +25,7 @@ import torch
 from attrs import frozen
 
 from kvflow.backends.base import Fence, FenceStatus
-from kvflow.core.pd.common import CHANNELS, LaunchCopies, Pairs
+from kvflow.core.pd.common import CHANNELS, OP_BITS, LaunchCopies, Pairs
 from kvflow.errors import ConfigError, LayoutError
 
 
@@ -135,8 +135,8 @@ def _widen(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     return rows
 
 
-MAX_OPS = 1 << 12
-"""Wire operations per hand-off: a tag is ``channel << 12 | op``."""
+MAX_OPS = 1 << OP_BITS
+"""Wire operations per hand-off: a tag is ``channel << OP_BITS | op``."""
 
 
 def plan_chunks(
@@ -153,7 +153,7 @@ def plan_chunks(
         raise ConfigError(f"{len(pairs)} groups of pairs but {len(geo)} registered groups")
     if not 0 < channel < CHANNELS:
         raise ConfigError(f"channel {channel} is outside 1..{CHANNELS - 1}")
-    tag = channel << 12
+    tag = channel << OP_BITS
     direct_ops = sum(
         len(gp) * len(geo[g].views)
         for g, gp in enumerate(pairs)

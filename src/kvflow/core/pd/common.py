@@ -81,8 +81,12 @@ GroupPairs = BlockPairs | tuple[tuple[int, int], ...]
 Pairs = tuple[GroupPairs, ...]
 """Per KV cache group, the (local block, remote block) pairs of one hand-off."""
 
-CHANNELS = 1 << 19
-"""Data-plane channels per producer: a transport's wire tags are ``channel << 12 | op``."""
+OP_BITS = 16
+"""A transport's wire tag is ``channel << OP_BITS | op``: up to ``1 << OP_BITS`` ops a hand-off
+(64 GiB of staged chunks in 1 MiB slots), and the tag stays a positive 32-bit int."""
+
+CHANNELS = 1 << (31 - OP_BITS)
+"""Data-plane channels per producer (hand-offs live at once): 32,768."""
 
 
 ANY_PEER = ""
