@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
 
@@ -71,10 +71,17 @@ _ids = itertools.count(1)
 
 class LinkPool:
     """One ``FakeLink`` per data endpoint (a P–D pair): the first pair gets ``first`` (the one
-    a test sets faults on), each further one a link of the same receive timeout."""
+    a test sets faults on), each further one a link of the same receive timeout.
 
-    def __init__(self, first: FakeLink) -> None:
+    A link reads the time only when stepped, and the instances step on the system clock: so a
+    link starts at the clock's time when its pair is made (a worker may post a receive before
+    the link's first step; with the link's time still 0 that receive's deadline would already
+    be past at the first step, and the hand-off would fail whenever P's send came a step later).
+    """
+
+    def __init__(self, first: FakeLink, clock: Callable[[], float] | None = None) -> None:
         self.first = first
+        self._clock = clock or SystemClock().now
         self._lock = threading.Lock()  # the workers build their pairs on threads
         self._links: dict[int, tuple[FakeLink, tuple[KVTransport, KVTransport]]] = {}
 
@@ -82,6 +89,7 @@ class LinkPool:
         with self._lock:
             if port not in self._links:
                 link = self.first if not self._links else FakeLink(self.first.recv_timeout_s)
+                link.now = max(link.now, self._clock())
                 self._links[port] = (link, link.pair())
             return self._links[port][1][pair_rank]
 
