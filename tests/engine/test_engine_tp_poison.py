@@ -73,6 +73,6 @@ def test_followers_poison_the_blocks_rank_0_frees() -> None:
     assert channel.freed_sent, "rank 0 freed blocks but sent none to the follower"
     # Rank 0 checks every step's tokens against the follower's, so poisoning never hit a live
     # block there. The frees after the last step would go with the next one: apply them here.
-    follower.poison(runners[0]._freed)
+    follower.poison(runners[0].unsent_freed)
     assert _poisoned(follower) == _poisoned(engine.runner)
     assert len(_poisoned(engine.runner)) > 0

@@ -183,6 +183,12 @@ class TPModelRunner(ModelRunner):
         super().poison(block_ids)
         self._freed.extend(block_ids)
 
+    @property
+    def unsent_freed(self) -> tuple[int, ...]:
+        """Blocks rank 0 poisoned since its last step: the next step's message takes them to
+        the other ranks."""
+        return tuple(self._freed)
+
     def launch(
         self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
     ) -> LaunchedStep:
