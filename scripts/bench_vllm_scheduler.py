@@ -90,6 +90,73 @@ def time_hooks(connector: Any, sink: list[int], names: tuple[str, ...] = HOOKS) 
             setattr(connector, name, wrap(getattr(connector, name)))
 
 
+CALLS = (
+    (
+        "adapter: translate_scheduler_output",
+        "kvflow.integrations.vllm.connector",
+        None,
+        "translate_scheduler_output",
+    ),
+    (
+        "manager: build_step_plan",
+        "kvflow.core.offload.manager",
+        "OffloadManager",
+        "build_step_plan",
+    ),
+    ("  eager: collect", "kvflow.core.offload.eager", "EagerStore", "collect"),
+    ("  lazy: walk", "kvflow.core.offload.lazy", "LazyCursor", "walk"),
+    ("  ledger: plan_store", "kvflow.core.offload.ledger", "TransferLedger", "plan_store"),
+    ("    CPU pool: get_new_blocks", "kvflow.core.run_pool", "RunBlockPool", "get_new_blocks"),
+    ("  ledger: launch", "kvflow.core.offload.ledger", "TransferLedger", "launch"),
+    ("  validate: step_entries", "kvflow.core.validate", None, "step_entries"),
+    (
+        "manager: update_from_reports",
+        "kvflow.core.offload.manager",
+        "OffloadManager",
+        "update_from_reports",
+    ),
+    ("  ledger: apply_reports", "kvflow.core.offload.ledger", "TransferLedger", "apply_reports"),
+    ("    ledger: _settle", "kvflow.core.offload.ledger", "TransferLedger", "_settle"),
+    ("      ledger: release", "kvflow.core.offload.ledger", "TransferLedger", "release"),
+    ("        CPU pool: release_owned", "kvflow.core.run_pool", "RunBlockPool", "release_owned"),
+    ("transfer transitions (ledger)", "kvflow.core.offload.ledger", None, "apply"),
+    (
+        "connector: get_kv_connector_stats",
+        "kvflow.integrations.vllm.connector",
+        "KVFlowConnector",
+        "get_kv_connector_stats",
+    ),
+)
+"""``--calls``: (label, module, class or None for a module function, name). Nested calls are
+indented: a caller's time includes its callees'."""
+
+_calls_sink: list[dict[str, int] | None] = [None]  # the stepping rig's per-call totals (ns)
+
+
+def time_calls() -> None:
+    """Wrap ``CALLS`` where they are defined (before any rig exists, so the hook wrappers of
+    ``time_hooks`` capture these): each call's time adds to the rig stepping now."""
+    import importlib
+
+    for label, module, cls, name in CALLS:
+        owner: Any = importlib.import_module(module)
+        if cls is not None:
+            owner = getattr(owner, cls)
+        fn = getattr(owner, name)
+
+        def timed(*a: Any, _fn: Callable[..., Any] = fn, _label: str = label, **kw: Any) -> Any:
+            sink = _calls_sink[0]
+            if sink is None:
+                return _fn(*a, **kw)
+            t0 = perf_counter_ns()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                sink[_label] = sink.get(_label, 0) + perf_counter_ns() - t0
+
+        setattr(owner, name, timed)
+
+
 def simple_echo(scheduler_output: Any) -> Any:
     """SimpleCPUOffloadConnector's workers: this step's store event and loads are done."""
     from vllm.v1.outputs import KVConnectorOutput
@@ -152,6 +219,7 @@ class Rig:
         self.echo = echo
         self.hook_ns = [0]
         self.manager_ns = [0]
+        self.calls: dict[str, int] = {}  # ``--calls``: ns per call label over the timed steps
         instance = self.scheduler.connector
         if instance is not None:
             time_hooks(instance, self.hook_ns)
@@ -216,6 +284,12 @@ def main() -> None:
         "(a full collection walks the whole heap, so every step then starts with cold caches)",
     )
     parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="also time kvflow's main calls one by one (a table per call; the wrappers add "
+        "their own cost, so the hooks figures of such a run are not the benchmark's)",
+    )
+    parser.add_argument(
         "--logging",
         choices=("structlog-warning", "unconfigured"),
         default="structlog-warning",
@@ -270,6 +344,8 @@ def main() -> None:
     if args.only:
         always = ("no connector", "SimpleCPUOffload eager")
         configs = [c for c in configs if c[0] in always or any(t in c[0] for t in args.only)]
+    if args.calls and kvflow_ready:
+        time_calls()
     rigs: dict[str, Rig] = {}
     with Progress() as progress:
         task = progress.add_task("prefill", total=len(configs))
@@ -291,7 +367,9 @@ def main() -> None:
             k = n % len(order)
             for rig in order[k:] + order[:k]:
                 before, before_manager = rig.hook_ns[0], rig.manager_ns[0]
+                _calls_sink[0] = rig.calls if n >= args.warmup else None
                 t = rig.step()
+                _calls_sink[0] = None
                 if n >= args.warmup:
                     rig.times.append(t)
                     rig.hooks.append(rig.hook_ns[0] - before)
@@ -361,6 +439,20 @@ def main() -> None:
             )
     if split.row_count:
         console.print(split)
+    timed = {name: rig for name, rig in rigs.items() if rig.calls}
+    if timed:
+        calls = Table(
+            title="kvflow's calls per step (µs, mean over the timed steps; an indented call is "
+            "inside the one above; the wrappers add their own cost)"
+        )
+        calls.add_column("call")
+        for name in timed:
+            calls.add_column(name, justify="right")
+        for label, *_ in CALLS:
+            cells = [rig.calls.get(label, 0) / args.decode / 1e3 for rig in timed.values()]
+            if any(cells):
+                calls.add_row(label, *(f"{c:.1f}" for c in cells))
+        console.print(calls)
 
 
 if __name__ == "__main__":
