@@ -314,24 +314,19 @@ class GlooTransport:
         if self._geo is not None:
             raise ProtocolError("gloo transport: KV tensors are registered once")
         geo = geometry(groups)
+        direct = self.direct_min_bytes
+        # A staged chunk holds whole blocks, so a slot grows to the largest staged block (a
+        # large model's block spans many layers). Both sides register the same geometry, so
+        # both grow alike and their plans still agree.
+        need = 0
         for g in geo:
-            if g.strided and self.direct_min_bytes is not None:
+            if g.strided and direct is not None:
                 raise ConfigError(
                     "gloo transport: head slices (strided views) are staged; both sides of the "
                     "pair need direct_min_bytes=None"
                 )
-        # A staged chunk holds whole blocks, so a slot grows to the largest staged block (a
-        # large model's block spans many layers). Both sides register the same geometry, so
-        # both grow alike and their plans still agree.
-        need = max(
-            (
-                -(-g.block_bytes // 8) * 8
-                for g in geo
-                if self.direct_min_bytes is None
-                or min(map(row_bytes, g.views)) < self.direct_min_bytes
-            ),
-            default=0,
-        )
+            if direct is None or min(map(row_bytes, g.views)) < direct:
+                need = max(need, -(-g.block_bytes // 8) * 8)
         if need > self.slot_bytes:
             log.info(
                 "pd_gloo_slots_grown", slot_bytes=need, configured=self.slot_bytes, slots=self.slots
