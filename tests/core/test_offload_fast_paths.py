@@ -3,6 +3,7 @@ path gives (the one-group record, the batched take, the single-rank report)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from hypothesis import given, settings
@@ -152,3 +153,45 @@ def test_single_rank_fast_path_equals_the_general_one(
             sim.step()
         sim.drain()
     assert results[0] == results[1]
+
+
+_column = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b", "c", "unknown"]),
+        st.integers(0, 6 * BS),
+        st.lists(st.lists(st.integers(-1, 40), max_size=3).map(tuple), min_size=1, max_size=2),
+    ),
+    max_size=5,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_column)
+def test_one_group_decode_news_equal_the_general_ones(
+    column: list[tuple[str, int, list[tuple[int, ...]]]],
+) -> None:
+    """For one KV cache group, the unrolled reading of the decode columns gives the same
+    entries as the loop over groups, or raises the same error: unknown requests, tables too
+    short for the tokens, wrong group counts, ids out of range or repeated."""
+    from kvflow.core.requests import DecodeRequests
+    from kvflow.errors import KVFlowError
+
+    sim = Sim([GroupSpec(block_size=BS, num_cpu_blocks=16)], gpu_blocks=32, decode_columns=True)
+    for rid, n in (("a", BS + 1), ("b", 2 * BS), ("c", 3)):
+        req = sim.add(rid, range(ord(rid) * 100, ord(rid) * 100 + n))
+        sim.match(req)
+        sim.step(new=[(req, n)])
+    decode = DecodeRequests.trusted(
+        [c[0] for c in column], [c[1] for c in column], [tuple(c[2]) for c in column]
+    )
+
+    def entries(read: Any) -> object:
+        out: list[Any] = []
+        try:
+            read(decode, out)
+        except KVFlowError as e:
+            return (type(e).__name__, str(e))
+        return [(e[0].request.request_id, *e[1:]) for e in out]
+
+    one = entries(partial(sim.mgr._decode_news, one=True))
+    assert one == entries(partial(sim.mgr._decode_news, one=False))

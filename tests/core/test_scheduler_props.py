@@ -296,3 +296,30 @@ def test_invariants_hold_with_eager_stores_coalesced_over_steps(script: list[Eve
     """Eager stores coalesced over 3 decode steps (columns): the same invariants hold through
     preemptions, finishes and resets between the deferral and the store."""
     run("eager", script, decode_columns=True, interval=3)
+
+
+# Decode-heavy: few admissions, so most steps schedule running requests only.
+decode_events = st.lists(
+    st.tuples(
+        st.sampled_from(["step"] * 8 + ["report"] * 5 + ["admit", "finish", "preempt", "reset"]),
+        st.integers(0, 30),
+        st.sampled_from([12, 24, 12, 5, 30]),  # chunks of 1 token mostly (``Engine.step``)
+        st.sampled_from(["ok", "ok", "ok", "one_rank", "fail"]),
+    ),
+    min_size=10,
+    max_size=80,
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_events)
+def test_running_one_group_step_equals_the_general_one(script: list[Event]) -> None:
+    """A step of running requests only, over one group with a store each step, is applied and
+    collected in one pass (``EagerStore.apply_running_one``): every plan and outcome equals the
+    general path's, through preemptions, finishes, failed reports and resets."""
+    script = [("admit", base, 30, "ok") for base in range(len(BASES))] + script
+    fast = run("eager", script, decode_columns=True)
+    slow = run("eager", script, decode_columns=True, general=True)
+    assert fast.sim.workers.plans == slow.sim.workers.plans
+    assert fast.sim.outcomes == slow.sim.outcomes
+    assert fast.sim.mgr.stats() == slow.sim.mgr.stats()

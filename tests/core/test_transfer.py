@@ -16,6 +16,7 @@ from kvflow.core.transfer import (
     TransferInput,
     TransferState,
     apply,
+    apply_seq,
 )
 from kvflow.errors import TransitionError
 
@@ -52,6 +53,37 @@ def test_every_pair_follows_the_table(state: TransferState, event: TransferInput
                     "to": expected.value,
                 }
             ]
+
+
+@pytest.mark.parametrize(("first", "second"), list(itertools.product(TransferInput, repeat=2)))
+def test_a_sequence_applies_like_single_inputs_or_changes_nothing(
+    first: TransferInput, second: TransferInput
+) -> None:
+    """Two inputs applied as one sequence from IN_FLIGHT log the same transitions and end in
+    the same state as applied one by one; if either is illegal, the sequence raises for it and
+    leaves the transfer unchanged (one by one may have applied the first)."""
+    one = Transfer(3, Direction.LOAD, "req-2", TransferState.IN_FLIGHT)
+    with capture_logs() as single:
+        try:
+            apply(one, first, cause="a")
+            apply(one, second, cause="b")
+            legal = True
+        except TransitionError:
+            legal = False
+    seq = Transfer(3, Direction.LOAD, "req-2", TransferState.IN_FLIGHT)
+    with capture_logs() as both:
+        if legal:
+            assert apply_seq(seq, ((first, "a"), (second, "b"))) is one.state
+        else:
+            with pytest.raises(TransitionError):
+                apply_seq(seq, ((first, "a"), (second, "b")))
+    if legal:
+        assert seq.state is one.state
+        assert both == single
+    else:
+        assert seq.state is TransferState.IN_FLIGHT
+        assert [e["event"] for e in both] == ["transfer_transition_rejected"]
+        assert both[0] == single[-1]
 
 
 def test_released_is_terminal_and_reachable_from_everywhere() -> None:

@@ -8,8 +8,8 @@ kvflow's transfer state machine and the reference engine's request state machine
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Generic, NoReturn, TypeVar
 
 from kvflow.core.logs import get_logger
 from kvflow.errors import TransitionError
@@ -51,26 +51,53 @@ class Machine(Generic[S, I]):
         """The new state for ``event`` in ``state``; the caller stores it. Illegal: raises."""
         new = self.transitions.get((state, event))
         if new is None:
-            self._log.warning(
-                f"{self.name}_transition_rejected",
-                **{self.id_field: entity_id},
-                **fields,
-                state=state.value,
-                input=event.value,
-                cause=cause,
-            )
-            raise TransitionError(self.name, entity_id, str(state.value), str(event.value))
+            self._reject(entity_id, state, event, cause, fields)
         # Transfers pass here several times a step: skip building an event that is filtered.
         if self._log.debug_enabled():
-            self._log.debug(
-                f"{self.name}_transition",
-                **{self.id_field: entity_id},
-                **fields,
-                input=event.value,
-                cause=cause,
-                **{"from": state.value, "to": new.value},
-            )
+            self._logged(entity_id, state, event, new, cause, fields)
         return new
+
+    def apply_seq(
+        self, entity_id: object, state: S, steps: Sequence[tuple[I, str]], **fields: Any
+    ) -> S:
+        """``apply`` of each ``(input, cause)`` in turn, logged one by one; the final state. If
+        any pair is illegal, raises for it before any is applied (the caller stores nothing).
+        One look at the log level for them all: a transfer settling takes two at once."""
+        states = [state]
+        for event, cause in steps:
+            new = self.transitions.get((states[-1], event))
+            if new is None:
+                self._reject(entity_id, states[-1], event, cause, fields)
+            states.append(new)
+        if self._log.debug_enabled():
+            for (event, cause), before, after in zip(steps, states, states[1:], strict=False):
+                self._logged(entity_id, before, event, after, cause, fields)
+        return states[-1]
+
+    def _reject(
+        self, entity_id: object, state: S, event: I, cause: str, fields: dict[str, Any]
+    ) -> NoReturn:
+        self._log.warning(
+            f"{self.name}_transition_rejected",
+            **{self.id_field: entity_id},
+            **fields,
+            state=state.value,
+            input=event.value,
+            cause=cause,
+        )
+        raise TransitionError(self.name, entity_id, str(state.value), str(event.value))
+
+    def _logged(
+        self, entity_id: object, state: S, event: I, new: S, cause: str, fields: dict[str, Any]
+    ) -> None:
+        self._log.debug(
+            f"{self.name}_transition",
+            **{self.id_field: entity_id},
+            **fields,
+            input=event.value,
+            cause=cause,
+            **{"from": state.value, "to": new.value},
+        )
 
     def render_mermaid(self) -> str:
         """A Mermaid state diagram of the table."""

@@ -8,7 +8,7 @@ table, on the scheduler side and on each worker.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from attrs import define
 
@@ -103,6 +103,19 @@ def apply(transfer: Transfer, event: TransferInput, *, cause: str) -> TransferSt
     return transfer.state
 
 
+def apply_seq(transfer: Transfer, steps: Sequence[tuple[TransferInput, str]]) -> TransferState:
+    """``apply`` of each ``(input, cause)`` in turn (a transfer that settles: complete, then
+    release), each transition logged; if any is illegal, raises before any is applied."""
+    transfer.state = TRANSFER_MACHINE.apply_seq(
+        transfer.transfer_id,
+        transfer.state,
+        steps,
+        request_id=transfer.request_id,
+        direction=_DIRECTION_NAMES[transfer.direction],
+    )
+    return transfer.state
+
+
 def render_mermaid() -> str:
     """A Mermaid state diagram of the table, for docs/state-machines.md."""
     return TRANSFER_MACHINE.render_mermaid()
@@ -122,6 +135,7 @@ __all__ = [
     "TransferInput",
     "TransferState",
     "apply",
+    "apply_seq",
     "render_mermaid",
     "render_table",
 ]

@@ -18,6 +18,11 @@ from kvflow.core.run_pool import RunBlockPool
 log = get_logger("kvflow.scheduler")
 
 
+# A step's entry (request, confirmed tokens, new block ids per group, whether they replace the
+# table), as the manager builds them.
+_Entry = tuple[RequestState, int, Sequence[Sequence[int]], bool]
+_NO_IDS: Sequence[Sequence[int]] = ((),)
+
 # From this many completed blocks a request's blocks are first tried as a whole (a prefill's).
 _WHOLE = 8
 
@@ -48,6 +53,37 @@ def _pick_all(
     for h in hs:  # a hash repeats: none of these was picked before, so drop them all
         picked.pop(h, None)
     return False
+
+
+def _pick_run(
+    st: RequestState,
+    ids: Sequence[int],
+    hs: Sequence[BlockHash],
+    cur: int,
+    done: int,
+    null: int | None,
+    in_flight: dict[BlockHash, int],
+    picked: dict[BlockHash, int],
+    pool: RunBlockPool,
+    owners: list[RequestState | None],
+) -> bool:
+    """Pick the request's blocks ``cur .. done - 1`` of one group worth storing (not the null
+    block, not cached, not being stored, not picked already); returns whether any was."""
+    if done - cur >= _WHOLE and _pick_all(
+        ids[cur:done], hs[cur:done], null, in_flight, picked, pool
+    ):
+        owners += [st] * (done - cur)
+        return True
+    in_cpu = pool.cached_hashes
+    added = False
+    for i in range(cur, done):
+        b, h = ids[i], hs[i]
+        if b == null or h in in_flight or h in picked or h in in_cpu:
+            continue
+        picked[h] = b
+        owners.append(st)
+        added = True
+    return added
 
 
 class EagerStore:
@@ -92,15 +128,14 @@ class EagerStore:
         null = self._null
         reqs = batch.reqs
         sizes = geo.block_sizes
-        # Per group, everything the loop reads, in one tuple: the pools' hash → block dicts
-        # themselves (a method call per block costs more than the lookup), the hashes being
+        # Per group, everything the loop reads, in one tuple: the pools, the hashes being
         # stored, and this batch's picks.
         groups = tuple(
             enumerate(
                 zip(
                     sizes,
                     geo.slot,
-                    [pool.cached_hashes for pool in self._cpu],
+                    self._cpu,
                     self._storing,
                     batch.blocks,
                     batch.owners,
@@ -115,22 +150,24 @@ class EagerStore:
             st.next_boundary = next_boundary(confirmed, sizes)
             cursor = st.cursor
             added = False
-            for g, (bs, slot, in_cpu, in_flight, picked, owners) in groups:
+            for g, (bs, slot, pool, in_flight, picked, owners) in groups:
                 done = confirmed // bs
                 cur = cursor[g]
                 if done <= cur:
                     continue
                 cursor[g] = done
-                if not pick:
-                    continue
-                ids = st.table[g]
-                hs = st.hash_lists[slot]
-                for i in range(cur, done):
-                    b, h = ids[i], hs[i]
-                    if b == null or h in in_flight or h in picked or h in in_cpu:
-                        continue
-                    picked[h] = b
-                    owners.append(st)
+                if pick and _pick_run(
+                    st,
+                    st.table[g],
+                    st.hash_lists[slot],
+                    cur,
+                    done,
+                    null,
+                    in_flight,
+                    picked,
+                    pool,
+                    owners,
+                ):
                     added = True
             if added:
                 reqs.append(st)
@@ -139,6 +176,25 @@ class EagerStore:
         """``_collect_groups`` for one KV cache group (most models), its group loop unrolled:
         it runs once per request with a completed block, on every store. The property test
         ``test_one_group_collect_equals_the_general_one`` holds the two to the same result."""
+        self._advance_one([(st, st.confirmed, _NO_IDS, False) for st in sts], batch, pick, False)
+
+    def apply_running_one(self, entries: Sequence[_Entry]) -> StoreBatch:
+        """A step of running requests only (no table replaced) over one KV cache group, applied
+        and collected in one pass: each entry's new ids join its table, its confirmed tokens
+        are set, and its completed blocks are collected as ``collect`` does (a request at a
+        time is the same as all tables first: requests are independent here). The property
+        test ``test_running_one_group_step_equals_the_general_one`` holds it to the manager's
+        general path."""
+        batch = StoreBatch.empty(1)
+        self._advance_one(entries, batch, True, True)
+        return batch
+
+    def _advance_one(
+        self, entries: Iterable[_Entry], batch: StoreBatch, pick: bool, apply: bool
+    ) -> None:
+        """One group: advance each entry's request to its confirmed tokens and pick its
+        completed blocks; with ``apply``, first extend its table by the entry's new ids and set
+        its confirmed tokens (a request whose boundary is not reached is then done)."""
         bs = self._geo.block_sizes[0]
         slot = self._geo.slot[0]
         pool = self._cpu[0]
@@ -148,38 +204,34 @@ class EagerStore:
         owners = batch.owners[0]
         reqs = batch.reqs
         null = self._null
-        for st in sts:
-            confirmed = st.confirmed
+        for st, confirmed, ids, _ in entries:
+            table = st.table[0]
+            if apply:
+                new = ids[0]
+                if new:
+                    table.extend(new)
+                if st.next_boundary > confirmed >= st.confirmed:
+                    st.confirmed = confirmed  # no block completes, none went back
+                    continue
+                st.confirmed = confirmed
             if st.hashing:
-                tokens = st.request.all_token_ids
-                for hasher in st.hashing:
-                    hasher.extend_to(tokens, confirmed)
+                st.hash_confirmed()
             done = confirmed // bs
             st.next_boundary = (done + 1) * bs
-            cursor = st.cursor
-            cur = cursor[0]
+            cur = st.cursor[0]
             if done <= cur:
                 continue
-            cursor[0] = done
+            st.cursor[0] = done
             if not pick:
                 continue
-            ids = st.table[0]
             hs = st.hash_lists[slot]
-            if done - cur >= _WHOLE and _pick_all(
-                ids[cur:done], hs[cur:done], null, in_flight, picked, pool
-            ):
-                owners += [st] * (done - cur)
-                reqs.append(st)
-                continue
-            added = False
-            for i in range(cur, done):
-                b, h = ids[i], hs[i]
-                if b == null or h in in_flight or h in picked or h in in_cpu:
-                    continue
-                picked[h] = b
-                owners.append(st)
-                added = True
-            if added:
+            if done == cur + 1:  # steady decode: one block completed
+                b, h = table[cur], hs[cur]
+                if b != null and h not in in_flight and h not in picked and h not in in_cpu:
+                    picked[h] = b
+                    owners.append(st)
+                    reqs.append(st)
+            elif _pick_run(st, table, hs, cur, done, null, in_flight, picked, pool, owners):
                 reqs.append(st)
 
     def defer(self, st: RequestState, confirmed: int) -> None:

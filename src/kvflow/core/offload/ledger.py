@@ -23,13 +23,24 @@ from kvflow.core.offload.state import LiveTransfer, PinnedHit, RequestState, Sto
 from kvflow.core.offload.stats import Counters
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec, aggregate
 from kvflow.core.run_pool import RunBlockPool
-from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
+from kvflow.core.transfer import (
+    Direction,
+    Transfer,
+    TransferInput,
+    TransferState,
+    apply,
+    apply_seq,
+)
 from kvflow.errors import ReportError
 
 log = get_logger("kvflow.scheduler")
 
 
 _UNDESCRIBED = StoredBlockInfo(None, ())
+_COMMIT_AND_RELEASE = (
+    (TransferInput.COMPLETE, "all_ranks_reported"),
+    (TransferInput.RELEASE, "settled"),
+)
 
 
 def _transfer_id(x: LiveTransfer) -> int:
@@ -393,22 +404,25 @@ class TransferLedger:
                 self._load_invalid(x, frozenset())
             self.release(x, commit=False)
             return False
-        apply(t, TransferInput.COMPLETE if ok else TransferInput.FAIL, cause="all_ranks_reported")
-        if not ok:
-            self.n.failed_transfers += 1
-            log.warning(
-                "offload_transfer_failed",
-                transfer_id=t.transfer_id,
-                request_id=t.request_id,
-                direction=t.direction.value,
-            )
+        if ok:
+            apply_seq(t, _COMMIT_AND_RELEASE)
             if is_load and alive:
-                self._load_invalid(x, reported_invalid)
-        elif is_load and alive:
-            self.finished_recving.add(t.request_id)
+                self.finished_recving.add(t.request_id)
+            self.release(x, commit=True)
+            return True
+        apply(t, TransferInput.FAIL, cause="all_ranks_reported")
+        self.n.failed_transfers += 1
+        log.warning(
+            "offload_transfer_failed",
+            transfer_id=t.transfer_id,
+            request_id=t.request_id,
+            direction=t.direction.value,
+        )
+        if is_load and alive:
+            self._load_invalid(x, reported_invalid)
         apply(t, TransferInput.RELEASE, cause="settled")
-        self.release(x, commit=ok)
-        return ok
+        self.release(x, commit=False)
+        return False
 
     def _load_invalid(self, x: LiveTransfer, reported: frozenset[int]) -> None:
         ids = {b for g in x.spec.gpu_block_ids for b in g}

@@ -19,6 +19,7 @@ completed. Sans-IO: no device, no event loop, no clock.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from operator import itemgetter
 
 from kvflow.core import validate
 from kvflow.core.gpu_view import GpuCacheView
@@ -47,7 +48,7 @@ from kvflow.core.offload.state import (
 )
 from kvflow.core.offload.stats import Counters, StepOutcome
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
-from kvflow.core.requests import RequestLike, SchedulerOutput
+from kvflow.core.requests import DecodeRequests, RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError, ProtocolError
 
@@ -60,6 +61,19 @@ _News = tuple[RequestState, int, GroupBlockIds, bool]
 
 def _request_id(st: RequestState) -> str:
     return st.request.request_id
+
+
+_state_of = itemgetter(0)  # a ``_News`` entry's request
+
+
+def _check_new_ids(
+    rid: str, g: int, ids: Sequence[int], num_blocks: int | None, null: int | None
+) -> None:
+    """A running request's new GPU block ids of group ``g``: in range and unique (only the null
+    block may repeat), as ``validate.step_entries`` checks them."""
+    problem = validate.id_problem(ids, num_blocks, null)
+    if problem is not None:
+        raise ConfigError(f"request {rid!r} group {g}: GPU block id {problem}")
 
 
 class OffloadManager(ManagerQueries):
@@ -301,40 +315,27 @@ class OffloadManager(ManagerQueries):
                         continue
             dirty.append(news(st, end, ids, c.resumed_from_preemption))
         decode = so.decode_requests
-        group_sizes = self._geo.group_sizes
-        # Columns of one-token steps: each entry is a CachedRequest scheduling 1 token. The
-        # steady state of a big batch, so ``_running_news`` is inlined: the table check is a
-        # comparison per group, and the call only happens to raise its error.
-        for rid, computed, ids in zip(
-            decode.request_ids, decode.num_computed_tokens, decode.new_block_ids, strict=True
-        ):
-            st = requests.get(rid)
-            if st is None:
-                raise ProtocolError(f"unknown running request {rid!r}")
-            end = computed + 1
-            if end < st.next_boundary and ids == no_new:
-                continue
-            num_tokens = len(st.request.all_token_ids)  # ``confirmed_tokens``, inlined as above
-            confirmed = end if end < num_tokens else num_tokens
-            have = st.table
-            if len(ids) != num_groups:
-                check(st, end, confirmed, ids, False)
-            for g, bs in group_sizes:
-                if len(have[g]) + len(ids[g]) < confirmed // bs:
-                    check(st, end, confirmed, ids, False)
-            dirty.append((st, confirmed, ids, False))
+        # Entries from here on are checked as they are built, not by ``step_entries``.
+        num_general = len(dirty)
+        if decode.request_ids:
+            self._decode_news(decode, dirty, one=num_groups == 1)
         # -- boundary check (kvflow.core.validate): every entry that changes something --
-        entries = dirty
-        if prechecked:
-            # Ids validated at allocation, given again unchanged: checked as no ids (the rest
-            # of the entry still is).
-            entries = [
-                (e[0], e[1], self._no_new, e[3]) if i in prechecked else e
-                for i, e in enumerate(dirty)
-            ]
-        validate.step_entries(
-            entries, _request_id, num_groups, self.config.num_gpu_blocks, self._null
-        )
+        if num_general:
+            entries = dirty[:num_general] if len(dirty) > num_general else dirty
+            if prechecked:
+                # Ids validated at allocation, given again unchanged: checked as no ids (the
+                # rest of the entry still is).
+                entries = [
+                    (e[0], e[1], self._no_new, e[3]) if i in prechecked else e
+                    for i, e in enumerate(entries)
+                ]
+            validate.step_entries(
+                entries, _request_id, num_groups, self.config.num_gpu_blocks, self._null
+            )
+        if len(dirty) > num_general and len(set(map(_state_of, dirty))) != len(dirty):
+            validate.step_entries(
+                dirty, _request_id, num_groups, self.config.num_gpu_blocks, self._null
+            )  # names the request scheduled twice
         # Every table is checked: from here on nothing raises on bad input.
 
         flush = False
@@ -355,9 +356,27 @@ class OffloadManager(ManagerQueries):
             for st in self._allocated.values():
                 ledger.plan_load(st)
             self._allocated.clear()
+        store = self._store
+        if (
+            not num_general
+            and not flush
+            and not so.finished_request_ids
+            and num_groups == 1
+            and store.interval == 1
+            and lazy is None
+            and not self._reset_pending
+        ):
+            # Running requests only over one group, a store each step: the eager policy applies
+            # and collects the entries in one pass (the general path below, fused).
+            if dirty:
+                picked = store.apply_running_one(dirty)
+                if picked.reqs:
+                    ledger.plan_store(picked, STEP_STORE_ID)
+            if not ledger.pending and not ledger.abandoned:
+                return StepPlan(so.step, (), (), False, ())
+            return ledger.launch(so.step, False)
         advancing: list[RequestState] = []
         replaced = False
-        store = self._store
         # Eager stores coalesced over ``eager_store_interval`` plans: a request with a completed
         # block joins the deferred ones here, while its state is at hand.
         deferring = store.interval > 1
@@ -401,6 +420,50 @@ class OffloadManager(ManagerQueries):
         if not ledger.pending and not ledger.abandoned:
             return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
         return ledger.launch(so.step, flush)
+
+    def _decode_news(self, decode: DecodeRequests, dirty: list[_News], *, one: bool) -> None:
+        """The decode columns' entries with news, checked, onto ``dirty``: the steady state of
+        a big batch, so ``_running_news`` is inlined (the table check is a comparison per
+        group; the call only happens to raise its error). ``one``: the manager has one KV cache
+        group (most models), its group loops unrolled and the common new ids (one block)
+        checked inline; the property test ``test_one_group_decode_news_equal_the_general_ones``
+        holds the two to the same result."""
+        requests = self._requests
+        check = self._check_table
+        num_groups = self._num_groups
+        no_new = self._no_new
+        group_sizes = self._geo.group_sizes
+        bs = group_sizes[0][1]
+        num_blocks, null = self.config.num_gpu_blocks, self._null
+        limit = num_blocks if num_blocks is not None else 1 << 62
+        for rid, computed, ids in zip(
+            decode.request_ids, decode.num_computed_tokens, decode.new_block_ids, strict=True
+        ):
+            st = requests.get(rid)
+            if st is None:
+                raise ProtocolError(f"unknown running request {rid!r}")
+            end = computed + 1
+            if end < st.next_boundary and ids == no_new:
+                continue
+            num_tokens = len(st.request.all_token_ids)  # ``confirmed_tokens``, inlined
+            confirmed = end if end < num_tokens else num_tokens
+            if len(ids) != num_groups:
+                check(st, end, confirmed, ids, False)
+            if one:
+                new = ids[0]
+                if len(st.table[0]) + len(new) < confirmed // bs:
+                    check(st, end, confirmed, ids, False)
+                if new and not (len(new) == 1 and 0 <= new[0] < limit):
+                    _check_new_ids(rid, 0, new, num_blocks, null)
+            else:
+                have = st.table
+                for g, size in group_sizes:
+                    if len(have[g]) + len(ids[g]) < confirmed // size:
+                        check(st, end, confirmed, ids, False)
+                for g, new_ids in enumerate(ids):
+                    if new_ids:
+                        _check_new_ids(rid, g, new_ids, num_blocks, null)
+            dirty.append((st, confirmed, ids, False))
 
     def _quiet_lazy_step(self, so: SchedulerOutput, lazy: LazyCursor) -> StepPlan:
         """``build_step_plan`` of a lazy step without requests, finishes or preemptions: the
