@@ -49,7 +49,7 @@ from rich.table import Table
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.host import HostBackend, HostFence
 from kvflow.connector.api import KVCacheConfig, KVConnectorOutput
-from kvflow.connector.config import OffloadConfig
+from kvflow.connector.config import EAGER_STORE_INTERVAL, OffloadConfig
 from kvflow.connector.offload import OffloadConnector, OffloadScheduler
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec
@@ -72,9 +72,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--policy",
-        choices=("eager", "lazy", "both"),
+        choices=("eager", "eager1", "lazy", "both"),
         default="both",
-        help="store policy; both: the duration split between them",
+        help="store policy (eager1: eager with a store each step, eager_store_interval=1); "
+        "both: the duration split between the three",
     )
     p.add_argument(
         "--worker-loop",
@@ -379,7 +380,8 @@ class Soak:
         block_bytes = block_bytes_per_group(self.reference.model_config, kv, dtype)
         config = OffloadConfig(
             cpu_bytes=self.args.cpu_blocks * sum(block_bytes),
-            store_policy=self.policy,
+            store_policy="eager" if self.policy == "eager1" else self.policy,
+            eager_store_interval=1 if self.policy == "eager1" else EAGER_STORE_INTERVAL,
             lazy_watermark=8,
             backend="host",
             world_size=2,
@@ -550,7 +552,7 @@ class Soak:
 
 
 def _segments(args: argparse.Namespace) -> list[tuple[str, str]]:
-    policies = ["eager", "lazy"] if args.policy == "both" else [args.policy]
+    policies = ["eager", "eager1", "lazy"] if args.policy == "both" else [args.policy]
     loops = ["inline", "thread"] if args.worker_loop == "both" else [args.worker_loop]
     return [(p, w) for p in policies for w in loops]
 

@@ -12,7 +12,8 @@ from scripts import soak
 
 @pytest.mark.slow
 def test_soak_30_seconds_injects_every_fault_and_finds_no_violation(tmp_path: Path) -> None:
-    """30 s of random traffic over both store policies and both worker loops: exit status 0,
+    """30 s of random traffic over the store policies (eager, eager with a store each step,
+    lazy) and both worker loops: exit status 0,
     no violation, every fault and bad-input kind exercised, reloads and outputs checked."""
     out = tmp_path / "soak.json"
     assert soak.main(["--duration", "30", "--seed", "7", "--json", str(out)]) == 0
@@ -21,6 +22,8 @@ def test_soak_30_seconds_injects_every_fault_and_finds_no_violation(tmp_path: Pa
     assert set(figures["segments"]) == {
         "eager/inline",
         "eager/thread",
+        "eager1/inline",
+        "eager1/thread",
         "lazy/inline",
         "lazy/thread",
     }

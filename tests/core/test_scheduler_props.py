@@ -314,12 +314,14 @@ decode_events = st.lists(
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(decode_events)
 def test_running_one_group_step_equals_the_general_one(script: list[Event]) -> None:
-    """A step of running requests only, over one group with a store each step, is applied and
-    collected in one pass (``EagerStore.apply_running_one``): every plan and outcome equals the
-    general path's, through preemptions, finishes, failed reports and resets."""
+    """A step of running requests only (none new or resumed), over one group with a store each
+    step, is applied and collected in one pass (``EagerStore.apply_running_one``): every plan and
+    outcome equals the general path's, with decode steps as columns or as cached requests,
+    through preemptions, finishes, failed reports and resets."""
     script = [("admit", base, 30, "ok") for base in range(len(BASES))] + script
-    fast = run("eager", script, decode_columns=True)
-    slow = run("eager", script, decode_columns=True, general=True)
-    assert fast.sim.workers.plans == slow.sim.workers.plans
-    assert fast.sim.outcomes == slow.sim.outcomes
-    assert fast.sim.mgr.stats() == slow.sim.mgr.stats()
+    for columns in (True, False):
+        fast = run("eager", script, decode_columns=columns)
+        slow = run("eager", script, decode_columns=columns, general=True)
+        assert fast.sim.workers.plans == slow.sim.workers.plans
+        assert fast.sim.outcomes == slow.sim.outcomes
+        assert fast.sim.mgr.stats() == slow.sim.mgr.stats()

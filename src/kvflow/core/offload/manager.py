@@ -294,6 +294,7 @@ class OffloadManager(ManagerQueries):
             dirty.append((st, confirmed, new.block_ids, True))
         no_new = self._no_new
         news = self._running_news
+        resumed = False  # a cached request replaces its table
         for c in so.cached_requests:
             st = requests.get(c.request_id)
             if st is None:
@@ -313,6 +314,8 @@ class OffloadManager(ManagerQueries):
                     if confirmed >= st.confirmed and len(ids) == num_groups:
                         dirty.append((st, confirmed, ids, False))
                         continue
+            if c.resumed_from_preemption:
+                resumed = True
             dirty.append(news(st, end, ids, c.resumed_from_preemption))
         decode = so.decode_requests
         # Entries from here on are checked as they are built, not by ``step_entries``.
@@ -358,7 +361,8 @@ class OffloadManager(ManagerQueries):
             self._allocated.clear()
         store = self._store
         if (
-            not num_general
+            not so.new_requests
+            and not resumed
             and not flush
             and not so.finished_request_ids
             and num_groups == 1
@@ -366,8 +370,9 @@ class OffloadManager(ManagerQueries):
             and lazy is None
             and not self._reset_pending
         ):
-            # Running requests only over one group, a store each step: the eager policy applies
-            # and collects the entries in one pass (the general path below, fused).
+            # Running requests only (no table replaced) over one group, a store each step: the
+            # eager policy applies and collects the entries in one pass (the general path
+            # below, fused).
             if dirty:
                 picked = store.apply_running_one(dirty)
                 if picked.reqs:
