@@ -1,5 +1,6 @@
-"""Property tests of the lazy cursor's and the ledger's fast paths: each gives what the general
-path gives (the one-group record, the batched take, the single-rank report)."""
+"""Property tests of the lazy cursor's, the ledger's and the manager's fast paths: each gives what
+the general path gives (the one-group record, the batched take, the single-rank report, the
+one-group reading of decode columns)."""
 
 from __future__ import annotations
 
