@@ -371,57 +371,57 @@ class OffloadManager(ManagerQueries):
             and not self._reset_pending
         ):
             # Running requests only (no table replaced) over one group, a store each step: the
-            # eager policy applies and collects the entries in one pass (the general path
-            # below, fused).
+            # eager policy applies and collects the entries in one pass (the general path of
+            # the ``else``, fused).
             if dirty:
                 picked = store.apply_running_one(dirty)
                 if picked.reqs:
                     ledger.plan_store(picked, STEP_STORE_ID)
-            if not ledger.pending and not ledger.abandoned:
-                return StepPlan(so.step, (), (), False, ())
-            return ledger.launch(so.step, False)
-        advancing: list[RequestState] = []
-        replaced = False
-        # Eager stores coalesced over ``eager_store_interval`` plans: a request with a completed
-        # block joins the deferred ones here, while its state is at hand.
-        deferring = store.interval > 1
-        fresh = not store.deferred
-        if lazy is not None and dirty:
-            # Nothing below reads the cursor before ``_advance``: every take first is the same.
-            lazy.taken_tables([entry[2] for entry in dirty])
-        for st, confirmed, ids, replace in dirty:
-            if replace:
-                replaced = True
-                st.checked_table = None  # used up (the step passed its checks)
-                st.table = tuple([list(g) for g in ids])
-                st.cursor = [0] * num_groups
-            elif num_groups == 1:
-                if ids[0]:
-                    st.table[0].extend(ids[0])
-            else:
-                for table, new_ids in zip(st.table, ids, strict=True):
-                    if new_ids:
-                        table.extend(new_ids)
-            if replace or confirmed >= st.next_boundary or confirmed < st.confirmed:
-                if deferring:
-                    store.defer(st, confirmed)
+        else:
+            advancing: list[RequestState] = []
+            replaced = False
+            # Eager stores coalesced over ``eager_store_interval`` plans: a request with a
+            # completed block joins the deferred ones here, while its state is at hand.
+            deferring = store.interval > 1
+            fresh = not store.deferred
+            if lazy is not None and dirty:
+                # Nothing below reads the cursor before ``_advance``: every take first is the
+                # same.
+                lazy.taken_tables([entry[2] for entry in dirty])
+            for st, confirmed, ids, replace in dirty:
+                if replace:
+                    replaced = True
+                    st.checked_table = None  # used up (the step passed its checks)
+                    st.table = tuple([list(g) for g in ids])
+                    st.cursor = [0] * num_groups
+                elif num_groups == 1:
+                    if ids[0]:
+                        st.table[0].extend(ids[0])
                 else:
-                    advancing.append(st)
-            # Else no group completes a block and confirmed tokens did not go back: advancing
-            # would change nothing, its boundary included.
-            st.confirmed = confirmed
-        if deferring:
-            due = store.due(fresh=fresh, replaced=replaced)
-            if due is not None:
-                advancing = due
-        if advancing:
-            # One pass over the step's completed blocks (requests are independent of each other
-            # here, so advancing after every table grew is the same as advancing each in turn).
-            self._advance(advancing, STEP_STORE_ID)
-        if lazy is not None and not self._reset_pending:
-            batch = lazy.walk()
-            if batch is not None:
-                self._plan_store(batch, LAZY_REQUEST_ID)
+                    for table, new_ids in zip(st.table, ids, strict=True):
+                        if new_ids:
+                            table.extend(new_ids)
+                if replace or confirmed >= st.next_boundary or confirmed < st.confirmed:
+                    if deferring:
+                        store.defer(st, confirmed)
+                    else:
+                        advancing.append(st)
+                # Else no group completes a block and confirmed tokens did not go back:
+                # advancing would change nothing, its boundary included.
+                st.confirmed = confirmed
+            if deferring:
+                due = store.due(fresh=fresh, replaced=replaced)
+                if due is not None:
+                    advancing = due
+            if advancing:
+                # One pass over the step's completed blocks (requests are independent of each
+                # other here, so advancing after every table grew is the same as advancing each
+                # in turn).
+                self._advance(advancing, STEP_STORE_ID)
+            if lazy is not None and not self._reset_pending:
+                batch = lazy.walk()
+                if batch is not None:
+                    self._plan_store(batch, LAZY_REQUEST_ID)
         if not ledger.pending and not ledger.abandoned:
             return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
         return ledger.launch(so.step, flush)
