@@ -13,7 +13,9 @@ Two spawned processes, P (rank 0) and D (rank 1), one transport pair each. Per b
 (and, for reference, the same N blocks consecutive on both sides: "contig", the transport's own
 large-copy speed over the same link);
 time is the initiator's (D for a pull, P for gloo and pushes), from a barrier to its fence
-settled; the median of ``--repeat`` runs after one warm-up. The ceiling, in the same process:
+settled; the median of ``--repeat`` runs after one warm-up. "launch µs" is the initiator's
+launch call, "passive µs" the other side's (for CUDA IPC and NIXL the passive side's launch
+gates the copy). The ceiling, in the same process:
 on CPU a memcpy of the same bytes (one contiguous ``copy_``, pages touched first); on CUDA a
 contiguous device-to-device copy through the mapping of the peer's tensor (cuda-ipc), or of
 local memory (nixl). On CUDA also a torch index gather of the same blocks (``index_select``
@@ -174,6 +176,8 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                     launch_us=statistics.median(launch_s[1:]) * 1e6,
                     issued=issued[-1],
                 )
+            else:  # the passive side's launch gates the initiator's copy (CUDA IPC, NIXL)
+                fig["passive_launch_us"] = statistics.median(launch_s[1:]) * 1e6
                 if name == "gloo":  # staging chunks, one wire op each
                     geo = geometry(caches)
                     fig["issued"] = len(plan_chunks(g + 1, pairs, geo, 8 << 20))
@@ -289,15 +293,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.regions} page(s) a block)"
     )
     for col in ("transport", "page KiB", "blocks", "GB/s", "contig GB/s", "ceiling GB/s",
-                "of ceiling", "vs gather", "issued", "launch µs", "ok"):  # fmt: skip
+                "of ceiling", "vs gather", "issued", "launch µs", "passive µs", "ok"):  # fmt: skip
         table.add_column(col, justify="right")
     for name, r in rows.items():
         for kib, f in r["sizes"].items():
             gather = f.get("vs_index_gather")
+            passive = f.get("passive_launch_us")
             table.add_row(name, kib, str(f["blocks"]), f"{f['gbs']:.2f}",
                           f"{f['contiguous_gbs']:.2f}", f"{f['ceiling_gbs']:.2f}",
                           f"{f['of_ceiling']:.0%}", "—" if gather is None else f"{gather:.2f}×",
-                          str(f["issued"]), f"{f['launch_us']:.0f}", "yes" if f["bytes_match"] else "NO")  # fmt: skip
+                          str(f["issued"]), f"{f['launch_us']:.0f}",
+                          "—" if passive is None else f"{passive:.0f}",
+                          "yes" if f["bytes_match"] else "NO")  # fmt: skip
     console.print(table)
     for name, r in rows.items():
         chosen = {k: v for k, v in r["stats"].items() if k in ("backend", "ucx", "mode", "paths")}

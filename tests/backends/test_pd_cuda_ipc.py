@@ -1,9 +1,10 @@
 """The CUDA IPC PD transport's logic on CPU, through a fake device (tensors and events in one
 process): who exports and who maps, the doorbell tokens that order P's compute → the copy →
 P's release in both launch orders, events still running keep fences pending, timeouts, cancel,
-peer death, the exporter outliving the mappings at close, typed errors; and the pure copy
-planning of ``cuda_copy`` (coalesced D2D descriptors, the kernel's parameter block). The real
-device runs in ``test_pd_cuda_ipc_gpu.py`` (``-m gpu``)."""
+peer death, the exporter outliving the mappings at close, typed errors, local events handed
+back to the device; and the pure copy planning of ``cuda_copy`` (coalesced D2D descriptors, the
+kernel's parameter blocks, the split of a hand-off into by-value launches or one upload). The
+real device runs in ``test_pd_cuda_ipc_gpu.py`` (``-m gpu``)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,18 @@ from structlog.testing import capture_logs
 from kvflow.backends.base import FenceStatus
 from kvflow.backends.pd.cuda_copy import (
     CHUNK_BYTES,
+    MAX_PARAM_BYTES,
+    SOURCE,
+    VALUE_CAPACITIES,
+    VALUE_LAUNCHES,
     PairTable,
     ParamBlock,
+    ValueParams,
     choose_method,
     chunks_of,
     d2d_descriptors,
+    plan_launches,
+    value_capacities,
 )
 from kvflow.backends.pd.cuda_ipc import CudaIpcTransport, Doorbell, process_start, token_of
 from kvflow.backends.pd.rendezvous import Region, SideLayout
@@ -61,6 +69,7 @@ class FakeDevice:
         self.src: SideLayout | None = None
         self.dst: SideLayout | None = None
         self.closed = False
+        self.lent: set[FakeEvent] = set()  # local events the transport has not handed back
 
     def check(self, layout: SideLayout) -> None:
         if any(r.device != -1 for g in layout.groups for r in g):
@@ -75,7 +84,14 @@ class FakeDevice:
         return self.world.tensors[int(data)]
 
     def new_event(self, *, interprocess: bool) -> FakeEvent:
-        return FakeEvent(self.world)
+        event = FakeEvent(self.world)
+        if not interprocess:
+            self.lent.add(event)
+        return event
+
+    def free_event(self, event: FakeEvent) -> None:
+        assert event in self.lent, "freed an event the device did not lend"
+        self.lent.discard(event)
 
     def event_handle(self, event: FakeEvent) -> bytes:
         key = uuid.uuid4().bytes
@@ -291,6 +307,39 @@ def test_a_peer_that_never_launches_times_out_and_a_cancel_waits_for_issued_copi
         p.close()
 
 
+def test_local_events_go_back_to_the_device_once_past_use() -> None:
+    """D's compute event goes back as soon as its copy stream waits on it, its copied event
+    once the fence settled: after a hand-off, a timeout and a cancel behind a running copy,
+    D's device has lent out no event."""
+    p, d, world, clock, _ = pair("read")
+    lent = d._dev.lent  # type: ignore[attr-defined]
+    try:
+        world.hold = True
+        send, recv = ops()
+        pf, df = p.launch(send), d.launch(recv)
+        assert len(lent) == 1  # the copied event; the compute event is back already
+        release(world)
+        assert (d.query(df), p.query(pf)) == (FenceStatus.DONE, FenceStatus.DONE)
+        assert not lent
+        lonely = d.launch(ops(2, "lonely")[1])
+        assert len(lent) == 1  # recorded, not yet waited on: P has not rung
+        clock.t += 5.1
+        assert d.query(lonely) is FenceStatus.FAILED
+        assert not lent
+        world.hold = True
+        p.launch(ops(3, "late")[0])
+        late = d.launch(ops(3, "late")[1])
+        d.cancel(late)
+        assert d.query(late) is FenceStatus.PENDING
+        assert len(lent) == 1
+        release(world)
+        assert d.query(late) is FenceStatus.FAILED
+        assert not lent
+    finally:
+        d.close()
+        p.close()
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -452,3 +501,58 @@ def test_pair_tables_methods_and_the_kernel_parameter_block() -> None:
     assert chunks_of(PairTable.of([Region(0, 9000, 9000, 2, 0)] * 2,
                                   [Region(0, 9000, 9000, 2, 0)] * 2, group=0)) == 3  # fmt: skip
     assert CHUNK_BYTES == 4096
+
+
+def test_a_hand_off_is_cut_into_the_fewest_by_value_launches_or_uploaded() -> None:
+    """Pairs go by value in the smallest parameter block that holds them, a hand-off too large
+    for one block in the fewest even launches, and past ``max_launches`` blocks in one launch
+    of uploaded ids (capacity 0); bad arguments are a BackendError."""
+    caps = VALUE_CAPACITIES
+    assert plan_launches(0, caps, 4) == ()
+    assert plan_launches(1, caps, 4) == ((0, 1, 256),)
+    assert plan_launches(256, caps, 4) == ((0, 256, 256),)
+    assert plan_launches(257, caps, 4) == ((0, 257, 1024),)
+    assert plan_launches(2048, caps, 4) == ((0, 2048, 2048),)
+    assert plan_launches(2049, caps, 4) == ((0, 2049, 4092),)
+    assert plan_launches(4092, caps, 4) == ((0, 4092, 4092),)
+    assert plan_launches(5000, caps, 4) == ((0, 2500, 4092), (2500, 5000, 4092))
+    assert plan_launches(8193, caps, 4) == ((0, 2731, 4092), (2731, 5462, 4092),
+                                            (5462, 8193, 4092))  # fmt: skip
+    four = plan_launches(4 * 4092, caps, 4)
+    assert [b - a for a, b, _ in four] == [4092] * 4
+    assert plan_launches(4 * 4092 + 1, caps, 4) == ((0, 4 * 4092 + 1, 0),)
+    assert plan_launches(10, caps, 0) == ((0, 10, 0),)
+    assert plan_launches(10, (), 4) == ((0, 10, 0),)
+    assert plan_launches(300, (256,), 4) == ((0, 150, 256), (150, 300, 256))
+    with pytest.raises(BackendError):
+        plan_launches(-1, caps, 4)
+    with pytest.raises(BackendError):
+        plan_launches(5, (0,), 4)
+    assert plan_launches(5000, caps, VALUE_LAUNCHES) == ((0, 5000, 0),)  # the default: upload
+
+
+def test_by_value_parameter_blocks_fit_the_driver_and_pack_the_ids() -> None:
+    """Every by-value kernel is in the source and its block fits CUDA's 32,764 bytes (drivers
+    before 12.1 or pre-Volta devices get the 4 KiB one alone); a block holds the scalars, then
+    the source ids, then the destination ids as int32; too many pairs, unequal columns and
+    capacities past the limit are errors."""
+    for c in VALUE_CAPACITIES:
+        assert f"kvf_pair_copy_v{c}(" in SOURCE
+        assert ValueParams(c).raw.nbytes <= MAX_PARAM_BYTES
+    assert value_capacities(13000, 9) == VALUE_CAPACITIES
+    assert value_capacities(12000, 9) == (256,)
+    assert value_capacities(13000, 6) == (256,)
+    with pytest.raises(ConfigError):
+        ValueParams(4093)
+    vp = ValueParams(256)
+    items = vp.fill(0xABC, 32, 2, np.array([5, 6, 7]), np.array([1, 2, 3]))
+    assert items == 3 * 32 * 2
+    i64, i32 = vp.raw[:24].view(np.int64), vp.raw[:24].view(np.int32)
+    assert int(i64[0]) == 0xABC
+    assert (int(i32[2]), int(i32[3]), int(i64[2])) == (32, 2, 3)
+    assert vp.ids[:6].tolist() == [5, 6, 7, 1, 2, 3]
+    assert vp.pointers.tolist() == [vp.raw.ctypes.data + o for o in (0, 8, 12, 16, 24)]
+    with pytest.raises(BackendError, match="block of 256"):
+        vp.fill(0, 1, 1, np.zeros(257, dtype=np.int64), np.zeros(257, dtype=np.int64))
+    with pytest.raises(BackendError, match="destination"):
+        vp.fill(0, 1, 1, np.zeros(3, dtype=np.int64), np.zeros(2, dtype=np.int64))

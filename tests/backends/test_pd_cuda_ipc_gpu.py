@@ -11,7 +11,10 @@ cleanly without CUDA). Each pair, driven step by step over pipes:
    ~2 s kernel): the initiator's fence settles FAILED within a bound, its transport is broken,
    and its process still runs CUDA work.
 
-Read mode with the page-copy kernel, write mode with batched DMA. Whole file well under 60 s.
+Read mode with the page-copy kernel (its block ids in the launch's parameters), write mode with
+batched DMA. Then the copier alone, one process: 5,000 pairs of every page shape by uploaded
+ids (the default past one parameter block), by value in two launches, and by DMA. Whole file
+well under 60 s.
 """
 
 from __future__ import annotations
@@ -254,42 +257,38 @@ def test_a_peer_killed_mid_hand_off_leaves_the_other_serving(
     assert res["stopped"]["failed"] >= 1
 
 
-@pytest.mark.parametrize("method", ["kernel", "dma"])
-def test_one_launch_copies_thousands_of_scattered_pairs_of_every_page_shape(method: str) -> None:
+def _every_page_shape(method: str, value_launches: int | None) -> tuple[int, int]:
     """The device copier (no second process: both sides are this process's tensors) moves
-    5,000 scattered pairs byte-exact in one kernel launch: 4 KiB pages, 136 KiB pages split
-    into chunks with a short last chunk, 9,000-byte pages that are not 16-byte aligned, rows
-    with a stride wider than the page; a second, smaller copy reuses the uploaded id buffer."""
+    5,000 scattered pairs, then 3 reordered ones, of every page shape: 4 KiB pages, 136 KiB
+    pages split into chunks with a short last chunk, 9,000-byte pages that are not 16-byte
+    aligned, rows with a stride wider than the page; both byte-exact, the rest untouched.
+    Returns the launches (or copies) of the two."""
     from kvflow.backends.pd.cuda_ipc import CudaIpcDevice
     from kvflow.backends.pd.rendezvous import SideLayout, sorted_pairs
 
     n_src, n_dst, npairs = 6000, 7000, 5000
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator(device="cuda").manual_seed(5)
 
     def group(n: int, fill: bool) -> list[Any]:
-        shapes_ = [(n, 4096), (n, 136 << 10), (n, 9000)]
+        shapes_ = [(n, 4096), (n, 136 << 10), (n, 9000), (n, 2, 2048)]
         out = [
-            torch.randint(0, 255, s, generator=g, dtype=torch.uint8).cuda()
+            torch.randint(0, 255, s, generator=g, dtype=torch.uint8, device="cuda")
             if fill
             else torch.zeros(s, dtype=torch.uint8, device="cuda")
             for s in shapes_
         ]
-        wide = torch.zeros(n, 2, 2048, dtype=torch.uint8, device="cuda")
-        if fill:
-            wide.copy_(torch.randint(0, 255, (n, 2, 2048), generator=g, dtype=torch.uint8))
-        out.append(wide[:, 0])  # a 2 KiB page every 4 KiB
+        out[-1] = out[-1][:, 0]  # a 2 KiB page every 4 KiB
         return out
 
     src, dst = group(n_src, True), group(n_dst, False)
-    dev = CudaIpcDevice(method=method)
+    opts = {} if value_launches is None else {"value_launches": value_launches}
+    dev = CudaIpcDevice(method=method, **opts)
     paths = dev.prepare(SideLayout.of([src], what="src"), SideLayout.of([dst], what="dst"))
     assert paths == [method]
-    s_ids = torch.randperm(n_src, generator=g)[:npairs]
-    d_ids = torch.randperm(n_dst, generator=g)[:npairs]
+    s_ids = torch.randperm(n_src, generator=g, device="cuda")[:npairs]
+    d_ids = torch.randperm(n_dst, generator=g, device="cuda")[:npairs]
     loc, rem = sorted_pairs(list(zip(s_ids.tolist(), d_ids.tolist(), strict=True)))
     issued = dev.copy(0, loc, rem)
-    if method == "kernel":
-        assert issued == 1
     torch.cuda.synchronize()
     si, di = torch.as_tensor(loc).cuda(), torch.as_tensor(rem).cuda()
     for a, b in zip(src, dst, strict=True):
@@ -299,7 +298,29 @@ def test_one_launch_copies_thousands_of_scattered_pairs_of_every_page_shape(meth
     assert all(int(b[untouched].count_nonzero()) == 0 for b in dst)
     few = dev.copy(0, loc[:3][::-1].copy(), rem[:3].copy())  # 3 pairs, reordered sources
     torch.cuda.synchronize()
-    assert few >= 1
     for a, b in zip(src, dst, strict=True):
         assert torch.equal(b[di[:3]], a[si[:3].flip(0)])
     dev.close(synchronize=True)
+    return issued, few
+
+
+@pytest.mark.parametrize("method", ["kernel", "dma"])
+def test_one_launch_copies_thousands_of_scattered_pairs_of_every_page_shape(method: str) -> None:
+    """With the ids uploaded (no by-value launches), 5,000 scattered pairs of every page shape
+    arrive byte-exact in one kernel launch (or batched DMA), and a second, smaller copy reuses
+    the uploaded id buffer."""
+    issued, few = _every_page_shape(method, 0)
+    if method == "kernel":
+        assert issued == 1
+    assert few >= 1
+
+
+@pytest.mark.parametrize(("value_launches", "launches"), [(4, 2), (None, 1)])
+def test_ids_by_value_copy_a_hand_off_larger_than_one_parameter_block(
+    value_launches: int | None, launches: int
+) -> None:
+    """With the ids in the kernel's parameters, 3 pairs arrive byte-exact in one launch and
+    5,000 pairs, more than one block holds, in two launches when four are allowed; with one
+    allowed (the default) the 5,000 fall back to one launch of uploaded ids."""
+    issued, few = _every_page_shape("kernel", value_launches)
+    assert (issued, few) == (launches, 1)

@@ -5,11 +5,15 @@ cuda-python's own ``cuMemcpyBatchAsync`` wrapper takes Python lists of pointer o
 slow for tens of thousands of descriptors per step. So the function pointer is resolved through
 ``cuGetProcAddress`` for a chosen ABI and called with raw numpy arrays through a ctypes
 ``CFUNCTYPE``. ``cuEventSynchronize`` goes through ctypes too, because a ctypes call always
-releases the GIL for its whole wait. Every other driver call goes through cuda-python.
+releases the GIL for its whole wait. Every other driver call goes through cuda-python, except
+the few a PD hand-off makes on its critical path (``RawCalls``: event record and query, stream
+wait, kernel launch), which take raw handles through ctypes as well: cuda-python builds Python
+objects for each call's arguments and result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from typing import Any
@@ -138,6 +142,79 @@ def wait(stream: Any, event: Any) -> None:
         check((err,), "cuStreamWaitEvent")
 
 
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
+
+def _failed(what: str, err: int) -> BackendError:
+    name = str(err)
+    if cu is not None:
+        with contextlib.suppress(ValueError):
+            name = cu.CUresult(err).name
+    return BackendError(f"{what} failed: {name} ({err})")
+
+
+class RawCalls:
+    """``cuEventRecord``, ``cuStreamWaitEvent``, ``cuEventQuery`` and ``cuLaunchKernel`` on raw
+    handles (ints: ``int(CUevent)``, ``torch.cuda.Stream.cuda_stream``), through ctypes; a
+    failure is a ``BackendError`` naming the call. Get the one instance from ``raw_calls``."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, ui, res = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+
+        def fn(name: str, *args: Any) -> Any:
+            f = getattr(lib, name)
+            f.argtypes = list(args)
+            f.restype = res
+            return f
+
+        self._record = fn("cuEventRecord", vp, vp)
+        self._wait = fn("cuStreamWaitEvent", vp, vp, ui)
+        self._query = fn("cuEventQuery", vp)
+        self._launch = fn("cuLaunchKernel", vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp)
+
+    def record(self, event: int, stream: int) -> None:
+        err = self._record(event, stream)
+        if err:
+            raise _failed("cuEventRecord", err)
+
+    def wait(self, stream: int, event: int) -> None:
+        """``stream`` waits for the most recent record of ``event`` (once this returns, the
+        event may be recorded again without changing what the stream waits for)."""
+        err = self._wait(stream, event, 0)
+        if err:
+            raise _failed("cuStreamWaitEvent", err)
+
+    def query(self, event: int) -> bool:
+        """Has ``event``'s most recent record completed (True for one never recorded)?"""
+        err = self._query(event)
+        if err == 0:
+            return True
+        if err == _NOT_READY:
+            return False
+        raise _failed("cuEventQuery", err)
+
+    def launch(self, function: int, grid: int, block: int, stream: int, params: int) -> None:
+        """Launch ``function`` on a 1-D grid; ``params`` is the address of its array of
+        parameter pointers (the driver copies the parameters before this returns)."""
+        err = self._launch(function, grid, 1, 1, block, 1, 1, 0, stream, params, None)
+        if err:
+            raise _failed("cuLaunchKernel", err)
+
+
+_raw_calls: RawCalls | None = None
+
+
+def raw_calls() -> RawCalls:
+    """The process's ``RawCalls`` (libcuda opened on first use)."""
+    global _raw_calls
+    if _raw_calls is None:
+        with _event_sync_lock:
+            if _raw_calls is None:
+                _raw_calls = RawCalls()
+    return _raw_calls
+
+
 def stream_of(handle: int) -> Any:
     """A cuda-python stream object for a raw handle (e.g. ``torch.cuda.Stream.cuda_stream``)."""
     return cu.CUstream(handle)
@@ -261,6 +338,7 @@ __all__ = [
     "BatchMemcpy",
     "Context",
     "CopyAttributes",
+    "RawCalls",
     "check",
     "choose_abi",
     "cu",
@@ -269,6 +347,7 @@ __all__ = [
     "lowest_priority_stream",
     "memcpy_each",
     "new_event",
+    "raw_calls",
     "record",
     "require_driver",
     "stream_of",

@@ -7,11 +7,14 @@ Two ways, chosen per KV cache group by page size (``choose_method``):
   (run, region) page: a run of blocks consecutive on both sides of a region whose rows are back
   to back is one copy (``d2d_descriptors``);
 - ``kernel``: a copy kernel that reads the source page and writes the destination page
-  directly: both are device memory, so no staging slot and no second copy. A page is split into ``CHUNK_BYTES`` pieces, one warp each; the block
-  ids are one device array uploaded on the copy stream, so a hand-off is one launch; the region
-  tables are uploaded once.
+  directly: both are device memory, so no staging slot and no second copy. A page is split into
+  ``CHUNK_BYTES`` pieces, one warp each; the region tables are uploaded once. The block ids
+  travel in the launch's parameters (up to ``VALUE_CAPACITIES[-1]`` pairs a launch, a hand-off
+  with more cut into at most ``VALUE_LAUNCHES`` launches: ``plan_launches``), so nothing is
+  uploaded and no buffer outlives the call that launches; a larger hand-off uploads its ids to
+  one device array on the copy stream and is one launch.
 
-The descriptor and parameter planning here is pure numpy and runs on any machine.
+The descriptor, parameter and launch planning here is pure numpy and runs on any machine.
 """
 
 from __future__ import annotations
@@ -35,6 +38,30 @@ METHODS = ("auto", "dma", "kernel")
 CHUNK_BYTES = 4096
 """A warp copies at most this much of a page per work item (one round of ``COPY_PAGE``'s
 loads), so a large page is spread over many warps instead of one warp looping over it."""
+
+VALUE_CAPACITIES = (256, 1024, 2048, 4092)
+"""Pairs a launch carries in its parameters, one kernel each (``kvf_pair_copy_v<N>``): the
+smallest that fits is launched, since the driver copies the whole parameter block at every
+launch and a larger block costs the launching host more. 4,092 pairs (32,736 bytes of ids,
+32,760 with the scalars) is the most that fits the 32,764 bytes of parameters CUDA 12.1+ allows
+on sm_70+; older drivers take the first alone (within 4,096 bytes)."""
+
+VALUE_LAUNCHES = 1
+"""A hand-off with more pairs than one parameter block holds is cut into at most this many
+launches; past that its ids are uploaded and it is one launch. One by default: a second launch
+of a full block costs the host more than the upload does."""
+
+_VALUE_KERNEL = r"""
+struct KvfPairIds@N@ { int v[2 * @N@]; };
+
+// Up to @N@ pairs in the launch's parameters (src ids, then dst ids, packed): no upload.
+extern "C" __global__ void __launch_bounds__(@THREADS@, 4) kvf_pair_copy_v@N@(
+    const KvfPairRegion* __restrict__ regions, int nregions, int chunks, long long npairs,
+    const __grid_constant__ KvfPairIds@N@ ids)
+{
+    kvf_pair_body(regions, nregions, chunks, npairs, ids.v, ids.v + npairs);
+}
+"""
 
 SOURCE = r"""
 #define KVF_CHUNK @CHUNK@
@@ -64,9 +91,8 @@ __device__ __forceinline__ bool kvf_item(
 
 // One chunk (<= 4 KiB) a warp, each lane with up to 8 16-byte loads in flight. The next item's
 // ids and region are read while this item's loads are in flight: reading them after would add
-// a second round trip to every chunk. The pairs are a device array (src ids, then dst ids)
-// uploaded on the copy stream before the launch, so one launch carries any number of them.
-extern "C" __global__ void __launch_bounds__(@THREADS@, 4) kvf_pair_copy(
+// a second round trip to every chunk.
+__device__ __forceinline__ void kvf_pair_body(
     const KvfPairRegion* __restrict__ regions, int nregions, int chunks, long long npairs,
     const int* __restrict__ src_ids, const int* __restrict__ dst_ids)
 {
@@ -115,7 +141,23 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 4) kvf_pair_copy(
         w = next;
     }
 }
-""".replace("@CHUNK@", str(CHUNK_BYTES)).replace("@THREADS@", str(THREADS))
+
+// The pairs as a device array (src ids, then dst ids) uploaded on the copy stream before the
+// launch: one launch carries any number of them.
+extern "C" __global__ void __launch_bounds__(@THREADS@, 4) kvf_pair_copy(
+    const KvfPairRegion* __restrict__ regions, int nregions, int chunks, long long npairs,
+    const int* __restrict__ src_ids, const int* __restrict__ dst_ids)
+{
+    kvf_pair_body(regions, nregions, chunks, npairs, src_ids, dst_ids);
+}
+@VALUE_KERNELS@"""
+SOURCE = (
+    SOURCE.replace(
+        "@VALUE_KERNELS@", "".join(_VALUE_KERNEL.replace("@N@", str(n)) for n in VALUE_CAPACITIES)
+    )
+    .replace("@CHUNK@", str(CHUNK_BYTES))
+    .replace("@THREADS@", str(THREADS))
+)
 
 
 @frozen
@@ -195,11 +237,62 @@ def choose_method(method: Method, table: PairTable, kernel_max_page_bytes: int) 
 # Parameter block: regions pointer, nregions, chunks, npairs, src ids pointer, dst ids pointer.
 _OFFSETS = (0, 8, 12, 16, 24, 32)
 PARAM_BYTES = 40
+# By value: regions pointer, nregions, chunks, npairs, then the ids (src, then dst).
+_VALUE_OFFSETS = (0, 8, 12, 16, 24)
+_VALUE_HEADER = 24
+MAX_PARAM_BYTES = 32764
+"""The most parameter bytes a launch takes (CUDA 12.1+ on sm_70+)."""
 
 
 def chunks_of(table: PairTable) -> int:
     """Work items per (pair, region): the largest page in ``CHUNK_BYTES`` pieces."""
     return max(1, -(-int(table.page.max()) // CHUNK_BYTES)) if table.num_regions else 1
+
+
+def _work_items(npairs: int, num_regions: int, chunks: int) -> int:
+    if npairs < 0 or num_regions < 0 or chunks < 1:
+        raise BackendError(f"copy launch: {npairs} pairs, {num_regions} regions, {chunks} chunks")
+    if npairs * num_regions * chunks >= 1 << 32:
+        raise BackendError(
+            f"copy launch: {npairs} pairs x {num_regions} regions x {chunks} chunks is "
+            "more work items than one launch indexes (2**32)"
+        )
+    return npairs * num_regions * chunks
+
+
+def value_capacities(driver_version: int, cc_major: int) -> tuple[int, ...]:
+    """The ``VALUE_CAPACITIES`` this driver and device launch: parameter blocks past 4,096 bytes
+    need a CUDA 12.1+ driver and sm_70+."""
+    if driver_version >= 12010 and cc_major >= 7:
+        return VALUE_CAPACITIES
+    return tuple(c for c in VALUE_CAPACITIES if _VALUE_HEADER + 8 * c <= 4096)
+
+
+def plan_launches(
+    npairs: int, capacities: Sequence[int], max_launches: int
+) -> tuple[tuple[int, int, int], ...]:
+    """One hand-off group's launches as ``(start, stop, capacity)`` over its pairs: the fewest
+    launches of ids by value (``capacity`` the smallest block that holds the part, parts as even
+    as can be), or, when that would take more than ``max_launches``, one launch of uploaded
+    ids (``capacity`` 0). Empty for no pairs."""
+    if npairs < 0 or max_launches < 0 or any(c <= 0 for c in capacities):
+        raise BackendError(
+            f"copy plan: {npairs} pairs, capacities {tuple(capacities)}, {max_launches} launches"
+        )
+    if npairs == 0:
+        return ()
+    caps = sorted(capacities)
+    k = -(-npairs // caps[-1]) if caps else max_launches + 1
+    if k > max_launches:
+        return ((0, npairs, 0),)
+    base, extra = divmod(npairs, k)
+    out = []
+    start = 0
+    for i in range(k):
+        stop = start + base + (i < extra)
+        out.append((start, stop, next(c for c in caps if c >= stop - start)))
+        start = stop
+    return tuple(out)
 
 
 class ParamBlock:
@@ -209,6 +302,7 @@ class ParamBlock:
         self.raw = np.zeros(PARAM_BYTES, dtype=np.uint8)
         base = int(self.raw.ctypes.data)
         self.pointers = np.array([base + o for o in _OFFSETS], dtype=np.uint64)
+        self.address = int(self.pointers.ctypes.data)
         self._i64 = self.raw.view(np.int64)
         self._i32 = self.raw.view(np.int32)
 
@@ -217,44 +311,102 @@ class ParamBlock:
     ) -> int:
         """Write one launch's parameters (``ids_ptr``: ``npairs`` int32 source ids, then as many
         destination ids); returns the work items, one warp each."""
-        if npairs < 0 or num_regions < 0 or chunks < 1:
-            raise BackendError(
-                f"copy launch: {npairs} pairs, {num_regions} regions, {chunks} chunks"
-            )
-        if npairs * num_regions * chunks >= 1 << 32:
-            raise BackendError(
-                f"copy launch: {npairs} pairs x {num_regions} regions x {chunks} chunks is "
-                "more work items than one launch indexes (2**32)"
-            )
+        items = _work_items(npairs, num_regions, chunks)
         self._i64[0] = regions_ptr
         self._i32[2] = num_regions
         self._i32[3] = chunks
         self._i64[2] = npairs
         self._i64[3] = ids_ptr
         self._i64[4] = ids_ptr + 4 * npairs
-        return npairs * num_regions * chunks
+        return items
+
+
+class ValueParams:
+    """The parameters of ``kvf_pair_copy_v<capacity>``: the scalars, then up to ``capacity``
+    pairs as int32 (source ids, then destination ids, packed). The driver copies the block at
+    launch, so the next launch may rewrite it at once."""
+
+    def __init__(self, capacity: int) -> None:
+        size = _VALUE_HEADER + 8 * capacity
+        if capacity <= 0 or size > MAX_PARAM_BYTES:
+            raise ConfigError(
+                f"a launch carries 1..{(MAX_PARAM_BYTES - 24) // 8} pairs, not {capacity}"
+            )
+        self.capacity = capacity
+        self.raw = np.zeros(size, dtype=np.uint8)
+        base = int(self.raw.ctypes.data)
+        self.pointers = np.array([base + o for o in _VALUE_OFFSETS], dtype=np.uint64)
+        self.address = int(self.pointers.ctypes.data)
+        self._i64 = self.raw[:_VALUE_HEADER].view(np.int64)
+        self._i32 = self.raw[:_VALUE_HEADER].view(np.int32)
+        self.ids = self.raw[_VALUE_HEADER:].view(np.int32)
+
+    def fill(
+        self, regions_ptr: int, num_regions: int, chunks: int, src_ids: Any, dst_ids: Any
+    ) -> int:
+        """Write one launch's parameters; returns the work items, one warp each."""
+        n = len(src_ids)
+        if n > self.capacity or len(dst_ids) != n:
+            raise BackendError(
+                f"copy launch: {n} source and {len(dst_ids)} destination ids for a block of "
+                f"{self.capacity} pairs"
+            )
+        items = _work_items(n, num_regions, chunks)
+        self._i64[0] = regions_ptr
+        self._i32[2] = num_regions
+        self._i32[3] = chunks
+        self._i64[2] = n
+        ids = self.ids
+        ids[:n] = src_ids
+        ids[n : 2 * n] = dst_ids
+        return items
 
 
 class PairCopyKernel:
-    """``kvf_pair_copy`` loaded into the current context."""
+    """``kvf_pair_copy`` (uploaded ids) and its by-value variants ``kvf_pair_copy_v<N>`` loaded
+    into the current context, launched through ``RawCalls`` on raw stream handles."""
 
-    def __init__(self, arch: str, max_ctas: int) -> None:
-        from kvflow.backends.cuda.driver import check, cu
+    def __init__(
+        self,
+        arch: str,
+        max_ctas: int,
+        *,
+        capacities: Sequence[int] = VALUE_CAPACITIES,
+        max_launches: int = VALUE_LAUNCHES,
+    ) -> None:
+        from kvflow.backends.cuda.driver import check, cu, raw_calls
 
         if max_ctas <= 0:
             raise ConfigError(f"max_ctas must be positive, got {max_ctas}")
-        self._cu, self._check = cu, check
+        if any(c not in VALUE_CAPACITIES for c in capacities) or max_launches < 0:
+            raise ConfigError(
+                f"by-value capacities must be among {VALUE_CAPACITIES} and max_launches >= 0, "
+                f"got {tuple(capacities)}, {max_launches}"
+            )
+        self._cu, self._check, self._raw = cu, check, raw_calls()
         self.max_ctas = max_ctas
+        self.capacities = tuple(sorted(capacities))
+        self.max_launches = max_launches
         image = np.frombuffer(compile_cubin(arch, SOURCE), dtype=np.uint8)
         self.module = check(cu.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData")
-        self.function = check(
-            cu.cuModuleGetFunction(self.module, b"kvf_pair_copy"), "cuModuleGetFunction"
-        )
+
+        def function(name: str) -> int:
+            f = check(cu.cuModuleGetFunction(self.module, name.encode()), "cuModuleGetFunction")
+            return int(f)
+
+        self.function = function("kvf_pair_copy")
         self.params = ParamBlock()
+        self._value = {
+            c: (function(f"kvf_pair_copy_v{c}"), ValueParams(c)) for c in self.capacities
+        }
         self.launches = 0
 
+    def plan(self, npairs: int) -> tuple[tuple[int, int, int], ...]:
+        """``plan_launches`` with this kernel's capacities and launch limit."""
+        return plan_launches(npairs, self.capacities, self.max_launches)
+
     def copy(
-        self, stream: Any, regions_ptr: int, num_regions: int, chunks: int, npairs: int,
+        self, stream: int, regions_ptr: int, num_regions: int, chunks: int, npairs: int,
         ids_ptr: int,
     ) -> int:  # fmt: skip
         """Copy every region of ``npairs`` pairs (device ids at ``ids_ptr``) on ``stream`` in
@@ -262,21 +414,34 @@ class PairCopyKernel:
         items = self.params.fill(regions_ptr, num_regions, chunks, npairs, ids_ptr)
         if items == 0:
             return 0
-        self._launch(stream, min(self.max_ctas, -(-items // WARPS)))
-        self.launches += 1
+        self._launch(self.function, self.params.address, stream, items)
         return 1
 
-    def warm_up(self, stream: Any) -> None:
-        """An empty launch, so that lazy loading happens now and not inside a hand-off."""
-        self.params.fill(0, 0, 1, 0, 0)
-        self._launch(stream, 1)
+    def copy_by_value(
+        self, stream: int, regions_ptr: int, num_regions: int, chunks: int, src_ids: Any,
+        dst_ids: Any, capacity: int,
+    ) -> int:  # fmt: skip
+        """Copy every region of the pairs (host ids, at most ``capacity``) on ``stream`` in one
+        launch of ``kvf_pair_copy_v<capacity>``; returns the launches made (1, or 0)."""
+        function, params = self._value[capacity]
+        items = params.fill(regions_ptr, num_regions, chunks, src_ids, dst_ids)
+        if items == 0:
+            return 0
+        self._launch(function, params.address, stream, items)
+        return 1
 
-    def _launch(self, stream: Any, grid: int) -> None:
-        (err,) = self._cu.cuLaunchKernel(
-            self.function, grid, 1, 1, THREADS, 1, 1, 0, stream, self.params.pointers, 0
-        )
-        if err:
-            self._check((err,), "cuLaunchKernel(kvf_pair_copy)")
+    def warm_up(self, stream: int) -> None:
+        """An empty launch of each function, so that lazy loading happens now and not inside a
+        hand-off."""
+        self.params.fill(0, 0, 1, 0, 0)
+        self._raw.launch(self.function, 1, THREADS, stream, self.params.address)
+        for function, params in self._value.values():
+            params.fill(0, 0, 1, (), ())
+            self._raw.launch(function, 1, THREADS, stream, params.address)
+
+    def _launch(self, function: int, params: int, stream: int, items: int) -> None:
+        self._raw.launch(function, min(self.max_ctas, -(-items // WARPS)), THREADS, stream, params)
+        self.launches += 1
 
     def unload(self) -> None:
         self._check(self._cu.cuModuleUnload(self.module), "cuModuleUnload")
@@ -284,13 +449,19 @@ class PairCopyKernel:
 
 __all__ = [
     "CHUNK_BYTES",
+    "MAX_PARAM_BYTES",
     "METHODS",
     "SOURCE",
+    "VALUE_CAPACITIES",
+    "VALUE_LAUNCHES",
     "Method",
     "PairCopyKernel",
     "PairTable",
     "ParamBlock",
+    "ValueParams",
     "choose_method",
     "chunks_of",
     "d2d_descriptors",
+    "plan_launches",
+    "value_capacities",
 ]

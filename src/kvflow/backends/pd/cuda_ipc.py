@@ -32,7 +32,8 @@ its issued copies, drops its mappings and says so in the doorbell; the passive s
 waits for that (bounded) before it lets go. A copy that never finishes (its stream waits on a
 dead peer's event) keeps its mappings for the life of the process rather than fault later.
 
-Importing this module needs no GPU; ``CudaIpcDevice`` raises ``BackendError`` without one.
+The GPU side is ``CudaIpcDevice`` (``cuda_ipc_device``; re-exported here). Importing this module
+needs no GPU; ``CudaIpcDevice`` raises ``BackendError`` without one.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import xxhash
 from attrs import define
 
 from kvflow.backends.base import Fence, FenceStatus
+from kvflow.backends.pd.cuda_ipc_device import CudaIpcDevice
 from kvflow.backends.pd.rendezvous import (
     MODES,
     PairStore,
@@ -63,7 +65,7 @@ from kvflow.backends.pd.rendezvous import (
 )
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import CHANNELS, LaunchCopies
-from kvflow.errors import BackendError, ClosedError, ConfigError, LayoutError, ProtocolError
+from kvflow.errors import ClosedError, ConfigError, LayoutError, ProtocolError
 
 log = get_logger("kvflow.backend.pd.cuda_ipc")
 
@@ -143,6 +145,7 @@ class IpcDevice(Protocol):
     def export(self, t: torch.Tensor) -> bytes: ...
     def open(self, data: bytes) -> torch.Tensor: ...
     def new_event(self, *, interprocess: bool) -> Any: ...
+    def free_event(self, event: Any) -> None: ...
     def event_handle(self, event: Any) -> bytes: ...
     def open_event(self, data: bytes) -> Any: ...
     def record(self, event: Any, *, on_copy_stream: bool) -> None: ...
@@ -316,13 +319,17 @@ class CudaIpcTransport:
             self._bell.ring(op.channel, False, fence.token)
         else:
             parts = []
+            read = self.mode == "read"
             for g, arr in enumerate(arrays):
+                if not len(arr):
+                    parts.append((arr[:, 0], arr[:, 1]))
+                    continue
                 # The kernel copies pages in any order; sorting pays only for runs of DMA copies.
-                if g < len(self.paths) and self.paths[g] == "kernel":
+                if self.paths[g] == "kernel":
                     loc, rem = arr[:, 0], arr[:, 1]
                 else:
                     loc, rem = sorted_pairs(arr)
-                parts.append((rem, loc) if self.mode == "read" else (loc, rem))
+                parts.append((rem, loc) if read else (loc, rem))
             fence.pairs = tuple(parts)
             fence.local_ready = self._dev.new_event(interprocess=False)
             self._dev.record(fence.local_ready, on_copy_stream=False)
@@ -338,6 +345,9 @@ class CudaIpcTransport:
             return
         dev = self._dev
         dev.wait(fence.local_ready)
+        # The wait holds the record it saw: the event may serve another launch from now on.
+        dev.free_event(fence.local_ready)
+        fence.local_ready = None
         dev.wait(self._peer_event)
         for g, (src, dst) in enumerate(fence.pairs):
             if len(src):
@@ -399,6 +409,11 @@ class CudaIpcTransport:
             self.counters["failed"] += 1
         if fence in self._live:
             self._live.remove(fence)
+        # Settled, a fence's events are past use: ``done`` completed (no fence settles with its
+        # copies still running), ``local_ready`` was never waited on.
+        for event in (fence.local_ready, fence.done):
+            if event is not None:
+                self._dev.free_event(event)
         fence.local_ready = fence.done = None
         return status
 
@@ -481,200 +496,6 @@ class CudaIpcTransport:
                 log.warning("pd_cuda_ipc_close_before_peer_unmapped", peer_pid=self.peer_pid)
                 return
             pause.wait(0.005)
-
-
-class CudaIpcDevice:
-    """The GPU side of the transport: torch's CUDA IPC for tensors and events, a copy stream,
-    and ``cuda_copy``'s batched DMA / page-copy kernel through kvflow's CUDA driver helpers."""
-
-    def __init__(
-        self,
-        device: int = 0,
-        *,
-        method: str = "auto",
-        kernel_max_page_bytes: int = 512 << 10,
-        kernel_ctas: int | None = None,
-    ) -> None:
-        from kvflow.backends.cuda import driver as drv
-        from kvflow.backends.pd.cuda_copy import METHODS
-
-        if method not in METHODS:
-            raise ConfigError(f"cuda-ipc copy method must be one of {METHODS}, not {method!r}")
-        if not torch.cuda.is_available():
-            raise BackendError("cuda-ipc transport: torch sees no CUDA device")
-        self._drv = drv
-        self.device = device
-        self.method = method
-        self.kernel_max_page_bytes = kernel_max_page_bytes
-        self.kernel_ctas = kernel_ctas
-        torch.cuda.init()  # type: ignore[no-untyped-call]
-        self._ctx = drv.Context(device)
-        self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        self._cu_stream = drv.stream_of(self._stream.cuda_stream)
-        self._batch: Any = None
-        self._attrs: Any = None
-        self._kernel: Any = None
-        self._tables: list[Any] = []
-        self._paths: list[str] = []
-        self._table_dev: list[torch.Tensor] = []
-        self._chunks: list[int] = []
-        self._ids_dev: torch.Tensor | None = None
-        self._ids_pinned: torch.Tensor | None = None
-        self._ids_host: Any = None
-        self._ids_uploaded: Any = None
-
-    def check(self, layout: SideLayout) -> None:
-        for g, regions in enumerate(layout.groups):
-            for i, r in enumerate(regions):
-                if r.device != self.device:
-                    raise LayoutError(
-                        f"cuda-ipc transport: group {g} tensor {i} is not on cuda:{self.device}"
-                    )
-
-    def export(self, t: torch.Tensor) -> bytes:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        return pickle.dumps(reduce_tensor(t))  # type: ignore[no-untyped-call]
-
-    def open(self, data: bytes) -> torch.Tensor:
-        rebuild, args = pickle.loads(data)
-        t: torch.Tensor = rebuild(*args)
-        return t
-
-    def new_event(self, *, interprocess: bool) -> Any:
-        return torch.cuda.Event(interprocess=interprocess)  # type: ignore[no-untyped-call]
-
-    def event_handle(self, event: Any) -> bytes:
-        handle: bytes = event.ipc_handle()
-        return handle
-
-    def open_event(self, data: bytes) -> Any:
-        return torch.cuda.Event.from_ipc_handle(self.device, data)  # type: ignore[no-untyped-call]
-
-    def record(self, event: Any, *, on_copy_stream: bool) -> None:
-        event.record(self._stream if on_copy_stream else torch.cuda.current_stream(self.device))
-
-    def wait(self, event: Any) -> None:
-        self._stream.wait_event(event)
-
-    def query(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def prepare(self, src: SideLayout, dst: SideLayout) -> list[str]:
-        from kvflow.backends.pd.cuda_copy import (
-            PairCopyKernel,
-            PairTable,
-            choose_method,
-            chunks_of,
-        )
-
-        drv = self._drv
-        self._ctx.enter()
-        self._tables = [
-            PairTable.of(s, d, group=g)
-            for g, (s, d) in enumerate(zip(src.groups, dst.groups, strict=True))
-        ]
-        self._paths = [
-            choose_method(self.method, t, self.kernel_max_page_bytes)  # type: ignore[arg-type]
-            for t in self._tables
-        ]
-        if "dma" in self._paths:
-            try:
-                self._batch = drv.BatchMemcpy.resolve(self._ctx.driver_version)
-            except BackendError as e:
-                log.warning("pd_cuda_ipc_batch_memcpy_unavailable", reason=str(e))
-            self._attrs = drv.CopyAttributes(store=False, device=self.device, device_to_device=True)
-        if "kernel" in self._paths:
-            major = self._ctx.attribute(
-                drv.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-            )
-            minor = self._ctx.attribute(
-                drv.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
-            )
-            sms = self._ctx.attribute(
-                drv.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-            )
-            # Enough resident warps on every SM to keep the loads of many pages in flight.
-            ctas = self.kernel_ctas if self.kernel_ctas is not None else 8 * int(sms)
-            self._kernel = PairCopyKernel(f"sm_{major}{minor}", ctas)
-            self._table_dev = [
-                torch.from_numpy(t.rows()).to(f"cuda:{self.device}") for t in self._tables
-            ]
-            self._chunks = [chunks_of(t) for t in self._tables]
-            self._kernel.warm_up(self._cu_stream)
-            torch.cuda.synchronize(self.device)
-        return list(self._paths)
-
-    def copy(self, group: int, src_ids: Any, dst_ids: Any) -> int:
-        from kvflow.backends.pd.cuda_copy import d2d_descriptors
-
-        self._ctx.enter()
-        table = self._tables[group]
-        if self._paths[group] == "kernel":
-            n = len(src_ids)
-            launches: int = self._kernel.copy(
-                self._cu_stream,
-                int(self._table_dev[group].data_ptr()),
-                table.num_regions,
-                self._chunks[group],
-                n,
-                self._upload_ids(src_ids, dst_ids),
-            )
-            return launches
-        desc = d2d_descriptors(table, src_ids, dst_ids)
-        if self._batch is not None:
-            self._batch(desc, self._attrs, self._cu_stream)
-        else:
-            self._drv.memcpy_each(desc, self._cu_stream)
-        return len(desc)
-
-    def _upload_ids(self, src_ids: Any, dst_ids: Any) -> int:
-        """The pairs as one device int32 array (sources, then destinations), copied on the copy
-        stream ahead of the launch that reads it; returns its address."""
-        drv = self._drv
-        n = len(src_ids)
-        if self._ids_host is None or len(self._ids_host) < 2 * n:
-            size = 1 << max(12, (2 * n - 1).bit_length())
-            # Allocated on the copy stream, so that freeing the old one cannot hand its memory
-            # to another stream under a queued kernel.
-            with torch.cuda.stream(self._stream):
-                self._ids_dev = torch.empty(size, dtype=torch.int32, device=self.device)
-            self._ids_pinned = torch.empty(size, dtype=torch.int32, pin_memory=True)
-            self._ids_host = self._ids_pinned.numpy()
-            if self._ids_uploaded is None:
-                self._ids_uploaded = drv.new_event()
-        else:
-            # The pinned buffer is rewritten only after its last upload ran (long since, as a
-            # rule: the upload is the first thing of the previous copy).
-            drv.event_synchronize(self._ids_uploaded)
-        assert self._ids_dev is not None
-        host = self._ids_host
-        host[:n] = src_ids
-        host[n : 2 * n] = dst_ids
-        dev_ptr = int(self._ids_dev.data_ptr())
-        drv.check(
-            drv.cu.cuMemcpyHtoDAsync(dev_ptr, host.ctypes.data, 8 * n, self._cu_stream),
-            "cuMemcpyHtoDAsync(pair ids)",
-        )
-        drv.record(self._ids_uploaded, self._cu_stream)
-        return dev_ptr
-
-    def close(self, *, synchronize: bool) -> None:
-        if synchronize:
-            self._stream.synchronize()
-        if self._kernel is not None and synchronize:
-            self._kernel.unload()
-            self._kernel = None
-        self._table_dev = []
-        if synchronize:
-            if self._ids_uploaded is not None:
-                self._drv.cu.cuEventDestroy(self._ids_uploaded)
-                self._ids_uploaded = None
-            self._ids_dev = self._ids_pinned = self._ids_host = None
-        # Unsynchronized (a copy may never finish), the id buffers stay: freed, their memory
-        # could be handed out again under an upload or a kernel still queued.
-        # Mapped peer memory is unmapped when the rebuilt tensors go; let torch drop its cache.
-        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
 
 __all__ = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -149,18 +150,29 @@ class SideLayout:
 
 
 _PAIR = np.dtype([("local", np.int64), ("remote", np.int64)])
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
+_NO_PAIRS.setflags(write=False)
 
 
 def pair_array(group_pairs: Any) -> Any:
-    """A group's ``(local, remote)`` pairs as one ``(n, 2)`` int64 array: from ``BlockPairs``
-    a column at a time, from tuples without building a Python object per pair."""
+    """A group's ``(local, remote)`` pairs as one ``(n, 2)`` int64 array, for reading only (it
+    may be shared or a view of packed bytes): from ``BlockPairs`` both columns packed in one
+    pass, from tuples without building a Python object per pair."""
     if isinstance(group_pairs, np.ndarray):
         return group_pairs.astype(np.int64, copy=False).reshape(-1, 2)
     if isinstance(group_pairs, BlockPairs):
-        arr = np.empty((len(group_pairs), 2), dtype=np.int64)
-        arr[:, 0] = group_pairs.local
-        arr[:, 1] = group_pairs.remote
-        return arr
+        n = len(group_pairs)
+        if n == 0:
+            return _NO_PAIRS
+        try:
+            # ``struct`` reads a tuple of ints into machine integers faster than numpy does.
+            packed = struct.pack(f"{2 * n}q", *group_pairs.local, *group_pairs.remote)
+        except struct.error:  # not all ints, or past int64: numpy's conversion says how
+            arr = np.empty((n, 2), dtype=np.int64)
+            arr[:, 0] = group_pairs.local
+            arr[:, 1] = group_pairs.remote
+            return arr
+        return np.frombuffer(packed, dtype=np.int64).reshape(2, n).T
     # numpy reads each 2-tuple as one record: the fastest way from tuples to an array.
     rec = np.fromiter(group_pairs, dtype=_PAIR, count=len(group_pairs))
     return rec.view(np.int64).reshape(-1, 2)
@@ -177,9 +189,15 @@ def check_launch(
         raise ConfigError(f"{what}: channel {channel} is outside 1..{CHANNELS - 1}")
     arrays = []
     for g, gp in enumerate(pairs):
+        if not len(gp):
+            arrays.append(_NO_PAIRS)
+            continue
         arr = pair_array(gp)
         arrays.append(arr)
         if not len(arr):
+            continue
+        hi = arr.max(axis=0)
+        if int(arr.min()) >= 0 and hi[0] < local.num_blocks(g) and hi[1] < remote.num_blocks(g):
             continue
         for col, side, name in ((0, local, "local"), (1, remote, "remote")):
             n = side.num_blocks(g)
