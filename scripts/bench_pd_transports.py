@@ -3,7 +3,7 @@ the same link in the same run, descriptors (or copies) issued and the host cost 
 
 Usage: python scripts/bench_pd_transports.py [--transports gloo nixl] [--device cpu]
            [--sizes-kib 4 8 16 32 64 128] [--mib 32] [--repeat 5] [--mode read]
-           [--method auto] [--regions 1] [--json FILE]
+           [--method auto] [--regions 1] [--barrier spin] [--pin] [--json FILE]
        python scripts/bench_pd_transports.py --device cuda --transports cuda-ipc nixl
 Goals (issue 22): >= 90 % of the ceiling at >= 32 KiB blocks, >= 70 % at 4 KiB; CUDA IPC >= 2x a
 torch index gather of the same blocks.
@@ -13,7 +13,9 @@ Two spawned processes, P (rank 0) and D (rank 1), one transport pair each. Per b
 (and, for reference, the same N blocks consecutive on both sides: "contig", the transport's own
 large-copy speed over the same link);
 time is the initiator's (D for a pull, P for gloo and pushes), from a barrier to its fence
-settled; the median of ``--repeat`` runs after one warm-up. "launch µs" is the initiator's
+settled; the median of ``--repeat`` runs after one warm-up. The barrier spins on shared memory
+(``--barrier store`` blocks on the rendezvous store's socket instead, the method before the
+fourteenth session); ``--pin`` puts P and D on CPUs of two different physical cores. "launch µs" is the initiator's
 launch call, "passive µs" the other side's (for CUDA IPC and NIXL the passive side's launch
 gates the copy). The ceiling, in the same process:
 on CPU a memcpy of the same bytes (one contiguous ``copy_``, pages touched first); on CUDA a
@@ -30,7 +32,9 @@ buffers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import mmap
 import multiprocessing as mp
 import os
 import platform
@@ -39,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -79,6 +84,62 @@ def _counter(t: Any) -> int:
     return int(stats.get("descriptors", stats.get("copies", 0)))
 
 
+class SpinBarrier:
+    """Both processes spin on a shared-memory counter a side instead of blocking on the store's
+    socket: a process woken from a blocking wait runs its first host calls on a cold core, which
+    the ceiling (timed in a process that only spins on ``synchronize``) never pays, and a
+    serving engine's loop does not sleep between steps either."""
+
+    def __init__(self, store: PairStore, rank: int) -> None:
+        if rank == 0:
+            self.path = f"/dev/shm/kvflow-bench-bar-{os.getpid()}-{time.time_ns()}"
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, 16)
+            store.publish("spin", self.path.encode())
+        else:
+            self.path = store.fetch("spin").decode()
+            fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, 16)
+        finally:
+            os.close(fd)
+        self._cells = np.frombuffer(self._mm, dtype=np.int64)
+        self._rank = rank
+        store.publish(f"spin-ready{rank}", b"1")
+        store.fetch(f"spin-ready{1 - rank}")
+
+    def wait(self, step: int, timeout_s: float = 120.0) -> None:
+        cells, peer = self._cells, 1 - self._rank
+        cells[self._rank] = step
+        deadline = time.perf_counter() + timeout_s
+        while cells[peer] < step:
+            if time.perf_counter() > deadline:
+                raise SystemExit(f"bench_pd_transports: the peer never reached barrier {step}")
+
+    def close(self) -> None:
+        del self._cells
+        self._mm.close()
+        if self._rank == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def two_cores() -> tuple[int, int] | None:
+    """Two CPUs of this process's affinity on different physical cores (no shared hyperthread),
+    or None if there are not two."""
+    seen: dict[tuple[str, str], int] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = ((base / "physical_package_id").read_text(), (base / "core_id").read_text())
+        except OSError:
+            key = (str(cpu), "")
+        seen.setdefault(key, cpu)
+    # Not the first core: interrupts and the runner's own threads tend to land there.
+    cpus = list(seen.values())[1:3] if len(seen) > 2 else list(seen.values())[:2]
+    return (cpus[0], cpus[1]) if len(cpus) == 2 else None
+
+
 def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> dict[str, Any]:
     from kvflow.backends.pd.registry import make_transport
 
@@ -104,6 +165,9 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
         options=options,
     )
     bar = PairStore(pair_rank=rank, host="127.0.0.1", port=ports[1], timeout_s=120.0, what="bar")
+    if cfg["pin"]:
+        os.sched_setaffinity(0, {cfg["cpus"][rank]})
+    spin = SpinBarrier(bar, rank) if cfg["barrier"] == "spin" else None
     total = cfg["mib"] << 20
     nreg = cfg["regions"]
     sizes = [kib << 10 for kib in cfg["sizes_kib"]]
@@ -122,6 +186,9 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
     def barrier() -> None:
         nonlocal step
         step += 1
+        if spin is not None:
+            spin.wait(step)
+            return
         bar.publish(f"b{step}", b"1")
         bar.fetch(f"b{step}")
 
@@ -176,11 +243,11 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                     launch_us=statistics.median(launch_s[1:]) * 1e6,
                     issued=issued[-1],
                 )
-            else:  # the passive side's launch gates the initiator's copy (CUDA IPC, NIXL)
-                fig["passive_launch_us"] = statistics.median(launch_s[1:]) * 1e6
                 if name == "gloo":  # staging chunks, one wire op each
                     geo = geometry(caches)
                     fig["issued"] = len(plan_chunks(g + 1, pairs, geo, 8 << 20))
+            else:  # the passive side's launch gates the initiator's copy (CUDA IPC, NIXL)
+                fig["passive_launch_us"] = statistics.median(launch_s[1:]) * 1e6
             if rank == 1:
                 want = torch.randint(
                     0, 255, (nreg, 2 * n, bs), dtype=torch.uint8, generator=_gen(bs)
@@ -198,6 +265,8 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
         out["stats"] = getattr(t, "stats", {})
     finally:
         t.close()
+        if spin is not None:
+            spin.close()
     return out
 
 
@@ -262,8 +331,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", choices=("auto", "dma", "kernel"), default="auto")
     parser.add_argument("--regions", type=int, default=1, help="pages per block (tensors)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument(
+        "--barrier",
+        choices=("spin", "store"),
+        default="spin",
+        help="spin on shared memory between hand-offs (default), or block on the store's socket",
+    )
+    parser.add_argument(
+        "--pin", action="store_true", help="pin P and D to CPUs of two different physical cores"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    cpus = two_cores() if args.pin else None
+    if args.pin and cpus is None:
+        parser.error("--pin needs two physical cores in this process's CPU affinity")
     if args.regions < 1 or args.mib < 1 or args.repeat < 1:
         parser.error("--regions, --mib and --repeat must be positive")
     transports = args.transports or (
@@ -278,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         "method": args.method,
         "regions": args.regions,
         "timeout_s": args.timeout_s,
+        "barrier": args.barrier,
+        "pin": args.pin,
+        "cpus": cpus,
     }
     console = Console(width=max(Console().width, 120))
     rows: dict[str, Any] = {}

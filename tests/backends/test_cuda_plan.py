@@ -116,6 +116,22 @@ def test_direct_descriptors_merge_cross_layer_runs() -> None:
     assert d.dst.tolist() == [0, 3 * 128, 7 * 128]
 
 
+def test_direct_runs_end_at_pinned_chunk_boundaries() -> None:
+    """A merged cross-layer copy never spans two pinned chunks of the CPU tier: the driver
+    refuses such a copy (seen on the H200 as ``CUresult 1`` for a whole 512-block load)."""
+    desc = tdesc("kv", (16, 4, 2, 8), (64, 16, 8, 1), 2, GPU_BASE)
+    table = RegionTable.from_group(derive_layout({"kv": desc}, 16).groups[0])
+    gpu = np.arange(2, 10, dtype=np.int64)
+    cpu = np.arange(2, 10, dtype=np.int64)  # crosses the chunk boundaries at 4 and 8
+    for store in (True, False):
+        d = direct_descriptors(table, gpu, cpu, cpu_base=0, store=store, chunk_blocks=4)
+        host = d.dst if store else d.src
+        assert d.size.tolist() == [2 * 128, 4 * 128, 2 * 128]
+        assert host.tolist() == [2 * 128, 4 * 128, 8 * 128]
+        whole = direct_descriptors(table, gpu, cpu, cpu_base=0, store=store)
+        assert whole.size.tolist() == [8 * 128]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     num_layers=st.integers(1, 3),

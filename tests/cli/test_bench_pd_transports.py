@@ -37,3 +37,16 @@ def test_transport_bench_reports_speed_ceiling_and_descriptors_per_transport(
     if "nixl" in data:
         assert data["nixl"]["stats"]["backend"] == "UCX"
         assert data["nixl"]["sizes"]["32"]["issued"] == 32  # scattered: one per block
+
+
+def test_pinning_picks_two_cpus_of_different_cores_or_none() -> None:
+    """``two_cores`` names two distinct CPUs of this process's affinity, or None when there are
+    not two physical cores to pick from."""
+    import os
+
+    cpus = bench_pd_transports.two_cores()
+    if cpus is None:
+        assert len(os.sched_getaffinity(0)) < 4
+    else:
+        assert cpus[0] != cpus[1]
+        assert set(cpus) <= os.sched_getaffinity(0)

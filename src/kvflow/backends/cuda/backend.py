@@ -504,7 +504,9 @@ class CudaBackend:
                     self._staged_copy(lane, g, table, gpu, cpu, tier, store=store)
                     staged = True
                 else:
-                    desc = direct_descriptors(table, gpu, cpu, tier.ptr(g), store=store)
+                    desc = direct_descriptors(
+                        table, gpu, cpu, tier.ptr(g), store=store, chunk_blocks=tier.chunk_blocks(g)
+                    )
                     self._copy(desc, lane, lane.dma)
                     direct = True
             # A batch's last work is a DMA for stores; for staged loads it is the scatter kernel.

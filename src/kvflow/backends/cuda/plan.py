@@ -115,15 +115,23 @@ def _as_u64(a: I64) -> U64:
 
 
 def direct_descriptors(
-    table: RegionTable, gpu_ids: I64, cpu_ids: I64, cpu_base: int, *, store: bool
+    table: RegionTable,
+    gpu_ids: I64,
+    cpu_ids: I64,
+    cpu_base: int,
+    *,
+    store: bool,
+    chunk_blocks: int = 0,
 ) -> Descriptors:
     """One descriptor per (block, region) page, block-major; runs of whole blocks merged.
 
     Where a group has a single region whose GPU pages are back to back (cross-layer layouts),
-    consecutive ids on both sides make one larger copy instead of one per block.
+    consecutive ids on both sides make one larger copy instead of one per block; with
+    ``chunk_blocks`` (the CPU tier's blocks per pinned chunk) such a copy ends where the CPU ids
+    enter a new chunk: the driver refuses a copy over two separately pinned ranges.
     """
     if table.num_regions == 1 and table.stride[0] == table.page[0] == table.block_bytes:
-        starts, lengths = runs(gpu_ids, cpu_ids)
+        starts, lengths = runs(gpu_ids, cpu_ids, chunk_blocks)
         gpu = table.base[0] + gpu_ids[starts] * table.stride[0]
         cpu = cpu_base + cpu_ids[starts] * table.block_bytes
         size = lengths * table.block_bytes
