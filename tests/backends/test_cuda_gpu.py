@@ -141,6 +141,34 @@ def test_round_trip_is_byte_exact(
 
 
 @pytest.mark.parametrize("method", ["staged", "direct"])
+@pytest.mark.parametrize("style", ["flash", "cross"])
+def test_consecutive_ids_across_pinned_chunks_round_trip(
+    make_backend: Any, style: str, method: str
+) -> None:
+    """A fresh prefill's consecutive GPU and CPU ids, across several pinned chunks of the CPU
+    tier (4 blocks each here), store and load byte-exact: no merged copy spans two chunks."""
+    n = 40
+    kv = make_kv(style, torch.bfloat16, 16 * KiB, n)
+    backend = make_backend(method=method, register_chunk_bytes=4 * 3 * 2 * 16 * KiB)
+    backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([32])
+    assert backend.cpu_tier.chunk_blocks(0) == 4
+    src, cpu = list(range(3, 21)), list(range(2, 20))  # runs cross chunks at 4, 8, 12 and 16
+    want = [block_bytes(kv, style, b) for b in src]
+    fence = backend.submit(store(src, cpu), [backend.compute_fence()])
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    for t in kv.values():
+        t.view(torch.uint8).random_(0, 256)
+    dst = list(range(20, 38))
+    fence = backend.submit(load(cpu, dst))
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    for d, w in zip(dst, want, strict=True):
+        assert torch.equal(block_bytes(kv, style, d), w)
+
+
+@pytest.mark.parametrize("method", ["staged", "direct"])
 def test_fallback_without_batch_memcpy_round_trips(make_backend: Any, method: str) -> None:
     """With cuMemcpyBatchAsync unavailable, the per-copy fallback still moves exact bytes."""
     n = 24
