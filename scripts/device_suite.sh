@@ -86,11 +86,11 @@ for step in $STEPS; do
         --layouts cross --method staged --json "$OUT/connector_transfer_cross_staged.json" ;;
     pdx)  # PD's one-GPU transport: scattered pages, one region and a block of 32 pages
       run pd_transports 150 python3 scripts/bench_pd_transports.py --device cuda \
-        --transports cuda-ipc --mib 256 --json "$OUT/pd_transports.json"
+        --transports cuda-ipc --mib 256 --pin --json "$OUT/pd_transports.json"
       run pd_transports_r32 150 python3 scripts/bench_pd_transports.py --device cuda \
-        --transports cuda-ipc --mib 256 --regions 32 --json "$OUT/pd_transports_r32.json"
+        --transports cuda-ipc --mib 256 --regions 32 --pin --json "$OUT/pd_transports_r32.json"
       run pd_transports_r32_1g 200 python3 scripts/bench_pd_transports.py --device cuda \
-        --transports cuda-ipc --mib 1024 --regions 32 --json "$OUT/pd_transports_r32_1g.json" ;;
+        --transports cuda-ipc --mib 1024 --regions 32 --pin --sizes-kib 4 32 128 --json "$OUT/pd_transports_r32_1g.json" ;;
     gloo)  # PD's CPU transport on this host's cores (the dev box has two): the default 8 x 1 MiB
       # ring, and the old default 4 x 4 MiB beside it
       run pd_gloo 150 env CUDA_VISIBLE_DEVICES= python3 scripts/bench_pd_transfer.py \
