@@ -60,6 +60,19 @@ def reference_block(memory: np.ndarray, table: RegionTable, gpu_id: int) -> np.n
     return np.concatenate(pages)
 
 
+def assert_within_chunks(
+    host: np.ndarray, size: np.ndarray, cpu_base: int, block_bytes: int, chunk_blocks: int
+) -> None:
+    """Every copy's CPU-side bytes lie inside one pinned chunk of ``chunk_blocks`` blocks (the
+    driver refuses a copy over two separately pinned ranges); 0 means one chunk."""
+    if chunk_blocks <= 0:
+        return
+    for at, n in zip(host.tolist(), size.tolist(), strict=True):
+        first = (at - cpu_base) // block_bytes
+        last = (at + n - 1 - cpu_base) // block_bytes
+        assert first // chunk_blocks == last // chunk_blocks, (at, n, chunk_blocks)
+
+
 def test_block_ids_rejects_out_of_range() -> None:
     """An id outside the tier raises ConfigError naming the bad id instead of copying wild memory."""
     assert block_ids((0, 3, 2), 4, "GPU").tolist() == [0, 3, 2]
@@ -132,6 +145,52 @@ def test_direct_runs_end_at_pinned_chunk_boundaries() -> None:
         assert whole.size.tolist() == [8 * 128]
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    picks=st.lists(st.integers(0, 15), min_size=1, max_size=16, unique=True),
+    consecutive=st.booleans(),
+    cpu_shift=st.integers(0, 8),
+    chunk_blocks=st.integers(0, 5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_direct_cross_layer_copies_round_trip_inside_pinned_chunks(
+    picks: list[int], consecutive: bool, cpu_shift: int, chunk_blocks: int, seed: int
+) -> None:
+    """The direct path over a single-region contiguous layout (runs merged) stores every block to
+    its CPU block and loads it back, and no copy's CPU side spans two pinned chunks."""
+    num_blocks, bb = 16, 128
+    table = RegionTable.from_group(
+        derive_layout({"kv": tdesc("kv", (16, 4, 2, 8), (64, 16, 8, 1), 2, GPU_BASE)}, 16).groups[0]
+    )
+    assert table.block_bytes == bb
+    cpu_base = GPU_BASE + num_blocks * bb
+    cpu_blocks = num_blocks + 8
+    rng = np.random.default_rng(seed)
+    memory = np.zeros(cpu_base + cpu_blocks * bb, dtype=np.uint8)
+    memory[GPU_BASE:cpu_base] = rng.integers(0, 256, num_blocks * bb, dtype=np.uint8)
+    n = len(picks)
+    gpu = np.array(sorted(picks) if consecutive else picks, dtype=np.int64)
+    cpu = (
+        np.arange(n, dtype=np.int64) + cpu_shift
+        if consecutive
+        else rng.permutation(cpu_blocks)[:n].astype(np.int64)
+    )
+    expected = [memory[GPU_BASE + int(g) * bb : GPU_BASE + (int(g) + 1) * bb].copy() for g in gpu]
+    st_ = direct_descriptors(table, gpu, cpu, cpu_base, store=True, chunk_blocks=chunk_blocks)
+    assert_within_chunks(st_.dst, st_.size, cpu_base, bb, chunk_blocks)
+    assert st_.total_bytes == n * bb
+    apply(memory, st_)
+    for c, exp in zip(cpu, expected, strict=True):
+        assert np.array_equal(memory[cpu_base + int(c) * bb : cpu_base + (int(c) + 1) * bb], exp)
+    memory[GPU_BASE:cpu_base] = 0
+    target = np.array(sorted(rng.permutation(num_blocks)[:n]), dtype=np.int64)
+    ld = direct_descriptors(table, target, cpu, cpu_base, store=False, chunk_blocks=chunk_blocks)
+    assert_within_chunks(ld.src, ld.size, cpu_base, bb, chunk_blocks)
+    apply(memory, ld)
+    for t, exp in zip(target, expected, strict=True):
+        assert np.array_equal(memory[GPU_BASE + int(t) * bb : GPU_BASE + (int(t) + 1) * bb], exp)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     num_layers=st.integers(1, 3),
@@ -196,6 +255,7 @@ def test_staged_plan_round_trip_equals_direct(
             )
         part = plan.dma.slice(int(plan.desc_bounds[k]), int(plan.desc_bounds[k + 1]))
         assert part.total_bytes == (hi - lo) * table.block_bytes
+        assert_within_chunks(part.dst, part.size, cpu_base, table.block_bytes, chunk_blocks)
         apply(memory, part, offset_src=slot)
     for c, exp in zip(cpu, expected, strict=True):
         start = cpu_base + int(c) * table.block_bytes
@@ -225,7 +285,9 @@ def test_staged_plan_round_trip_equals_direct(
     for k in range(back.num_subbatches):
         lo, hi = int(back.bounds[k]), int(back.bounds[k + 1])
         slot = staging + (k % 2) * blocks_per_slot * table.block_bytes
-        apply(memory, back.dma.slice(int(back.desc_bounds[k]), int(back.desc_bounds[k + 1])), slot)
+        part = back.dma.slice(int(back.desc_bounds[k]), int(back.desc_bounds[k + 1]))
+        assert_within_chunks(part.src, part.size, cpu_base, table.block_bytes, chunk_blocks)
+        apply(memory, part, slot)
         for i, t in enumerate(target[lo:hi]):
             block = memory[slot + i * table.block_bytes : slot + (i + 1) * table.block_bytes]
             for r, (b, st_, p) in enumerate(zip(table.base, table.stride, table.page, strict=True)):
