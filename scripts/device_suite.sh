@@ -13,7 +13,7 @@
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
-# wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC), tp (two GPUs only). Missing Python packages (structlog,
+# wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC, the first token D's and P's), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists. REPEAT sets the reload and
 # noreuse-fp32 steps' pairs of runs (default 16 and 9).
 set -u
@@ -109,7 +109,9 @@ for step in $STEPS; do
         --json "$OUT/pd_transports_nixl_write.json" ;;
     pd)  # P and D as two processes on the one GPU against a colocated engine
       run bench_pd 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" --pd \
-        --pd-transport cuda-ipc --json "$OUT/bench_pd.json" ;;
+        --pd-transport cuda-ipc --json "$OUT/bench_pd.json"
+      run bench_pd_prefill 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" --pd \
+        --pd-transport cuda-ipc --pd-first-token prefill --json "$OUT/bench_pd_prefill.json" ;;
     tp)
       if [ "$gpus" -ge 2 ]; then
         run tp_tests 300 python3 -m pytest tests/distributed -q -p no:cacheprovider

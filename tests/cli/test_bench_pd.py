@@ -38,6 +38,28 @@ def test_bench_pd_prints_the_table_and_writes_the_json(
     assert data["decode_prompt_tokens_computed"] == data["requests"]
 
 
+def test_bench_pd_with_p_s_first_token_matches_and_reports_the_second_token(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """--pd-first-token prefill: the title says P samples the first token, outputs are
+    identical, D computes one token per request, and the JSON carries the option and a
+    submit → second token figure on both sides."""
+    figures = tmp_path / "pd.json"
+    argv = ["bench", "--pd", "--pd-first-token", "prefill", *TINY, "--json", str(figures)]
+    assert main(argv) == 0
+    out, _ = capfd.readouterr()
+    assert "P samples the first token" in out
+    assert "second token p50 (ms)" in out
+    data = json.loads(figures.read_text())
+    assert data["first_token"] == "prefill"
+    assert data["outputs_identical"] is True
+    assert data["leaked_blocks"] == 0
+    assert data["handoffs_ok"] == data["requests"]
+    assert data["decode_prompt_tokens_computed"] == data["requests"]
+    for side in ("pd", "colocated"):
+        assert data[side]["second_token_p50_s"] > data[side]["ttft_p50_s"] > 0
+
+
 def test_bench_pd_in_half_precision_checks_against_the_colocated_engine(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -107,6 +129,12 @@ def test_bench_pd_over_nixl_reports_the_transport_it_chose(
         (["--pd", "--plot", "x.png"], "--plot is not available with --pd"),
         (["--pd", "--pd-flow", "sideways"], "invalid choice"),
         (["--pd-tp", "1,2"], "--pd-tp needs --pd"),
+        (["--pd-first-token", "prefill"], "--pd-first-token needs --pd"),
+        (["--pd", "--pd-first-token", "p"], "invalid choice"),
+        (
+            ["--pd", "--pd-flow", "concurrent", "--pd-first-token", "prefill"],
+            "--pd-first-token prefill needs the sequential flow",
+        ),
         (["--pd", "--pd-tp", "2"], "--pd-tp '2': two positive sizes"),
         (["--pd", "--pd-tp", "1,0"], "two positive sizes"),
         (

@@ -5,8 +5,6 @@ recomputes once, KV of another request refused; a leak check after each test."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvflow.backends.pd.fake import FakeLink
@@ -19,15 +17,6 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 
 PROMPTS = prompts([9, 16, 23])  # mid-block, block-aligned, mid-block at block size 4
 MAX_TOKENS = 5
-
-
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    pd = Pair()
-    try:
-        yield pd
-    finally:
-        pd.close()
 
 
 def colocated() -> list[tuple[int, ...]]:

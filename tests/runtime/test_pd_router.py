@@ -13,8 +13,9 @@ import pytest
 from tests.engine.helpers import make_engine, prompts, requests
 
 from kvflow.core.pd.common import PDTimeouts
-from kvflow.engine.engine import RequestResult
+from kvflow.engine.engine import GenerationRequest, RequestResult
 from kvflow.engine.model import model_config
+from kvflow.errors import ConfigError
 from kvflow.pd.router import PDRouter
 from kvflow.runtime.clock import SystemClock
 
@@ -46,6 +47,55 @@ def test_sequential_flow_over_two_processes_matches_a_colocated_engine() -> None
     assert p["bytes_moved"] > 0
     assert d["handoffs_ok"] == len(PROMPTS)
     _assert_clean(router)
+
+
+def test_p_s_first_token_rides_along_to_d_over_two_processes() -> None:
+    """``first_token="prefill"``: the first token is P's, D's prompt is P's plus it, D loads
+    all of P's prompt and computes one token; outputs equal a colocated engine's, the TTFT runs
+    from the request's arrival at P to P's token, a one-token answer needs no hand-off, nothing
+    leaks."""
+    colocated = make_engine(**ENGINE)
+    expected = [
+        r.output_token_ids for r in colocated.run_to_completion(requests(PROMPTS, MAX_TOKENS))
+    ]
+    one = [GenerationRequest(PROMPTS[0], 1, request_id="single")]
+    with PDRouter(engine=ENGINE, timeout_s=60, first_token="prefill") as router:
+        got = router.run(requests(PROMPTS, MAX_TOKENS))
+        (single,) = router.run(one)
+    assert [g.result.output_token_ids for g in got] == expected
+    for g, p in zip(got, PROMPTS, strict=True):
+        assert g.prefill is not None
+        assert g.prefill.output_token_ids == g.result.output_token_ids[:1]
+        assert g.result.prefill_tokens_computed == 1
+        assert g.result.external_loaded_tokens == len(p)
+        assert g.result.prompt_len == len(p)
+        assert len(g.token_times) == MAX_TOKENS  # P's token's time first, then D's
+        assert g.ttft_s > 0
+        assert g.delivered_s >= 0  # the router's send → P's arrival, outside the TTFT
+        assert g.token_times[1] > g.token_times[0]
+    assert single.result.output_token_ids == expected[0][:1]
+    assert len(single.token_times) == 1
+    p_side, d_side = router.summaries["P"], router.summaries["D"]
+    assert d_side["handoffs_ok"] == len(PROMPTS)  # none for the one-token answer
+    assert p_side["leaked_blocks"] == d_side["leaked_blocks"] == 0
+    assert p_side["live_handoffs"] == d_side["live_handoffs"] == 0
+    _assert_clean(router)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"first_token": "d"}, "PD first token 'd'"),
+        ({"first_token": "prefill", "flow": "concurrent"}, "needs the sequential flow"),
+    ],
+)
+def test_a_first_token_option_that_cannot_work_is_refused_before_any_process(
+    kwargs: dict[str, Any], says: str
+) -> None:
+    """An unknown first-token option, or P's token in the concurrent flow (D has the request
+    before P sampled anything), is a ConfigError at construction."""
+    with pytest.raises(ConfigError, match=says):
+        PDRouter(engine=ENGINE, **kwargs)
 
 
 @pytest.mark.parametrize(

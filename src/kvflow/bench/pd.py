@@ -8,8 +8,11 @@ in float32 ``outputs_identical`` must hold. In half precision the engines' kerne
 batch composition (P prefills in other batches than the colocated engine), so there the PD run
 replays the colocated run's answers (the same prompts every round) and each request's
 first-token logits must be within ``LOGITS_TOLERANCE`` of the colocated engine's where its
-tokens differ (``check``). TTFT is the router's submit → D's first token for PD, arrival →
-first token for the colocated engine; ITL is every gap between a request's consecutive tokens.
+tokens differ (``check``). TTFT runs from a request's arrival at the engine that serves it
+first (P's for PD, the colocated engine's) to its first token: D's, or P's with
+``first_token="prefill"`` (P's sampled token rides along to D, the hand-off then lies before the
+second token, ``second_token_p50_s``). The router's send to P is reported apart
+(``delivery_p50_s``). ITL is every gap between a request's consecutive tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from kvflow.engine.model import model_config
 from kvflow.engine.tp import shard_config
 from kvflow.engine.workload import MultiRoundQA
 from kvflow.errors import ConfigError
-from kvflow.pd.router import FLOWS, PDRouter
+from kvflow.pd.router import FIRST_TOKENS, FLOWS, PDRouter
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -58,9 +61,18 @@ class SideFigures:
     itl_p99_s: float
     prompt_tokens_computed: int  # on D for PD; the colocated engine's own
     wall_s: float
+    # submit → the second token: where the hand-off lands when P samples the first token
+    second_token_p50_s: float = 0.0
 
     @classmethod
-    def of(cls, ttfts: list[float], itls: list[float], computed: int, wall_s: float) -> SideFigures:
+    def of(
+        cls,
+        ttfts: list[float],
+        itls: list[float],
+        computed: int,
+        wall_s: float,
+        seconds: Sequence[float] = (),
+    ) -> SideFigures:
         return cls(
             percentile(ttfts, 50),
             percentile(ttfts, 90),
@@ -68,6 +80,7 @@ class SideFigures:
             percentile(itls, 99),
             computed,
             wall_s,
+            percentile(list(seconds), 50),
         )
 
 
@@ -93,6 +106,10 @@ class PDBenchResult:
     transport_stats: dict[str, dict[str, Any]] = field(factory=dict)
     tp: tuple[int, int] = (1, 1)  # P's and D's TP sizes
     check: CorrectnessCheck | None = None  # None: tokens only (outputs_identical)
+    first_token: str = "decode"  # who sampled the first token: D, or P (it rode along to D)
+    # The router's send → the request's arrival at P's engine: outside the TTFT, as a colocated
+    # engine's TTFT starts at the request's arrival too.
+    delivery_p50_s: float = 0.0
 
     @property
     def passed(self) -> bool:
@@ -113,6 +130,8 @@ class PDBenchResult:
             "transport": self.transport,
             "transport_stats": self.transport_stats,
             "flow": self.flow,
+            "first_token": self.first_token,
+            "delivery_p50_s": self.delivery_p50_s,
             "tp": list(self.tp),
             "handoffs_ok": self.handoffs_ok,
             "handoffs_failed": self.handoffs_failed,
@@ -138,15 +157,17 @@ def _rounds(
     *,
     answers: Outputs | None = None,
     logits: dict[tuple[int, int], Any] | None = None,
-) -> tuple[Outputs, list[float], list[float], int, float]:
+) -> tuple[Outputs, list[float], list[float], int, float, list[float]]:
     """Run the workload through ``serve`` (tokens, TTFT, token times, prompt tokens computed,
     first-token logits, kept in ``logits``); ``answers`` join the histories instead of the
-    served ones."""
+    served ones. Returns the outputs, TTFTs, inter-token gaps, prompt tokens computed, wall
+    seconds and each request's submit → second token seconds."""
     start = time.perf_counter()
     histories = [list(workload.system_prompt()) for _ in range(workload.num_users)]
     outputs: Outputs = {}
     ttfts: list[float] = []
     itls: list[float] = []
+    seconds: list[float] = []
     computed = 0
     for rnd in range(workload.num_rounds):
         reqs = []
@@ -160,9 +181,11 @@ def _rounds(
             histories[user] += list(tokens if answers is None else answers[(user, rnd)])
             ttfts.append(ttft)
             itls += [b - a for a, b in itertools.pairwise(times)]
+            if len(times) > 1:
+                seconds.append(ttft + times[1] - times[0])
             computed += n
         on_round(rnd)
-    return outputs, ttfts, itls, computed, time.perf_counter() - start
+    return outputs, ttfts, itls, computed, time.perf_counter() - start, seconds
 
 
 def _colocated(engine: Engine) -> Callable[[list[GenerationRequest]], list[Any]]:
@@ -196,8 +219,15 @@ def _colocated(engine: Engine) -> Callable[[list[GenerationRequest]], list[Any]]
     return serve
 
 
-def _through(router: PDRouter) -> Callable[[list[GenerationRequest]], list[Any]]:
+def _through(
+    router: PDRouter, delivered: list[float] | None = None
+) -> Callable[[list[GenerationRequest]], list[Any]]:
+    """Serve through P and D; each request's router → P delivery time onto ``delivered``."""
+
     def serve(reqs: list[GenerationRequest]) -> list[Any]:
+        got = router.run(reqs)
+        if delivered is not None:
+            delivered.extend(g.delivered_s for g in got)
         return [
             (
                 g.result.output_token_ids,
@@ -206,7 +236,7 @@ def _through(router: PDRouter) -> Callable[[list[GenerationRequest]], list[Any]]
                 g.result.prefill_tokens_computed,
                 g.result.first_logits,
             )
-            for g in router.run(reqs)
+            for g in got
         ]
 
     return serve
@@ -233,12 +263,18 @@ def run_pd_bench(
     flow: str = "sequential",
     transport: str = "gloo",
     tp: tuple[int, int] = (1, 1),
+    first_token: str = "decode",
     on_round: Callable[[str, int], None] = lambda _name, _round: None,
 ) -> PDBenchResult:
     """The workload on one colocated engine, then through P and D over ``transport``, P and D
-    of ``tp`` ranks each."""
+    of ``tp`` ranks each; ``first_token``: D samples it, or P (``"prefill"``: the router's
+    sampled-token option, sequential flow)."""
     if flow not in FLOWS:
         raise ConfigError(f"--pd-flow {flow!r}: one of {', '.join(FLOWS)}")
+    if first_token not in FIRST_TOKENS:
+        raise ConfigError(f"--pd-first-token {first_token!r}: one of {', '.join(FIRST_TOKENS)}")
+    if first_token == "prefill" and flow != "sequential":
+        raise ConfigError("--pd-first-token prefill needs the sequential flow")
     check_pd_transport(transport, cfg.device)
     model_cfg = model_config(cfg.model)
     for size in tp:
@@ -273,14 +309,20 @@ def run_pd_bench(
     colocated_preemptions = colocated.scheduler.num_preemptions - warm_preemptions
     colocated.shutdown()
     with PDRouter(
-        model=cfg.model, engine=engine_kwargs, flow=flow, transport=transport, tp=tp
+        model=cfg.model,
+        engine=engine_kwargs,
+        flow=flow,
+        transport=transport,
+        tp=tp,
+        first_token=first_token,
     ) as router:
         _rounds(warm, _through(router), lambda _r: None)
         p0, d0 = router.stats("P"), router.stats("D")
         got_logits: dict[tuple[int, int], Any] = {}
+        delivered: list[float] = []
         got = _rounds(
             workload,
-            _through(router),
+            _through(router, delivered),
             lambda r: on_round("P → D", r),
             answers=ref[0] if half else None,
             logits=got_logits,
@@ -292,8 +334,8 @@ def run_pd_bench(
         config=cfg,
         flow=flow,
         requests=workload.num_users * workload.num_rounds,
-        pd=SideFigures.of(got[1], got[2], got[3], got[4]),
-        colocated=SideFigures.of(ref[1], ref[2], ref[3], ref[4]),
+        pd=SideFigures.of(got[1], got[2], got[3], got[4], got[5]),
+        colocated=SideFigures.of(ref[1], ref[2], ref[3], ref[4], ref[5]),
         outputs_identical=got[0] == ref[0],
         decode_prompt_tokens_computed=got[3],
         prefill_prompt_tokens_computed=int(p["prefill_tokens_computed"])
@@ -309,6 +351,8 @@ def run_pd_bench(
         transport=transport,
         transport_stats={side: dict(router.summaries[side].get("transport", {})) for side in "PD"},
         tp=tp,
+        first_token=first_token,
+        delivery_p50_s=percentile(delivered, 50),
         check=check_outputs(
             [
                 (f"u{k[0]}-r{k[1]}", got[0][k], ref[0][k], got_logits[k], ref_logits[k])

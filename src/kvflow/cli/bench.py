@@ -142,6 +142,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --pd: P first then D (default), or both at once",
     )
     p.add_argument(
+        "--pd-first-token",
+        choices=("decode", "prefill"),
+        default=None,
+        help="with --pd (sequential flow): who samples the first token: D, recomputing the "
+        "prompt's last token (vLLM's semantics, default), or P, whose token rides along to D",
+    )
+    p.add_argument(
         "--pd-transport",
         choices=("gloo", "nixl", "cuda-ipc"),
         default=None,
@@ -242,6 +249,11 @@ def validate(args: argparse.Namespace) -> BenchConfig:
         raise ConfigError("--pd-flow needs --pd")
     if getattr(args, "pd_transport", None) is not None and not args.pd:
         raise ConfigError("--pd-transport needs --pd")
+    if getattr(args, "pd_first_token", None) is not None:
+        if not args.pd:
+            raise ConfigError("--pd-first-token needs --pd")
+        if args.pd_first_token == "prefill" and (args.pd_flow or "sequential") != "sequential":
+            raise ConfigError("--pd-first-token prefill needs the sequential flow")
     if getattr(args, "pd_tp", None) is not None:
         if not args.pd:
             raise ConfigError("--pd-tp needs --pd")
@@ -428,7 +440,9 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
     c, pd = result.colocated, result.pd
     table = Table(
         title=(
-            f"kvflow bench --pd ({result.flow} flow, {result.transport}"
+            f"kvflow bench --pd ({result.flow} flow, "
+            f"{'P samples the first token, ' if result.first_token == 'prefill' else ''}"
+            f"{result.transport}"
             f"{'' if result.tp == (1, 1) else f', P tp{result.tp[0]} → D tp{result.tp[1]}'}): "
             f"{result.config.model} "
             f"on {result.config.device}, "
@@ -443,6 +457,7 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
     for label, a, b in (
         ("TTFT p50 (ms)", c.ttft_p50_s * ms, pd.ttft_p50_s * ms),
         ("TTFT p90 (ms)", c.ttft_p90_s * ms, pd.ttft_p90_s * ms),
+        ("second token p50 (ms)", c.second_token_p50_s * ms, pd.second_token_p50_s * ms),
         ("ITL p50 (ms)", c.itl_p50_s * ms, pd.itl_p50_s * ms),
         ("ITL p99 (ms)", c.itl_p99_s * ms, pd.itl_p99_s * ms),
     ):
@@ -464,6 +479,9 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
     table.add_row("bytes moved (P → D)", "—", f"{result.bytes_moved:,}")
     table.add_row("send GB/s (launch → seen settled)", "—", f"{result.send_gbps:.3f}")
     table.add_row("leaked blocks (P + D)", "—", f"{result.leaked_blocks}")
+    table.add_row(
+        "router → P's engine p50 (ms, not in TTFT)", "—", f"{result.delivery_p50_s * ms:.2f}"
+    )
     for side, stats in sorted(result.transport_stats.items()):
         chosen = ", ".join(
             f"{k}={_flat(v)}"
@@ -523,6 +541,7 @@ def run_pd_command(args: argparse.Namespace, cfg: BenchConfig, console: Console)
             flow=flow,
             transport=args.pd_transport or "gloo",
             tp=pd_tp_of(args),
+            first_token=args.pd_first_token or "decode",
             on_round=lambda name, _r: progress.advance(tasks[name]),
         )
     render_pd(result, console)

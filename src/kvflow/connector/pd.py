@@ -8,7 +8,10 @@ the transfer id, P's engine id and control address).
 
 D: a request with ``do_remote_prefill`` params answers ``get_num_new_matched_tokens`` with
 ``(n, True)``, ``n`` the prompt tokens past D's own prefix hit minus the last one, which D
-recomputes (vLLM's semantics: a hit that ends mid-block loads the partial last block);
+recomputes (vLLM's semantics: a hit that ends mid-block loads the partial last block). P's
+params name P's prompt length (``remote_num_tokens``): when D's prompt is P's plus P's sampled
+first token (the router's ``first_token="prefill"``), D loads every token of P's prompt and
+computes only that first token's KV on its way to the second;
 ``update_state_after_alloc`` reserves the blocks and claims P's KV; the request is named in
 ``finished_recving`` when the hand-off commits, and its claimed blocks in ``invalid_block_ids``
 when it failed (a one-shot miss: the request recomputes and never asks P again).
@@ -67,9 +70,13 @@ log = get_logger("kvflow.pd")
 ROLES = ("producer", "consumer")
 
 
-def prompt_hashes(request: RequestLike, block_size: int) -> list[BlockHash]:
-    """The prompt's chained full-block hashes, plus one for a partial last block."""
-    prompt = list(request.all_token_ids[: request.num_prompt_tokens])
+def prompt_hashes(
+    request: RequestLike, block_size: int, num_tokens: int | None = None
+) -> list[BlockHash]:
+    """The prompt's chained full-block hashes, plus one for a partial last block; of its first
+    ``num_tokens`` tokens when given (the part whose KV P holds)."""
+    end = request.num_prompt_tokens if num_tokens is None else num_tokens
+    prompt = list(request.all_token_ids[:end])
     hashes = hash_blocks(prompt, block_size, extra_keys=request.extra_keys)
     tail = prompt[len(hashes) * block_size :]
     if tail:
@@ -80,6 +87,21 @@ def prompt_hashes(request: RequestLike, block_size: int) -> list[BlockHash]:
 def _params(request: RequestLike) -> dict[str, Any]:
     params = getattr(request, "kv_transfer_params", None)
     return params if isinstance(params, dict) else {}
+
+
+def remote_tokens(request: RequestLike, params: dict[str, Any]) -> int | None:
+    """D: the tokens at the head of the request's prompt whose KV it claims from P: P's prompt
+    length (``remote_num_tokens``), at most D's own prompt; without the param, D's whole prompt;
+    None when the param is not a positive int. D's prompt may run past P's: with the router's
+    ``first_token="prefill"`` P's sampled token rides along as D's last prompt token, which D
+    then computes instead of P's last one. P's prompt longer than D's cannot be D's: both hash
+    D's whole prompt, and P refuses the claim (a hash mismatch, D recomputes)."""
+    n = params.get("remote_num_tokens")
+    if n is None:
+        return request.num_prompt_tokens
+    if type(n) is not int or n < 1:
+        return None
+    return min(n, request.num_prompt_tokens)
 
 
 @define(eq=False)
@@ -141,14 +163,24 @@ class PDConnector(NullConnector):
             return 0, False
         if rid in self._by_request:  # reserved already (a second admission): nothing new
             return 0, False
-        n = request.num_prompt_tokens - 1 - num_computed_tokens
-        if n <= 0:
+        remote = remote_tokens(request, params)
+        n = min(remote or 0, request.num_prompt_tokens - 1) - num_computed_tokens
+        if remote is not None and n <= 0:
             return 0, False  # update_state_after_alloc still releases P
         try:
             self.driver.connect(str(params["remote_address"]))
         except (KVFlowError, KeyError) as e:
             log.warning("pd_peer_unreachable", request_id=rid, error=str(e))
             self._done.add(rid)
+            return 0, False
+        if remote is None:
+            # Computed here; connected, so update_state_after_alloc's release reaches P now.
+            log.error(
+                "pd_remote_tokens_invalid",
+                request_id=rid,
+                remote_num_tokens=repr(params.get("remote_num_tokens")),
+                prompt_tokens=request.num_prompt_tokens,
+            )
             return 0, False
         return n, True
 
@@ -168,11 +200,14 @@ class PDConnector(NullConnector):
         peer = str(params["remote_engine_id"])
         self._done.add(rid)
         wire = self.wire
-        end_tok = request.num_prompt_tokens - 1
+        remote = remote_tokens(request, params)
+        if remote is None:
+            remote, num_external_tokens = request.num_prompt_tokens, 0  # a miss (logged)
+        end_tok = min(remote, request.num_prompt_tokens - 1)
         first = (end_tok - num_external_tokens) // wire
         end = -(-end_tok // wire) if num_external_tokens else first
         ids = self.rows(block_ids, first, end)
-        hashes = prompt_hashes(request, wire)
+        hashes = prompt_hashes(request, wire, remote)
         now = self.driver.now()
         try:
             actions = mgr.reserve(
@@ -455,4 +490,4 @@ def pd_connector_factory(
     return build
 
 
-__all__ = ["ROLES", "PDConnector", "pd_connector_factory", "prompt_hashes"]
+__all__ = ["ROLES", "PDConnector", "pd_connector_factory", "prompt_hashes", "remote_tokens"]

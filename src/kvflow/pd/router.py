@@ -10,6 +10,13 @@ connector and decodes. Requests are pipelined: each goes to D as soon as P answe
 Concurrent flow (SGLang, Dynamo): the router names the transfer and sends the request to both at
 once; D reserves and claims while P prefills, P grants when its KV is complete.
 
+First token (sequential flow): by default D recomputes the prompt's last token and samples the
+first token itself (vLLM's semantics), so the hand-off lies between the prompt and the first
+token. With ``first_token="prefill"`` P's sampled token is the first token (the router has it as
+soon as P answers, as a serving proxy streams it) and rides along: D's prompt is P's plus that
+token, D loads all of P's prompt KV and computes only that token on its way to the second. The
+hand-off then lies between the first and the second token.
+
 Tensor parallelism (``tp=(P's, D's)``, gloo): each engine is that many processes, rank 0 of
 each talks to the router; P's and D's ranks exchange head slices pair by pair (``pd.worker``).
 
@@ -27,6 +34,7 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Any
 
+import attrs
 from attrs import frozen
 
 from kvflow.backends.pd.registry import TRANSPORTS
@@ -42,16 +50,20 @@ from kvflow.pd.worker import WorkerSpec, serve
 log = get_logger("kvflow.pd.router")
 
 FLOWS = ("sequential", "concurrent")
+FIRST_TOKENS = ("decode", "prefill")
 
 
 @frozen
 class PDResult:
     """A request served by P and D: D's result, and the times the router saw."""
 
-    result: RequestResult  # D's
+    result: RequestResult  # D's (with P's first token first when P sampled it)
     prefill: RequestResult | None  # P's (the sequential flow's one-token answer)
-    ttft_s: float  # router submit → D's first token
-    token_times: tuple[float, ...]  # D's per-token perf_counter times
+    # The request's arrival at P's engine → its first token (P's or D's), as an engine measures
+    # its own TTFT from a request's arrival; the router's send to P is ``delivered_s``.
+    ttft_s: float
+    token_times: tuple[float, ...]  # per-token perf_counter times (P's first, when P sampled it)
+    delivered_s: float = 0.0  # router submit → the request's arrival at P's engine
 
     @property
     def itl_s(self) -> list[float]:
@@ -116,11 +128,21 @@ class PDRouter:
         tp: tuple[int, int] = (1, 1),
         engines: dict[str, dict[str, Any]] | None = None,
         wire_block_size: int | None = None,
+        first_token: str = "decode",
     ) -> None:
         """``tp``: P's and D's TP sizes; ``engines``: per engine ("P", "D") overrides of
-        ``engine`` (a block size of its own, with ``wire_block_size`` the unit both name)."""
+        ``engine`` (a block size of its own, with ``wire_block_size`` the unit both name);
+        ``first_token``: who samples the first token, D (``"decode"``) or P (``"prefill"``,
+        sequential flow only; see the module's docstring)."""
         if flow not in FLOWS:
             raise ConfigError(f"PD flow {flow!r}: one of {', '.join(FLOWS)}")
+        if first_token not in FIRST_TOKENS:
+            raise ConfigError(f"PD first token {first_token!r}: one of {', '.join(FIRST_TOKENS)}")
+        if first_token == "prefill" and flow != "sequential":
+            raise ConfigError(
+                "first_token='prefill' needs the sequential flow: in the concurrent flow D has "
+                "the request before P sampled anything"
+            )
         if len(tp) != 2 or min(tp) < 1:
             raise ConfigError(f"PD tp must be two positive sizes (P's, D's), got {tp}")
         if max(tp) > 1 and transport != "gloo":
@@ -134,6 +156,7 @@ class PDRouter:
         self.model = model
         self.engine = dict(engine or {})
         self.flow = flow
+        self.first_token = first_token
         self.timeout_s = timeout_s
         self.pd_timeouts = pd_timeouts
         if transport not in TRANSPORTS:
@@ -250,8 +273,20 @@ class PDRouter:
             tid = f"{rid}@{self._ids}"
             submitted[rid] = time.perf_counter()
             params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": tid}
+            if self.first_token == "prefill" and r.max_tokens == 1:
+                params = {}  # P's one token is the answer: nothing to hand off
             P.conn.send(("add", rid, list(r.prompt_token_ids), 1, params))
         done: dict[str, PDResult] = {}
+        # first_token="prefill": P's first token, when P sampled it, and its logits, by request
+        firsts: dict[str, tuple[int, float, Any]] = {}
+        arrived: dict[str, float] = {}  # at P's engine (P's clock is this machine's monotonic one)
+
+        def served(rid: str, result: RequestResult, times: Sequence[float]) -> PDResult:
+            start = arrived.get(rid, submitted[rid])
+            return PDResult(
+                result, prefills.get(rid), times[0] - start, tuple(times), start - submitted[rid]
+            )
+
         waiting_p = set(by_rid)
         while len(done) < len(by_rid):
             ready = mp.connection.wait([P.conn, D.conn], timeout=self.timeout_s)
@@ -265,6 +300,8 @@ class PDRouter:
                 proc = P if conn is P.conn else D
                 msg = self._recv(proc, "a result")
                 if msg[0] == "accepted":
+                    if len(msg) > 2:
+                        arrived[msg[1]] = msg[2]
                     if self.flow == "concurrent":  # P knows the hand-off: D may claim it now
                         r = by_rid[msg[1]]
                         d_params = {
@@ -279,27 +316,35 @@ class PDRouter:
                     continue
                 if msg[0] != "result":
                     raise KVFlowError(f"PD engine {proc.spec.engine_id}: unexpected {msg[0]}")
-                _, res, _arrival, times = msg
+                _, res, arrival, times = msg
                 result = _result(res)
                 rid = result.request_id
                 if proc is P:
                     waiting_p.discard(rid)
                     prefills[rid] = result
+                    arrived.setdefault(rid, arrival)
                     if self.flow == "sequential":
                         r = by_rid[rid]
-                        D.conn.send(
-                            (
-                                "add",
-                                rid,
-                                list(r.prompt_token_ids),
-                                r.max_tokens,
-                                result.kv_transfer_params,
-                            )
-                        )
-                else:
-                    done[rid] = PDResult(
-                        result, prefills.get(rid), times[0] - submitted[rid], tuple(times)
+                        prompt, max_tokens = list(r.prompt_token_ids), r.max_tokens
+                        if self.first_token == "prefill" and result.output_token_ids:
+                            if max_tokens == 1:  # P's token was the whole answer (no hand-off)
+                                done[rid] = served(rid, result, times[:1])
+                                continue
+                            tok = result.output_token_ids[0]
+                            firsts[rid] = (tok, times[0], result.first_logits)
+                            prompt, max_tokens = [*prompt, tok], max_tokens - 1
+                        D.conn.send(("add", rid, prompt, max_tokens, result.kv_transfer_params))
+                elif rid in firsts:
+                    tok, at, first_logits = firsts.pop(rid)
+                    joined = attrs.evolve(
+                        result,
+                        prompt_len=result.prompt_len - 1,
+                        output_token_ids=(tok, *result.output_token_ids),
+                        first_logits=first_logits,
                     )
+                    done[rid] = served(rid, joined, (at, *times))
+                else:
+                    done[rid] = served(rid, result, times)
         # The concurrent flow's P answers may come after D's: collect them.
         while waiting_p:
             msg = self._recv(P, "a prefill result")
@@ -351,4 +396,4 @@ class PDRouter:
             ) from e
 
 
-__all__ = ["FLOWS", "PDResult", "PDRouter"]
+__all__ = ["FIRST_TOKENS", "FLOWS", "PDResult", "PDRouter"]

@@ -322,7 +322,7 @@ def _loop(
                 # The hand-off exists before D can claim it: the router sends D the request
                 # (concurrent flow) only once P said so.
                 connector.begin(rid, params)
-                conn.send(("accepted", rid))
+                conn.send(("accepted", rid, arrivals[rid]))
         outputs = engine.step()
         now = time.perf_counter()
         for o in outputs:
