@@ -54,6 +54,9 @@ from kvflow.runtime.pd_control import ControlPlane, PeerInfo, open_control_plane
 
 log = get_logger("kvflow.pd")
 
+FENCE_POLL_S = 2e-4
+"""How often ``PDDriver.wait`` looks at in-flight copies' fences (polled transports)."""
+
 Report = FinishedSending | FinishedRecving | FreeBlocks
 
 
@@ -250,10 +253,21 @@ class PDDriver:
 
     def wait(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` for a copy to settle or a peer's message to arrive; at once
-        when no hand-off is live."""
+        when no hand-off is live. With copies in flight on a transport whose fences do not
+        wake it (``pushes_completions`` false: CUDA IPC, NIXL) the fences are looked at every
+        ``FENCE_POLL_S``; an idle engine would otherwise see a settled copy (and CUDA IPC's
+        initiator its peer's token) only at the end of the whole wait."""
         if not (self._fences or self.manager.num_live):
             return
-        self._wake.wait(timeout_s)
+        if not self._fences or self.transport.pushes_completions:
+            self._wake.wait(timeout_s)
+            self._wake.clear()
+            return
+        for _ in range(max(1, math.ceil(timeout_s / FENCE_POLL_S))):
+            if self._wake.wait(FENCE_POLL_S):
+                break
+            if any(self.transport.query(f) is not FenceStatus.PENDING for _, f in self._fences):
+                break
         self._wake.clear()
 
     def close(self) -> None:
