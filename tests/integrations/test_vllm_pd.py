@@ -74,6 +74,29 @@ def test_p_finishes_with_delay_free_and_d_runs_only_the_tail_on_p_s_exact_kv(rig
     assert "r1" not in rig.p.h.scheduler.requests
 
 
+@pytest.mark.parametrize("extra", [6, BS - 1], ids=["mid_block", "token_fills_the_block"])
+def test_a_proxy_that_sends_d_p_s_token_gets_all_of_p_s_kv_and_one_token_computed(
+    rig: PDRig, extra: int
+) -> None:
+    """P's params name its prompt length (``kvflow_num_tokens``); D's prompt is P's plus P's
+    sampled token: D loads every token of P's prompt (the last block partial, or filled by that
+    token) and computes only P's token."""
+    prompt = PROMPT[: 4 * BS + extra]
+    p_free = rig.p.free_blocks()
+    p_req, params = rig.prefill(prompt, "r1")
+    assert params["kvflow_num_tokens"] == len(prompt)
+    tok = p_req.output_token_ids[0]
+    req = rig.d.add([*prompt, tok], params, max_tokens=2, request_id="r1")
+    so = rig.until_scheduled("r1")
+    assert so.num_scheduled_tokens == {"r1": 1}, "only P's token is computed"
+    assert rig.d.kv_of(req, len(prompt)) == expected_kv(prompt, len(prompt))
+    rig.run(lambda: "r1" in rig.d.outputs)
+    assert rig.d.computed["r1"] == 1
+    assert rig.d.pd.pd.stats["handoffs_ok"] == 1
+    rig.settle()
+    assert rig.p.free_blocks() == p_free
+
+
 def test_abort_on_d_while_waiting_holds_its_blocks_until_the_hand_off_drained(
     rig: PDRig,
 ) -> None:

@@ -19,7 +19,9 @@ hand-offs did for vLLM's connector stats.
 disaggregation proxy works unchanged: P returns ``do_remote_prefill``, ``remote_engine_id``,
 ``remote_host`` / ``remote_port`` (P's control plane), ``remote_block_ids``,
 ``remote_request_id`` and ``tp_size``, plus ``kvflow_transfer_id``, ``kvflow_epoch``,
-``kvflow_digest`` (the prompt's chained block hashes) and ``kvflow_data`` (P's data plane). A
+``kvflow_digest`` (the prompt's chained block hashes), ``kvflow_num_tokens`` (P's prompt length:
+a proxy may send D the prompt plus P's sampled token, and D then loads all of P's prompt and
+computes only that token) and ``kvflow_data`` (P's data plane). A
 request's params are translated once, into the names ``PDConnector`` reads, by its request view.
 
 What the vLLM layer adds to ``PDConnector`` (``VLLMPDConnector``): a transfer id when the proxy
@@ -50,7 +52,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvflow.connector.api import KVCacheConfig, KVConnectorOutput
 from kvflow.connector.config import PDConfig
 from kvflow.connector.offload import OffloadConnector, OffloadScheduler, OffloadWorker
-from kvflow.connector.pd import PDConnector, prompt_hashes
+from kvflow.connector.pd import PDConnector, prompt_hashes, remote_tokens
 from kvflow.connector.pd_offload import PDOffloadConnector
 from kvflow.core.block_pool import PoolEvent
 from kvflow.core.logs import get_logger
@@ -121,6 +123,13 @@ def kvflow_params(params: Mapping[str, Any] | None, request_id: str) -> dict[str
             "remote_engine_id": str(params.get("remote_engine_id") or ""),
             "remote_address": f"tcp://{params['remote_host']}:{int(params['remote_port'])}",
             "digest": str(params.get("kvflow_digest") or ""),
+            # P's prompt length: a proxy that appends P's sampled token to D's prompt gets all
+            # of P's KV loaded and only that token computed (``remote_tokens``).
+            **(
+                {"remote_num_tokens": params["kvflow_num_tokens"]}
+                if "kvflow_num_tokens" in params
+                else {}
+            ),
             "data": str(params.get("kvflow_data") or ""),
             "data_for": {str(k): str(v) for k, v in (params.get("kvflow_data_for") or {}).items()},
         }
@@ -197,9 +206,12 @@ class VLLMPDConnector(PDConnector):
             self._done.add(rid)
             return 0, False
         digest = params.get("digest")
+        remote = remote_tokens(request, params)  # None: refused (logged) by the general path
         if (
             digest
-            and digest != hashes_digest(tuple(prompt_hashes(request, self.kv.block_size))).hex()
+            and remote is not None
+            and digest
+            != hashes_digest(tuple(prompt_hashes(request, self.kv.block_size, remote))).hex()
         ):
             # The proxy paired this prompt with another prompt's KV: compute it here.
             log.warning("pd_digest_mismatch", request_id=rid, transfer_id=params["transfer_id"])
@@ -567,6 +579,7 @@ class PDSchedulerRole:
             "kvflow_transfer_id": params["transfer_id"],
             "kvflow_epoch": params["epoch"],
             "kvflow_digest": hashes_digest(tuple(hashes)).hex(),
+            "kvflow_num_tokens": request.num_prompt_tokens,
             **data,
         }
 
