@@ -60,14 +60,16 @@ def test_bench_pd_with_p_s_first_token_matches_and_reports_the_second_token(
         assert data[side]["second_token_p50_s"] > data[side]["ttft_p50_s"] > 0
 
 
+@pytest.mark.parametrize("first", ["decode", "prefill"])
 def test_bench_pd_in_half_precision_checks_against_the_colocated_engine(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], first: str
 ) -> None:
     """--dtype bfloat16: the PD run replays the colocated run's answers and the JSON's check
-    compares tokens, else first-token logits, with the colocated engine's; it passes, and
-    says which it compared."""
+    compares tokens, else first-token logits (D's, or P's when P samples the first token),
+    with the colocated engine's; it passes, and says which it compared."""
     figures = tmp_path / "pd.json"
-    assert main(["bench", "--pd", "--dtype", "bfloat16", *TINY, "--json", str(figures)]) == 0
+    argv = ["bench", "--pd", "--dtype", "bfloat16", "--pd-first-token", first, *TINY]
+    assert main([*argv, "--json", str(figures)]) == 0
     out, _ = capfd.readouterr()
     assert "outputs vs the colocated engine" in out
     check = json.loads(figures.read_text())["check"]

@@ -308,6 +308,9 @@ def run_pd_bench(
     )
     colocated_preemptions = colocated.scheduler.num_preemptions - warm_preemptions
     colocated.shutdown()
+    # P samples the first token: its logits are P's, and D recording its own first sample's
+    # would take D's first step after each hand-off off the captured decode graph.
+    engines = {"D": {"record_first_logits": False}} if first_token == "prefill" else None
     with PDRouter(
         model=cfg.model,
         engine=engine_kwargs,
@@ -315,6 +318,7 @@ def run_pd_bench(
         transport=transport,
         tp=tp,
         first_token=first_token,
+        engines=engines,
     ) as router:
         _rounds(warm, _through(router), lambda _r: None)
         p0, d0 = router.stats("P"), router.stats("D")
