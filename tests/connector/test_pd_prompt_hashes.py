@@ -1,16 +1,18 @@
 """``prompt_hashes``, the block identity both sides of a PD hand-off digest: the engine's own
 hashes are taken where they are kvflow's (the reference engine's), and the result always equals
-kvflow hashing every block itself, whatever the engine gives."""
+kvflow hashing every block itself, whatever the engine gives; and the wire rows a hand-off names
+of a request's blocks."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from attrs import define
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvflow.connector.pd import prompt_hashes
+from kvflow.connector.pd import PDConnector, prompt_hashes
 from kvflow.core.hashing import BlockHash, ExtraKey
 from kvflow.core.requests import KVRequest
 from kvflow.engine.request import Request, RequestStats
@@ -82,3 +84,27 @@ def test_the_engine_s_hashes_are_used_not_recomputed() -> None:
     got = prompt_hashes(_Hashed("r", tokens, 11, given=marked), 4)
     assert got[:2] == marked
     assert len(got) == 3  # and the partial tail's hash, chained on the engine's last one
+
+
+@given(
+    tables=st.lists(st.lists(st.integers(0, 500), max_size=12), min_size=1, max_size=3),
+    first=st.integers(0, 14),
+    span=st.integers(0, 14),
+    k=st.sampled_from([1, 2, 4]),
+)
+def test_wire_rows_are_the_block_table_s_rows(
+    tables: list[list[int]], first: int, span: int, k: int
+) -> None:
+    """``PDConnector.rows``: row ``r`` of group ``g`` is block ``g[r // k]``'s row ``r % k``, at
+    every rows-per-block (one: the table's slice); rows past a table raise ``IndexError``."""
+    end = first + span
+    conn = object.__new__(PDConnector)
+    conn.rows_per_block = k
+    want: list[tuple[int, ...]] = []
+    for g in tables:
+        if span and end > len(g) * k:
+            with pytest.raises(IndexError):
+                conn.rows(tuple(tuple(t) for t in tables), first, end)
+            return
+        want.append(tuple(g[r // k] * k + r % k for r in range(first, end)))
+    assert conn.rows(tuple(tuple(t) for t in tables), first, end) == tuple(want)

@@ -254,6 +254,11 @@ class PDConnector(NullConnector):
     def rows(self, block_ids: GroupBlockIds, first: int, end: int) -> GroupIds:
         """Wire rows ``first .. end - 1`` of the request's blocks, per group."""
         k = self.rows_per_block
+        if k == 1:  # a wire row is an engine block (most engines): the table's slice, in C
+            out = tuple(tuple(g[first:end]) for g in block_ids)
+            if any(len(g) != end - first for g in out):
+                raise IndexError(f"rows {first}..{end - 1} past a group's block table")
+            return out
         return tuple(tuple(g[r // k] * k + r % k for r in range(first, end)) for g in block_ids)
 
     def _blocks(self, ids: GroupIds) -> Iterator[int]:
