@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and every GPU benchmark of docs/benchmarks.md in one run, for one call of a
-# device machine: results go under OUT (default ./device-out), a log per step, JSON where the
-# benchmark writes it, and one bundle.tgz of the logs. Two visible GPUs add the tensor-parallel
+# device machine: results go under OUT (default ./device-out), a log per step and JSON where the
+# benchmark writes it, all packed at the end into OUT/bundle.tgz (the device tool returns at most
+# 8 files from a call; `tar xzf bundle.tgz` unpacks them). Two visible GPUs add the tensor-parallel
 # tests and bench_tp. Each step has its own time limit, so one slow step cannot eat the rest.
 #
 #   scripts/device_suite.sh                 # everything (about 9 min on one H200, 13 on two)
@@ -111,7 +112,16 @@ for step in $STEPS; do
       run bench_pd 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" --pd \
         --pd-transport cuda-ipc --json "$OUT/bench_pd.json"
       run bench_pd_prefill 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" --pd \
-        --pd-transport cuda-ipc --pd-first-token prefill --json "$OUT/bench_pd_prefill.json" ;;
+        --pd-transport cuda-ipc --pd-first-token prefill --json "$OUT/bench_pd_prefill.json"
+      # One user, a 16k-token history: P and D never compute at once, so the added TTFT is the
+      # hand-off's, not the two processes time-slicing the GPU.
+      one=(--users 1 --rounds 3 --system 2048 --first-question 14336 --question 256 --answer 16
+        --cache-fraction 0.3 --max-batched-tokens 8192)
+      for first in decode prefill; do
+        run "bench_pd_one_user_$first" 120 python3 -m kvflow.cli bench "${model[@]}" "${one[@]}" \
+          --pd --pd-transport cuda-ipc --pd-first-token "$first" \
+          --json "$OUT/bench_pd_one_user_$first.json"
+      done ;;
     tp)
       if [ "$gpus" -ge 2 ]; then
         run tp_tests 300 python3 -m pytest tests/distributed -q -p no:cacheprovider
@@ -123,5 +133,7 @@ for step in $STEPS; do
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
-tar czf "$OUT/bundle.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+# One file back: the logs and every JSON, trace and plot the steps wrote.
+(cd "$OUT" && shopt -s nullglob && made=(logs ./*.json ./*.jsonl ./*.png) \
+  && tar czf bundle.tgz "${made[@]}" && rm -rf "${made[@]}")
 exit $status
