@@ -5,8 +5,8 @@
 # 8 files from a call; `tar xzf bundle.tgz` unpacks them). Two visible GPUs add the tensor-parallel
 # tests and bench_tp. Each step has its own time limit, so one slow step cannot eat the rest.
 #
-#   scripts/device_suite.sh                 # everything (about 9 min on one H200, 13 on two)
-#   STEPS="tests reload" scripts/device_suite.sh
+#   scripts/device_suite.sh                 # everything: longer than one device call, so split it
+#   STEPS="tests reload" scripts/device_suite.sh   # with STEPS (a call: at most 10 minutes)
 #
 # Steps: tests, step (one decode step, eager vs CUDA graphs), reload (16k reload and 0 % reuse),
 # noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
