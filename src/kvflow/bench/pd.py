@@ -39,7 +39,7 @@ from kvflow.engine.model import model_config
 from kvflow.engine.tp import shard_config
 from kvflow.engine.workload import MultiRoundQA
 from kvflow.errors import ConfigError
-from kvflow.pd.router import FIRST_TOKENS, FLOWS, PDRouter
+from kvflow.pd.router import FLOWS, PDRouter, check_first_token
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -271,10 +271,7 @@ def run_pd_bench(
     sampled-token option, sequential flow)."""
     if flow not in FLOWS:
         raise ConfigError(f"--pd-flow {flow!r}: one of {', '.join(FLOWS)}")
-    if first_token not in FIRST_TOKENS:
-        raise ConfigError(f"--pd-first-token {first_token!r}: one of {', '.join(FIRST_TOKENS)}")
-    if first_token == "prefill" and flow != "sequential":
-        raise ConfigError("--pd-first-token prefill needs the sequential flow")
+    check_first_token(first_token, flow)  # before the colocated run
     check_pd_transport(transport, cfg.device)
     model_cfg = model_config(cfg.model)
     for size in tp:

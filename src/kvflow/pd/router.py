@@ -53,6 +53,17 @@ FLOWS = ("sequential", "concurrent")
 FIRST_TOKENS = ("decode", "prefill")
 
 
+def check_first_token(first_token: str, flow: str) -> None:
+    """``ConfigError`` for a first-token option that is unknown or cannot run in ``flow``."""
+    if first_token not in FIRST_TOKENS:
+        raise ConfigError(f"PD first token {first_token!r}: one of {', '.join(FIRST_TOKENS)}")
+    if first_token == "prefill" and flow != "sequential":
+        raise ConfigError(
+            "first_token='prefill' needs the sequential flow: in the concurrent flow D has "
+            "the request before P sampled anything"
+        )
+
+
 @frozen
 class PDResult:
     """A request served by P and D: D's result, and the times the router saw."""
@@ -136,13 +147,7 @@ class PDRouter:
         sequential flow only; see the module's docstring)."""
         if flow not in FLOWS:
             raise ConfigError(f"PD flow {flow!r}: one of {', '.join(FLOWS)}")
-        if first_token not in FIRST_TOKENS:
-            raise ConfigError(f"PD first token {first_token!r}: one of {', '.join(FIRST_TOKENS)}")
-        if first_token == "prefill" and flow != "sequential":
-            raise ConfigError(
-                "first_token='prefill' needs the sequential flow: in the concurrent flow D has "
-                "the request before P sampled anything"
-            )
+        check_first_token(first_token, flow)
         if len(tp) != 2 or min(tp) < 1:
             raise ConfigError(f"PD tp must be two positive sizes (P's, D's), got {tp}")
         if max(tp) > 1 and transport != "gloo":
@@ -396,4 +401,4 @@ class PDRouter:
             ) from e
 
 
-__all__ = ["FIRST_TOKENS", "FLOWS", "PDResult", "PDRouter"]
+__all__ = ["FIRST_TOKENS", "FLOWS", "PDResult", "PDRouter", "check_first_token"]
