@@ -14,12 +14,14 @@
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
-# wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC, the first token D's and P's), tp (two GPUs only). Missing Python packages (structlog,
+# wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC, the
+# multi-round workload, the first token D's and P's), pd-one (the same with one user, 2k-16k-token
+# prompts: PD_PROMPTS, PD_FIRST), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists. REPEAT sets the reload and
 # noreuse-fp32 steps' pairs of runs (default 16 and 9).
 set -u
 OUT=${OUT:-./device-out}
-STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-thread multiround decode contention connector pdx pd tp}
+STEPS=${STEPS:-tests step reload noreuse-lazy noreuse-thread multiround decode contention connector pdx pd pd-one tp}
 mkdir -p "$OUT/logs"
 if compgen -G ".whl/*.whl" >/dev/null; then
   wheels=(.whl/*.whl)
@@ -113,14 +115,21 @@ for step in $STEPS; do
         --pd-transport cuda-ipc --json "$OUT/bench_pd.json"
       run bench_pd_prefill 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" --pd \
         --pd-transport cuda-ipc --pd-first-token prefill --json "$OUT/bench_pd_prefill.json"
-      # One user, a 16k-token history: P and D never compute at once, so the added TTFT is the
-      # hand-off's, not the two processes time-slicing the GPU.
-      one=(--users 1 --rounds 3 --system 2048 --first-question 14336 --question 256 --answer 16
-        --cache-fraction 0.3 --max-batched-tokens 8192)
-      for first in decode prefill; do
-        run "bench_pd_one_user_$first" 120 python3 -m kvflow.cli bench "${model[@]}" "${one[@]}" \
-          --pd --pd-transport cuda-ipc --pd-first-token "$first" \
-          --json "$OUT/bench_pd_one_user_$first.json"
+      ;;
+    pd-one)  # One user: P and D never compute at once, so the added TTFT is the hand-off's, not
+      # the two processes time-slicing the GPU. Prompts of 2k-16k tokens (PD_PROMPTS: the first
+      # question's tokens after a 1,024- or 2,048-token system prompt), first token P's and D's
+      # (PD_FIRST), PD_ROUNDS rounds (default 6: the first computes the whole prompt, the rest hit
+      # the prefix cache).
+      for q in ${PD_PROMPTS:-1024 2048 6144 14336}; do
+        sys=2048; [ "$q" -le 1024 ] && sys=1024
+        for first in ${PD_FIRST:-prefill decode}; do
+          run "bench_pd_one_${q}_$first" 120 python3 -m kvflow.cli bench "${model[@]}" \
+            --users 1 --rounds "${PD_ROUNDS:-6}" --system "$sys" --first-question "$q" --question 256 \
+            --answer 16 --cache-fraction 0.3 --max-batched-tokens 8192 --pd \
+            --pd-transport cuda-ipc --pd-first-token "$first" \
+            --json "$OUT/bench_pd_one_${q}_$first.json"
+        done
       done ;;
     tp)
       if [ "$gpus" -ge 2 ]; then

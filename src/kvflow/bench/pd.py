@@ -29,12 +29,19 @@ from attrs import asdict, field, frozen
 from kvflow.backends.pd.registry import TRANSPORTS
 from kvflow.bench.config import BenchConfig
 from kvflow.bench.multi_round import (
+    PHASES,
     CorrectnessCheck,
     check_outputs,
     gpu_blocks_for,
     workload_of,
 )
-from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest, make_kv_cache_config
+from kvflow.engine.engine import (
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    RequestTimeline,
+    make_kv_cache_config,
+)
 from kvflow.engine.model import model_config
 from kvflow.engine.tp import shard_config
 from kvflow.engine.workload import MultiRoundQA
@@ -63,6 +70,11 @@ class SideFigures:
     wall_s: float
     # submit → the second token: where the hand-off lands when P samples the first token
     second_token_p50_s: float = 0.0
+    # Means of the TTFT's parts on the engine that sampled the first token (``PHASES``), and
+    # ``outside``: the rest of the TTFT (its admission checks, its step's tail after sampling,
+    # and when D samples, P's whole part and the hops to D); the parts sum to the mean TTFT.
+    ttft_parts_mean_s: dict[str, float] = field(factory=dict)
+    ttfts_s: tuple[float, ...] = ()  # every request's, round by round (users within a round)
 
     @classmethod
     def of(
@@ -72,6 +84,7 @@ class SideFigures:
         computed: int,
         wall_s: float,
         seconds: Sequence[float] = (),
+        timelines: Sequence[RequestTimeline | None] = (),
     ) -> SideFigures:
         return cls(
             percentile(ttfts, 50),
@@ -81,7 +94,23 @@ class SideFigures:
             computed,
             wall_s,
             percentile(list(seconds), 50),
+            ttft_parts(ttfts, timelines),
+            tuple(ttfts),
         )
+
+
+def ttft_parts(
+    ttfts: Sequence[float], timelines: Sequence[RequestTimeline | None]
+) -> dict[str, float]:
+    """Each ``PHASES`` part's mean over the requests with a timeline, and ``outside``, the
+    mean of the rest of their TTFTs; {} when none has one."""
+    pairs = [(t, tl) for t, tl in zip(ttfts, timelines, strict=True) if tl is not None]
+    if not pairs:
+        return {}
+    parts = {p: statistics.fmean(getattr(tl, p) for _, tl in pairs) for p in PHASES}
+    within = [sum(getattr(tl, p) for p in PHASES if p != "match") for _, tl in pairs]
+    parts["outside"] = statistics.fmean(t - w for (t, _), w in zip(pairs, within, strict=True))
+    return parts
 
 
 @frozen
@@ -147,7 +176,7 @@ class PDBenchResult:
 
 
 Outputs = dict[tuple[int, int], tuple[int, ...]]
-Served = tuple[tuple[int, ...], float, list[float], int, Any]
+Served = tuple[tuple[int, ...], float, list[float], int, Any, RequestTimeline | None]
 
 
 def _rounds(
@@ -157,42 +186,53 @@ def _rounds(
     *,
     answers: Outputs | None = None,
     logits: dict[tuple[int, int], Any] | None = None,
-) -> tuple[Outputs, list[float], list[float], int, float, list[float]]:
+) -> tuple[
+    Outputs, list[float], list[float], int, float, list[float], list[RequestTimeline | None]
+]:
     """Run the workload through ``serve`` (tokens, TTFT, token times, prompt tokens computed,
-    first-token logits, kept in ``logits``); ``answers`` join the histories instead of the
-    served ones. Returns the outputs, TTFTs, inter-token gaps, prompt tokens computed, wall
-    seconds and each request's submit → second token seconds."""
+    first-token logits, kept in ``logits``, the first token's timeline); ``answers`` join the
+    histories instead of the served ones. Returns the outputs, TTFTs, inter-token gaps, prompt
+    tokens computed, wall seconds, each request's submit → second token seconds and the
+    timelines."""
     start = time.perf_counter()
     histories = [list(workload.system_prompt()) for _ in range(workload.num_users)]
     outputs: Outputs = {}
     ttfts: list[float] = []
     itls: list[float] = []
     seconds: list[float] = []
+    timelines: list[RequestTimeline | None] = []
     computed = 0
     for rnd in range(workload.num_rounds):
         reqs = []
         for user in range(workload.num_users):
             histories[user] += workload.question(user, rnd)
             reqs.append(GenerationRequest(histories[user], workload.answer_len, f"u{user}-r{rnd}"))
-        for user, (tokens, ttft, times, n, first) in enumerate(serve(reqs)):
+        for user, (tokens, ttft, times, n, first, timeline) in enumerate(serve(reqs)):
             outputs[(user, rnd)] = tokens
             if logits is not None:
                 logits[(user, rnd)] = first
             histories[user] += list(tokens if answers is None else answers[(user, rnd)])
             ttfts.append(ttft)
+            timelines.append(timeline)
             itls += [b - a for a, b in itertools.pairwise(times)]
             if len(times) > 1:
                 seconds.append(ttft + times[1] - times[0])
             computed += n
         on_round(rnd)
-    return outputs, ttfts, itls, computed, time.perf_counter() - start, seconds
+    return outputs, ttfts, itls, computed, time.perf_counter() - start, seconds, timelines
 
 
 def _colocated(engine: Engine) -> Callable[[list[GenerationRequest]], list[Any]]:
+    """Serve on the colocated engine. TTFT is stamped where the PD engine's worker stamps it:
+    from just before ``add_request`` to the return of the step that sampled the first token
+    (when a server could send it), not the engine's own ``ttft_s`` (to sampling)."""
+
     def serve(reqs: list[GenerationRequest]) -> list[Any]:
         times: dict[str, list[float]] = {}
+        arrivals: dict[str, float] = {}
         for r in reqs:
             assert r.request_id is not None
+            arrivals[r.request_id] = time.perf_counter()
             engine.add_request(r.prompt_token_ids, r.max_tokens, request_id=r.request_id)
             times[r.request_id] = []
         while engine.has_unfinished():
@@ -208,10 +248,11 @@ def _colocated(engine: Engine) -> Callable[[list[GenerationRequest]], list[Any]]
             out.append(
                 (
                     res.output_token_ids,
-                    res.ttft_s,
+                    times[r.request_id][0] - arrivals[r.request_id],
                     times[r.request_id],
                     res.prefill_tokens_computed,
                     first,
+                    res.timeline,
                 )
             )
         return out
@@ -235,6 +276,7 @@ def _through(
                 list(g.token_times),
                 g.result.prefill_tokens_computed,
                 g.result.first_logits,
+                g.result.timeline,
             )
             for g in got
         ]
@@ -335,8 +377,8 @@ def run_pd_bench(
         config=cfg,
         flow=flow,
         requests=workload.num_users * workload.num_rounds,
-        pd=SideFigures.of(got[1], got[2], got[3], got[4], got[5]),
-        colocated=SideFigures.of(ref[1], ref[2], ref[3], ref[4], ref[5]),
+        pd=SideFigures.of(got[1], got[2], got[3], got[4], got[5], got[6]),
+        colocated=SideFigures.of(ref[1], ref[2], ref[3], ref[4], ref[5], ref[6]),
         outputs_identical=got[0] == ref[0],
         decode_prompt_tokens_computed=got[3],
         prefill_prompt_tokens_computed=int(p["prefill_tokens_computed"])

@@ -492,6 +492,8 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
             table.add_row(f"transport chosen ({side})", "—", chosen)
     table.add_row("wall time (s)", f"{c.wall_s:.2f}", f"{pd.wall_s:.2f}")
     console.print(table)
+    if c.ttft_parts_mean_s or pd.ttft_parts_mean_s:
+        console.print(_ttft_parts_table(c.ttft_parts_mean_s, pd.ttft_parts_mean_s, result))
     check = result.check
     if check is None:
         verdict = "[green]identical[/]" if result.outputs_identical else "[red]DIFFERENT[/]"
@@ -509,6 +511,27 @@ def render_pd(result: PDBenchResult, console: Console) -> None:
         f"{head}; first-token logits, largest relative L2 distance "
         f"{check.max_rel_logits_err:.2e} (tolerance {check.tolerance}): {verdict}"
     )
+
+
+def _ttft_parts_table(c: dict[str, float], pd: dict[str, float], result: PDBenchResult) -> Table:
+    """The TTFT's parts (means, ms) on the engine that sampled the first token, each side."""
+    sampler = "P" if result.first_token == "prefill" else "D"
+    parts = Table(title=f"TTFT by part, means in ms (P → D: {sampler}'s engine sampled it)")
+    parts.add_column("part")
+    parts.add_column("colocated", justify="right")
+    parts.add_column("P → D", justify="right")
+    labels = {
+        **PHASE_LABELS,
+        "outside": (
+            "outside the sampling engine's timeline (admission checks, the step after sampling"
+            + (")" if sampler == "P" else "; P's part and the hops to D)")
+        ),
+    }
+    for name, label in labels.items():
+        a, b = c.get(name, 0.0), pd.get(name, 0.0)
+        if a or b:
+            parts.add_row(label, f"{a * 1e3:.2f}", f"{b * 1e3:.2f}")
+    return parts
 
 
 def _flat(value: object) -> str:

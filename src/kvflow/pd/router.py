@@ -42,7 +42,7 @@ from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import PDTimeouts
 from kvflow.core.pd.tp import plan_head_slices
 from kvflow.engine.distributed import free_port
-from kvflow.engine.engine import GenerationRequest, RequestResult
+from kvflow.engine.engine import GenerationRequest, RequestResult, RequestTimeline
 from kvflow.engine.model import model_config
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.pd.worker import WorkerSpec, serve
@@ -85,6 +85,8 @@ class PDResult:
 def _result(d: dict[str, Any]) -> RequestResult:
     d = dict(d)
     d["output_token_ids"] = tuple(d["output_token_ids"])
+    if isinstance(d.get("timeline"), dict):  # attrs' asdict in the worker flattened it
+        d["timeline"] = RequestTimeline(**d["timeline"])
     return RequestResult(**d)
 
 
@@ -341,11 +343,14 @@ class PDRouter:
                         D.conn.send(("add", rid, prompt, max_tokens, result.kv_transfer_params))
                 elif rid in firsts:
                     tok, at, first_logits = firsts.pop(rid)
+                    # The first token is P's: so are its TTFT and its timeline.
                     joined = attrs.evolve(
                         result,
                         prompt_len=result.prompt_len - 1,
                         output_token_ids=(tok, *result.output_token_ids),
                         first_logits=first_logits,
+                        ttft_s=prefills[rid].ttft_s,
+                        timeline=prefills[rid].timeline,
                     )
                     done[rid] = served(rid, joined, (at, *times))
                 else:

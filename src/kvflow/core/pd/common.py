@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain, repeat
 from typing import Generic, Protocol, TypeVar, overload
 
 from attrs import define, field, frozen
@@ -196,6 +197,24 @@ class BlockRefs(Protocol):
     def give_back(self, key: str) -> GroupIds: ...
 
 
+def keys_of(ids: GroupIds) -> list[tuple[int, int]]:
+    """``flat(ids)`` as a list, built without a Python step per block (a 16k-token prompt's
+    hand-off names about a thousand)."""
+    return list(chain.from_iterable(zip(repeat(g), group) for g, group in enumerate(ids)))
+
+
+def _twice(ids: GroupIds) -> tuple[int, int] | None:
+    """The first (group, block) that ``ids`` names twice, or None."""
+    for g, group in enumerate(ids):
+        if len(set(group)) != len(group):
+            seen: set[int] = set()
+            for b in group:
+                if b in seen:
+                    return (g, b)
+                seen.add(b)
+    return None
+
+
 @define
 class BlockLedger:
     """Who holds which block: each hand-off's blocks, taken once and given back exactly once.
@@ -205,19 +224,22 @@ class BlockLedger:
     ledger is exclusive (a block receives one hand-off's KV). A manager's ids are wire blocks:
     ``rows_per_block`` of them make one engine block (``row // rows_per_block``), 1 unless the
     peer's block size is smaller. With ``refs`` every hold is also a hold there (in engine
-    blocks), checked before anything changes here."""
+    blocks), checked before anything changes here. Every check and update is a set operation
+    over the hand-off's blocks: this runs on P's first-token step and on D's claim."""
 
     shared: bool = False
     side: str = ""
     rows_per_block: int = 1
     refs: BlockRefs | None = None
     _by_transfer: dict[str, GroupIds] = field(factory=dict)
-    _owners: dict[tuple[int, int], list[str]] = field(factory=dict)
+    _held: set[tuple[int, int]] = field(factory=set)  # an exclusive ledger's held blocks
     _parts: dict[str, list[str]] = field(factory=dict)  # refs' keys of blocks added by ``grow``
 
     def engine_blocks(self, ids: GroupIds) -> list[int]:
         """The engine blocks ``ids`` lie in, each once, in order."""
         k = self.rows_per_block
+        if k == 1 and len(ids) == 1:
+            return list(dict.fromkeys(ids[0]))
         return list(dict.fromkeys(b // k for _, b in flat(ids)))
 
     def _key(self, transfer_id: str) -> str:
@@ -227,13 +249,11 @@ class BlockLedger:
         """Raise ``ProtocolError`` (changing nothing) if ``ids`` cannot be taken for the hand-off."""
         if transfer_id in self._by_transfer:
             raise ProtocolError(f"hand-off {transfer_id!r} already holds blocks")
-        seen: set[tuple[int, int]] = set()
-        for key in flat(ids):
-            if key in seen:
-                raise ProtocolError(f"hand-off {transfer_id!r} names block {key} twice")
-            seen.add(key)
-            if not self.shared and (owners := self._owners.get(key)):
-                raise ProtocolError(f"block {key} is already held by hand-off {owners[0]!r}")
+        if (key := _twice(ids)) is not None:
+            raise ProtocolError(f"hand-off {transfer_id!r} names block {key} twice")
+        if not self.shared and (clash := self._held.intersection(keys_of(ids))):
+            key = next(k for k in flat(ids) if k in clash)
+            raise ProtocolError(f"block {key} is already held by hand-off {self.owner(*key)!r}")
         if self.refs is not None:
             blocks = self.engine_blocks(ids)
             self.refs.check(self._key(transfer_id), ids, blocks, exclusive=not self.shared)
@@ -244,8 +264,8 @@ class BlockLedger:
             blocks = self.engine_blocks(ids)
             self.refs.take(self._key(transfer_id), ids, blocks, exclusive=not self.shared)
         self._by_transfer[transfer_id] = ids
-        for key in flat(ids):
-            self._owners.setdefault(key, []).append(transfer_id)
+        if not self.shared:
+            self._held.update(keys_of(ids))
 
     def grow(self, transfer_id: str, ids: GroupIds) -> None:
         """Hold ``ids``, a superset of what the hand-off holds (a streamed hand-off's blocks
@@ -256,8 +276,9 @@ class BlockLedger:
             return
         if len(ids) != len(old):
             raise ProtocolError(f"hand-off {transfer_id!r}: {len(ids)} groups, held {len(old)}")
+        had_sets = [set(had) for had in old]
         added = tuple(
-            tuple(b for b in new if b not in set(had)) for new, had in zip(ids, old, strict=True)
+            tuple(b for b in new if b not in had) for new, had in zip(ids, had_sets, strict=True)
         )
         if not any(added):
             return
@@ -268,11 +289,10 @@ class BlockLedger:
             self.refs.take(self._key(part), added, blocks, exclusive=not self.shared)
             self._parts.setdefault(transfer_id, []).append(part)
         self._by_transfer[transfer_id] = tuple(
-            had + tuple(b for b in new if b not in set(had))
-            for new, had in zip(ids, old, strict=True)
+            had + new for had, new in zip(old, added, strict=True)
         )
-        for key in flat(added):
-            self._owners.setdefault(key, []).append(transfer_id)
+        if not self.shared:
+            self._held.update(keys_of(added))
 
     def attach(self, refs: BlockRefs) -> None:
         """Hold every block through ``refs`` from now on (only while nothing is held)."""
@@ -288,11 +308,8 @@ class BlockLedger:
             self.refs.give_back(self._key(transfer_id))
             for part in self._parts.pop(transfer_id, ()):
                 self.refs.give_back(self._key(part))
-        for key in flat(ids):
-            owners = self._owners[key]
-            owners.remove(transfer_id)
-            if not owners:
-                del self._owners[key]
+        if not self.shared:
+            self._held.difference_update(keys_of(ids))
         return ids
 
     def holds(self, transfer_id: str) -> bool:
@@ -300,11 +317,17 @@ class BlockLedger:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._owners)
+        """Distinct blocks held (counted on demand: a diagnostic, not on the hot path)."""
+        if not self.shared:
+            return len(self._held)
+        return len(set(chain.from_iterable(map(keys_of, self._by_transfer.values()))))
 
     def owner(self, group: int, block: int) -> str | None:
-        owners = self._owners.get((group, block))
-        return owners[0] if owners else None
+        """The hand-off holding the block that took it first, or None."""
+        for tid, ids in self._by_transfer.items():
+            if group < len(ids) and block in ids[group]:
+                return tid
+        return None
 
 
 @define

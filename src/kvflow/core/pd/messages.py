@@ -40,8 +40,7 @@ def hashes_digest(hashes: tuple[BlockHash, ...]) -> bytes:
     """One 16-byte digest of a chain of block hashes (CLAIM carries it instead of the chain)."""
     h = xxhash.xxh3_128()
     h.update(struct.pack("<I", len(hashes)))
-    for b in hashes:
-        h.update(b)
+    h.update(b"".join(hashes))  # one call: the same digest as one update per hash
     return h.digest()
 
 

@@ -235,12 +235,13 @@ class ProducerManager(HandoffSide[PTransfer]):
         if t is None:
             t = PTransfer(transfer_id, epoch, peer, deadline=now)
             self.transfers[transfer_id] = t
-        if t.digest and hashes_digest(tuple(block_hashes)) != t.digest:
+        hashes = tuple(block_hashes)
+        digest = hashes_digest(hashes)
+        if t.digest and digest != t.digest:
             raise ProtocolError(f"kv_ready {transfer_id!r}: hashes differ from set_prompt's")
         self.ledger.take(transfer_id, ids)
         t.engine_waits = True
-        t.block_ids, t.block_hashes = ids, tuple(block_hashes)
-        t.digest = hashes_digest(t.block_hashes)
+        t.block_ids, t.block_hashes, t.digest = ids, hashes, digest
         self._apply(t, PI.KV_READY, "kv_ready")
         t.deadline = now + self.timeouts.lease_s
         out: list[Action] = []
