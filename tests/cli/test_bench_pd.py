@@ -58,6 +58,19 @@ def test_bench_pd_with_p_s_first_token_matches_and_reports_the_second_token(
     assert data["decode_prompt_tokens_computed"] == data["requests"]
     for side in ("pd", "colocated"):
         assert data[side]["second_token_p50_s"] > data[side]["ttft_p50_s"] > 0
+    assert "TTFT by part" in out
+    assert "P's engine sampled it" in out
+    for side in ("pd", "colocated"):
+        # The parts (``match`` lies within ``queue``) sum to the mean TTFT, every part >= 0.
+        parts = data[side]["ttft_parts_mean_s"]
+        ttfts = data[side]["ttfts_s"]
+        assert len(ttfts) == data["requests"]
+        assert min(parts.values()) >= 0
+        total = sum(v for k, v in parts.items() if k != "match")
+        assert total == pytest.approx(sum(ttfts) / len(ttfts), rel=1e-9, abs=1e-9)
+    # P sampled the first token: its prefill is in P's timeline, none in D's hand-off parts.
+    assert data["pd"]["ttft_parts_mean_s"]["load_wait"] == 0
+    assert data["pd"]["ttft_parts_mean_s"]["first_step"] > 0
 
 
 @pytest.mark.parametrize("first", ["decode", "prefill"])
