@@ -111,3 +111,25 @@ def test_replayed_answers_give_every_prompt_the_other_run_saw() -> None:
     del missing[(1, 0)]
     with pytest.raises(ConfigError, match="user 1 in round 0"):
         run_multi_round(make_engine(), workload, answers=missing)
+
+
+def test_a_first_token_computed_as_a_decode_row_is_recorded_from_the_graphs() -> None:
+    """A prompt whose blocks all but its last token hit the prefix cache computes that token as
+    a decode row: with record_first_logits it still runs on the decode graphs, and its recorded
+    logits are the eager engine's and give its token."""
+    (p,) = prompts([4 * 4 + 1], seed=9)  # four full blocks of 4, then one token
+    eager = make_engine(record_first_logits=True)
+    eager.run_to_completion(requests([p], 2))
+    (ref,) = eager.run_to_completion(requests([p], 1))
+    graphs = make_engine(record_first_logits=True, decode_graphs="pieces")
+    graphs.run_to_completion(requests([p], 2))
+    used = graphs.runner._graphs
+    assert used is not None
+    before = used.steps_run
+    (got,) = graphs.run_to_completion(requests([p], 1))
+    assert got.gpu_cached_tokens == ref.gpu_cached_tokens == 16
+    assert used.steps_run == before + 1  # the one step, from the graphs
+    assert got.first_logits is not None
+    assert ref.first_logits is not None
+    assert int(got.first_logits.argmax()) == got.output_token_ids[0] == ref.output_token_ids[0]
+    torch.testing.assert_close(got.first_logits, ref.first_logits, rtol=1e-4, atol=1e-4)

@@ -352,8 +352,9 @@ class DecodeGraphs:
         token_ids: Sequence[int],
         num_computed: Sequence[int],
         block_tables: Sequence[Sequence[Sequence[int]]],
-    ) -> torch.Tensor:
-        """Greedy tokens of one decode step, ``(rows,)`` on the device, not yet waited for.
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy tokens of one decode step, ``(rows,)`` on the device, not yet waited for, and
+        their float32 logits (rewritten by the bucket's next step).
 
         Row ``b`` computes token ``token_ids[b]`` at position ``num_computed[b]`` with block
         table ``block_tables[g][b]`` in cache group ``g``.
@@ -370,7 +371,7 @@ class DecodeGraphs:
         if bucket.full:
             self._full_inputs(bucket, host, num_computed, block_tables)
             bucket.pieces[0]()
-            return bucket.tokens[:b]
+            return bucket.tokens[:b], bucket.logits[:b]
         bucket.inputs.copy_(torch.tensor(host, dtype=torch.long).view(bucket.inputs.shape))
         segments = []
         for g, tables in enumerate(block_tables):
@@ -392,7 +393,7 @@ class DecodeGraphs:
                 out = decode_attention(bucket.q[i][:b], caches[i], segments[group_of[i]])
                 bucket.attn[:b].copy_(out)
             pieces[-1]()
-        return bucket.tokens[:b]
+        return bucket.tokens[:b], bucket.logits[:b]
 
     def _full_inputs(
         self,

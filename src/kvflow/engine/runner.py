@@ -243,12 +243,11 @@ class ModelRunner:
         recording = self.record_first_logits and any(c.first_token for c in chunks)
         if (
             graphs is not None
-            and not recording
             and len(chunks) <= graphs.max_rows
             and all(len(c.token_ids) == 1 for c in chunks)
             and graphs.tables_fit(c.block_ids for c in chunks)
         ):
-            return self._decode_from_graphs(graphs, chunks)
+            return self._decode_from_graphs(graphs, chunks, recording)
         device = self.device
         ids = [t for c in chunks for t in c.token_ids]
         positions = [c.num_computed_tokens + j for c in chunks for j in range(len(c.token_ids))]
@@ -318,20 +317,26 @@ class ModelRunner:
         }
 
     def _decode_from_graphs(
-        self, graphs: DecodeGraphs, chunks: tuple[ScheduledChunk, ...]
+        self, graphs: DecodeGraphs, chunks: tuple[ScheduledChunk, ...], recording: bool
     ) -> _Sampled:
-        tokens = graphs.run(
+        """One decode step replayed from the graphs; ``recording``: keep the logits of rows
+        that sample a first token (a request whose prompt's last token runs as a decode row:
+        after a load or a hand-off that brought all of its prompt but that token)."""
+        tokens, logits = graphs.run(
             [c.token_ids[0] for c in chunks],
             [c.num_computed_tokens for c in chunks],
             [[c.block_ids[g.group_id] for c in chunks] for g in self.kv_config.groups],
         )
         sample_rows = [i for i, c in enumerate(chunks) if c.sample]
         ids_of_rows = [chunks[i].request_id for i in sample_rows]
+        # Row b of the graphs' logits is chunk b's; _first_rows reads them by sample order.
+        firsts = self._first_rows(chunks, sample_rows, logits[sample_rows]) if recording else None
         if len(sample_rows) == len(chunks):
-            return _Sampled(ids_of_rows, tokens)
+            return _Sampled(ids_of_rows, tokens, first_logits=firsts)
         if not sample_rows:
             return _Sampled([], None)
-        return _Sampled(ids_of_rows, tokens[torch.tensor(sample_rows, device=self.device)])
+        rows = torch.tensor(sample_rows, device=self.device)
+        return _Sampled(ids_of_rows, tokens[rows], first_logits=firsts)
 
 
 __all__ = ["ModelRunner", "ModelRunnerOutput"]

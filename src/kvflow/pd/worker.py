@@ -8,7 +8,8 @@ Each rank has one gloo pair per part of ``core.pd.tp``'s plan it takes part in (
 a cycle; the part's index names its store port.
 
 The loop steps the engine even when it has nothing to compute, so the PD driver answers a peer's
-messages (a CLAIM for KV P holds) at once; an idle engine waits on the pipe at most ``IDLE_S``.
+messages (a CLAIM for KV P holds) at once; an idle engine waits at most ``IDLE_S``, on the pipe
+and, while a hand-off is live, on the PD driver's wake-up (``idle_wait``).
 Per-token times are ``time.perf_counter`` (the system's monotonic clock on Linux, the same in
 every process), so the router can measure TTFT and inter-token latency across processes.
 """
@@ -43,8 +44,10 @@ from kvflow.engine.tp import RankStatus, TPModelRunner, TPSpec, build_shard, ser
 from kvflow.errors import ConfigError
 from kvflow.runtime.clock import SystemClock
 from kvflow.runtime.pd_control import default_compat
+from kvflow.runtime.pd_driver import PDDriver
 
 IDLE_S = 0.002
+WAKE_SLICE_S = 2e-4  # an idle engine with a live hand-off looks at the router's pipe this often
 """Longest an idle engine process waits on the router's pipe before polling its PD driver."""
 
 
@@ -337,7 +340,30 @@ def _loop(
         if not engine.has_unfinished():
             if stopping:
                 return
-            conn.poll(IDLE_S)
+            idle_wait(conn, connector.driver, IDLE_S)
 
 
-__all__ = ["IDLE_S", "WorkerSpec", "compat_of", "rank_transport", "serve"]
+def idle_wait(conn: Connection, driver: PDDriver, timeout_s: float) -> None:
+    """An idle engine's wait, at most ``timeout_s``: until the router sends, or, while a
+    hand-off is live, until a peer's message or a settled copy needs the driver. P holding KV
+    for D then answers D's CLAIM when it comes, not at the end of the wait; the router's pipe is
+    looked at every ``WAKE_SLICE_S`` meanwhile."""
+    if not driver.busy():
+        conn.poll(timeout_s)
+        return
+    end = time.perf_counter() + timeout_s
+    while not conn.poll(0):
+        left = end - time.perf_counter()
+        if left <= 0 or driver.wait(min(left, WAKE_SLICE_S)):
+            return
+
+
+__all__ = [
+    "IDLE_S",
+    "WAKE_SLICE_S",
+    "WorkerSpec",
+    "compat_of",
+    "idle_wait",
+    "rank_transport",
+    "serve",
+]

@@ -251,24 +251,29 @@ class PDDriver:
         """Hand-offs live, copies running or reports not yet taken."""
         return bool(self.manager.num_live or self._fences or self._reports)
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` for a copy to settle or a peer's message to arrive; at once
         when no hand-off is live. With copies in flight on a transport whose fences do not
         wake it (``pushes_completions`` false: CUDA IPC, NIXL) the fences are looked at every
         ``FENCE_POLL_S``; an idle engine would otherwise see a settled copy (and CUDA IPC's
-        initiator its peer's token) only at the end of the whole wait."""
+        initiator its peer's token) only at the end of the whole wait. True when the engine
+        should step now (a message or wake-up came, a fence settled, or, with nothing live,
+        reports wait to be taken), False at the timeout or when idle."""
         if not (self._fences or self.manager.num_live):
-            return
+            return bool(self._reports)
+        woke = False
         if not self._fences or self.transport.pushes_completions:
-            self._wake.wait(timeout_s)
+            woke = self._wake.wait(timeout_s)
             self._wake.clear()
-            return
+            return woke
         for _ in range(max(1, math.ceil(timeout_s / FENCE_POLL_S))):
-            if self._wake.wait(FENCE_POLL_S):
-                break
-            if any(self.transport.query(f) is not FenceStatus.PENDING for _, f in self._fences):
+            if self._wake.wait(FENCE_POLL_S) or any(
+                self.transport.query(f) is not FenceStatus.PENDING for _, f in self._fences
+            ):
+                woke = True
                 break
         self._wake.clear()
+        return woke
 
     def close(self) -> None:
         """Stop the transport, the control plane and its thread. Idempotent."""
