@@ -347,9 +347,10 @@ def run_pd_bench(
     )
     colocated_preemptions = colocated.scheduler.num_preemptions - warm_preemptions
     colocated.shutdown()
-    # P samples the first token: its logits are P's, and D recording its own first sample's
-    # would take D's first step after each hand-off off the captured decode graph.
-    engines = {"D": {"record_first_logits": False}} if first_token == "prefill" else None
+    # The check's first-token logits are those of the engine that samples the first token;
+    # the other records none (P's would travel the router's pipe for nothing).
+    unused = "D" if first_token == "prefill" else "P"
+    engines = {unused: {"record_first_logits": False}}
     with PDRouter(
         model=cfg.model,
         engine=engine_kwargs,
