@@ -47,8 +47,10 @@ from kvflow.runtime.pd_control import default_compat
 from kvflow.runtime.pd_driver import PDDriver
 
 IDLE_S = 0.002
-WAKE_SLICE_S = 2e-4  # an idle engine with a live hand-off looks at the router's pipe this often
 """Longest an idle engine process waits on the router's pipe before polling its PD driver."""
+WAKE_SLICE_S = 2e-4
+"""How often an idle engine with a live hand-off looks at the router's pipe while it waits on
+its PD driver (``idle_wait``)."""
 
 
 @frozen
