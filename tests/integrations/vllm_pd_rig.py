@@ -37,6 +37,7 @@ from kvflow.integrations.vllm import (
     KVFlowConnectorMetadata,
     KVFlowConnectorStats,
 )
+from kvflow.integrations.vllm.pd_worker import PDWorkerSide
 from kvflow.runtime.clock import SystemClock
 from tests.integrations.vllm_fakes import worker_connector
 from tests.integrations.vllm_harness import (
@@ -202,6 +203,12 @@ class Instance:
     def pd(self) -> Any:
         return self.connector._pd
 
+    @property
+    def pd_worker(self) -> PDWorkerSide | None:
+        """The worker twin's PD data plane (None without PD)."""
+        side: PDWorkerSide | None = getattr(self.worker, "_pd_worker", None)
+        return side
+
     def add(
         self,
         prompt: list[int],
@@ -331,13 +338,26 @@ class Fleet:
             self.close()
             raise
 
-    def run(self, until: Any, max_steps: int = 300) -> None:
-        for _ in range(max_steps):
-            if until():
-                return
+    def run(self, until: Any, max_steps: int = 300, pair_guard_s: float = 60.0) -> None:
+        """Step every instance until ``until()``, at most ``max_steps`` steps; a step after which
+        a worker still builds a data-plane pair on its thread waits for that thread instead of
+        counting (a build is real time: on a loaded box a fast loop of steps outran it),
+        ``pair_guard_s`` of real time at most."""
+        clock = SystemClock()
+        deadline = clock.now() + pair_guard_s
+        steps = 0
+        while not until():
+            if steps >= max_steps:
+                raise AssertionError(f"not reached in {max_steps} steps")
             for i in self.instances.values():
                 i.step()
-        raise AssertionError(f"not reached in {max_steps} steps")
+            sides = [i.pd_worker for i in self.instances.values() if i.pd_worker is not None]
+            if all(side.wait_pairs(0) for side in sides):
+                steps += 1
+                continue
+            assert clock.now() < deadline, f"a data-plane pair not built in {pair_guard_s} s"
+            for side in sides:
+                side.wait_pairs(0.05)
 
     def prefill(self, p: str, prompt: list[int], rid: str, d: str | None) -> dict[str, Any]:
         """``p`` prefills for D ``d`` (named by the proxy's params; None: P's configured one)."""

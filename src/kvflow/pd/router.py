@@ -231,7 +231,9 @@ class PDRouter:
     def close(self, *, kill: bool = False) -> None:
         """Stop both processes (their summaries land in ``summaries``); kill what overstays."""
         procs, self._procs = self._procs, {}
-        for p in procs.values():
+        # D first: its mappings of P's exported KV tensors (CUDA IPC) go with it, so P, their
+        # producer, outlives them (torch warns at P's exit otherwise).
+        for p in reversed(procs.values()):
             if not kill and p.proc.is_alive():
                 try:
                     p.conn.send(("stop",))

@@ -195,6 +195,20 @@ class PDWorkerSide:
     def busy(self) -> bool:
         return bool(self._live or self._results or any(p.queued for p in self._pairs.values()))
 
+    def wait_pairs(self, timeout_s: float) -> bool:
+        """Block until no data-plane pair is being built on its thread, at most ``timeout_s``
+        (each thread joined in turn); True when none is. A pair's build is real time, not
+        engine steps: a caller that steps a fixed number of times may outrun it."""
+        with self._lock:
+            threads = [
+                p.thread
+                for p in self._pairs.values()
+                if p.thread is not None and p.transport is None and p.thread.is_alive()
+            ]
+        for t in threads:
+            t.join(timeout_s)
+        return not any(t.is_alive() for t in threads)
+
     def close(self, join_s: float = 5.0) -> None:
         with self._lock:
             self._closed = True
