@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -193,3 +194,32 @@ def test_bench_pd_over_cuda_ipc_on_one_gpu_matches_the_colocated_engine(tmp_path
     assert d["initiates"] is True
     assert d["copies"] > 0
     assert d["failed"] == 0
+
+
+def test_bench_pd_warms_each_engine_at_the_timed_prompts_shapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The untimed warm-up of the colocated engine and of the P/D pair runs the timed workload's
+    prompt lengths (a full prefill and a prefix-hit round) with other tokens, so that no
+    engine's first-call costs land in the first timed round."""
+    import kvflow.bench.pd as pd_bench
+
+    seen: list[Any] = []
+    real = pd_bench._rounds
+
+    def recording(workload: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(workload)
+        return real(workload, *args, **kwargs)
+
+    monkeypatch.setattr(pd_bench, "_rounds", recording)
+    argv = ["bench", "--pd", *TINY, "--rounds", "3", "--json", str(tmp_path / "pd.json")]
+    assert main(argv) == 0
+    timed = seen[1]
+    assert timed.num_rounds == 3
+    warms = [seen[0], seen[2]]  # before the colocated run, before the P/D run
+    for warm in warms:
+        assert warm.num_rounds == 2
+        for name in ("num_users", "system_prompt_len", "first_question_len", "question_len",
+                     "answer_len", "vocab_size"):  # fmt: skip
+            assert getattr(warm, name) == getattr(timed, name)
+        assert warm.system_prompt() != timed.system_prompt()
