@@ -16,7 +16,7 @@
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
 # wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC, the
 # multi-round workload, the first token D's and P's), pd-one (the same with one user, 2k-16k-token
-# prompts: PD_PROMPTS, PD_FIRST), tp (two GPUs only). Missing Python packages (structlog,
+# prompts: PD_PROMPTS, PD_FIRST; PD_TRACE=1 adds every process's events, --trace), tp (two GPUs only). Missing Python packages (structlog,
 # pytest-asyncio) are installed from .whl/*.whl when that folder exists. REPEAT sets the reload and
 # noreuse-fp32 steps' pairs of runs (default 16 and 9).
 set -u
@@ -128,7 +128,8 @@ for step in $STEPS; do
             --users 1 --rounds "${PD_ROUNDS:-6}" --system "$sys" --first-question "$q" --question 256 \
             --answer 16 --cache-fraction 0.3 --max-batched-tokens 8192 --pd \
             --pd-transport cuda-ipc --pd-first-token "$first" \
-            --json "$OUT/bench_pd_one_${q}_$first.json"
+            --json "$OUT/bench_pd_one_${q}_$first.json" \
+            ${PD_TRACE:+--trace "$OUT/bench_pd_one_${q}_$first.trace.jsonl"}
         done
       done ;;
     tp)

@@ -10,7 +10,7 @@ fake-clock run carry fake times. The sink writes the file only: nothing reaches 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -103,4 +103,27 @@ def read_trace(path: Path) -> Iterator[dict[str, Any]]:
         yield event
 
 
-__all__ = ["read_trace", "read_trace_lines", "trace_to"]
+def merge_traces(path: Path, parts: Mapping[str, Path]) -> int:
+    """Write the events of several processes' traces (``parts``: a name per file) to ``path``,
+    each with ``process`` set to its name, in ``ts`` order (their clocks must be one: the
+    system's monotonic clock is, across processes). A missing part (a process that never
+    started) adds nothing, and a cut-off line (a killed process) is skipped; the parts are
+    removed. Returns the number of events written."""
+    events: list[dict[str, Any]] = []
+    for name, part in parts.items():
+        if not part.exists():
+            continue
+        for _, event in read_trace_lines(part, problems=[]):
+            event["process"] = name
+            events.append(event)
+    events.sort(key=lambda e: e.get("ts", 0.0))
+    with path.open("w") as stream:
+        for event in events:
+            stream.write(json.dumps(event, default=str) + "\n")
+    for part in parts.values():
+        if part != path:
+            part.unlink(missing_ok=True)
+    return len(events)
+
+
+__all__ = ["merge_traces", "read_trace", "read_trace_lines", "trace_to"]

@@ -223,3 +223,21 @@ def test_bench_pd_warms_each_engine_at_the_timed_prompts_shapes(
                      "answer_len", "vocab_size"):  # fmt: skip
             assert getattr(warm, name) == getattr(timed, name)
         assert warm.system_prompt() != timed.system_prompt()
+
+
+def test_bench_pd_trace_merges_every_process_s_events_in_time_order(tmp_path: Path) -> None:
+    """--pd --trace FILE: one JSON-lines file with the events of the main process (the
+    colocated engine, the router), P and D, each named by ``process``, in time order, the
+    hand-off's transitions on both engines among them; no per-process part is left behind."""
+    trace = tmp_path / "pd.jsonl"
+    assert main(["bench", "--pd", *TINY, "--trace", str(trace)]) == 0
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    stamps = [e["ts"] for e in events]
+    assert stamps == sorted(stamps)
+    by_process: dict[str, set[str]] = {}
+    for e in events:
+        by_process.setdefault(e["process"], set()).add(e["event"])
+    assert set(by_process) == {"main", "P", "D"}
+    for side in ("P", "D"):
+        assert any(name.startswith("pd_") for name in by_process[side]), by_process[side]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pd.jsonl"]

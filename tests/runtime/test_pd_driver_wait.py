@@ -141,3 +141,30 @@ def test_an_idle_engine_without_hand_offs_waits_on_the_pipe_alone() -> None:
     driver = _Driver(busy=False)
     idle_wait(conn, driver, 0.0)  # type: ignore[arg-type]
     assert driver.timeouts == []
+
+
+def test_an_idle_pd_engine_acts_on_what_woke_its_wait_before_the_next_step(
+    polled: tuple[PDDriver, _Polled], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PDConnector.wait_for_progress`` (an engine with nothing to compute): the copy whose
+    settling ended the wait is taken off the driver within the same call, not at the engine's
+    next step."""
+    from kvflow.connector.pd import PDConnector
+    from kvflow.engine.engine import EngineConfig, make_kv_cache_config
+    from kvflow.engine.model import model_config
+
+    driver, _transport = polled
+    kv = make_kv_cache_config(model_config("tiny"), EngineConfig(block_size=16))
+    connector = PDConnector("consumer", kv, driver)
+    settled: list[str] = []  # the copy has no hand-off behind it: record what the manager hears
+
+    def copy_done(transfer_id: str, *_args: Any) -> list[Any]:
+        settled.append(transfer_id)
+        return []
+
+    monkeypatch.setattr(driver.manager, "copy_done", copy_done)
+    driver.apply([LaunchCopies("t", 1, "P", False, (BlockPairs((0,), (1,)),), 1)])
+    assert driver.busy()
+    connector.wait_for_progress(1000 * FENCE_POLL_S)
+    assert settled == ["t"]
+    assert not driver.busy()

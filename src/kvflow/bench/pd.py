@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from attrs import asdict, evolve, field, frozen
@@ -46,7 +47,9 @@ from kvflow.engine.model import model_config
 from kvflow.engine.tp import shard_config
 from kvflow.engine.workload import MultiRoundQA
 from kvflow.errors import ConfigError
-from kvflow.pd.router import FLOWS, PDRouter, check_first_token
+from kvflow.pd.router import FLOWS, PDRouter, check_first_token, trace_parts
+from kvflow.runtime.clock import SystemClock
+from kvflow.tracing import merge_traces, trace_to
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -307,10 +310,32 @@ def run_pd_bench(
     tp: tuple[int, int] = (1, 1),
     first_token: str = "decode",
     on_round: Callable[[str, int], None] = lambda _name, _round: None,
+    trace: Path | None = None,
 ) -> PDBenchResult:
     """The workload on one colocated engine, then through P and D over ``transport``, P and D
     of ``tp`` ranks each; ``first_token``: D samples it, or P (``"prefill"``: the router's
-    sampled-token option, sequential flow)."""
+    sampled-token option, sequential flow); ``trace``: every log event of this process (the
+    colocated engine, the router) and of P's and D's, in one JSON-lines file in time order,
+    each with its ``process`` (main, P, D)."""
+    if trace is None:
+        return _run_pd_bench(cfg, flow, transport, tp, first_token, on_round, None)
+    main = trace.with_name(f"{trace.name}.main")
+    try:
+        with trace_to(main, SystemClock().now):
+            return _run_pd_bench(cfg, flow, transport, tp, first_token, on_round, trace)
+    finally:
+        merge_traces(trace, {"main": main, **trace_parts(trace)})
+
+
+def _run_pd_bench(
+    cfg: BenchConfig,
+    flow: str,
+    transport: str,
+    tp: tuple[int, int],
+    first_token: str,
+    on_round: Callable[[str, int], None],
+    trace: Path | None,
+) -> PDBenchResult:
     if flow not in FLOWS:
         raise ConfigError(f"--pd-flow {flow!r}: one of {', '.join(FLOWS)}")
     check_first_token(first_token, flow)  # before the colocated run
@@ -360,6 +385,7 @@ def run_pd_bench(
         tp=tp,
         first_token=first_token,
         engines=engines,
+        trace=trace,
     ) as router:
         _rounds(warm, _through(router), lambda _r: None)
         p0, d0 = router.stats("P"), router.stats("D")

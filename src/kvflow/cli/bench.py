@@ -263,9 +263,8 @@ def validate(args: argparse.Namespace) -> BenchConfig:
         from kvflow.bench.pd import check_pd_transport
 
         check_pd_transport(args.pd_transport or "gloo", cfg.device)
-        for flag in ("plot", "trace"):
-            if getattr(args, flag) is not None:
-                raise ConfigError(f"--{flag} is not available with --pd yet")
+        if args.plot is not None:
+            raise ConfigError("--plot is not available with --pd yet")
     for flag in ("json", "plot", "trace"):
         path = getattr(args, flag)
         if path is not None:
@@ -566,11 +565,14 @@ def run_pd_command(args: argparse.Namespace, cfg: BenchConfig, console: Console)
             tp=pd_tp_of(args),
             first_token=args.pd_first_token or "decode",
             on_round=lambda name, _r: progress.advance(tasks[name]),
+            trace=args.trace,
         )
     render_pd(result, console)
     if args.json is not None:
         args.json.write_text(json.dumps(result.to_json(), indent=2))
         console.print(f"wrote {args.json}")
+    if args.trace is not None:
+        console.print(f"wrote {args.trace} (every process's events; 'process' names it)")
     return 0 if result.passed else 1
 
 

@@ -472,7 +472,10 @@ class PDConnector(NullConnector):
 
     def wait_for_progress(self, timeout: float) -> None:
         self.driver.poll()
-        self.driver.wait(timeout)
+        if self.driver.wait(timeout):
+            # What woke the wait (a peer's CLAIM or GRANT, a settled copy) is acted on now: the
+            # engine's next step would reach it only after its schedule and launch.
+            self.driver.poll()
 
     def shutdown(self) -> None:
         self.driver.close()

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -51,6 +52,11 @@ log = get_logger("kvflow.pd.router")
 
 FLOWS = ("sequential", "concurrent")
 FIRST_TOKENS = ("decode", "prefill")
+
+
+def trace_parts(trace: Path) -> dict[str, Path]:
+    """The files P's and D's processes write their events to, beside ``trace``."""
+    return {me: trace.with_name(f"{trace.name}.{me}") for me in ("P", "D")}
 
 
 def check_first_token(first_token: str, flow: str) -> None:
@@ -142,11 +148,13 @@ class PDRouter:
         engines: dict[str, dict[str, Any]] | None = None,
         wire_block_size: int | None = None,
         first_token: str = "decode",
+        trace: Path | None = None,
     ) -> None:
         """``tp``: P's and D's TP sizes; ``engines``: per engine ("P", "D") overrides of
         ``engine`` (a block size of its own, with ``wire_block_size`` the unit both name);
         ``first_token``: who samples the first token, D (``"decode"``) or P (``"prefill"``,
-        sequential flow only; see the module's docstring)."""
+        sequential flow only; see the module's docstring); ``trace``: each engine process
+        writes its log events to ``trace_parts`` (``kvflow.tracing.merge_traces`` joins them)."""
         if flow not in FLOWS:
             raise ConfigError(f"PD flow {flow!r}: one of {', '.join(FLOWS)}")
         check_first_token(first_token, flow)
@@ -173,6 +181,7 @@ class PDRouter:
         self.tp = tp
         self.engines = {k: dict(v) for k, v in (engines or {}).items()}
         self.wire_block_size = wire_block_size
+        self.trace_parts: dict[str, Path] = {} if trace is None else trace_parts(trace)
         self._procs: dict[str, _Proc] = {}
         self._submitted: dict[str, float] = {}  # start_decode's requests: when sent
         self._ids = 0
@@ -208,6 +217,7 @@ class PDRouter:
                 pair_ports=pair_ports,
                 tp_port=free_port() if tp > 1 else 0,
                 wire_block_size=self.wire_block_size,
+                trace=str(self.trace_parts[me]) if self.trace_parts else None,
             )
             self._procs[me] = _Proc(ctx, spec)
         try:

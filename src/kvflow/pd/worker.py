@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from kvflow.errors import ConfigError
 from kvflow.runtime.clock import SystemClock
 from kvflow.runtime.pd_control import default_compat
 from kvflow.runtime.pd_driver import PDDriver
+from kvflow.tracing import trace_to
 
 IDLE_S = 0.002
 """Longest an idle engine process waits on the router's pipe before polling its PD driver."""
@@ -75,6 +77,7 @@ class WorkerSpec:
     pair_ports: tuple[int, ...] = ()  # TP: one store port per part of the plan
     tp_port: int = 0  # TP > 1: the store of this engine's own group of ranks
     wire_block_size: int | None = None  # the hand-off's unit (both engines name the same)
+    trace: str | None = None  # rank 0 writes every log event here as JSON lines (``trace_to``)
 
     @property
     def heterogeneous(self) -> bool:
@@ -134,7 +137,17 @@ def rank_transport(spec: WorkerSpec, rank: int) -> FanTransport:
 
 def serve(spec: WorkerSpec, conn: Connection | None, rank: int = 0) -> None:
     """The process body: build, announce the control address, serve until told to stop
-    (rank 0; ``conn`` is None on the other ranks of a TP engine, which serve rank 0's steps)."""
+    (rank 0; ``conn`` is None on the other ranks of a TP engine, which serve rank 0's steps).
+    With ``spec.trace`` rank 0's events go to that file, stamped with the system's monotonic
+    clock (one clock for every process, so the router can merge the files)."""
+    if spec.trace is None or rank != 0:
+        _serve(spec, conn, rank)
+        return
+    with trace_to(Path(spec.trace), SystemClock().now):
+        _serve(spec, conn, rank)
+
+
+def _serve(spec: WorkerSpec, conn: Connection | None, rank: int) -> None:
     torch.set_num_threads(spec.torch_threads)
     config = EngineConfig(**spec.engine)
     if spec.heterogeneous:
