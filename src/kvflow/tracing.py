@@ -20,6 +20,10 @@ import structlog
 from kvflow.errors import ConfigError
 
 
+def _json_line(event: Mapping[str, Any]) -> str:
+    return json.dumps(event, default=str) + "\n"
+
+
 class _JsonLinesSink:
     """A structlog processor chain end that appends one JSON object per event to a file."""
 
@@ -27,7 +31,7 @@ class _JsonLinesSink:
         self._stream = stream
 
     def __call__(self, _logger: object, _method: str, event_dict: MutableMapping[str, Any]) -> str:
-        self._stream.write(json.dumps(event_dict, default=str) + "\n")
+        self._stream.write(_json_line(event_dict))
         raise structlog.DropEvent
 
 
@@ -119,7 +123,7 @@ def merge_traces(path: Path, parts: Mapping[str, Path]) -> int:
     events.sort(key=lambda e: e.get("ts", 0.0))
     with path.open("w") as stream:
         for event in events:
-            stream.write(json.dumps(event, default=str) + "\n")
+            stream.write(_json_line(event))
     for part in parts.values():
         if part != path:
             part.unlink(missing_ok=True)
