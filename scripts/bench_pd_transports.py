@@ -3,7 +3,7 @@ the same link in the same run, descriptors (or copies) issued and the host cost 
 
 Usage: python scripts/bench_pd_transports.py [--transports gloo nixl] [--device cpu]
            [--sizes-kib 4 8 16 32 64 128] [--mib 32] [--repeat 5] [--mode read]
-           [--method auto] [--regions 1] [--barrier spin] [--pin] [--json FILE]
+           [--method auto] [--regions 1] [--barrier spin] [--pin] [--in-flight 8] [--json FILE]
        python scripts/bench_pd_transports.py --device cuda --transports cuda-ipc nixl
 Goals (issue 22): >= 90 % of the ceiling at >= 32 KiB blocks, >= 70 % at 4 KiB; CUDA IPC >= 2x a
 torch index gather of the same blocks.
@@ -22,6 +22,12 @@ on CPU a memcpy of the same bytes (one contiguous ``copy_``, pages touched first
 contiguous device-to-device copy through the mapping of the peer's tensor (cuda-ipc), or of
 local memory (nixl). On CUDA also a torch index gather of the same blocks (``index_select``
 through the mapping). Bytes are checked on D.
+
+"in flight" is ``--in-flight`` K hand-offs of the same blocks launched back to back, each on its
+own channel (as an engine with K requests in flight launches them), from a barrier until the
+last fence settled, against K contiguous copies back to back with one synchronize: a transport's
+bandwidth when its host work overlaps the copy before it. The single hand-off's figure is
+latency-bound: its host work (P's launch and ring, D's launch, the fence) adds to one copy.
 
 ``--regions R`` makes each block R pages of the given size, one per registered tensor (a real
 KV cache: a block is a K page and a V page per layer), so the same bytes are R x fewer blocks;
@@ -65,18 +71,32 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _ceiling(device: str, nbytes: int, repeat: int) -> float:
-    """Seconds for one contiguous copy of ``nbytes`` in this process (pages touched first)."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    times = []
+def _copy_times(
+    src: torch.Tensor, dst: torch.Tensor, device: str, repeat: int, k: int
+) -> tuple[float, float]:
+    """Median seconds of one contiguous ``copy_`` and of ``k`` back to back (one synchronize
+    after the last: the in-flight ceiling), after a warm-up of each."""
+    one, back_to_back = [], []
     for _ in range(repeat + 1):
         _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
         _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        one.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            dst.copy_(src)
+        _sync(device)
+        back_to_back.append(time.perf_counter() - t0)
+    return statistics.median(one[1:]), statistics.median(back_to_back[1:])
+
+
+def _ceiling(device: str, nbytes: int, repeat: int, k: int) -> tuple[float, float]:
+    """Seconds for one contiguous copy of ``nbytes`` in this process (pages touched first), and
+    for ``k`` of them back to back."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    return _copy_times(src, dst, device, repeat, k)
 
 
 def _counter(t: Any) -> int:
@@ -230,6 +250,25 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                     else:
                         contig.append(took)
                     barrier()
+            # In flight: ``--in-flight`` hand-offs of the same blocks launched back to back, each on
+            # its own channel, as an engine with several requests in flight launches them: the
+            # next one's host work overlaps this one's copy.
+            k = cfg["in_flight"]
+            in_flight = []
+            for r in range(cfg["repeat"] + 1 if k > 1 else 0):
+                barrier()
+                t0 = time.perf_counter()
+                fences = [
+                    t.launch(LaunchCopies(f"b{bs}k{j}", r, "peer", rank == 0, pairs, 1000 + j))
+                    for j in range(k)
+                ]
+                pending = list(fences)
+                while pending:
+                    pending = [f for f in pending if t.query(f) is FenceStatus.PENDING]
+                in_flight.append(time.perf_counter() - t0)
+                if any(t.query(f) is not FenceStatus.DONE for f in fences):
+                    raise SystemExit(f"bench_pd_transports: an in-flight {name} launch failed")
+                barrier()
             fig: dict[str, Any] = {
                 "blocks": n,
                 "regions": nreg,
@@ -243,6 +282,9 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                     launch_us=statistics.median(launch_s[1:]) * 1e6,
                     issued=issued[-1],
                 )
+                if in_flight:
+                    fig["in_flight_s"] = statistics.median(in_flight[1:])
+                    fig["in_flight_k"] = k
                 if name == "gloo":  # staging chunks, one wire op each
                     geo = geometry(caches)
                     fig["issued"] = len(plan_chunks(g + 1, pairs, geo, 8 << 20))
@@ -258,9 +300,11 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                 )
                 mapped = getattr(t, "_mapped", None)
                 if device == "cuda" and mapped:
-                    fig.update(_cuda_baselines(mapped[g], caches[g], src, dst, cfg["repeat"]))
+                    fig.update(_cuda_baselines(mapped[g], caches[g], src, dst, cfg["repeat"], k))
                 else:
-                    fig["ceiling_s"] = _ceiling(device, n * bs * nreg, cfg["repeat"])
+                    fig["ceiling_s"], fig["in_flight_ceiling_s"] = _ceiling(
+                        device, n * bs * nreg, cfg["repeat"], k
+                    )
             out["sizes"][str(bs >> 10)] = fig
         out["stats"] = getattr(t, "stats", {})
     finally:
@@ -276,6 +320,7 @@ def _cuda_baselines(
     src: list[int],
     dst: list[int],
     repeat: int,
+    k: int,
 ) -> dict[str, float]:
     """The ceiling: one contiguous device-to-device copy of the same bytes, through the mapping
     of the peer's tensor when it is one region (with more, two local buffers of that size: on
@@ -289,20 +334,18 @@ def _cuda_baselines(
         a = torch.empty(nbytes, dtype=torch.uint8, device=local[0].device)
         b = torch.empty_like(a)
     si, di = torch.tensor(src, device=local[0].device), torch.tensor(dst, device=local[0].device)
-    ceil, gather = [], []
+    ceiling, back_to_back = _copy_times(a, b, "cuda", repeat, k)
+    gather = []
     for _ in range(repeat + 1):
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        ceil.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for p, lo in zip(peer, local, strict=True):
             lo.index_copy_(0, di, p.index_select(0, si))
         torch.cuda.synchronize()
         gather.append(time.perf_counter() - t0)
     return {
-        "ceiling_s": statistics.median(ceil[1:]),
+        "ceiling_s": ceiling,
+        "in_flight_ceiling_s": back_to_back,
         "index_gather_s": statistics.median(gather[1:]),
     }
 
@@ -340,13 +383,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pin", action="store_true", help="pin P and D to CPUs of two different physical cores"
     )
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=8,
+        help="hand-offs launched back to back for the in-flight GB/s (1: single hand-offs only)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     cpus = two_cores() if args.pin else None
     if args.pin and cpus is None:
         parser.error("--pin needs two physical cores in this process's CPU affinity")
-    if args.regions < 1 or args.mib < 1 or args.repeat < 1:
-        parser.error("--regions, --mib and --repeat must be positive")
+    if args.regions < 1 or args.mib < 1 or args.repeat < 1 or args.in_flight < 1:
+        parser.error("--regions, --mib, --repeat and --in-flight must be positive")
     transports = args.transports or (
         ["gloo", "nixl"] if args.device == "cpu" else ["cuda-ipc", "nixl"]
     )
@@ -362,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "barrier": args.barrier,
         "pin": args.pin,
         "cpus": cpus,
+        "in_flight": args.in_flight,
     }
     console = Console(width=max(Console().width, 120))
     rows: dict[str, Any] = {}
@@ -374,18 +424,23 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{name}: done ({len(rows[name]['sizes'])} sizes)")
     table = Table(
         title=f"PD transports, {args.mib} MiB of scattered blocks per hand-off ({args.device}, "
-        f"{args.regions} page(s) a block)"
+        f"{args.regions} page(s) a block; in flight: {args.in_flight} hand-offs launched back to back)"
     )
     for col in ("transport", "page KiB", "blocks", "GB/s", "contig GB/s", "ceiling GB/s",
-                "of ceiling", "vs gather", "issued", "launch µs", "passive µs", "ok"):  # fmt: skip
+                "of ceiling", "in flight GB/s", "in flight: of ceiling", "vs gather",
+                "issued", "launch µs", "passive µs", "ok"):  # fmt: skip
         table.add_column(col, justify="right")
     for name, r in rows.items():
         for kib, f in r["sizes"].items():
             gather = f.get("vs_index_gather")
             passive = f.get("passive_launch_us")
+            in_flight = f.get("in_flight_gbs")
             table.add_row(name, kib, str(f["blocks"]), f"{f['gbs']:.2f}",
                           f"{f['contiguous_gbs']:.2f}", f"{f['ceiling_gbs']:.2f}",
-                          f"{f['of_ceiling']:.0%}", "—" if gather is None else f"{gather:.2f}×",
+                          f"{f['of_ceiling']:.0%}",
+                          "—" if in_flight is None else f"{in_flight:.2f}",
+                          "—" if in_flight is None else f"{f['of_in_flight_ceiling']:.0%}",
+                          "—" if gather is None else f"{gather:.2f}×",
                           str(f["issued"]), f"{f['launch_us']:.0f}",
                           "—" if passive is None else f"{passive:.0f}",
                           "yes" if f["bytes_match"] else "NO")  # fmt: skip
@@ -414,6 +469,11 @@ def _merge(res: list[dict[str, Any]]) -> dict[str, Any]:
         fig = {**res[0]["sizes"][kib], **d_fig}
         timed = res[0]["sizes"][kib] if res[0]["sizes"][kib]["initiator"] else d_fig
         fig.update({k: timed[k] for k in ("seconds", "contiguous_s", "launch_us", "issued")})
+        if "in_flight_s" in timed:
+            k = fig["in_flight"] = timed["in_flight_k"]
+            fig["in_flight_s"] = timed["in_flight_s"]
+            fig["in_flight_gbs"] = k * fig["bytes"] / fig["in_flight_s"] / 1e9
+            fig["of_in_flight_ceiling"] = fig["in_flight_ceiling_s"] / fig["in_flight_s"]
         fig["gbs"] = fig["bytes"] / fig["seconds"] / 1e9
         fig["contiguous_gbs"] = fig["bytes"] / fig["contiguous_s"] / 1e9
         fig["ceiling_gbs"] = fig["bytes"] / fig["ceiling_s"] / 1e9

@@ -16,13 +16,14 @@ from kvflow.backends.pd.nixl import load_nixl
 def test_transport_bench_reports_speed_ceiling_and_descriptors_per_transport(
     tmp_path: Path,
 ) -> None:
-    """Each transport's row has its GB/s, the contiguous and memcpy references, the copies it
-    issued and its launch cost; D's blocks match P's; NIXL names its UCX backend."""
+    """Each transport's row has its GB/s (one hand-off, and several in flight), the contiguous and memcpy
+    references, the copies it issued and its launch cost; D's blocks match P's; NIXL names its
+    UCX backend."""
     names = ["gloo"] + (["nixl"] if load_nixl()[0] is not None else [])
     out = tmp_path / "transports.json"
     code = bench_pd_transports.main(
         ["--transports", *names, "--mib", "1", "--repeat", "1", "--sizes-kib", "32",
-         "--json", str(out)]
+         "--in-flight", "3", "--json", str(out)]
     )  # fmt: skip
     assert code == 0
     data = json.loads(out.read_text())["transports"]
@@ -31,8 +32,12 @@ def test_transport_bench_reports_speed_ceiling_and_descriptors_per_transport(
         f = data[name]["sizes"]["32"]
         assert f["bytes_match"]
         assert f["blocks"] == 32
-        for key in ("gbs", "contiguous_gbs", "ceiling_gbs", "launch_us"):
+        for key in ("gbs", "contiguous_gbs", "ceiling_gbs", "launch_us", "in_flight_gbs"):
             assert f[key] > 0, (name, key)
+        assert f["in_flight"] == 3
+        assert f["of_in_flight_ceiling"] == pytest.approx(
+            f["in_flight_gbs"] / (3 * f["bytes"] / f["in_flight_ceiling_s"] / 1e9)
+        )
         assert f["issued"] >= 1
     if "nixl" in data:
         assert data["nixl"]["stats"]["backend"] == "UCX"

@@ -580,9 +580,9 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
     cfg = validate(args)
     _check_torch_device(cfg.device)
     console = console or Console()
-    # The engine thread and kvflow's copy/loop threads share the GIL; at the default 5 ms
-    # switch interval a busy engine thread holds the copy threads off for whole milliseconds.
-    sys.setswitchinterval(5e-4)
+    from kvflow.engine.engine import SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     threads = args.threads
     if threads is None and args.device == "cpu":
         # On CPU the host backend's copy thread and the runtime's loop need a core: with torch's

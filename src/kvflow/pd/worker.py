@@ -17,6 +17,7 @@ every process), so the router can measure TTFT and inter-token latency across pr
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from kvflow.core.pd.common import PDTimeouts
 from kvflow.core.pd.messages import Compat
 from kvflow.core.pd.tp import Heads, plan_head_slices, rank_slices
 from kvflow.engine.distributed import ProcessGroupChannel
-from kvflow.engine.engine import Engine, EngineConfig, make_kv_cache_config
+from kvflow.engine.engine import SWITCH_INTERVAL_S, Engine, EngineConfig, make_kv_cache_config
 from kvflow.engine.model import LlamaForCausalLM, model_config
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.tp import RankStatus, TPModelRunner, TPSpec, build_shard, serve_follower
@@ -147,8 +148,17 @@ def serve(spec: WorkerSpec, conn: Connection | None, rank: int = 0) -> None:
         _serve(spec, conn, rank)
 
 
-def _serve(spec: WorkerSpec, conn: Connection | None, rank: int) -> None:
+def setup_process(spec: WorkerSpec) -> None:
+    """The engine process's interpreter and torch settings: those of ``kvflow bench``'s own
+    process (the colocated engine's), so that both sides of ``kvflow bench --pd`` run their
+    threads alike: the same GIL switch interval (the engine thread shares the GIL with the
+    control plane's loop and the transport's threads) and ``spec.torch_threads``."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     torch.set_num_threads(spec.torch_threads)
+
+
+def _serve(spec: WorkerSpec, conn: Connection | None, rank: int) -> None:
+    setup_process(spec)
     config = EngineConfig(**spec.engine)
     if spec.heterogeneous:
         _serve_tp(spec, conn, rank, config)

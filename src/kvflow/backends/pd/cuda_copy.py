@@ -91,7 +91,9 @@ __device__ __forceinline__ bool kvf_item(
 
 // One chunk (<= 4 KiB) a warp, each lane with up to 8 16-byte loads in flight. The next item's
 // ids and region are read while this item's loads are in flight: reading them after would add
-// a second round trip to every chunk.
+// a second round trip to every chunk. Plain loads and stores: the streaming hints (__ldcs /
+// __stcs) held the kernel a few points further below a contiguous memcpy, and 16 loads a lane
+// (8 KiB items) ran slower, not faster (docs/benchmarks.md, eighteenth session).
 __device__ __forceinline__ void kvf_pair_body(
     const KvfPairRegion* __restrict__ regions, int nregions, int chunks, long long npairs,
     const int* __restrict__ src_ids, const int* __restrict__ dst_ids)
@@ -115,7 +117,7 @@ __device__ __forceinline__ void kvf_pair_body(
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
                 const int k = lane + u * 32;
-                if (k < nv) v[u] = __ldcs(reinterpret_cast<const uint4*>(s) + k);
+                if (k < nv) v[u] = reinterpret_cast<const uint4*>(s)[k];
             }
         }
         const unsigned next = w + nwarps;
@@ -128,7 +130,7 @@ __device__ __forceinline__ void kvf_pair_body(
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
                 const int k = lane + u * 32;
-                if (k < nv) __stcs(reinterpret_cast<uint4*>(d) + k, v[u]);
+                if (k < nv) reinterpret_cast<uint4*>(d)[k] = v[u];
             }
         } else if (have) {
             for (int k = lane; k < n; k += 32) d[k] = s[k];
