@@ -250,9 +250,9 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                     else:
                         contig.append(took)
                     barrier()
-            # In flight: ``--in-flight`` hand-offs of the same blocks launched back to back, each on
-            # its own channel, as an engine with several requests in flight launches them: the
-            # next one's host work overlaps this one's copy.
+            # In flight: ``--in-flight`` hand-offs of the same blocks launched back to back, each
+            # on its own channel, as an engine with several requests in flight launches them:
+            # the next one's host work overlaps this one's copy.
             k = cfg["in_flight"]
             in_flight = []
             for r in range(cfg["repeat"] + 1 if k > 1 else 0):
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{name}: done ({len(rows[name]['sizes'])} sizes)")
     table = Table(
         title=f"PD transports, {args.mib} MiB of scattered blocks per hand-off ({args.device}, "
-        f"{args.regions} page(s) a block; in flight: {args.in_flight} hand-offs launched back to back)"
+        f"{args.regions} page(s) a block; in flight: {args.in_flight} back to back)"
     )
     for col in ("transport", "page KiB", "blocks", "GB/s", "contig GB/s", "ceiling GB/s",
                 "of ceiling", "in flight GB/s", "in flight: of ceiling", "vs gather",

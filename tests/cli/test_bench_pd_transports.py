@@ -16,9 +16,9 @@ from kvflow.backends.pd.nixl import load_nixl
 def test_transport_bench_reports_speed_ceiling_and_descriptors_per_transport(
     tmp_path: Path,
 ) -> None:
-    """Each transport's row has its GB/s (one hand-off, and several in flight), the contiguous and memcpy
-    references, the copies it issued and its launch cost; D's blocks match P's; NIXL names its
-    UCX backend."""
+    """Each transport's row has its GB/s (one hand-off, and several in flight), the contiguous
+    and memcpy references, the copies it issued and its launch cost; D's blocks match P's; NIXL
+    names its UCX backend."""
     names = ["gloo"] + (["nixl"] if load_nixl()[0] is not None else [])
     out = tmp_path / "transports.json"
     code = bench_pd_transports.main(

@@ -35,11 +35,11 @@ from kvflow.errors import ConfigError, KVFlowError
 log = get_logger("kvflow.engine")
 
 IDLE_WAIT_S = 0.002
+"""Longest an engine with nothing to compute blocks waiting for a transfer before re-checking."""
 SWITCH_INTERVAL_S = 5e-4
 """The GIL switch interval of a process that runs an engine beside kvflow's threads (the copy
 threads, the runtime's loop, PD's control plane): at the default 5 ms a busy engine thread holds
 them off for whole milliseconds. ``kvflow bench`` and the PD engine processes set it."""
-"""Longest an engine with nothing to compute blocks waiting for a transfer before re-checking."""
 
 ConnectorFactory = Callable[
     [KVCacheConfig, GpuCacheView], tuple[SchedulerConnector, WorkerConnector]
