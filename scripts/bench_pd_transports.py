@@ -284,7 +284,7 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                 )
                 if in_flight:
                     fig["in_flight_s"] = statistics.median(in_flight[1:])
-                    fig["in_flight_k"] = k
+                    fig["in_flight"] = k
                 if name == "gloo":  # staging chunks, one wire op each
                     geo = geometry(caches)
                     fig["issued"] = len(plan_chunks(g + 1, pairs, geo, 8 << 20))
@@ -470,7 +470,7 @@ def _merge(res: list[dict[str, Any]]) -> dict[str, Any]:
         timed = res[0]["sizes"][kib] if res[0]["sizes"][kib]["initiator"] else d_fig
         fig.update({k: timed[k] for k in ("seconds", "contiguous_s", "launch_us", "issued")})
         if "in_flight_s" in timed:
-            k = fig["in_flight"] = timed["in_flight_k"]
+            k = fig["in_flight"] = timed["in_flight"]
             fig["in_flight_s"] = timed["in_flight_s"]
             fig["in_flight_gbs"] = k * fig["bytes"] / fig["in_flight_s"] / 1e9
             fig["of_in_flight_ceiling"] = fig["in_flight_ceiling_s"] / fig["in_flight_s"]
