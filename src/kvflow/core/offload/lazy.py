@@ -9,7 +9,7 @@ walk reads each free block's key from the engine, so the policy's work per step 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 
 from kvflow.core.gpu_view import BlockKey, GpuCacheView, KeyedGpuCacheView
 from kvflow.core.hashing import BlockHash
@@ -188,30 +188,37 @@ class LazyCursor:
     def walk(self) -> StoreBatch | None:
         """Extend the covered prefix of the GPU free queue to ``watermark`` blocks; returns the
         hashed blocks in it that the CPU tier lacks (None if there are none)."""
+        if self._keyed is not None:
+            return self._walk_keyed(self._keyed)
         view = self._view
-        ahead = self._ahead
-        cursor = self._cursor
-        if cursor is not None and (
-            not view.is_free(cursor) or view.block_hash(cursor) != self._cursor_hash
-        ):
-            self.reset("cursor_block_reused")
-            cursor = None
-        budget = self._watermark - len(ahead)
-        if budget <= 0 and self._keyed is not None:
-            # Only a keyed view's engine takes blocks without telling (``taken`` is exact else).
-            budget = self._prune()
+        cursor = self._valid_cursor()
+        budget = self._watermark - len(self._ahead)
         if budget <= 0:
             return None
         picked: list[dict[BlockHash, int]] = [{} for _ in range(self._geo.num_groups)]
-        if self._keyed is not None:
-            last = self._walk_keyed(budget, picked)
-        else:
-            bid = view.first_free() if cursor is None else view.next_free(cursor)
-            last = self._walk_recorded(bid, budget, picked)
+        bid = view.first_free() if cursor is None else view.next_free(cursor)
+        last = self._walk_recorded(bid, budget, picked)
+        return self._picked(picked, last, cursor)
+
+    def _valid_cursor(self) -> int | None:
+        """The cursor, or None after a reset if its block left the free queue or was refilled."""
+        cursor = self._cursor
+        if cursor is not None:
+            view = self._view
+            if not view.is_free(cursor) or view.block_hash(cursor) != self._cursor_hash:
+                self.reset("cursor_block_reused")
+                return None
+        return cursor
+
+    def _picked(
+        self, picked: list[dict[BlockHash, int]], last: int | None, cursor: int | None
+    ) -> StoreBatch | None:
+        """The walk's end: ``last`` becomes the cursor; the picked blocks as one batch."""
         if last is not None and last != cursor:
-            self._cursor, self._cursor_hash = last, view.block_hash(last)
+            self._cursor, self._cursor_hash = last, self._view.block_hash(last)
         if not any(picked):
             return None
+        ahead = self._ahead
         for p in picked:
             # A picked block leaves the free queue while its store holds it; it comes back
             # behind the cursor, already covered.
@@ -230,10 +237,13 @@ class LazyCursor:
         first = self._keyed.first_free_in(ahead)
         k = len(order) if first is None else order.index(first)
         if k:
-            gone = set(order[:k])
+            gone: Collection[int] = order[:k]
             del order[:k]
-            # A block taken and walked again has a later entry: it is still covered.
-            gone.difference_update(order)
+            if len(order) + k != len(ahead):
+                # A block taken and walked again has a later entry: it is still covered. (With
+                # as many entries as ``ahead`` has blocks, ``order`` holds each once: the
+                # steady state needs no such check.)
+                gone = set(gone).difference(order)
             ahead.difference_update(gone)
             stale = self._stale
             if stale:
@@ -244,41 +254,49 @@ class LazyCursor:
             self._order = [b for b in order if b in ahead]
         return self._watermark - len(ahead)
 
-    def _walk_keyed(self, budget: int, picked: list[dict[BlockHash, int]]) -> int | None:
-        """The walk over a keyed view: up to ``budget`` free blocks past the cursor, read from
-        the engine in one ``scan_free`` (the blocks, and the keys of those holding one).
-        Returns the last block passed over (the new cursor), None if none."""
-        assert self._keyed is not None
-        last = self._cursor
-        ids, keyed = self._keyed.scan_free(last, budget)
+    def _walk_keyed(self, keyed: KeyedGpuCacheView) -> StoreBatch | None:
+        """``walk`` over a keyed view: up to the budget of free blocks past the cursor, read
+        from the engine in one ``scan_free`` (the blocks, and the keys of those holding one).
+        In steady decode every step lands here, and most scans find no key: that case builds
+        nothing."""
+        cursor = self._valid_cursor()
+        ahead = self._ahead
+        budget = self._watermark - len(ahead)
+        if budget <= 0:
+            # Only a keyed view's engine takes blocks without telling (``taken`` is exact else).
+            budget = self._prune()
+            if budget <= 0:
+                return None
+        ids, found = keyed.scan_free(cursor, budget)
         if not ids:
-            return last  # the steady state: every free block is covered
-        self._ahead.update(ids)
+            return None  # the steady state: every free block is covered
+        ahead.update(ids)
         self._order.extend(ids)
+        if not found:
+            self._cursor, self._cursor_hash = ids[-1], keyed.block_hash(ids[-1])
+            return None
+        picked: list[dict[BlockHash, int]] = [{} for _ in range(self._geo.num_groups)]
         stale = self._stale
         storing = self._storing
         cpu = self._cpu
-        for bid, (g, h) in keyed:
+        for bid, (g, h) in found:
             if stale and bid in stale:
                 if stale[bid] == (g, h):
                     continue  # computed before the last reset: never stored
                 del stale[bid]
             if h not in storing[g] and h not in picked[g] and not cpu[g].is_cached(h):
                 picked[g][h] = bid
-        if not keyed:
-            return ids[-1]
         # The cursor is the last block passed over and not picked (a picked one leaves the
         # free queue while it is stored).
         taken = {b for p in picked for b in p.values()}
-        for bid in reversed(ids):
-            if bid not in taken:
-                return bid
-        return last
+        last = next((b for b in reversed(ids) if b not in taken), cursor)
+        return self._picked(picked, last, cursor)
 
     def _walk_recorded(
         self, bid: int | None, budget: int, picked: list[dict[BlockHash, int]]
     ) -> int | None:
-        """The walk over the content records; returns the new cursor as ``_walk_keyed``."""
+        """The walk over the content records; returns the last block passed over and not
+        picked (the new cursor), None if none."""
         view = self._view
         ahead = self._ahead
         record = self._record
