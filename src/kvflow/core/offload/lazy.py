@@ -273,8 +273,7 @@ class LazyCursor:
         ahead.update(ids)
         self._order.extend(ids)
         if not found:
-            self._cursor, self._cursor_hash = ids[-1], keyed.block_hash(ids[-1])
-            return None
+            return self._picked([], ids[-1], cursor)
         picked: list[dict[BlockHash, int]] = [{} for _ in range(self._geo.num_groups)]
         stale = self._stale
         storing = self._storing
