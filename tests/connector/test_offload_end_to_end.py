@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,7 @@ def test_bench_command_writes_the_json_fields(
     GB/s are the measured copy time (not the inline loop's lower bound)."""
     out = tmp_path / "bench.json"
     trace = tmp_path / "trace.jsonl"
-    threads = torch.get_num_threads()
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
     try:
         rc = main(
             [
@@ -250,7 +251,9 @@ def test_bench_command_writes_the_json_fields(
             ]
         )  # fmt: skip
     finally:
-        torch.set_num_threads(threads)  # the command sets it for its whole process
+        # The command sets both for its whole process: later tests' threads keep theirs.
+        torch.set_num_threads(threads)
+        sys.setswitchinterval(interval)
     assert rc == 0
     shown = " ".join(capsys.readouterr().out.split())
     assert "store GB/s (copy time measured)" in shown

@@ -125,11 +125,14 @@ class Sim:
         eager_store_interval: int = 1,
         enable_events: bool = False,
         keyed: bool = False,
+        decode_steps: bool = False,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks, name="gpu")
         self.keys: dict[Hashable, BlockKey] = {}
         # Pass one-token, non-speculative running requests as DecodeRequests columns.
         self.decode_columns = decode_columns
+        # A step of running requests only, one token each, goes to ``decode_step`` whole.
+        self.decode_steps = decode_steps
         self.null: int | None = None
         if null_block:
             self.null = self.gpu.get_new_blocks(1)[0]  # held forever, like vLLM's null block
@@ -141,6 +144,7 @@ class Sim:
             null_block_id=self.null,
             eager_store_interval=eager_store_interval,
             enable_events=enable_events,
+            num_gpu_blocks=gpu_blocks,  # the engine's pool: ids beyond it are refused
         )
         view: GpuCacheView = KeyedView(self.gpu, self.keys) if keyed else BlockPoolGpuView(self.gpu)
         self.mgr = OffloadManager(
@@ -262,14 +266,27 @@ class Sim:
             rid = req.request_id
             self._grow(rid, n)
             caches.append(CachedRequest(rid, self.tables[rid], 0, n, 0, True))
+        steady = (
+            self.decode_steps
+            and cached
+            and not new
+            and not resumed
+            and not preempted
+            and not finished
+            and all(item[1] == 1 and (len(item) == 2 or not item[2]) for item in cached)
+        )
         decode: list[tuple[str, int, tuple[tuple[int, ...], ...]]] = []
+        rows: list[tuple[str, int, tuple[list[int], ...] | None]] = []  # a steady step's
         for item in cached:
             req, n = item[0], item[1]
             spec = item[2] if len(item) == 3 else 0
             rid = req.request_id
             done = self.computed[rid]
             ids = self._grow(rid, done + n)
-            if self.decode_columns and n == 1 and not spec:
+            if steady:
+                # As vLLM passes them: per group lists, or None for no new block.
+                rows.append((rid, done, tuple(list(g) for g in ids) if any(ids) else None))
+            elif self.decode_columns and n == 1 and not spec:
                 decode.append((rid, done, ids))
             else:
                 caches.append(CachedRequest(rid, ids, done, n, spec))
@@ -281,7 +298,12 @@ class Sim:
             frozenset(preempted),
             DecodeRequests(*zip(*decode, strict=True)) if decode else NO_DECODE_REQUESTS,
         )
-        plan = self.mgr.build_step_plan(so)
+        if steady:
+            plan = self.mgr.decode_step(
+                self.step_no, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+            )
+        else:
+            plan = self.mgr.build_step_plan(so)
         self.resets_at_plan.append(self.resets)
         if plan.flush:
             # The worker's handle_preemptions waits for every copy launched so far before this

@@ -42,6 +42,6 @@ def test_the_scheduler_benchmark_prints_every_configuration_and_kvflow_s_calls()
         "kvflow's calls per step",
     ):
         assert row in out, row
-    store_row = next(line for line in out.splitlines() if "ledger: plan_store" in line)
+    store_row = next(line for line in out.splitlines() if "ledger: launch_store" in line)
     cells = [c.strip() for c in store_row.split("│") if c.strip()]
     assert float(cells[2]) > 0, "a store every step plans a store in the timed steps"

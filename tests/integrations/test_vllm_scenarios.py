@@ -218,31 +218,37 @@ def test_vllm_keeps_stepping_while_transfers_are_live() -> None:
     assert not rig.h.scheduler.has_requests()
 
 
-def test_holding_new_block_ids_back_changes_no_plan() -> None:
-    """Eager: every step's plan and outcome are the same whether the adapter holds new block ids
-    back until a block completes or passes them at once, through decode, preemption (blocks run
-    short), resumption and finishing."""
+def test_decode_steps_handed_over_whole_change_no_plan() -> None:
+    """Eager: every step's plan and outcome are the same whether the adapter hands steady decode
+    steps to kvflow's scheduler whole (``decode_step``) or translates them for the general path,
+    through decode, preemption (blocks run short), resumption and finishing."""
     rigs = [Rig(num_blocks=16), Rig(num_blocks=16)]
-    rigs[1].h.connector._held = None  # the reference: every allocation reaches the manager
+    rigs[1].h.connector._decode = None  # the reference: every step is translated
+    scheduler: Any = rigs[0].h.connector.scheduler_role
+    whole = [0]
+    decode_step = scheduler.decode_step
+
+    def counted(*args: Any) -> Any:
+        whole[0] += 1
+        return decode_step(*args)
+
+    scheduler.decode_step = counted
     for rig in rigs:
         for i in range(4):
             rig.h.add(PROMPT[: 40 + 9 * i], max_tokens=40 + 5 * i, request_id=f"r{i}")
     traces: list[list[Any]] = [[], []]
-    held_seen = 0
     for _ in range(150):
         for rig, trace in zip(rigs, traces, strict=True):
             so, finished = rig.step()
             plan = so.kv_connector_metadata.plan
             trace.append((plan, sorted(so.preempted_req_ids or ()), sorted(finished)))
-        held_seen = max(held_seen, len(rigs[0].h.connector._held))
         if not rigs[0].h.scheduler.requests and rigs[0].manager.num_live_transfers() == 0:
             break
     assert traces[0] == traces[1]
     assert not rigs[1].h.scheduler.requests, "the workload ran to completion"
     assert any(preempted for _, preempted, _ in traces[0]), "blocks ran short: a preemption"
     assert sum(len(plan.stores) for plan, _, _ in traces[0]) > 4
-    assert held_seen > 0, "ids were held back at some step"
-    assert len(rigs[0].h.connector._held) == 0
+    assert whole[0] > 20, "steady decode steps went to decode_step"
 
 
 def test_the_cpu_tier_is_keyed_by_vllms_own_block_hashes() -> None:
@@ -314,18 +320,17 @@ def test_lazy_never_stores_blocks_computed_before_a_connector_reset() -> None:
 
 def test_a_store_every_step_stores_each_block_at_the_step_it_completes() -> None:
     """On vLLM's scheduler with a store every step, over a long steady decode of requests at
-    different offsets (where the adapter finds the due requests from a steady run's residues),
+    different offsets (where the manager finds the due requests from a steady run's residues),
     every block a request completed is in the CPU tier right after the step that completed it."""
     rig = Rig(num_blocks=64, extra={"eager_store_interval": 1})
     requests = [
         rig.h.add(PROMPT[: 20 + 9 * i], max_tokens=70, request_id=f"r{i}") for i in range(3)
     ]
     cpu = rig.manager.cpu_pools[0]
-    held = rig.h.connector._held
     shortcut_steps = 0
     for _ in range(60):
         rig.step()
-        shortcut_steps += held._phases is not None
+        shortcut_steps += rig.manager._phases._phases is not None
         for request in requests:
             full = request.block_hashes[: request.num_computed_tokens // 16]
             assert all(cpu.get_cached_block(h) is not None for h in full), request.request_id

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -22,6 +22,7 @@ from kvflow.integrations.vllm import (
     kv_cache_geometry,
     offload_config,
     request_extra_keys,
+    steady_decode,
     translate_scheduler_output,
 )
 from tests.integrations.vllm_harness import (
@@ -354,209 +355,50 @@ def test_worker_metadata_aggregates_the_reports_of_all_ranks() -> None:
     assert [r.rank for r in merged.reports] == [0, 1]
 
 
-def test_held_block_ids_merge_in_order_and_are_taken_once() -> None:
-    """Held ids come back in allocation order, followed by the step's own, and only once."""
-    from kvflow.integrations.vllm import HeldBlockIds
-
-    held = HeldBlockIds(num_groups=2)
-    held.hold("a", ([4], [9]))
-    held.hold("a", ([5], []))
-    held.hold("b", None)  # nothing new: nothing held
-    held.hold("b", ([], []))
-    assert "a" in held
-    assert "b" not in held
-    assert len(held) == 1
-    assert [list(g) for g in held.take("a", ([6], [10]))] == [[4, 5, 6], [9, 10]]
-    assert held.take("a") == ((), ())
-    assert [list(g) for g in held.take("b", ([7], [8]))] == [[7], [8]]
-    held.hold("c", ([1], [2]))
-    held.drop("c")
-    assert held.take("c") == ((), ())
-
-
-def test_held_ids_reach_the_manager_with_the_block_they_complete() -> None:
-    """With held ids, steady decode passes only requests completing a block, in columns, with the
-    ids allocated since their last completion; a finished request's held ids are forgotten."""
-    from kvflow.integrations.vllm import HeldBlockIds
-
+def test_steady_decode_is_told_from_vllms_output() -> None:
+    """A step of running requests only, one token each, is steady decode; a prefill, a prefill
+    beside a decode, or an empty step is not."""
     h = VLLMHarness.build(num_blocks=64)
-    request = h.add(prompt(47), max_tokens=33)
-    rid = request.request_id
-    held = HeldBlockIds(num_groups=1)
-    seen: list[tuple[int, tuple[int, ...]]] = []
-    finished: set[str] = set()
-    table: list[int] = []
-    for step in range(40):
+    h.add(prompt(20), max_tokens=4)
+    told = []
+    for add in (False, False, True):
+        if add:
+            h.add(prompt(9, seed=1), max_tokens=1)
         so = h.schedule()
-        out = translate_scheduler_output(so, step, 1, BS, held)
-        if step == 0:
-            assert [r.req_id for r in so.scheduled_new_reqs] == [rid]  # whole table, nothing held
-            assert rid not in held
-        else:
-            assert out.cached_requests == ()  # steady decode: columns only
-        decode = out.decode_requests
-        seen += [
-            (computed, ids[0])
-            for computed, ids in zip(decode.num_computed_tokens, decode.new_block_ids, strict=True)
-        ]
-        if rid in finished:
-            assert out.finished_request_ids == {rid}
-            assert rid not in held
-            break
-        finished |= h.finish(so)
-        if rid in finished:
-            held.hold(rid, ([99],))  # as if a block had been allocated on the last step
-        else:
-            table = h.block_ids(request)[0]
-    # Tokens 47 and 63 complete blocks 2 and 3; block 3 was allocated when token 48 was decoded
-    # and held until then. Block 4, allocated for token 64, never completes (33 output tokens).
-    assert seen == [(47, ()), (63, (table[3],))]
+        told.append(steady_decode(so))
+        h.finish(so)
+    assert told == [False, True, False]  # the prefill, a decode, a prefill beside a decode
+    for _ in range(10):
+        h.step()
+    assert not h.scheduler.requests
+    assert not steady_decode(h.schedule())  # nothing scheduled
 
 
-_held_events = st.lists(
-    st.tuples(
-        st.sampled_from(["hold", "decode"]),
-        st.lists(
-            st.none() | st.tuples(st.lists(st.integers(1, 99), max_size=2)),
-            min_size=3,
-            max_size=3,
-        ),
-        st.lists(st.integers(0, 40), min_size=3, max_size=3),
-    ),
-    max_size=12,
-)
+def test_steady_decode_reaches_kvflows_scheduler_whole_and_stores_each_block() -> None:
+    """Over vLLM's real scheduler, decode steps go to kvflow's scheduler role as columns
+    (``OffloadScheduler.decode_step``, never the translation), and every block a decode
+    completes is stored and committed."""
+    from tests.integrations.vllm_fakes import ManagerRig
 
+    rig = ManagerRig(num_blocks=64, extra={"eager_store_interval": 1})
+    scheduler: Any = rig.h.connector.scheduler_role
+    calls: list[str] = []
+    decode_step, build = scheduler.decode_step, scheduler.build_connector_meta
 
-@settings(max_examples=100, deadline=None)
-@given(_held_events)
-def test_held_ids_reach_decode_columns_as_the_checked_constructor_builds_them(
-    events: list[tuple[str, list[tuple[list[int]] | None], list[int]]],
-) -> None:
-    """Over random holds and decode steps, decode_step's trusted columns equal the checking
-    DecodeRequests constructor's, and every held id comes back once, in allocation order."""
-    from kvflow.core.requests import DecodeRequests
-    from kvflow.integrations.vllm import HeldBlockIds
+    def spy_decode(*args: Any) -> Any:
+        calls.append("decode_step")
+        return decode_step(*args)
 
-    held = HeldBlockIds(num_groups=1)
-    rids = ["a", "b", "c"]
-    given_ids: dict[str, list[int]] = {rid: [] for rid in rids}
-    returned: dict[str, list[int]] = {rid: [] for rid in rids}
-    for kind, new_ids, computed in events:
-        if kind == "hold":
-            for rid, ids in zip(rids, new_ids, strict=True):
-                held.hold(rid, ids)
-                given_ids[rid] += ids[0] if ids else []
-            continue
-        for rid, ids in zip(rids, new_ids, strict=True):
-            given_ids[rid] += ids[0] if ids else []
-        columns = held.decode_step(rids, new_ids, computed, 4)
-        checked = DecodeRequests(
-            columns.request_ids, columns.num_computed_tokens, columns.new_block_ids
-        )
-        assert columns == checked
-        for rid, group_ids in zip(columns.request_ids, columns.new_block_ids, strict=True):
-            returned[rid] += group_ids[0]
-    for rid in rids:
-        returned[rid] += held.take(rid)[0]
-    assert returned == given_ids
+    def spy_build(so: Any) -> Any:
+        calls.append("build_connector_meta")
+        return build(so)
 
-
-def test_decode_step_holds_ids_of_several_groups_as_tuples() -> None:
-    """With two KV cache groups, ids held by a decode step reach the columns as tuples per group,
-    merged in allocation order, as the checking constructor builds them."""
-    from kvflow.core.requests import DecodeRequests
-    from kvflow.integrations.vllm import HeldBlockIds
-
-    held = HeldBlockIds(num_groups=2)
-    assert not held.decode_step(["a", "b"], [([1], [2]), None], [0, 1], 4)
-    held.decode_step(["a", "b"], [([3], []), ([5], [6])], [1, 2], 4)
-    columns = held.decode_step(["a", "b"], [None, None], [3, 2], 4)
-    assert columns == DecodeRequests(["a"], [3], [((1, 3), (2,))])
-    assert columns.new_block_ids == (((1, 3), (2,)),)
-    assert held.take("b") == ((5,), (6,))
-
-
-# One engine step of a decode run: ("steady", per-request count moves) takes every count up by
-# one unless its move says it went back (vLLM recomputing after a failed load); "gap" is a step
-# the translation's general path handled (anything may change); "leave" / "join" change the
-# batch. Only what vLLM can do after a steady step: no count grows by more than one.
-_steady_step = st.tuples(
-    st.just("steady"),
-    st.lists(st.sampled_from([0] * 20 + [-1, -3]), min_size=6, max_size=6),
-)
-_phase_scripts = st.lists(
-    st.one_of(
-        _steady_step,
-        _steady_step,
-        _steady_step,
-        _steady_step,
-        st.tuples(st.just("gap"), st.lists(st.integers(-3, 5), min_size=6, max_size=6)),
-        st.tuples(st.just("leave"), st.lists(st.integers(0, 5), min_size=1, max_size=1)),
-        st.tuples(st.just("join"), st.lists(st.integers(0, 40), min_size=1, max_size=1)),
-    ),
-    min_size=4,
-    max_size=60,
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), _phase_scripts, st.integers(1, 5))
-def test_decode_step_finds_the_due_requests_of_a_steady_run_as_a_full_pass_does(
-    start: list[int], script: list[tuple[str, list[int]]], boundary: int
-) -> None:
-    """Over random runs of steady steps (counts up by one, some going back), gaps, and requests
-    leaving and joining, decode_step with the engine step (the residue shortcut) returns the
-    same columns as without it (a pass over the batch), at every step."""
-    from kvflow.integrations.vllm import HeldBlockIds
-
-    fast, full = HeldBlockIds(num_groups=1), HeldBlockIds(num_groups=1)
-    rids = [f"r{i}" for i in range(len(start))]
-    counts = list(start)
-    step, joined = 0, len(start)
-    for kind, moves in script:
-        step += 1
-        if kind == "steady":
-            counts = [
-                c + 1 if moves[i % 6] == 0 else max(0, c + moves[i % 6])
-                for i, c in enumerate(counts)
-            ]
-        elif kind == "gap":
-            counts = [max(0, c + moves[i % 6]) for i, c in enumerate(counts)]
-            continue  # the general path ran: decode_step was not called this step
-        elif kind == "leave":
-            if len(rids) > 1:
-                k = moves[0] % len(rids)
-                del rids[k], counts[k]
-            continue
-        else:
-            rids.append(f"r{joined}")
-            counts.append(moves[0])
-            joined += 1
-            continue
-        new_ids: list[tuple[list[int]] | None] = [
-            ([step * 10 + i],) if c % boundary == 0 else None for i, c in enumerate(counts)
-        ]
-        got = fast.decode_step(list(rids), new_ids, list(counts), boundary, step)
-        want = full.decode_step(list(rids), new_ids, list(counts), boundary)
-        assert got == want
-    assert all(fast.take(r) == full.take(r) for r in rids)
-
-
-def test_decode_step_uses_the_residue_shortcut_over_a_steady_run() -> None:
-    """Over the same requests decoding one token a step, the third step on finds its due
-    requests from the residues indexed at the second, and a request whose count went back
-    breaks the run (the next step makes a full pass again)."""
-    from kvflow.integrations.vllm import HeldBlockIds
-
-    held = HeldBlockIds(num_groups=1)
-    rids, counts = ["a", "b", "c"], [1, 2, 3]
-    for step in range(1, 4):
-        columns = held.decode_step(rids, [None] * 3, counts, 4, step)
-        assert list(columns.request_ids) == [
-            r for r, c in zip(rids, counts, strict=True) if c % 4 == 3
-        ]
-        assert (held._phases is not None) == (step >= 2)
-        counts = [c + 1 for c in counts]
-    counts[0] -= 2  # vLLM recomputes part of request a
-    held.decode_step(rids, [None] * 3, counts, 4, 4)
-    assert held._phases is None
+    scheduler.decode_step, scheduler.build_connector_meta = spy_decode, spy_build
+    request = rig.h.add(prompt(30), max_tokens=20)
+    rig.run()
+    assert calls[0] == "build_connector_meta"  # the prefill
+    assert set(calls[1:-1]) == {"decode_step"}  # every decode step but the one it finished in
+    hashes = list(request.block_hashes)
+    assert len(hashes) == 49 // BS  # 30 prompt tokens and 19 decoded
+    pool = rig.manager.cpu_pools[0]
+    assert all(pool.get_cached_block(h) is not None for h in hashes)

@@ -26,6 +26,7 @@ from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.logs import get_logger
 from kvflow.core.offload import (
     GroupSpec,
+    NewBlockIds,
     OffloadManager,
     OffloadStats,
     ResetStatus,
@@ -155,7 +156,23 @@ class OffloadScheduler:
         self.manager.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
-        plan = self.manager.build_step_plan(scheduler_output)
+        return self._stamped(self.manager.build_step_plan(scheduler_output))
+
+    def decode_step(
+        self,
+        step: int,
+        request_ids: Sequence[str],
+        num_computed_tokens: Sequence[int],
+        new_block_ids: Sequence[NewBlockIds],
+    ) -> StepPlan:
+        """``build_connector_meta`` of a step of running requests only, one token each, in
+        columns (``OffloadManager.decode_step``)."""
+        return self._stamped(
+            self.manager.decode_step(step, request_ids, num_computed_tokens, new_block_ids)
+        )
+
+    def _stamped(self, plan: StepPlan) -> StepPlan:
+        """The plan, its transfers' launch times noted (for their latency at commit)."""
         if self._now is not None and (plan.stores or plan.loads):
             t = self._now()
             for spec in (*plan.stores, *plan.loads):

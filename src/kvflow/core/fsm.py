@@ -63,16 +63,20 @@ class Machine(Generic[S, I]):
         """``apply`` of each ``(input, cause)`` in turn, logged one by one; the final state. If
         any pair is illegal, raises for it before any is applied (the caller stores nothing).
         One look at the log level for them all: a transfer settling takes two at once."""
-        states = [state]
+        transitions = self.transitions
+        new = state
         for event, cause in steps:
-            new = self.transitions.get((states[-1], event))
-            if new is None:
-                self._reject(entity_id, states[-1], event, cause, fields)
-            states.append(new)
+            after = transitions.get((new, event))
+            if after is None:
+                self._reject(entity_id, new, event, cause, fields)
+            new = after
         if self._log.debug_enabled():
-            for (event, cause), before, after in zip(steps, states, states[1:], strict=False):
+            before = state
+            for event, cause in steps:
+                after = transitions[(before, event)]
                 self._logged(entity_id, before, event, after, cause, fields)
-        return states[-1]
+                before = after
+        return new
 
     def _reject(
         self, entity_id: object, state: S, event: I, cause: str, fields: dict[str, Any]

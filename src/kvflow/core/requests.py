@@ -151,6 +151,55 @@ class DecodeRequests:
 NO_DECODE_REQUESTS = DecodeRequests((), (), ())
 
 
+def decode_columns(
+    request_ids: Sequence[str],
+    num_computed_tokens: Sequence[int],
+    new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+    boundary: int,
+    num_groups: int,
+    *,
+    trusted: bool = False,
+) -> DecodeRequests:
+    """A step of running requests only, one token each (every one listed, with the block ids
+    allocated to it this step per group, or None), as the ``DecodeRequests`` columns of those
+    with news: blocks allocated, or a token that completes a multiple of ``boundary`` tokens.
+
+    ``trusted``: the columns are ``str``, ``int`` and per-group lists of ints by construction (an
+    adapter's of its engine's own), so the columns skip ``DecodeRequests``' checks."""
+    if not trusted and not len(request_ids) == len(num_computed_tokens) == len(new_block_ids):
+        raise ConfigError(
+            f"decode columns differ in length: {len(request_ids)} request ids, "
+            f"{len(num_computed_tokens)} computed counts, {len(new_block_ids)} block id entries"
+        )
+    last = boundary - 1
+    no_blocks: GroupBlockIds = ((),) * num_groups
+    rids: list[str] = []
+    counts: list[int] = []
+    news: list[GroupBlockIds] = []
+    # One pass builds the three columns: a comprehension per column is a code object per
+    # column, and each costs more cold (as every step starts) than the iterations.
+    for i, computed in enumerate(num_computed_tokens):
+        if not trusted and (type(computed) is not int or computed < 0):
+            raise ConfigError(
+                f"request {request_ids[i]!r}: num_computed_tokens must be an int >= 0, "
+                f"got {computed!r}"
+            )
+        ids = new_block_ids[i]
+        if ids is not None and any(ids):
+            news.append((tuple(ids[0]),) if len(ids) == 1 else tuple(map(tuple, ids)))
+        elif computed % boundary == last:
+            news.append(no_blocks)
+        else:
+            continue
+        rids.append(request_ids[i])
+        counts.append(computed)
+    if not rids:
+        return NO_DECODE_REQUESTS
+    if trusted:
+        return DecodeRequests.trusted(rids, counts, news)
+    return DecodeRequests(rids, counts, news)
+
+
 @frozen
 class SchedulerOutput:
     """One engine step, as the engine's scheduler decided it. kvflow never mutates it."""
@@ -172,4 +221,5 @@ __all__ = [
     "NewRequest",
     "RequestLike",
     "SchedulerOutput",
+    "decode_columns",
 ]

@@ -476,15 +476,21 @@ class RunBlockPool(PrefixCacheQueries):
         if not n:
             return 0
         refs, hashes, cached = self._refs, self._hash, self._cached
-        # no None (an empty hash takes the per-block path)
-        runs = _runs(block_ids, self._ids) if all(block_hashes) else None
+        runs: list[tuple[int, int, int]] | None = None
+        if all(block_hashes):  # no None (an empty hash takes the per-block path)
+            first = block_ids[0]
+            end = first + n if type(first) is int and first >= 0 else 0
+            # One run (a store's blocks from a free queue with room at its head: most stores):
+            # its check is one comparison in C.
+            one = 0 < end <= len(refs) and list(block_ids) == self._ids[first:end]
+            runs = [(first, end, 0)] if one else _runs(block_ids, self._ids)
         if runs is not None:
             for lo, hi, _ in runs:
                 if refs[lo:hi].count(1) != hi - lo or hashes[lo:hi].count(None) != hi - lo:
                     runs = None  # not fresh from ``get_new_blocks``
                     break
         if runs is not None:
-            full = cast("Sequence[BlockHash]", block_hashes)
+            full: Sequence[BlockHash] = block_hashes  # type: ignore[assignment]  # no None
             before = len(cached)
             cached.update(zip(full, block_ids, strict=True))
             if len(cached) == before + n:

@@ -2,10 +2,11 @@
 
 ``config`` (policies, groups, derived geometry) · ``state`` (per-request and per-transfer state)
 · ``matching`` (CPU-hit matching) · ``eager`` (the eager store policy) · ``lazy`` (the lazy
-policy's cursor over the GPU free queue) · ``ledger`` (the transfer ledger: the one place a
+policy's cursor over the GPU free queue) · ``decode`` (steps of running requests only, one
+token each) · ``ledger`` (the transfer ledger: the one place a
 transfer changes state or a block ref changes) · ``stats`` · ``manager`` (``OffloadManager``: the
-engine's calls, orchestrating the rest). Imports go one way: ``manager`` → policies, matcher,
-ledger → ``state``, ``stats``, ``config``.
+engine's calls, orchestrating the rest). Imports go one way: ``manager`` → ``decode`` → policies,
+matcher, ledger → ``state``, ``stats``, ``config``.
 """
 
 from kvflow.core.offload.config import (
@@ -16,6 +17,7 @@ from kvflow.core.offload.config import (
     ResetStatus,
     StorePolicy,
 )
+from kvflow.core.offload.decode import NewBlockIds
 from kvflow.core.offload.manager import OffloadManager
 from kvflow.core.offload.stats import OffloadStats, StepOutcome
 
@@ -23,6 +25,7 @@ __all__ = [
     "LAZY_REQUEST_ID",
     "STEP_STORE_ID",
     "GroupSpec",
+    "NewBlockIds",
     "OffloadManager",
     "OffloadManagerConfig",
     "OffloadStats",

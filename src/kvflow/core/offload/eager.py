@@ -21,7 +21,6 @@ log = get_logger("kvflow.scheduler")
 # A step's entry (request, confirmed tokens, new block ids per group, whether they replace the
 # table), as the manager builds them.
 _Entry = tuple[RequestState, int, Sequence[Sequence[int]], bool]
-_NO_IDS: Sequence[Sequence[int]] = ((),)
 
 # From this many completed blocks a request's blocks are first tried as a whole (a prefill's).
 _WHOLE = 8
@@ -176,40 +175,60 @@ class EagerStore:
         """``_collect_groups`` for one KV cache group (most models), its group loop unrolled:
         it runs once per request with a completed block, on every store. The property test
         ``test_one_group_collect_equals_the_general_one`` holds the two to the same result."""
-        self._advance_one([(st, st.confirmed, _NO_IDS, False) for st in sts], batch, pick, False)
+        self.advance_one(
+            [(st, st.confirmed) for st in sts],
+            batch.blocks[0],
+            batch.owners[0],
+            batch.reqs,
+            pick=pick,
+            apply=False,
+        )
 
     def apply_running_one(self, entries: Sequence[_Entry]) -> StoreBatch:
-        """A step of running requests only (no table replaced) over one KV cache group, applied
-        and collected in one pass: each entry's new ids join its table, its confirmed tokens
-        are set, and its completed blocks are collected as ``collect`` does (a request at a
-        time is the same as all tables first: requests are independent here). The property
-        test ``test_running_one_group_step_equals_the_general_one`` holds it to the manager's
-        general path."""
+        """A step of running requests only (no table replaced) over one KV cache group: each
+        entry's new ids join its table, its confirmed tokens are set, and its completed blocks
+        are collected as ``collect`` does (a request at a time is the same as all at once:
+        requests are independent here). The property test
+        ``test_running_one_group_step_equals_the_general_one`` holds it to the manager's general
+        path."""
+        for st, _, ids, _ in entries:
+            new = ids[0]
+            if new:
+                st.table[0].extend(new)
         batch = StoreBatch.empty(1)
-        self._advance_one(entries, batch, True, True)
+        self.advance_one(
+            [(st, confirmed) for st, confirmed, _, _ in entries],
+            batch.blocks[0],
+            batch.owners[0],
+            batch.reqs,
+            pick=True,
+            apply=True,
+        )
         return batch
 
-    def _advance_one(
-        self, entries: Iterable[_Entry], batch: StoreBatch, pick: bool, apply: bool
+    def advance_one(
+        self,
+        entries: Iterable[tuple[RequestState, int]],
+        picked: dict[BlockHash, int],
+        owners: list[RequestState | None],
+        reqs: list[RequestState],
+        *,
+        pick: bool,
+        apply: bool,
     ) -> None:
-        """One group: advance each entry's request to its confirmed tokens and pick its
-        completed blocks; with ``apply``, first extend its table by the entry's new ids and set
-        its confirmed tokens (a request whose boundary is not reached is then done)."""
+        """One group, tables current: advance each request to its confirmed tokens and, with
+        ``pick``, add its completed blocks worth storing to ``picked`` (hash → GPU block, in
+        order), their requests to ``owners`` and the request to ``reqs`` (a ``StoreBatch``'s
+        parts). With ``apply``, first set its confirmed tokens (a request whose boundary is not
+        reached and whose tokens did not go back is then done)."""
         bs = self._geo.block_sizes[0]
         slot = self._geo.slot[0]
         pool = self._cpu[0]
         in_cpu = pool.cached_hashes
         in_flight = self._storing[0]
-        picked = batch.blocks[0]
-        owners = batch.owners[0]
-        reqs = batch.reqs
         null = self._null
-        for st, confirmed, ids, _ in entries:
-            table = st.table[0]
+        for st, confirmed in entries:
             if apply:
-                new = ids[0]
-                if new:
-                    table.extend(new)
                 if st.next_boundary > confirmed >= st.confirmed:
                     st.confirmed = confirmed  # no block completes, none went back
                     continue
@@ -225,6 +244,7 @@ class EagerStore:
             if not pick:
                 continue
             hs = st.hash_lists[slot]
+            table = st.table[0]
             if done == cur + 1:  # steady decode: one block completed
                 b, h = table[cur], hs[cur]
                 if b != null and h not in in_flight and h not in picked and h not in in_cpu:

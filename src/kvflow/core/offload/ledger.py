@@ -231,6 +231,41 @@ class TransferLedger:
                     self.storing[g] = picked
         return evicted
 
+    def launch_store(
+        self,
+        step: int,
+        picked: dict[BlockHash, int],
+        owners: list[RequestState | None],
+        reqs: list[RequestState],
+    ) -> StepPlan | None:
+        """The step's plan when one group's step store (a ``StoreBatch``'s parts) is all it
+        holds, as in a steady decode step: ``plan_store`` and ``launch`` in one pass. None,
+        changing nothing, where anything else is pending or abandoned, or the CPU pool cannot
+        take every block (then those two)."""
+        pool = self.cpu[0]
+        n = len(picked)
+        if self.pending or self.abandoned or len(self.cpu) != 1 or pool.num_free_blocks < n:
+            return None
+        request_id = reqs[0].request.request_id if len(reqs) == 1 else STEP_STORE_ID
+        xfer = self._new(
+            Direction.STORE,
+            request_id,
+            reqs,
+            (tuple(picked.values()),),
+            (tuple(pool.get_new_blocks(n)),),
+            shared=True,
+            pending=False,
+        )
+        xfer.hashes = (tuple(picked),)
+        xfer.owners = (tuple(owners),)
+        storing = self.storing[0]
+        if storing:
+            storing.update(picked)
+        else:
+            self.storing[0] = picked  # as in ``plan_store``: the picks become the map
+        apply(xfer.transfer, TransferInput.LAUNCH, cause="step_plan")
+        return StepPlan(step, (xfer.spec,), (), False, ())
+
     def _new(
         self,
         direction: Direction,
@@ -240,6 +275,7 @@ class TransferLedger:
         cpu: GroupBlockIds,
         *,
         shared: bool = False,
+        pending: bool = True,
     ) -> LiveTransfer:
         tid = self._next_id
         self._next_id += 1
@@ -254,7 +290,8 @@ class TransferLedger:
             self.gpu.touch(all_ids(gpu))
             xfer.holds_gpu = True
         self.xfers[tid] = xfer
-        self.pending.append(xfer)
+        if pending:
+            self.pending.append(xfer)
         if shared:
             xfer.shared = True
             self.shared[tid] = xfer
@@ -296,7 +333,7 @@ class TransferLedger:
             is_load = x.spec.direction is Direction.LOAD
             if len(x.reqs) > 1 and (stores or is_load):
                 # A step's store shared with other requests: only this request's blocks go.
-                x.dropped.add(st)
+                x.dropped = {*x.dropped, st}  # rare: a request gone under a shared store
                 x.reqs.remove(st)
                 if not x.shared:
                     del st.transfers[x.transfer.transfer_id]
@@ -397,16 +434,18 @@ class TransferLedger:
         ok = all(x.reported.values())
         t = x.transfer
         is_load = t.direction is Direction.LOAD
-        alive = bool(x.reqs) and not x.reqs[0].finishing
+        # A load's request still wants it (its state is not touched for a store: cold, a store
+        # a step).
+        alive = is_load and bool(x.reqs) and not x.reqs[0].finishing
         if t.state is TransferState.ABANDONED:
             apply(t, TransferInput.COMPLETE if ok else TransferInput.FAIL, cause="abandoned_done")
-            if is_load and x.reset and alive:
+            if x.reset and alive:
                 self._load_invalid(x, frozenset())
             self.release(x, commit=False)
             return False
         if ok:
             apply_seq(t, _COMMIT_AND_RELEASE)
-            if is_load and alive:
+            if alive:
                 self.finished_recving.add(t.request_id)
             self.release(x, commit=True)
             return True
@@ -418,7 +457,7 @@ class TransferLedger:
             request_id=t.request_id,
             direction=t.direction.value,
         )
-        if is_load and alive:
+        if alive:
             self._load_invalid(x, reported_invalid)
         apply(t, TransferInput.RELEASE, cause="settled")
         self.release(x, commit=False)

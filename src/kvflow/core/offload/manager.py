@@ -33,6 +33,7 @@ from kvflow.core.offload.config import (
     ResetStatus,
     StorePolicy,
 )
+from kvflow.core.offload.decode import DecodeSteps, News
 from kvflow.core.offload.eager import EagerStore
 from kvflow.core.offload.lazy import LazyCursor
 from kvflow.core.offload.ledger import TransferLedger
@@ -48,35 +49,21 @@ from kvflow.core.offload.state import (
 )
 from kvflow.core.offload.stats import Counters, StepOutcome
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
-from kvflow.core.requests import DecodeRequests, RequestLike, SchedulerOutput
+from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError, ProtocolError
 
 log = get_logger("kvflow.scheduler")
-
-# A request's news in ``build_step_plan``: (request, confirmed tokens, new block ids, whether
-# they replace the block table).
-_News = tuple[RequestState, int, GroupBlockIds, bool]
 
 
 def _request_id(st: RequestState) -> str:
     return st.request.request_id
 
 
-_state_of = itemgetter(0)  # a ``_News`` entry's request
+_state_of = itemgetter(0)  # a ``News`` entry's request
 
 
-def _check_new_ids(
-    rid: str, g: int, ids: Sequence[int], num_blocks: int | None, null: int | None
-) -> None:
-    """A running request's new GPU block ids of group ``g``: in range and unique (only the null
-    block may repeat), as ``validate.step_entries`` checks them."""
-    problem = validate.id_problem(ids, num_blocks, null)
-    if problem is not None:
-        raise ConfigError(f"request {rid!r} group {g}: GPU block id {problem}")
-
-
-class OffloadManager(ManagerQueries):
+class OffloadManager(DecodeSteps, ManagerQueries):
     """The scheduler side of the CPU tier; see the module docstring for the call sequence."""
 
     def __init__(
@@ -112,6 +99,7 @@ class OffloadManager(ManagerQueries):
                 watermark=config.lazy_watermark,
             )
         self._no_new: GroupBlockIds = ((),) * self._num_groups
+        self.init_decode(fused=self._eager and geo.num_groups == 1)
         self._allocated: dict[str, RequestState] = {}  # matches the engine allocated blocks for
         self._reset_pending = False
         self._reset_done = False
@@ -278,7 +266,7 @@ class OffloadManager(ManagerQueries):
         requests = self._requests
         check = self._check_table
         num_groups = self._num_groups
-        dirty: list[_News] = []
+        dirty: list[News] = []
         prechecked: set[int] = set()  # new requests whose ids the allocation checked
         for new in so.new_requests:
             st = requests.get(new.request_id)
@@ -321,7 +309,7 @@ class OffloadManager(ManagerQueries):
         # Entries from here on are checked as they are built, not by ``step_entries``.
         num_general = len(dirty)
         if decode.request_ids:
-            self._decode_news(decode, dirty, one=num_groups == 1)
+            self._decode_news(decode, dirty)
         # -- boundary check (kvflow.core.validate): every entry that changes something --
         if num_general:
             entries = dirty[:num_general] if len(dirty) > num_general else dirty
@@ -426,50 +414,6 @@ class OffloadManager(ManagerQueries):
             return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
         return ledger.launch(so.step, flush)
 
-    def _decode_news(self, decode: DecodeRequests, dirty: list[_News], *, one: bool) -> None:
-        """The decode columns' entries with news, checked, onto ``dirty``: the steady state of
-        a big batch, so ``_running_news`` is inlined (the table check is a comparison per
-        group; the call only happens to raise its error). ``one``: the manager has one KV cache
-        group (most models), its group loops unrolled and the common new ids (one block)
-        checked inline; the property test ``test_one_group_decode_news_equal_the_general_ones``
-        holds the two to the same result."""
-        requests = self._requests
-        check = self._check_table
-        num_groups = self._num_groups
-        no_new = self._no_new
-        group_sizes = self._geo.group_sizes
-        bs = group_sizes[0][1]
-        num_blocks, null = self.config.num_gpu_blocks, self._null
-        limit = num_blocks if num_blocks is not None else 1 << 62
-        for rid, computed, ids in zip(
-            decode.request_ids, decode.num_computed_tokens, decode.new_block_ids, strict=True
-        ):
-            st = requests.get(rid)
-            if st is None:
-                raise ProtocolError(f"unknown running request {rid!r}")
-            end = computed + 1
-            if end < st.next_boundary and ids == no_new:
-                continue
-            num_tokens = len(st.request.all_token_ids)  # ``confirmed_tokens``, inlined
-            confirmed = end if end < num_tokens else num_tokens
-            if len(ids) != num_groups:
-                check(st, end, confirmed, ids, False)
-            if one:
-                new = ids[0]
-                if len(st.table[0]) + len(new) < confirmed // bs:
-                    check(st, end, confirmed, ids, False)
-                if new and not (len(new) == 1 and 0 <= new[0] < limit):
-                    _check_new_ids(rid, 0, new, num_blocks, null)
-            else:
-                have = st.table
-                for g, size in group_sizes:
-                    if len(have[g]) + len(ids[g]) < confirmed // size:
-                        check(st, end, confirmed, ids, False)
-                for g, new_ids in enumerate(ids):
-                    if new_ids:
-                        _check_new_ids(rid, g, new_ids, num_blocks, null)
-            dirty.append((st, confirmed, ids, False))
-
     def _quiet_lazy_step(self, so: SchedulerOutput, lazy: LazyCursor) -> StepPlan:
         """``build_step_plan`` of a lazy step without requests, finishes or preemptions: the
         walk, and whatever it or an earlier call left to launch."""
@@ -499,7 +443,7 @@ class OffloadManager(ManagerQueries):
             # Evicted copies may back blocks ahead of the cursor: they are no longer covered.
             self._lazy.reset("cpu_eviction")
 
-    def _running_news(self, st: RequestState, end: int, ids: GroupBlockIds, replace: bool) -> _News:
+    def _running_news(self, st: RequestState, end: int, ids: GroupBlockIds, replace: bool) -> News:
         """A running request with news (``end`` tokens computed after the step), its table
         checked; the ``dirty`` entry ``build_step_plan`` applies once every request passed."""
         confirmed = confirmed_tokens(st, end)
@@ -514,22 +458,6 @@ class OffloadManager(ManagerQueries):
         # check passed when they completed; tables only grow until a preemption resets the
         # boundary), so it holds them with more blocks too.
         return st, confirmed, ids, replace
-
-    def _check_table(
-        self, st: RequestState, end: int, confirmed: int, ids: GroupBlockIds, replace: bool
-    ) -> None:
-        """Validate the request's block table after this step's ids."""
-        if len(ids) != self._num_groups:
-            rid = st.request.request_id
-            raise ConfigError(f"{rid}: {len(ids)} block groups, expected {self._num_groups}")
-        table = st.table
-        for g, bs in self._geo.group_sizes:
-            have = len(ids[g]) if replace else len(table[g]) + len(ids[g])
-            if have < confirmed // bs:
-                raise ConfigError(
-                    f"{st.request.request_id} group {g}: {have} GPU blocks cannot hold "
-                    f"{end} computed tokens"
-                )
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -681,7 +609,12 @@ class OffloadManager(ManagerQueries):
             else:
                 for x in store_failed:
                     self._store.rearm(self._requests.values(), x.transfer.transfer_id, x.hashes)
-        self._try_complete_reset()
+        if self._reset_pending:
+            self._try_complete_reset()
+        if not (
+            ledger.finished_sending or ledger.finished_recving or ledger.invalid or self._reset_done
+        ):
+            return StepOutcome(committed=tuple(committed), failed=tuple(failed))  # most steps
         out = StepOutcome(
             take(ledger.finished_sending),
             take(ledger.finished_recving),

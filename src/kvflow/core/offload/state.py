@@ -8,6 +8,7 @@ refs it holds; ``StoreBatch`` carries blocks from a store policy to the ledger.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from attrs import define, field
@@ -19,6 +20,8 @@ from kvflow.core.transfer import Transfer
 
 NO_BOUNDARY = 1 << 62
 """A token count beyond any request: the start of a minimum over group boundaries."""
+
+NOTHING: frozenset[Any] = frozenset()
 
 
 @define(eq=False)
@@ -106,7 +109,8 @@ class LiveTransfer:
     reqs: list[RequestState]  # the requests waiting on it (none for lazy stores)
     hashes: tuple[tuple[BlockHash, ...], ...] = ()  # stores: per group, the hashes being stored
     owners: tuple[tuple[RequestState | None, ...], ...] = ()  # stores: each block's request
-    dropped: set[RequestState] = field(factory=set)  # GPU blocks freed: don't cache theirs
+    # GPU blocks freed: don't cache theirs (a set once one is; most transfers never need one)
+    dropped: AbstractSet[RequestState] = NOTHING
     holds_gpu: bool = False  # holds a ref on its GPU blocks (see TransferLedger.store_refs)
     reported: dict[int, bool] = field(factory=dict)  # rank → success
     reset: bool = False  # abandoned by reset_cache (a load's blocks then become invalid)
@@ -137,9 +141,6 @@ def own_hashers(hashers: Sequence[HashChain]) -> tuple[HashChain, ...]:
 def all_ids(ids: GroupBlockIds) -> Sequence[int]:
     """Every group's block ids in one sequence (the one group's own tuple: no copy)."""
     return ids[0] if len(ids) == 1 else [b for group in ids for b in group]
-
-
-NOTHING: frozenset[Any] = frozenset()
 
 
 def take(items: set[Any]) -> frozenset[Any]:

@@ -49,11 +49,11 @@ from kvflow.integrations.vllm.relay import (
     OutcomeRelay,
 )
 from kvflow.integrations.vllm.requests import (
-    HeldBlockIds,
     RequestViews,
     VLLMRequestView,
     group_block_ids,
     request_extra_keys,
+    steady_decode,
     translate_scheduler_output,
 )
 from kvflow.integrations.vllm.telemetry import (
@@ -67,7 +67,6 @@ __all__ = [
     "KV_EVENT_MEDIUM",
     "VLLM_VERSION_TESTED",
     "GroupGeometry",
-    "HeldBlockIds",
     "KVFlowConnector",
     "KVFlowConnectorMetadata",
     "KVFlowConnectorStats",
@@ -86,5 +85,6 @@ __all__ = [
     "kv_cache_geometry",
     "offload_config",
     "request_extra_keys",
+    "steady_decode",
     "translate_scheduler_output",
 ]

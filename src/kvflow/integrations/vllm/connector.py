@@ -58,9 +58,9 @@ from kvflow.integrations.vllm.relay import (
 )
 from kvflow.integrations.vllm.requests import (
     GroupSelect,
-    HeldBlockIds,
     RequestViews,
     group_block_ids,
+    steady_decode,
     translate_scheduler_output,
 )
 from kvflow.integrations.vllm.roles import SchedulerRole, WorkerRole
@@ -177,7 +177,6 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         views = RequestViews if self.pd_role is None else PDRequestViews
         self._views = views(None if hash_block_size is None else int(hash_block_size))
         lazy = self.config.store_policy == "lazy"
-        self._held = None if lazy else HeldBlockIds(self._num_groups)
         # Lazy, with vLLM's hashes as the CPU keys of every group: the lazy walk reads a free
         # block's key from vLLM's block, so running requests' steps carry no news for the CPU
         # tier. Dedicated PD roles keep the recorded walk; kv_both keeps the keyed one and
@@ -194,6 +193,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._events = _events_enabled(vllm_config)
         self._step = 0
         self._scheduler: SchedulerRole | None = None
+        # kvflow's own scheduler role without PD: a steady decode step goes to it whole, as
+        # columns (``OffloadScheduler.decode_step``), not through the translation.
+        self._decode: OffloadScheduler | None = None
         self._pd: PDSchedulerRole | None = None
         self._pd_pending = False  # kv_both: PD is built at the first request with PD params
         self._data_endpoint = ""  # this instance's worker data plane (the handshake's)
@@ -369,6 +371,14 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 else VLLMGpuCacheView(gpu_block_pool)
             )
             self._scheduler = self.make_scheduler_role(view)
+            from kvflow.connector.offload import OffloadScheduler
+
+            if (
+                isinstance(self._scheduler, OffloadScheduler)
+                and self._select is None
+                and not self._keyed
+            ):
+                self._decode = self._scheduler
             if self.pd_role == "both":
                 self._pd_pending = True
             elif self.pd_role is not None:
@@ -380,6 +390,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
         assert isinstance(self._scheduler, OffloadScheduler)
         self._pd_pending = False
+        self._decode = None
         self._scheduler = self._pd = self.make_pd_scheduler(self._scheduler)
 
     def _view(self, request: Request) -> RequestLike:
@@ -412,17 +423,23 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         step = self._step
         self._step = step + 1
         pd = self._pd
-        plan = role.build_connector_meta(
-            translate_scheduler_output(
-                scheduler_output,
-                step,
-                self._num_groups,
-                self._boundary,
-                self._held,
-                self._select,
-                running=not self._keyed or pd is not None,
+        decode = self._decode
+        if decode is not None and steady_decode(scheduler_output):
+            cached = scheduler_output.scheduled_cached_reqs
+            plan = decode.decode_step(
+                step, cached.req_ids, cached.num_computed_tokens, cached.new_block_ids
             )
-        )
+        else:
+            plan = role.build_connector_meta(
+                translate_scheduler_output(
+                    scheduler_output,
+                    step,
+                    self._num_groups,
+                    self._boundary,
+                    self._select,
+                    running=not self._keyed or pd is not None,
+                )
+            )
         if plan.stores or plan.loads or plan.abandoned:
             self._stats_dirty = True
         meta = KVFlowConnectorMetadata(plan, *self._relay.take_echo())
@@ -455,8 +472,6 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._held is not None:
-            self._held.drop(request.request_id)
         if self._pd_pending:
             self._view(request)  # a D request finished before admission still releases P
         delay_free, params = self.scheduler_role.request_finished(

@@ -2,24 +2,24 @@
 
 ``VLLMRequestView`` shows a vLLM ``Request`` to kvflow's manager without copying its tokens and with
 vLLM's own block hashes; ``translate_scheduler_output`` turns one step's ``SchedulerOutput`` into
-kvflow's, passing on only the requests with news for the CPU tier; ``HeldBlockIds`` keeps the new
-block ids the eager policy does not need yet. Block ids arrive per vLLM KV cache group; a
+kvflow's, passing on only the requests with news for the CPU tier (``steady_decode`` tells the
+step the connector hands kvflow's scheduler whole, as columns). Block ids arrive per vLLM KV
+cache group; a
 ``GroupSelect`` keeps the groups kvflow offloads (vLLM's prefix-cacheable ones) in kvflow's order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import compress
 from typing import TYPE_CHECKING, ClassVar
 
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.core.requests import (
     NO_DECODE_REQUESTS,
     CachedRequest,
-    DecodeRequests,
     NewRequest,
     SchedulerOutput,
+    decode_columns,
 )
 
 if TYPE_CHECKING:
@@ -140,212 +140,27 @@ def group_block_ids(block_ids: Sequence[Sequence[int]]) -> GroupBlockIds:
     return tuple(map(tuple, block_ids))
 
 
-def _joined(held: GroupBlockIds, new_ids: Sequence[Sequence[int]]) -> GroupBlockIds:
-    """Held ids with a step's new ids appended, group by group."""
-    return tuple((*a, *b) for a, b in zip(held, new_ids, strict=True))
+_NO_IDS: frozenset[str] = frozenset()
 
 
 def _has_blocks(new_ids: Sequence[Sequence[int]] | None) -> bool:
     return new_ids is not None and any(new_ids)
 
 
-class HeldBlockIds:
-    """New GPU block ids of running requests that the manager does not need yet.
-
-    Under the eager store policy the manager reads a request's block table only when one of its
-    blocks completes (or the request finishes, resumes or is preempted, which bring or reset the
-    whole table). So the adapter keeps a decode step's newly allocated block ids here and hands
-    them over with the request's next block completion: in steady decode half the requests with
-    news each step (those that only got a block) never reach the manager. The lazy policy needs
-    every allocation at once (it tracks vLLM's free queue) and holds nothing back.
-
-    Ids are held as ``GroupBlockIds`` (tuples), so that a decode step hands them over as valid
-    columns without checking them; a second allocation before the first is handed over merges
-    them into new tuples.
-    """
-
-    __slots__ = (
-        "_ids",
-        "_no_blocks",
-        "_phase_ids",
-        "_phase_shift",
-        "_phase_step",
-        "_phase_sum",
-        "_phases",
+def steady_decode(scheduler_output: VLLMSchedulerOutput) -> bool:
+    """Whether vLLM's step schedules its running requests only, one token each: none new,
+    resumed, finished, preempted or speculative (nearly every step of a serving engine)."""
+    so = scheduler_output
+    return (
+        not so.scheduled_new_reqs
+        and not so.scheduled_cached_reqs.resumed_req_ids
+        and not so.finished_req_ids
+        and not so.preempted_req_ids
+        and not so.scheduled_spec_decode_tokens
+        and bool(so.num_scheduled_tokens)
+        # The counts are positive ints summing to the total: all 1 when it equals their number.
+        and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
     )
-
-    def __init__(self, num_groups: int) -> None:
-        self._ids: dict[str, GroupBlockIds] = {}
-        self._no_blocks: GroupBlockIds = ((),) * num_groups
-        # The last steady step (``decode_step`` with ``step``): its request ids, its step, the sum
-        # of its counts, and once the same requests ran two steps in a row, their indices by
-        # count modulo the boundary as of the step ``_phase_shift`` steps ago.
-        self._phase_ids: list[str] | None = None
-        self._phase_step = -1
-        self._phase_sum = 0
-        self._phase_shift = 0
-        self._phases: list[list[int]] | None = None
-
-    def hold(self, request_id: str, new_ids: Sequence[Sequence[int]] | None) -> None:
-        """Keep this step's new block ids (in vLLM's per-group form) for later."""
-        if not _has_blocks(new_ids):
-            return
-        assert new_ids is not None
-        held = self._ids.get(request_id)
-        self._ids[request_id] = group_block_ids(new_ids) if held is None else _joined(held, new_ids)
-
-    def take(
-        self, request_id: str, new_ids: Sequence[Sequence[int]] | None = None
-    ) -> Sequence[Sequence[int]]:
-        """Everything held for the request followed by this step's new ids, and forget them."""
-        held = self._ids.pop(request_id, None)
-        if not _has_blocks(new_ids):
-            return self._no_blocks if held is None else held
-        assert new_ids is not None
-        if held is None:
-            return new_ids
-        return [[*a, *b] for a, b in zip(held, new_ids, strict=True)]
-
-    def decode_step(
-        self,
-        req_ids: Sequence[str],
-        new_block_ids: Sequence[Sequence[Sequence[int]] | None],
-        num_computed: Sequence[int],
-        boundary: int,
-        step: int | None = None,
-    ) -> DecodeRequests:
-        """One steady-decode step of vLLM's running requests (one token each): hold the step's
-        new ids, and return the requests whose token completes a multiple of ``boundary``, each
-        with every id held for it, as ``DecodeRequests`` columns.
-
-        ``step`` (the engine step, consecutive over calls) lets a run of such steps over the same
-        requests find the requests due without a pass over the batch: see ``_due``."""
-        held = self._ids
-        get = held.get
-        # ``compress`` keeps the entries that are not None, in C: most are None.
-        for i in compress(range(len(req_ids)), new_block_ids):
-            ids = new_block_ids[i]
-            assert ids is not None
-            if any(ids):
-                rid = req_ids[i]
-                prev = get(rid)
-                # Tuples now (in C): the columns then take them as they are. One group (most
-                # models) skips the ``map``.
-                if prev is not None:
-                    held[rid] = _joined(prev, ids)
-                elif len(ids) == 1:
-                    held[rid] = (tuple(ids[0]),)
-                else:
-                    held[rid] = group_block_ids(ids)
-        due = None if step is None else self._due(req_ids, num_computed, boundary, step)
-        if step is None:
-            self._phase_ids = None
-        rids: list[str] = []
-        counts: list[int] = []
-        news: list[GroupBlockIds] = []
-        pop = held.pop
-        none = self._no_blocks
-        if due is not None:
-            for i in due:
-                rid = req_ids[i]
-                rids.append(rid)
-                counts.append(num_computed[i])
-                news.append(pop(rid, none))
-        else:
-            # One pass builds the three columns: a comprehension per column is a code object
-            # per column, and each costs more cold (as every step starts) than the iterations.
-            last = boundary - 1
-            for i, computed in enumerate(num_computed):
-                if computed % boundary == last:
-                    rid = req_ids[i]
-                    rids.append(rid)
-                    counts.append(computed)
-                    news.append(pop(rid, none))
-        if not rids:
-            return NO_DECODE_REQUESTS
-        # vLLM's str ids and int counts, and held tuples of tuples of ints: valid columns by
-        # construction, and checking them cost as much as the rest of the step's translation.
-        return DecodeRequests.trusted(rids, counts, news)
-
-    def _due(
-        self, req_ids: Sequence[str], num_computed: Sequence[int], boundary: int, step: int
-    ) -> list[int] | None:
-        """Indices of the requests due at this steady step, without a pass in Python over the
-        batch once the same requests ran steady steps in a row; None: make that pass.
-
-        Why it is exact: the previous step was steady (one token for each request), so no count
-        grew by more than one since; counts that sum to exactly one more each therefore all grew
-        by exactly one (a count that went back, as vLLM's recomputation after a failed load does,
-        fails the sum). So every request keeps its count modulo ``boundary`` of ``_phase_shift``
-        steps ago, shifted by that many, and the requests due now (count ``boundary - 1`` modulo
-        ``boundary``) are one residue class of that step's counts. Requests that finish, are
-        preempted or join change the list of ids, and any other step breaks the run of steps.
-        """
-        total = sum(num_computed)  # in C; the list comparison below is too
-        phase_ids = self._phase_ids
-        steady = (
-            phase_ids is not None
-            and step == self._phase_step + 1
-            and total == self._phase_sum + len(num_computed)
-            and req_ids == phase_ids
-        )
-        self._phase_step, self._phase_sum = step, total
-        if not steady:
-            self._phase_ids, self._phases = list(req_ids), None
-            return None
-        phases = self._phases
-        if phases is None:
-            # The second steady step in a row over these requests: index them by count.
-            phases = self._phases = [[] for _ in range(boundary)]
-            for i, computed in enumerate(num_computed):
-                phases[computed % boundary].append(i)
-            self._phase_shift = 0
-        else:
-            self._phase_shift += 1
-        return phases[(boundary - 1 - self._phase_shift) % boundary]
-
-    def drop(self, request_id: str) -> None:
-        """Forget the request's held ids: it finished, or its whole table is about to be replaced."""
-        self._ids.pop(request_id, None)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._ids
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-
-_NO_IDS: frozenset[str] = frozenset()
-
-
-def decode_columns(
-    req_ids: Sequence[str],
-    new_block_ids: Sequence[Sequence[Sequence[int]] | None],
-    num_computed: Sequence[int],
-    boundary: int,
-    no_blocks: GroupBlockIds,
-) -> DecodeRequests:
-    """One steady-decode step (one token per request) as ``DecodeRequests`` columns of the
-    requests with news: new blocks (all passed at once: the lazy policy tracks every
-    allocation), or a token completing a multiple of ``boundary``. No object per request."""
-    last = boundary - 1
-    rids: list[str] = []
-    counts: list[int] = []
-    news: list[GroupBlockIds] = []
-    for i, computed in enumerate(num_computed):
-        ids = new_block_ids[i]
-        if ids is not None and any(ids):
-            news.append((tuple(ids[0]),) if len(ids) == 1 else group_block_ids(ids))
-        elif computed % boundary == last:
-            news.append(no_blocks)
-        else:
-            continue
-        rids.append(req_ids[i])
-        counts.append(computed)
-    if not rids:
-        return NO_DECODE_REQUESTS
-    # vLLM's str ids and int counts, tuples of tuples of ints: valid columns by construction.
-    return DecodeRequests.trusted(rids, counts, news)
 
 
 def translate_scheduler_output(
@@ -353,7 +168,6 @@ def translate_scheduler_output(
     step: int,
     num_groups: int,
     boundary: int = 1,
-    held: HeldBlockIds | None = None,
     select: GroupSelect | None = None,
     *,
     running: bool = True,
@@ -365,10 +179,10 @@ def translate_scheduler_output(
     tokens, or computed tokens that reach a multiple of ``boundary`` this step (the connector
     passes the gcd of the groups' block sizes, so no block completion is ever skipped; 1 passes
     every request). In steady decode that skips most of a batch, which keeps the adapter's cost
-    per step proportional to the blocks that complete rather than to the requests that run.
+    per step proportional to the blocks that complete and are allocated rather than to the
+    requests that run (``KVFlowConnector`` hands kvflow's own scheduler such a step whole, as
+    columns: ``OffloadScheduler.decode_step``).
 
-    With ``held`` (eager policy), new block ids alone are not news: they wait in ``held`` and
-    travel with the request's next passed-on step, so only block completions reach the manager.
     ``select`` keeps the block ids of the groups kvflow offloads (``num_groups`` of them).
     ``running=False`` (the lazy policy over a keyed GPU view, which needs no running request's
     steps) passes on only resumed requests, whose whole new table the manager must see.
@@ -376,34 +190,25 @@ def translate_scheduler_output(
     new_reqs = scheduler_output.scheduled_new_reqs
     cached_data = scheduler_output.scheduled_cached_reqs
     if (
-        not new_reqs
+        not running
+        and not new_reqs
         and not cached_data.resumed_req_ids
         and not scheduler_output.finished_req_ids
         and not scheduler_output.preempted_req_ids
     ):
-        # Nearly every step over vLLM: only running requests, none resumed, finished or
-        # preempted. After vLLM's own scheduling this code is out of the CPU caches, so the
-        # common cases return here without the general path's preamble.
-        if not running:
-            return SchedulerOutput(step)  # lazy over a keyed view: no news
-        if (
-            select is None
-            and not scheduler_output.scheduled_spec_decode_tokens
-            and scheduler_output.num_scheduled_tokens
-            and scheduler_output.total_num_scheduled_tokens
-            == len(scheduler_output.num_scheduled_tokens)
-        ):
-            # Steady decode (one token per request: the counts are positive ints summing to
-            # the total, so they all are 1 when the total equals their number).
-            ids, computed = cached_data.new_block_ids, cached_data.num_computed_tokens
-            return SchedulerOutput(
-                step,
-                decode_requests=decode_columns(
-                    cached_data.req_ids, ids, computed, boundary, ((),) * num_groups
-                )
-                if held is None
-                else held.decode_step(cached_data.req_ids, ids, computed, boundary, step),
-            )
+        return SchedulerOutput(step)  # lazy over a keyed view, nothing new: no news
+    if select is None and steady_decode(scheduler_output):
+        return SchedulerOutput(
+            step,
+            decode_requests=decode_columns(
+                cached_data.req_ids,
+                cached_data.num_computed_tokens,
+                cached_data.new_block_ids,
+                boundary,
+                num_groups,
+                trusted=True,
+            ),
+        )
     num_scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
     # Most steps finish, preempt and add nothing: build no empty containers for them.
@@ -413,10 +218,6 @@ def translate_scheduler_output(
     )
     finished = frozenset(finished_ids) if finished_ids else _NO_IDS
     preempted = frozenset(preempted_ids) if preempted_ids else _NO_IDS
-    if held is not None and (finished or preempted) and len(held):
-        # A finished request's blocks are gone, a preempted one resumes with a whole new table.
-        for rid in finished | preempted:
-            held.drop(rid)
     new: tuple[NewRequest, ...] = ()
     if new_reqs:
         new = tuple(
@@ -429,9 +230,6 @@ def translate_scheduler_output(
             )
             for r in new_reqs
         )
-        if held is not None and len(held):
-            for r in new_reqs:
-                held.drop(r.req_id)
     resumed = cached_data.resumed_req_ids
     req_ids = cached_data.req_ids
     new_block_ids = cached_data.new_block_ids
@@ -467,10 +265,9 @@ def translate_scheduler_output(
     ):
         # Steady decode: one token per request, nothing resumed or speculative. A request has
         # news only if it got blocks or its one token completes a multiple of ``boundary``.
-        if held is None:
-            decode = decode_columns(req_ids, new_block_ids, num_computed, boundary, no_blocks)
-        else:
-            decode = held.decode_step(req_ids, new_block_ids, num_computed, boundary)
+        decode = decode_columns(
+            req_ids, num_computed, new_block_ids, boundary, num_groups, trusted=True
+        )
     else:
         for rid, new_ids, computed in zip(req_ids, new_block_ids, num_computed, strict=True):
             scheduled = num_scheduled[rid]
@@ -478,16 +275,7 @@ def translate_scheduler_output(
             # The common case first and cheapest: a decode token inside a block.
             if new_ids is None and not crosses and rid not in resumed and rid not in spec:
                 continue
-            if held is None:
-                ids = new_ids if _has_blocks(new_ids) else no_blocks
-            elif rid in resumed:
-                held.drop(rid)  # new_ids is the whole new table
-                ids = new_ids if _has_blocks(new_ids) else no_blocks
-            elif crosses or rid in spec:
-                ids = group_block_ids(held.take(rid, new_ids))
-            else:
-                held.hold(rid, new_ids)
-                continue
+            ids = new_ids if _has_blocks(new_ids) else no_blocks
             cached.append(
                 CachedRequest(rid, ids, computed, scheduled, len(spec.get(rid, ())), rid in resumed)
             )
@@ -503,11 +291,10 @@ def translate_scheduler_output(
 
 __all__ = [
     "GroupSelect",
-    "HeldBlockIds",
     "RequestViews",
     "VLLMRequestView",
-    "decode_columns",
     "group_block_ids",
     "request_extra_keys",
+    "steady_decode",
     "translate_scheduler_output",
 ]
