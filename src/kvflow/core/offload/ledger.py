@@ -434,8 +434,8 @@ class TransferLedger:
         ok = all(x.reported.values())
         t = x.transfer
         is_load = t.direction is Direction.LOAD
-        # A load's request still wants it (its state is not touched for a store: cold, a store
-        # a step).
+        # Whether a load's request still wants it; a store's requests are not looked at (a store
+        # settles every step, and their states would be read cold for nothing).
         alive = is_load and bool(x.reqs) and not x.reqs[0].finishing
         if t.state is TransferState.ABANDONED:
             apply(t, TransferInput.COMPLETE if ok else TransferInput.FAIL, cause="abandoned_done")
