@@ -13,6 +13,8 @@ import pytest
 
 from kvflow.core.pd.common import Action, LaunchCopies
 from kvflow.core.pd.machines import DState, PState
+from kvflow.core.pd.producer import PTransfer
+from kvflow.runtime.clock import SystemClock
 from tests.connector.pd_pair import Pair, engine
 from tests.engine.helpers import prompts, requests
 from tests.pd_leaks import no_leaks  # noqa: F401 - the fixture, used by pytestmark
@@ -43,6 +45,31 @@ def step_until(
     raise AssertionError(f"hand-off {tid} never reached the state wanted")
 
 
+def claims_before_prefill(pd: Pair, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Start the concurrent flow for each prompt and step D alone, P only polling its driver,
+    until P holds every hand-off's claim: the claims then arrive before P's prefill starts
+    (zmq delivers them on its own thread, so stepping both engines at once races it)."""
+    tids = [pd.start_concurrent(f"r{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    transfers = pd.pc.driver.manager.transfers
+
+    def claimed() -> bool:
+        for tid in tids:
+            t = transfers.get(tid)
+            if not isinstance(t, PTransfer) or (t.claim is None and t.pending_claim is None):
+                return False
+        return True
+
+    guard = SystemClock()
+    deadline = guard.now() + 20.0
+    while not claimed():
+        assert guard.now() < deadline, "P never held every claim"
+        pd.d.step()
+        pd.pc.driver.poll()
+        if not claimed():
+            pd.pc.driver.wait(0.002)
+    return tids
+
+
 class Launches:
     """Records P's sends: (transfer id, blocks) per launch."""
 
@@ -66,7 +93,11 @@ def test_chunks_stream_while_p_prefills_and_outputs_match_a_colocated_engine() -
     pd = Pair(**CHUNKED)
     try:
         launches = Launches(pd)
-        results = pd.run_concurrent(PROMPTS, MAX_TOKENS)
+        claims_before_prefill(pd, PROMPTS, MAX_TOKENS)
+        pd.drain()
+        for i in range(len(PROMPTS)):
+            pd.p.take_result(f"r{i}")
+        results = [pd.d.take_result(f"r{i}") for i in range(len(PROMPTS))]
         assert [r.output_token_ids for r in results] == colocated()
         for r, p in zip(results, PROMPTS, strict=True):
             assert r.prefill_tokens_computed == 1
@@ -76,8 +107,8 @@ def test_chunks_stream_while_p_prefills_and_outputs_match_a_colocated_engine() -
             per_handoff.setdefault(tid, []).append(n)
         assert len(per_handoff) == len(PROMPTS)
         for tid, sizes in per_handoff.items():
-            # The claim arrives a step or two into P's prefill: what is fenced by then goes at
-            # once, then one push per step (two blocks), and the rest at kv_ready.
+            # The claim is in before P's prefill: one push per step (two blocks) as chunks
+            # are fenced, and the rest at kv_ready.
             assert len(sizes) >= 2, (tid, sizes)
         # D claims the blocks of tokens 0 .. prompt - 2: 6, 10 and 8 blocks.
         claimed = {sum(v): v for v in per_handoff.values()}
