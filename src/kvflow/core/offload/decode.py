@@ -39,14 +39,12 @@ News = tuple[RequestState, int, GroupBlockIds, bool]
 def check_new_ids(
     rid: str, g: int, ids: Sequence[int], num_blocks: int | None, null: int | None
 ) -> None:
-    """A running request's new GPU block ids of group ``g``: ints in range and unique (only the
-    null block may repeat), as ``validate.step_entries`` checks them."""
+    """A running request's new GPU block ids of group ``g``: ints (``validate.check_ids``
+    then checks them in range and unique, only the null block repeating)."""
     for b in ids:
         if type(b) is not int:
             raise ConfigError(f"request {rid!r} group {g}: GPU block id {b!r} is not an int")
-    problem = validate.id_problem(ids, num_blocks, null)
-    if problem is not None:
-        raise ConfigError(f"request {rid!r} group {g}: GPU block id {problem}")
+    validate.check_ids(f"request {rid!r}", g, ids, num_blocks, null)
 
 
 class DecodePhases:

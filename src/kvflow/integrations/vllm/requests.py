@@ -197,18 +197,6 @@ def translate_scheduler_output(
         and not scheduler_output.preempted_req_ids
     ):
         return SchedulerOutput(step)  # lazy over a keyed view, nothing new: no news
-    if select is None and steady_decode(scheduler_output):
-        return SchedulerOutput(
-            step,
-            decode_requests=decode_columns(
-                cached_data.req_ids,
-                cached_data.num_computed_tokens,
-                cached_data.new_block_ids,
-                boundary,
-                num_groups,
-                trusted=True,
-            ),
-        )
     num_scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
     # Most steps finish, preempt and add nothing: build no empty containers for them.
