@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
-"""kvflow's host work per connector step, one revision against another, interleaved in one run.
+"""A connector step, one revision against another, interleaved in one run.
 
-Runs ``bench_connector_transfer.py --floor-only`` (this checkout's script: the same engine calls
-for both) in a fresh process per round and revision, alternating which goes first, with
-``PYTHONPATH`` at this checkout's ``src`` or at a copy of ``--base``'s (``git archive``). Every
-measured step of every round is pooled per revision, layout and direction; the table gives the
-median and interquartile range of the floor (a step's wall on copies that finish at once) and
-of its launch, with the machine's load average before and after.
+Runs ``bench_connector_transfer.py`` (this checkout's script: the same engine calls for both) in
+a fresh process per round and revision, alternating which goes first, with ``PYTHONPATH`` at
+this checkout's ``src`` or at ``--base``'s (``git archive``, or a tree already unpacked:
+``--base-src``, for a machine without the repository's history). Every measured step of every
+round is pooled per revision, layout and direction; the table gives medians and interquartile
+ranges, with the machine's load average before and after.
+
+- ``--device cpu`` (the default): ``--floor-only``, kvflow's host work per step (the floor: a
+  step's wall on copies that finish at once) and its launch;
+- ``--device cuda``: the real copies (no floor run), each step's fraction of its process's
+  ceiling, the launch on the engine's thread and the CUDA backend's issue time.
 
     PYTHONPATH=src python scripts/bench_connector_fixed.py --base 2621fd2 --rounds 6 \\
         --json docs/data/connector_fixed_devbox.json
+    PYTHONPATH=src python scripts/bench_connector_fixed.py --device cuda --base-src /tmp/base/src
 """
 
 from __future__ import annotations
@@ -38,6 +44,19 @@ DIRECTIONS = ("store", "load")
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base", default="2621fd2", help="the revision to compare against")
+    p.add_argument(
+        "--base-src",
+        type=Path,
+        default=None,
+        help="the base's src tree, already unpacked (instead of exporting --base)",
+    )
+    p.add_argument(
+        "--branch-src",
+        type=Path,
+        default=ROOT / "src",
+        help="the src tree measured against the base (default: this checkout's)",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--rounds", type=int, default=6, help="processes per revision, interleaved")
     p.add_argument("--layouts", default="4k,mla,32k,cross")
     p.add_argument("--blocks", type=int, default=512)
@@ -50,7 +69,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.blocks < 1:
         p.error("--rounds, --steps and --blocks must be positive")
+    for opt, tree in (("--base-src", args.base_src), ("--branch-src", args.branch_src)):
+        if tree is not None and not (tree / "kvflow").is_dir():
+            p.error(f"{opt} {tree} holds no kvflow package")
     return args
+
+
+# Per mode: the pooled metrics (JSON key of each step's list → column name, digits).
+METRICS: dict[str, dict[str, tuple[str, int]]] = {
+    "cpu": {"floors_ms": ("floor ms", 3), "floor_launches_us": ("launch µs", 0)},
+    "cuda": {
+        "fractions": ("of ceiling", 3),
+        "launches_us": ("launch µs", 0),
+        "issues_us": ("issue µs", 0),
+    },
+}
 
 
 def export_src(rev: str, into: Path) -> Path:
@@ -64,13 +97,12 @@ def export_src(rev: str, into: Path) -> Path:
 
 
 def one_run(args: argparse.Namespace, src: Path, out: Path) -> dict[str, Any]:
-    """One ``--floor-only`` process over ``src``; its JSON."""
+    """One benchmark process over ``src`` (``--floor-only`` on CPU); its JSON."""
+    mode = ["--device", "cpu", "--floor-only"] if args.device == "cpu" else ["--no-floor"]
     cmd = [
         sys.executable,
         str(BENCH),
-        "--device",
-        "cpu",
-        "--floor-only",
+        *mode,
         "--layouts",
         args.layouts,
         "--blocks",
@@ -88,7 +120,9 @@ def one_run(args: argparse.Namespace, src: Path, out: Path) -> dict[str, Any]:
         "--json",
         str(out),
     ]
-    env = {**os.environ, "PYTHONPATH": str(src)}
+    # The tree first; what the caller's path adds (packages installed beside) after it.
+    rest = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(src), rest) if x)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -108,16 +142,21 @@ def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=150)
-    revs = {"base": args.base, "branch": "working tree"}
+    revs = {"base": args.base, "branch": str(args.branch_src)}
+    metrics = METRICS[args.device]
     pooled: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kvflow-fixed-") as tmp:
-        try:
-            base_src = export_src(args.base, Path(tmp))
-        except subprocess.CalledProcessError:
-            console.print(f"bench_connector_fixed: cannot export revision {args.base!r}")
-            return 2
-        trees = {"base": base_src, "branch": ROOT / "src"}
+        if args.base_src is not None:
+            base_src = args.base_src
+            revs["base"] = str(args.base_src)
+        else:
+            try:
+                base_src = export_src(args.base, Path(tmp))
+            except subprocess.CalledProcessError:
+                console.print(f"bench_connector_fixed: cannot export revision {args.base!r}")
+                return 2
+        trees = {"base": base_src, "branch": args.branch_src}
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("rounds", total=2 * args.rounds)
             for r in range(args.rounds):
@@ -126,60 +165,41 @@ def main(argv: Sequence[str] | None = None) -> int:
                     out = one_run(args, trees[name], Path(tmp) / f"{name}{r}.json")
                     for res in out["results"]:
                         for d in DIRECTIONS:
-                            acc = pooled.setdefault(
-                                (res["layout"], d, name), {"wall": [], "launch": []}
-                            )
-                            acc["wall"] += res[d]["floors_ms"]
-                            acc["launch"] += res[d]["floor_launches_us"]
+                            acc = pooled.setdefault((res["layout"], d, name), {})
+                            for key in metrics:
+                                acc.setdefault(key, []).extend(res[d][key])
                     progress.advance(task)
     load_after = os.getloadavg()
+    what = "floor" if args.device == "cpu" else "step through the connector"
     table = Table(
         title=(
-            f"connector floor per step, {args.base} vs this branch, interleaved "
+            f"connector {what}, {revs['base']} vs {revs['branch']}, interleaved "
             f"({args.rounds} processes × {args.steps} steps each; {args.blocks} scattered "
-            f"blocks × {args.layers} layers, {args.worker_loop} loop, {args.hashes} hashes)"
+            f"blocks × {args.layers} layers, {args.worker_loop} loop, {args.hashes} hashes; "
+            "medians, interquartile ranges in brackets)"
         )
     )
-    for col in (
-        "layout",
-        "dir",
-        "base ms",
-        "base IQR",
-        "branch ms",
-        "branch IQR",
-        "change",
-        "base launch µs",
-        "branch launch µs",
-    ):
+    columns = ["layout", "dir"]
+    for title, _ in metrics.values():
+        columns += [f"base {title}", f"branch {title}", "change"]
+    for col in columns:
         table.add_column(col, justify="left" if col in ("layout", "dir") else "right")
     rows = []
     for layout in [x for x in args.layouts.split(",") if x]:
         for d in DIRECTIONS:
             b, n = pooled[(layout, d, "base")], pooled[(layout, d, "branch")]
-            bw, nw = quartiles(b["wall"]), quartiles(n["wall"])
-            bl, nl = quartiles(b["launch"]), quartiles(n["launch"])
-            rows.append(
-                {
-                    "layout": layout,
-                    "dir": d,
-                    "base_ms": bw,
-                    "branch_ms": nw,
-                    "base_launch_us": bl,
-                    "branch_launch_us": nl,
-                    "steps": len(b["wall"]),
-                }
-            )
-            table.add_row(
-                layout,
-                d,
-                f"{bw[1]:.3f}",
-                f"{bw[0]:.3f}–{bw[2]:.3f}",
-                f"{nw[1]:.3f}",
-                f"{nw[0]:.3f}–{nw[2]:.3f}",
-                f"{nw[1] / bw[1] - 1:+.0%}",
-                f"{bl[1]:.0f} ({bl[0]:.0f}–{bl[2]:.0f})",
-                f"{nl[1]:.0f} ({nl[0]:.0f}–{nl[2]:.0f})",
-            )
+            row: dict[str, Any] = {"layout": layout, "dir": d, "steps": len(b[next(iter(b))])}
+            cells = [layout, d]
+            for key, (_title, digits) in metrics.items():
+                bq, nq = quartiles(b[key]), quartiles(n[key])
+                row[f"base_{key}"], row[f"branch_{key}"] = bq, nq
+                cells += [
+                    f"{bq[1]:.{digits}f} ({bq[0]:.{digits}f}–{bq[2]:.{digits}f})",
+                    f"{nq[1]:.{digits}f} ({nq[0]:.{digits}f}–{nq[2]:.{digits}f})",
+                    f"{nq[1] / bq[1] - 1:+.0%}",
+                ]
+            rows.append(row)
+            table.add_row(*cells)
     console.print(table)
     console.print(
         f"load average (1, 5, 15 min) before {', '.join(f'{x:.1f}' for x in load_before)}, "

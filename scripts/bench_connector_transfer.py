@@ -583,6 +583,9 @@ def bench_layout(
             "launch_us_max": max(r["launch"]) * 1e6,
             "issue_us": issue * 1e6,
             "walls_ms": [w * 1e3 for w in r["wall"]],
+            "launches_us": [la * 1e6 for la in r["launch"]],
+            "issues_us": [i * 1e6 for i in r["issue"]],
+            "fractions": [step_bytes / w / 1e9 / ceil for w in r["wall"]],
         }
         if floor is not None:
             result[d].update(floor_figures(floor[d]))

@@ -12,7 +12,9 @@
 # noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
 # its own), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
-# every layout; cross-layer again on the staged path), pdx (PD's CUDA IPC transport, scattered
+# every layout; cross-layer again on the staged path), connector-ab (the same at 512 blocks, this
+# tree against the base tree unpacked at BASE_SRC, default .base/src, AB_ROUNDS processes each,
+# interleaved), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
 # wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC, the
 # multi-round workload, the first token D's and P's), pd-one (the same with one user, 2k-16k-token
@@ -87,6 +89,12 @@ for step in $STEPS; do
         --json "$OUT/connector_transfer.json"
       run connector_transfer_cross_staged 60 python3 scripts/bench_connector_transfer.py \
         --layouts cross --method staged --json "$OUT/connector_transfer_cross_staged.json" ;;
+    calls)
+      run driver_calls 120 python3 scripts/bench_driver_calls.py --json "$OUT/driver_calls.json" ;;
+    connector-ab)
+      run connector_ab 420 python3 scripts/bench_connector_fixed.py --device cuda \
+        --base-src "${BASE_SRC:-.base/src}" --rounds "${AB_ROUNDS:-3}" --blocks 512 \
+        --json "$OUT/connector_ab.json" ;;
     pdx)  # PD's one-GPU transport: scattered pages, one region and a block of 32 pages
       run pd_transports 150 python3 scripts/bench_pd_transports.py --device cuda \
         --transports cuda-ipc --mib 256 --pin --json "$OUT/pd_transports.json"

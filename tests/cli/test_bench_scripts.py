@@ -9,9 +9,11 @@ import pytest
 import structlog
 import torch
 from scripts import (
+    bench_connector_fixed,
     bench_connector_transfer,
     bench_copy_contention,
     bench_decode_step,
+    bench_driver_calls,
     bench_engine_offload,
     bench_logging,
     bench_pd_control,
@@ -128,6 +130,10 @@ def test_connector_transfer_bench_drives_every_layout_through_the_connector(
             assert 0 < fig["copy_ms"] <= fig["wall_ms"]
             assert fig["launch_us"] > 0
             assert len(fig["walls_ms"]) == 2
+            assert len(fig["launches_us"]) == len(fig["issues_us"]) == 2
+            assert fig["fractions"] == pytest.approx(
+                [r["step_bytes"] / (w * 1e-3) / 1e9 / fig["ceiling_gbps"] for w in fig["walls_ms"]]
+            )
             bytes_at_ceiling_ms = r["step_bytes"] / (fig["ceiling_gbps"] * 1e9) * 1e3
             assert fig["fixed_ms"] == pytest.approx(fig["wall_ms"] - bytes_at_ceiling_ms)
 
@@ -154,6 +160,50 @@ def test_connector_floor_only_reports_quartiles_and_a_profile(tmp_path: Path) ->
             assert fig["floor_ms_q1"] <= fig["floor_ms"] <= fig["floor_ms_q3"]
             assert 0 < fig["floor_launch_us"] < fig["floor_ms"] * 1e3
     assert prof.stat().st_size > 0
+
+
+def test_connector_ab_bench_pools_both_trees_steps(tmp_path: Path) -> None:
+    """The interleaved comparison runs one process per tree and round and pools every measured
+    step of each (here the floor on CPU, this tree against itself as the base)."""
+    out = tmp_path / "ab.json"
+    rc = bench_connector_fixed.main(
+        [
+            "--base-src", "src", "--rounds", "1", "--layouts", "4k", "--blocks", "4",
+            "--layers", "2", "--steps", "2", "--warmup", "1", "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    f = json.loads(out.read_text())
+    assert [(r["layout"], r["dir"]) for r in f["rows"]] == [("4k", "store"), ("4k", "load")]
+    for key, steps in f["steps"].items():
+        assert key.split("|")[2] in ("base", "branch")
+        assert len(steps["floors_ms"]) == len(steps["floor_launches_us"]) == 2
+
+
+def test_connector_ab_bench_refuses_a_base_tree_without_kvflow(tmp_path: Path) -> None:
+    """A --base-src that holds no kvflow package is a one-line usage error (exit 2)."""
+    with pytest.raises(SystemExit) as exc:
+        bench_connector_fixed.main(["--base-src", str(tmp_path)])
+    assert exc.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_driver_calls_bench_says_it_needs_cuda() -> None:
+    """Without a GPU the driver-call benchmark exits with status 2 instead of failing."""
+    assert bench_driver_calls.main(["--rounds", "1"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_driver_calls_bench_times_every_call_both_ways(tmp_path: Path) -> None:
+    """On a GPU every driver call kind is timed through the bindings and through ctypes."""
+    out = tmp_path / "calls.json"
+    assert bench_driver_calls.main(["--rounds", "2", "--calls", "20", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 5
+    for row in rows:
+        assert row["bindings_us"][1] > 0
+        assert row["raw_us"][1] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
