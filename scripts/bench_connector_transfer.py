@@ -32,7 +32,8 @@ inside the timed load instead.
 
 ``--floor-only`` runs only the floor (no copies, no ceiling: any machine, the CUDA mode's
 host-side work on the host backend's terms) and prints its per-step medians and interquartile
-ranges; ``--profile PATH`` writes a cProfile of the floor's timed spans (``pstats`` format).
+ranges; ``--profile PATH`` writes a cProfile of the floor's timed spans (``pstats`` format; with
+``--no-floor``, of the real copies' steps).
 
     PYTHONPATH=src python scripts/bench_connector_transfer.py --json out.json        # on a GPU
     PYTHONPATH=src python scripts/bench_connector_transfer.py --device cpu --blocks 16 \\
@@ -192,7 +193,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--profile",
         type=Path,
         default=None,
-        help="write a cProfile of the floor's timed spans to this file (pstats format)",
+        help="write a cProfile of the floor's timed spans to this file (pstats format); with "
+        "--no-floor, of the real copies' timed spans",
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -540,7 +542,9 @@ def bench_layout(
         backend: Any = conn.worker.backend
         path = backend.path(0) if hasattr(backend, "path") else "host"
         ceiling = ceiling_gbps(conn, step_bytes, block_bytes, device, args.ceiling_reps)
-        rows, verified = measure(args, conn, tensors, blocks, num_gpu, tick)
+        # With --no-floor a profile covers these, the real copies' steps.
+        profiler = None if args.floor else args.profiler
+        rows, verified = measure(args, conn, tensors, blocks, num_gpu, tick, profiler)
         stats = conn.worker.copy_stats()
     finally:
         conn.worker.shutdown()
@@ -651,7 +655,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         render(results, args, console)
     if args.profiler is not None:
         args.profiler.dump_stats(str(args.profile))
-        console.print(f"profile of the floor's timed spans: {args.profile}")
+        what = "the floor's" if args.floor else "the real copies'"
+        console.print(f"profile of {what} timed spans: {args.profile}")
     out = {
         "device": device_name(args.device),
         "worker_loop": args.worker_loop,

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Host time of each CUDA driver call the CUDA backend's issue path makes, two ways, interleaved.
 
-Per call kind: through cuda-python's bindings (what ``kvflow.backends.cuda`` calls today) and
-through ctypes on raw handles (``driver.RawCalls``, what the PD transport calls), plus an event
-created and destroyed against one taken from and given back to an ``EventPool``. Rounds
-alternate the two ways, each round timing ``--calls`` calls back to back after a device sync;
-the table gives the median µs per call over the rounds, and its interquartile range.
+Per call kind: through cuda-python's bindings (what the CUDA backend's issue path calls; the
+gather launch is ``StageKernel.launch``) and through ctypes on raw handles (``driver.RawCalls``,
+what the PD transport calls), plus an event created and destroyed against one taken from and
+given back to an ``EventPool``. Rounds alternate the two ways, each round timing ``--calls``
+calls back to back after a device sync; the table gives the median µs per call over the rounds,
+and its interquartile range.
 
     python scripts/bench_driver_calls.py --json out.json      # on a GPU machine
 """
@@ -13,7 +14,6 @@ the table gives the median µs per call over the rounds, and its interquartile r
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 import time
@@ -70,17 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One region of empty pages: the launch's host cost, next to no device work.
     region = torch.zeros(4, dtype=torch.int64, device="cuda")
     region_p = int(region.data_ptr())
-    kernel_params = int(kernel._pointers.ctypes.data)
-    function_h = int(kernel.function)
-    lib = ctypes.CDLL("libcuda.so.1")
-    memcpy_raw = lib.cuMemcpyAsync
-    memcpy_raw.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-    memcpy_raw.restype = ctypes.c_int
     page = 4096
     gpu = torch.empty(page, dtype=torch.uint8, device="cuda")
     host = torch.empty(page, dtype=torch.uint8).pin_memory()
     gpu_p, host_p = int(gpu.data_ptr()), int(host.data_ptr())
     pool = drv.EventPool()
+
+    kernel_params = int(kernel._pointers.ctypes.data)
+    function_h = int(kernel.function)
 
     def launch_raw() -> None:
         kernel._scalars[0] = region_p
@@ -104,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "cuMemcpyAsync 4 KiB D2H": (
             lambda: drv.check(drv.cu.cuMemcpyAsync(host_p, gpu_p, page, stream), "cuMemcpyAsync"),
-            lambda: memcpy_raw(host_p, gpu_p, page, stream_h),
+            lambda: raw.memcpy(host_p, gpu_p, page, stream_h),
         ),
         "event: create+destroy / pool": (created_event, pooled_event),
     }

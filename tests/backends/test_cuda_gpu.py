@@ -537,3 +537,99 @@ def test_worker_copy_stats_on_cuda_are_measured(make_backend: Any) -> None:
         assert worker.copy_throughput()[Direction.STORE] == (stats.bytes, stats.copy_s)
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("launch_thread", [True, False])
+def test_a_batch_over_a_staged_and_a_direct_group_round_trips(
+    make_backend: Any, launch_thread: bool
+) -> None:
+    """One batch over two KV cache groups, one staged over several slots and one direct, copies
+    both byte for byte each way, and its fence covers every stream the batch used."""
+    n = 40
+    small = make_kv("flash", torch.bfloat16, 4 * KiB, n, layers=2)
+    large = {f"big{k}": t for k, t in make_kv("mla", torch.bfloat16, 64 * KiB, n, layers=1).items()}
+    backend = make_backend(
+        staged_max_page_bytes=16 * KiB,
+        slot_bytes=64 * KiB,  # four 16 KiB blocks a slot: a 30-block batch takes several
+        launch_thread=launch_thread,
+    )
+    groups = {**dict.fromkeys(small, 0), **dict.fromkeys(large, 1)}
+    backend.register_kv_caches({**small, **large}, {0: n, 1: n}, groups)
+    assert [backend.path(0), backend.path(1)] == ["staged", "direct"]
+    backend.allocate_cpu_tier([n, n])
+    rng = np.random.default_rng(5)
+    src = [rng.permutation(n)[:30].tolist(), rng.permutation(n)[:30].tolist()]
+    cpu = [list(range(30)), list(range(5, 35))]
+    want = [
+        [block_bytes(kv, style, b) for b in ids]
+        for kv, style, ids in ((small, "flash", src[0]), (large, "mla", src[1]))
+    ]
+    stored = backend.submit(
+        CopyBatch(Direction.STORE, tuple(map(tuple, src)), tuple(map(tuple, cpu))),
+        [backend.compute_fence()],
+    )
+    dst = [rng.permutation(n)[:30].tolist(), rng.permutation(n)[:30].tolist()]
+    # The load reads the CPU blocks the store writes (and may overwrite GPU blocks it reads): it
+    # waits on the store's fence alone.
+    loaded = backend.submit(
+        CopyBatch(Direction.LOAD, tuple(map(tuple, dst)), tuple(map(tuple, cpu))), [stored]
+    )
+    backend.wait_launched()
+    from kvflow.backends.cuda import driver as drv
+
+    # Only the load's fence event is waited for (no device or stream sync): it must come after
+    # the work of every stream the batch used.
+    assert drv.event_synchronize(loaded.event) == 0
+    assert backend.query(loaded) is FenceStatus.DONE
+    for kv, style, ids, w in ((small, "flash", dst[0], want[0]), (large, "mla", dst[1], want[1])):
+        for d, expect in zip(ids, w, strict=True):
+            assert torch.equal(block_bytes(kv, style, d), expect)
+
+
+def test_batches_reuse_their_events(make_backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a few batches' fences are gone, further batches create no CUDA events: the fence,
+    timing and compute-fence events come back to the backend's pools and are taken again."""
+    from kvflow.backends.cuda import driver as drv
+
+    _kv, backend = ready(make_backend, "flash", torch.bfloat16, 4 * KiB, 16, 16)
+
+    def one_batch() -> None:
+        fence = backend.submit(store([1, 2, 3], [4, 5, 6]), [backend.compute_fence()])
+        backend.flush()
+        assert backend.query(fence) is FenceStatus.DONE
+        assert backend.copy_seconds(fence) is not None
+
+    for _ in range(3):
+        one_batch()
+    created: list[dict[str, bool]] = []
+    real = drv.new_event
+
+    def counted(**kw: bool) -> Any:
+        created.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(drv, "new_event", counted)
+    for _ in range(20):
+        one_batch()
+    assert created == []
+    backend.close()
+    assert (len(backend._fence_events), len(backend._timing_events)) == (0, 0)
+
+
+def test_a_batch_is_not_held_behind_another_batchs_compute_wait(make_backend: Any) -> None:
+    """A store that waits for nothing runs on the next slot's stream while an earlier store
+    still waits for its compute, and each batch's copy time is its own (not cut to zero)."""
+    _kv, backend = ready(make_backend, "flash", torch.bfloat16, 4 * KiB, 16, 16, method="staged")
+    gpu_sleep()
+    fenced = backend.submit(store([1], [1]), [backend.compute_fence()])
+    free = backend.submit(store([2], [2]))
+    from kvflow.backends.cuda import driver as drv
+
+    assert drv.event_synchronize(free.event) == 0
+    assert backend.query(fenced) is FenceStatus.PENDING  # still behind the sleep
+    backend.flush()
+    first, second = backend.copy_seconds(fenced), backend.copy_seconds(free)
+    assert first is not None
+    assert second is not None
+    assert 0 < first < 0.01
+    assert 0 < second < 0.01

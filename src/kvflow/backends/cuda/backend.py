@@ -5,8 +5,13 @@ Two ways to move a batch of blocks, chosen per KV cache group by page size:
 - direct: one ``cuMemcpyBatchAsync`` over every (block, region) page — good when pages are large;
 - staged: a gather kernel packs the pages of up to a slot's worth of blocks into a block-major
   staging slot on the GPU, then the copy engine moves whole blocks (runs of them) to the CPU tier;
-  loads run the same pipeline backwards. Slots form a ring per direction; gather ``k + 1`` overlaps
-  DMA ``k`` on a second stream, ordered by per-slot events.
+  loads run the same pipeline backwards. Slots form a ring per direction, each slot with a stream
+  of its own that runs both its kernel and its DMA: stream order alone keeps a slot's gather before
+  its DMA and its next gather after that DMA, while gather ``k + 1`` on the next slot's stream
+  overlaps DMA ``k``. A store's sub-batch is then two driver calls (kernel, DMA) rather than six
+  (with the four event records and waits that ordered one kernel stream against one DMA
+  stream); a load's chains its DMA after the previous one's (four), so that only its last,
+  short scatter is left without a DMA to overlap.
 
 Every stream kvflow creates is non-blocking at the lowest priority. Fences are CUDA events: a
 store waits (device-side) on the compute fence, a load on any in-flight store of its blocks.
@@ -113,12 +118,21 @@ class CudaFence:
     is settled, so fences never chain.
     """
 
-    __slots__ = ("error", "event", "launched", "owner", "prev_timing", "timing")
+    __slots__ = ("error", "event", "launched", "owner", "pool", "prev_timing", "timing")
 
-    def __init__(self, event: Any, owner: CudaBackend, *, launched: bool = True) -> None:
+    def __init__(
+        self,
+        event: Any,
+        owner: CudaBackend,
+        *,
+        launched: bool = True,
+        pool: drv.EventPool | None = None,
+    ) -> None:
         self.event = event
         self.owner = owner
         self.launched = launched
+        self.pool = pool
+        """Where the event goes back when the fence goes (None: it is destroyed)."""
         self.error: str | None = None
         self.timing: Timing | None = None
         self.prev_timing: Timing | None = None
@@ -126,7 +140,10 @@ class CudaFence:
     def __del__(self) -> None:
         # At interpreter shutdown the driver may already be gone.
         with contextlib.suppress(Exception):
-            drv.cu.cuEventDestroy(self.event)
+            if self.pool is not None:
+                self.pool.give(self.event)
+            else:
+                drv.cu.cuEventDestroy(self.event)
 
 
 class _JobThread:
@@ -165,26 +182,19 @@ class _JobThread:
 
 @define(eq=False)
 class _Ring:
-    """One direction's staging slots and the events that order their reuse."""
+    """One direction's staging slots, each with the stream that runs its kernel and its DMA."""
 
     base: int
     slot_bytes: int
-    filled: list[Any]  # recorded when slot k's data is ready for its second stage
-    free: list[Any]  # recorded when slot k's second stage is done with it
+    streams: list[Any]
     next: int = 0
-
-    def take(self) -> tuple[int, int]:
-        k = self.next
-        self.next = (k + 1) % len(self.filled)
-        return k, self.base + k * self.slot_bytes
 
 
 @define(eq=False)
 class _Lane:
-    """One direction's streams: ``dma`` runs copy-engine work, ``sm`` the gather/scatter kernel."""
+    """One direction's streams: ``dma`` runs the direct path's copies, the ring the staged path."""
 
     dma: Any
-    sm: Any
     attrs: drv.CopyAttributes
     ring: _Ring | None = None
 
@@ -221,12 +231,17 @@ class CudaBackend:
         self._lanes = {
             d: _Lane(
                 dma=drv.lowest_priority_stream(),
-                sm=drv.lowest_priority_stream(),
                 attrs=drv.CopyAttributes(store=d is Direction.STORE, device=device),
             )
             for d in Direction
         }
         self._join = drv.new_event()
+        self._dma_done = drv.new_event()  # a load's sub-batch DMA, for the next one to wait on
+        # Fence events (blocking, so that a waiter thread sleeps), timing events, and the
+        # compute fences' plain ones: one pool each, reused batch after batch.
+        self._fence_events = drv.EventPool(blocking=True)
+        self._timing_events = drv.EventPool(timing=True)
+        self._plain_events = drv.EventPool()
         self._launcher = (
             _JobThread(self._ctx, "kvflow-cuda-launch") if self.config.launch_thread else None
         )
@@ -357,10 +372,11 @@ class CudaBackend:
             lane.ring = _Ring(
                 base=int(buf.data_ptr()),
                 slot_bytes=cfg.slot_bytes,
-                filled=[drv.new_event() for _ in range(cfg.num_slots)],
-                free=[drv.new_event() for _ in range(cfg.num_slots)],
+                streams=[drv.lowest_priority_stream() for _ in range(cfg.num_slots)],
             )
-        self._kernel.warm_up(self._lanes[Direction.STORE].sm)
+        store_ring = self._lanes[Direction.STORE].ring
+        assert store_ring is not None
+        self._kernel.warm_up(store_ring.streams[0])
         # torch allocated the staging buffers on its current stream; our streams must not race it.
         torch.cuda.synchronize(self.device)
         self.flush()
@@ -370,10 +386,10 @@ class CudaBackend:
     def compute_fence(self) -> CudaFence:
         self._check_open()
         self._ctx.enter()
-        event = drv.new_event()
+        event = self._plain_events.take()
         stream = self._torch.cuda.current_stream(self.device).cuda_stream
         drv.record(event, drv.stream_of(stream))
-        return CudaFence(event, self)
+        return CudaFence(event, self, pool=self._plain_events)
 
     def query(self, fence: Fence) -> FenceStatus:
         event = self._event_of(fence)
@@ -394,9 +410,10 @@ class CudaBackend:
 
     def copy_seconds(self, fence: Fence) -> float | None:
         """Device seconds of a finished batch's copies (``TimesCopies``): from its start event
-        (after its waits) to its end event; where it began before the previous batch of its
-        direction had ended, from that end instead (so overlapping batches count once). None
-        without ``time_copies``, or when the driver cannot say."""
+        (after its waits) to its end event, less the time the previous batch of its direction
+        was copying too (so overlapping batches count once; batches of one direction on
+        different slot streams may also run, and finish, out of order). None without
+        ``time_copies``, or when the driver cannot say."""
         self._event_of(fence)
         assert isinstance(fence, CudaFence)
         timing, prev = fence.timing, fence.prev_timing
@@ -408,12 +425,14 @@ class CudaBackend:
         if seconds is None:
             return None
         if prev is not None:
-            gap = drv.elapsed_s(prev.end, timing.start)
-            if gap is not None and gap < 0:
-                since_prev = drv.elapsed_s(prev.end, timing.end)
-                if since_prev is not None:
-                    seconds = max(0.0, since_prev)
-        return seconds
+            # The previous batch's span relative to this one's start; its overlap with this
+            # batch's span [0, seconds] was counted already.
+            prev_start = drv.elapsed_s(timing.start, prev.start)
+            prev_end = drv.elapsed_s(timing.start, prev.end)
+            if prev_start is not None and prev_end is not None:
+                overlap = min(seconds, prev_end) - max(0.0, prev_start)
+                seconds -= max(0.0, overlap)
+        return max(0.0, seconds)
 
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
@@ -468,7 +487,7 @@ class CudaBackend:
             if len(gpu):
                 work.append((g, table, gpu, cpu))
         self._ctx.enter()
-        fence = CudaFence(drv.new_event(blocking=True), self, launched=False)
+        fence = CudaFence(self._fence_events.take(), self, launched=False, pool=self._fence_events)
         job = functools.partial(self._issue, batch.direction, work, waits, fence)
         if self._launcher is not None:
             self._launcher.put(job)
@@ -486,34 +505,29 @@ class CudaBackend:
         assert tier is not None
         store = direction is Direction.STORE
         lane = self._lanes[direction]
-        staged = direct = False
         try:
             # Made here, not in ``submit``: the caller's thread does as little as it can.
-            timing = fence.timing = Timing() if self.config.time_copies else None
-            for stream in (lane.sm, lane.dma):
-                for waited in waits:
-                    drv.wait(stream, waited.event)
-            if timing is not None:
-                # On the stream of the batch's first work: a staged store starts with the
-                # gather kernel, everything else with a DMA.
-                gathers = bool(work) and store and self._staged[work[0][0]]
-                drv.record(timing.start, lane.sm if gathers else lane.dma)
+            timing = fence.timing = Timing(self._timing_events) if self.config.time_copies else None
+            used: list[Any] = []  # the batch's streams, in the order of their first work
             for g, table, gpu, cpu in work:
                 tier.ensure(g, int(cpu.max()))
                 if self._staged[g]:
-                    self._staged_copy(lane, g, table, gpu, cpu, tier, store=store)
-                    staged = True
+                    self._staged_copy(
+                        lane, g, table, gpu, cpu, tier, used, waits, timing, store=store
+                    )
                 else:
                     desc = direct_descriptors(
                         table, gpu, cpu, tier.ptr(g), store=store, chunk_blocks=tier.chunk_blocks(g)
                     )
+                    self._enter(used, lane.dma, waits, timing)
                     self._copy(desc, lane, lane.dma)
-                    direct = True
-            # A batch's last work is a DMA for stores; for staged loads it is the scatter kernel.
-            last = lane.sm if staged and not store else lane.dma
-            if staged and direct and not store:
-                drv.record(self._join, lane.dma)
-                drv.wait(lane.sm, self._join)
+            if not used:  # nothing to copy: the fence completes once its waits have
+                self._enter(used, lane.dma, waits, timing)
+            # Every other stream of the batch joins the last one, which then marks the end.
+            last = used[-1]
+            for stream in used[:-1]:
+                drv.record(self._join, stream)
+                drv.wait(last, self._join)
             if timing is not None:
                 drv.record(timing.end, last)
             drv.record(fence.event, last)
@@ -530,6 +544,19 @@ class CudaBackend:
         self.issue_stats[direction].observe(time.perf_counter() - began)
         fence.launched = True
         self._notify(direction, fence)
+
+    @staticmethod
+    def _enter(used: list[Any], stream: Any, waits: list[Any], timing: Timing | None) -> None:
+        """Before a batch's first work on ``stream``: the stream waits for the batch's fences,
+        and the batch's first stream records its timing start (after those waits)."""
+        for s in used:
+            if s is stream:
+                return
+        for waited in waits:
+            drv.wait(stream, waited.event)
+        if timing is not None and not used:
+            drv.record(timing.start, stream)
+        used.append(stream)
 
     def _notify(self, direction: Direction, fence: CudaFence) -> None:
         """Have ``fence``'s waiter thread wake the reactor when it finishes (if there is one)."""
@@ -561,6 +588,9 @@ class CudaBackend:
         gpu: Any,
         cpu: Any,
         tier: PinnedTier,
+        used: list[Any],
+        waits: list[Any],
+        timing: Timing | None,
         *,
         store: bool,
     ) -> None:
@@ -581,7 +611,7 @@ class CudaBackend:
             else 0,
         )
         nsub = plan.num_subbatches
-        nslots = len(ring.filled)
+        nslots = len(ring.streams)
         slots = (ring.next + np.arange(nsub)) % nslots
         ring.next = (ring.next + nsub) % nslots
         slot_ptrs = (ring.base + slots * ring.slot_bytes).astype(np.uint64)
@@ -596,25 +626,25 @@ class CudaBackend:
         regions_ptr = int(self._table_dev[g].data_ptr())
         nreg, bb = self._kernel_rows[g], table.block_bytes
         bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
+        streams = ring.streams
         for k, (slot, slot_ptr) in enumerate(zip(slots.tolist(), slot_ptrs.tolist(), strict=True)):
             lo, hi, dlo, dhi = bounds[k], bounds[k + 1], dbounds[k], dbounds[k + 1]
-            filled, free = ring.filled[slot], ring.free[slot]
+            # The slot's stream ran its previous DMA (store) or scatter (load): stream order
+            # makes this sub-batch wait for the slot to be free, and its DMA for its gather.
+            stream = streams[slot]
+            self._enter(used, stream, waits, timing)
             if store:
-                drv.wait(lane.sm, free)
-                kernel.launch(lane.sm, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=True)
-                drv.record(filled, lane.sm)
-                drv.wait(lane.dma, filled)
-                self._copy(dma, lane, lane.dma, dlo, dhi)
-                drv.record(free, lane.dma)
+                kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=True)
+                self._copy(dma, lane, stream, dlo, dhi)
             else:
-                drv.wait(lane.dma, free)
-                self._copy(dma, lane, lane.dma, dlo, dhi)
-                drv.record(filled, lane.dma)
-                drv.wait(lane.sm, filled)
-                kernel.launch(
-                    lane.sm, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=False
-                )
-                drv.record(free, lane.sm)
+                # A load's DMAs go one after another (each on its slot's stream), so that the
+                # only scatter no DMA overlaps is the last, short sub-batch's.
+                if k:
+                    drv.wait(stream, self._dma_done)
+                self._copy(dma, lane, stream, dlo, dhi)
+                if k + 1 < nsub:
+                    drv.record(self._dma_done, stream)
+                kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=False)
 
     # -- inspection, flush, shutdown ------------------------------------------------------------
 
@@ -646,9 +676,17 @@ class CudaBackend:
         """Block until everything submitted so far has finished (preemption, shutdown)."""
         self.wait_launched()
         self._ctx.enter()
+        for stream in self._streams():
+            drv.check(drv.cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def _streams(self) -> list[Any]:
+        """Every stream this backend made."""
+        out = []
         for lane in self._lanes.values():
-            drv.check(drv.cu.cuStreamSynchronize(lane.dma), "cuStreamSynchronize")
-            drv.check(drv.cu.cuStreamSynchronize(lane.sm), "cuStreamSynchronize")
+            out.append(lane.dma)
+            if lane.ring is not None:
+                out.extend(lane.ring.streams)
+        return out
 
     def close(self) -> None:
         if self._closed:
@@ -663,16 +701,15 @@ class CudaBackend:
             self._tier.close()
         if self._kernel is not None:
             self._kernel.unload()
-        for lane in self._lanes.values():
-            if lane.ring is not None:
-                for ev in (*lane.ring.filled, *lane.ring.free):
-                    drv.cu.cuEventDestroy(ev)
-            drv.cu.cuStreamDestroy(lane.dma)
-            drv.cu.cuStreamDestroy(lane.sm)
+        for stream in self._streams():
+            drv.cu.cuStreamDestroy(stream)
         drv.cu.cuEventDestroy(self._join)
+        drv.cu.cuEventDestroy(self._dma_done)
         self._staging.clear()
         self._table_dev.clear()
         self._last_timing = dict.fromkeys(Direction)  # its events go now, not at exit
+        for pool in (self._fence_events, self._timing_events, self._plain_events):
+            pool.close()
         log.info("cuda_backend_closed", device=self.device)
 
     def _check_open(self) -> None:

@@ -8,7 +8,8 @@ slow for tens of thousands of descriptors per step. So the function pointer is r
 releases the GIL for its whole wait. Every other driver call goes through cuda-python, except
 the few a PD hand-off makes on its critical path (``RawCalls``: event record and query, stream
 wait, kernel launch), which take raw handles through ctypes as well: cuda-python builds Python
-objects for each call's arguments and result.
+objects for each call's arguments and result. The CUDA backend's issue path keeps cuda-python:
+per call, ctypes was no cheaper on the H200 (``scripts/bench_driver_calls.py``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,53 @@ def new_event(*, blocking: bool = False, timing: bool = False) -> Any:
     return check(cu.cuEventCreate(flags), "cuEventCreate")
 
 
+class EventPool:
+    """Events of one kind (``new_event``'s flags), reused across batches.
+
+    Every batch of the CUDA backend needs a fence event and two timing events; creating and
+    destroying them is four to six driver calls a batch on the issuing thread. An event is given
+    back only once nothing refers to it any more (its fence or timing object was collected), so
+    re-recording it cannot change what anyone waits for: a stream that waited on it captured the
+    record it waited for at ``cuStreamWaitEvent`` time. ``give`` may come from any thread (it
+    runs in ``__del__``); after ``close`` a given-back event is destroyed instead.
+    """
+
+    __slots__ = ("_blocking", "_closed", "_free", "_lock", "_timing")
+
+    def __init__(self, *, blocking: bool = False, timing: bool = False) -> None:
+        self._blocking = blocking
+        self._timing = timing
+        self._free: list[Any] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> Any:
+        """An event of this pool's kind: a given-back one, else a new one."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return new_event(blocking=self._blocking, timing=self._timing)
+
+    def give(self, event: Any) -> None:
+        """Take ``event`` back for reuse (nothing may refer to it any more)."""
+        with self._lock:
+            if not self._closed:
+                self._free.append(event)
+                return
+        cu.cuEventDestroy(event)
+
+    def close(self) -> None:
+        """Destroy the pooled events; those given back later are destroyed then."""
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for event in free:
+            cu.cuEventDestroy(event)
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+
 def elapsed_s(start: Any, end: Any) -> float | None:
     """Seconds from ``start`` to ``end`` (timing events, both completed; negative when ``end``
     came first on the device), or None when the driver cannot say (not completed, no timing)."""
@@ -154,9 +202,10 @@ def _failed(what: str, err: int) -> BackendError:
 
 
 class RawCalls:
-    """``cuEventRecord``, ``cuStreamWaitEvent``, ``cuEventQuery`` and ``cuLaunchKernel`` on raw
-    handles (ints: ``int(CUevent)``, ``torch.cuda.Stream.cuda_stream``), through ctypes; a
-    failure is a ``BackendError`` naming the call. Get the one instance from ``raw_calls``."""
+    """``cuEventRecord``, ``cuStreamWaitEvent``, ``cuEventQuery``, ``cuLaunchKernel`` and
+    ``cuMemcpyAsync`` on raw handles (ints: ``int(CUevent)``, ``int(CUstream)``,
+    ``torch.cuda.Stream.cuda_stream``), through ctypes; a failure is a ``BackendError`` naming
+    the call. Get the one instance from ``raw_calls``."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -172,6 +221,13 @@ class RawCalls:
         self._wait = fn("cuStreamWaitEvent", vp, vp, ui)
         self._query = fn("cuEventQuery", vp)
         self._launch = fn("cuLaunchKernel", vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp)
+        self._memcpy = fn("cuMemcpyAsync", ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, vp)
+
+    def memcpy(self, dst: int, src: int, size: int, stream: int) -> None:
+        """``size`` bytes from ``src`` to ``dst`` (addresses as ints) on ``stream``."""
+        err = self._memcpy(dst, src, size, stream)
+        if err:
+            raise _failed("cuMemcpyAsync", err)
 
     def record(self, event: int, stream: int) -> None:
         err = self._record(event, stream)
@@ -338,6 +394,7 @@ __all__ = [
     "BatchMemcpy",
     "Context",
     "CopyAttributes",
+    "EventPool",
     "RawCalls",
     "check",
     "choose_abi",

@@ -12,20 +12,22 @@ from kvflow.backends.cuda import driver as drv
 
 class Timing:
     """Two timing events around one batch's copies: ``start`` after its waits, ``end`` after
-    its last work. Owns them: they go when the last fence referring to them goes."""
+    its last work. Taken from ``pool``; they go back to it when the last fence referring to
+    them goes."""
 
-    __slots__ = ("end", "start")
+    __slots__ = ("end", "pool", "start")
 
-    def __init__(self) -> None:
-        self.start = drv.new_event(timing=True)
-        self.end = drv.new_event(timing=True)
+    def __init__(self, pool: drv.EventPool) -> None:
+        self.pool = pool
+        self.start = pool.take()
+        self.end = pool.take()
 
     def __del__(self) -> None:
         # At interpreter shutdown the driver may already be gone.
         with contextlib.suppress(Exception):
-            drv.cu.cuEventDestroy(self.start)
+            self.pool.give(self.start)
         with contextlib.suppress(Exception):
-            drv.cu.cuEventDestroy(self.end)
+            self.pool.give(self.end)
 
 
 @define(eq=False)
