@@ -14,6 +14,7 @@ and its interquartile range.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import time
@@ -75,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = torch.empty(page, dtype=torch.uint8).pin_memory()
     gpu_p, host_p = int(gpu.data_ptr()), int(host.data_ptr())
     pool = drv.EventPool()
+    # The ctypes side of cuMemcpyAsync (kvflow itself makes the call through cuda-python only).
+    memcpy_raw = ctypes.CDLL("libcuda.so.1").cuMemcpyAsync
+    memcpy_raw.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    memcpy_raw.restype = ctypes.c_int
 
     kernel_params = int(kernel._pointers.ctypes.data)
     function_h = int(kernel.function)
@@ -101,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "cuMemcpyAsync 4 KiB D2H": (
             lambda: drv.check(drv.cu.cuMemcpyAsync(host_p, gpu_p, page, stream), "cuMemcpyAsync"),
-            lambda: raw.memcpy(host_p, gpu_p, page, stream_h),
+            lambda: memcpy_raw(host_p, gpu_p, page, stream_h),
         ),
         "event: create+destroy / pool": (created_event, pooled_event),
     }

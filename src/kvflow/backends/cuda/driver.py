@@ -202,10 +202,9 @@ def _failed(what: str, err: int) -> BackendError:
 
 
 class RawCalls:
-    """``cuEventRecord``, ``cuStreamWaitEvent``, ``cuEventQuery``, ``cuLaunchKernel`` and
-    ``cuMemcpyAsync`` on raw handles (ints: ``int(CUevent)``, ``int(CUstream)``,
-    ``torch.cuda.Stream.cuda_stream``), through ctypes; a failure is a ``BackendError`` naming
-    the call. Get the one instance from ``raw_calls``."""
+    """``cuEventRecord``, ``cuStreamWaitEvent``, ``cuEventQuery`` and ``cuLaunchKernel`` on raw
+    handles (ints: ``int(CUevent)``, ``torch.cuda.Stream.cuda_stream``), through ctypes; a
+    failure is a ``BackendError`` naming the call. Get the one instance from ``raw_calls``."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -221,13 +220,6 @@ class RawCalls:
         self._wait = fn("cuStreamWaitEvent", vp, vp, ui)
         self._query = fn("cuEventQuery", vp)
         self._launch = fn("cuLaunchKernel", vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp)
-        self._memcpy = fn("cuMemcpyAsync", ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, vp)
-
-    def memcpy(self, dst: int, src: int, size: int, stream: int) -> None:
-        """``size`` bytes from ``src`` to ``dst`` (addresses as ints) on ``stream``."""
-        err = self._memcpy(dst, src, size, stream)
-        if err:
-            raise _failed("cuMemcpyAsync", err)
 
     def record(self, event: int, stream: int) -> None:
         err = self._record(event, stream)
