@@ -62,6 +62,7 @@ MANAGER_CALLS = (
     "update_state_after_alloc",
     "build_step_plan",
     "decode_step",
+    "quiet_step",
     "update_from_reports",
     "request_finished",
     "take_events",
@@ -109,6 +110,12 @@ CALLS = (
         "kvflow.core.offload.manager",
         "OffloadManager",
         "decode_step",
+    ),
+    (
+        "manager: quiet_step (steady decode, lazy)",
+        "kvflow.core.offload.manager",
+        "OffloadManager",
+        "quiet_step",
     ),
     ("  eager: advance_one", "kvflow.core.offload.eager", "EagerStore", "advance_one"),
     ("  ledger: launch_store", "kvflow.core.offload.ledger", "TransferLedger", "launch_store"),
@@ -193,6 +200,8 @@ def kvflow_echo(scheduler_output: Any) -> Any:
     from kvflow.integrations.vllm import KVFlowWorkerMetadata
 
     plan = scheduler_output.kv_connector_metadata.plan
+    if plan is None:
+        return None  # an idle step: nothing launched
     done = tuple(t.transfer_id for t in (*plan.stores, *plan.loads))
     if not done:
         return None

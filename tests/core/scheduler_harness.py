@@ -126,13 +126,18 @@ class Sim:
         enable_events: bool = False,
         keyed: bool = False,
         decode_steps: bool = False,
+        quiet_steps: bool = False,
     ) -> None:
         self.gpu = BlockPool(gpu_blocks, name="gpu")
         self.keys: dict[Hashable, BlockKey] = {}
         # Pass one-token, non-speculative running requests as DecodeRequests columns.
         self.decode_columns = decode_columns
         # A step of running requests only, one token each, goes to ``decode_step`` whole.
-        self.decode_steps = decode_steps
+        self.decode_steps = decode_steps or quiet_steps
+        # Such a step goes to ``quiet_step`` by its number alone, and no step passes a running
+        # request (lazy over a keyed view, as vLLM's adapter does): their new blocks are never
+        # told.
+        self.quiet_steps = quiet_steps
         self.null: int | None = None
         if null_block:
             self.null = self.gpu.get_new_blocks(1)[0]  # held forever, like vLLM's null block
@@ -283,6 +288,8 @@ class Sim:
             rid = req.request_id
             done = self.computed[rid]
             ids = self._grow(rid, done + n)
+            if self.quiet_steps:
+                continue  # as vLLM's adapter over a keyed view: no running request is passed
             if steady:
                 # As vLLM passes them: per group lists, or None for no new block.
                 rows.append((rid, done, tuple(list(g) for g in ids) if any(ids) else None))
@@ -298,7 +305,10 @@ class Sim:
             frozenset(preempted),
             DecodeRequests(*zip(*decode, strict=True)) if decode else NO_DECODE_REQUESTS,
         )
-        if steady:
+        if steady and self.quiet_steps:
+            quiet = self.mgr.quiet_step(self.step_no)
+            plan = StepPlan(self.step_no) if quiet is None else quiet
+        elif steady:
             plan = self.mgr.decode_step(
                 self.step_no, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
             )

@@ -251,3 +251,53 @@ def test_bad_decode_steps_are_refused_and_change_nothing(
     assert store.gpu_block_ids == ((sim.tables["a"][0][2],),)
     sim.complete()
     assert sim.on_cpu(a) == [True, True, True, False]
+
+
+# ---- quiet steps (lazy over a keyed view) -------------------------------------------------------
+
+
+def test_quiet_steps_refuse_policies_whose_running_requests_have_news(make_sim: MakeSim) -> None:
+    """``quiet_step`` is for the lazy policy over a keyed view only: under eager, or lazy over
+    content records, a step without its running requests would lose their blocks' news."""
+    for kwargs in ({}, {"store_policy": "lazy"}):
+        sim = make_sim(ONE_GROUP, **kwargs)
+        with pytest.raises(ConfigError, match="quiet_step needs the lazy store policy"):
+            sim.mgr.quiet_step(1)
+
+
+def test_a_bad_quiet_step_number_is_refused(make_sim: MakeSim) -> None:
+    """A step number that is not an int >= 0 is a ConfigError naming the step."""
+    sim = make_sim(ONE_GROUP, store_policy="lazy", keyed=True, quiet_steps=True)
+    for bad in (-1, 1.0, "2", True):
+        with pytest.raises(ConfigError, match="step"):
+            sim.mgr.quiet_step(bad)  # type: ignore[arg-type]
+
+
+def test_a_quiet_step_launches_an_allocated_hit_as_a_load(make_sim: MakeSim) -> None:
+    """A hit allocated since the last step still becomes a load at a quiet step (the general
+    path plans it), and the lazy walk then stores what a finished request freed."""
+    sim = make_sim(
+        ONE_GROUP,
+        store_policy="lazy",
+        keyed=True,
+        quiet_steps=True,
+        lazy_watermark=16,
+        gpu_blocks=16,
+    )
+    a = sim.add("a", list(range(12)))
+    sim.match(a)
+    sim.step(new=[(a, 12)])
+    sim.finish(a)
+    (store,) = sim.step().stores
+    assert len(store.gpu_block_ids[0]) == 3
+    sim.complete()
+    b = sim.add("b", [*range(12), 99])
+    assert sim.match(b) == (12, True)
+    sim.alloc(b, 12, 12)
+    plan = sim.mgr.quiet_step(sim.step_no + 1)
+    assert plan is not None
+    (load,) = plan.loads
+    assert load.request_id == "b"
+    assert len(load.gpu_block_ids[0]) == 3
+    sim.workers.run(plan)
+    sim.complete()

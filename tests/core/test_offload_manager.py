@@ -7,7 +7,7 @@ request, settles every copy and checks that no block reference leaked on the CPU
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable
 
 import pytest
 from structlog.testing import capture_logs
@@ -16,8 +16,12 @@ from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import hash_block
 from kvflow.core.offload import (
     GroupSpec,
+    OffloadManagerConfig,
     ResetStatus,
 )
+from kvflow.core.offload.config import Geometry
+from kvflow.core.offload.lazy import LazyCursor
+from kvflow.core.run_pool import RunBlockPool
 from kvflow.core.transfer import Direction, TransferState
 from kvflow.errors import ReportError
 from tests.core.conftest import MakeSim
@@ -393,6 +397,88 @@ def test_lazy_cursor_survives_steps_and_resets_when_its_block_is_reused(make_sim
     assert set(store.gpu_block_ids[0]) == {a_blocks[3], a_blocks[2]}
     sim.complete()
     assert sim.on_cpu(a) == [False, False, True, True]
+
+
+class ListKeyedView:
+    """A keyed GPU view over a free queue held as a list: blocks leave it when the engine takes
+    them (``take``, untold) or a store touches them, and go back to its tail when freed."""
+
+    def __init__(self, num_blocks: int, keys: dict[int, tuple[int, bytes]]) -> None:
+        self.queue = list(range(num_blocks))
+        self.keys = keys
+
+    def take(self, n: int) -> None:
+        del self.queue[:n]
+
+    def first_free(self) -> int | None:
+        return self.queue[0] if self.queue else None
+
+    def next_free(self, block_id: int) -> int | None:
+        if block_id not in self.queue:
+            return None
+        i = self.queue.index(block_id) + 1
+        return self.queue[i] if i < len(self.queue) else None
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self.queue
+
+    def block_hash(self, block_id: int) -> Hashable | None:
+        key = self.keys.get(block_id)
+        return None if key is None else key[1]
+
+    def block_key(self, block_id: int) -> tuple[int, bytes] | None:
+        return self.keys.get(block_id)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            self.queue.remove(b)
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        self.queue.extend(block_ids)
+
+    def scan_free(
+        self, after: int | None, limit: int
+    ) -> tuple[list[int], list[tuple[int, tuple[int, bytes]]]]:
+        if after is not None and after not in self.queue:
+            return [], []
+        start = 0 if after is None else self.queue.index(after) + 1
+        ids = self.queue[start : start + limit]
+        return ids, [(b, self.keys[b]) for b in ids if b in self.keys]
+
+    def first_free_in(self, block_ids: Container[int]) -> int | None:
+        return next((b for b in self.queue if b in block_ids), None)
+
+    def keyed_blocks(self) -> Iterable[tuple[int, tuple[int, bytes]]]:
+        return list(self.keys.items())
+
+
+def test_keyed_walk_covers_the_watermark_after_untold_takes() -> None:
+    """Over a keyed view, blocks the engine took from the queue head without telling do not
+    count as covered: after a walk that picked a block (so fewer than the watermark are
+    covered) and two untold takes, the next walk still reaches the watermark's last block."""
+    config = OffloadManagerConfig(
+        groups=(GroupSpec(block_size=4, num_cpu_blocks=8),), store_policy="lazy"
+    )
+    view = ListKeyedView(12, {2: (0, b"h2"), 6: (0, b"h6")})
+    cursor = LazyCursor(
+        Geometry.of(config),
+        [RunBlockPool(8, name="cpu")],
+        [{}],
+        view,
+        null_block_id=None,
+        watermark=4,
+    )
+    first = cursor.walk()
+    assert first is not None
+    assert first.blocks == [{b"h2": 2}]
+    view.touch([2])  # the store holds it while it copies
+    view.take(2)  # blocks 0 and 1, for a running request's decode: untold
+    second = cursor.walk()
+    assert view.queue[:4] == [3, 4, 5, 6]
+    assert second is not None
+    assert second.blocks == [{b"h6": 6}], "block 6 is 4th from the head"
+    view.touch([6])
+    assert cursor.walk() is None, "the window is covered"
 
 
 # ---- finishing, preemption, reset --------------------------------------------------------------

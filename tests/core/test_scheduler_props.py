@@ -47,6 +47,7 @@ class Engine:
         interval: int = 1,
         keyed: bool = False,
         decode_steps: bool = False,
+        quiet_steps: bool = False,
     ) -> None:
         self.sim = Sim(
             [GroupSpec(block_size=BS, num_cpu_blocks=12)],
@@ -58,6 +59,7 @@ class Engine:
             eager_store_interval=interval,
             keyed=keyed,
             decode_steps=decode_steps,
+            quiet_steps=quiet_steps,
         )
         self.n = 0
         self.waiting: set[str] = set()  # load in flight
@@ -203,8 +205,9 @@ def run(
     keyed: bool = False,
     general: bool = False,
     decode_steps: bool = False,
+    quiet_steps: bool = False,
 ) -> Engine:
-    eng = Engine(policy, decode_columns, interval, keyed, decode_steps)
+    eng = Engine(policy, decode_columns, interval, keyed, decode_steps, quiet_steps)
     if general:
         eng.sim.mgr._fused = False  # decode steps: their news as columns, to the wrapper below
         plan_step = eng.sim.mgr.build_step_plan
@@ -358,3 +361,16 @@ def test_lazy_invariants_hold_with_decode_steps(script: list[Event]) -> None:
     """Lazy policy with steady steps handed to ``decode_step`` (its news go through the general
     path as columns): refs, cached data and loaded data stay consistent."""
     run("lazy", script, decode_steps=True)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_events)
+def test_quiet_steps_plan_what_steps_with_the_running_news_plan(script: list[Event]) -> None:
+    """Lazy over a keyed view with steady decode steps given to ``quiet_step`` by their number
+    alone (the running requests' new blocks never told, as vLLM's adapter passes them): every
+    plan equals that of the same steps passed whole, and the invariants hold."""
+    script = [("admit", base, 30, "ok") for base in range(len(BASES))] + script
+    quiet = run("lazy", script, keyed=True, quiet_steps=True)
+    told = run("lazy", script, keyed=True, decode_steps=True)
+    assert quiet.sim.workers.plans == told.sim.workers.plans
+    assert quiet.sim.outcomes == told.sim.outcomes

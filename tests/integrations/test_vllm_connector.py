@@ -189,6 +189,19 @@ def test_invalid_ids_only_the_manager_knows_are_echoed_before_the_load_finishes(
     assert so.num_scheduled_tokens == {"r": 50}
 
 
+def test_a_worker_binds_no_plan_for_an_idle_step_but_takes_its_echo() -> None:
+    """Metadata without a plan (a step with nothing for the workers) binds nothing on the
+    worker's runtime, while an echo it carries still reaches vLLM as load errors."""
+    rig = Rig()
+    bound = len(rig.runtime.plans)
+    rig.worker.bind_connector_metadata(KVFlowConnectorMetadata(None, frozenset({5})))
+    rig.worker.handle_preemptions(KVFlowConnectorMetadata(None))
+    rig.worker.start_load_kv(None)
+    rig.worker.wait_for_save()
+    assert rig.worker.get_block_ids_with_load_errors() == {5}
+    assert len(rig.runtime.plans) == bound
+
+
 def test_finishing_request_keeps_its_blocks_until_the_store_is_done() -> None:
     """request_finished → True: vLLM frees the blocks only after finished_sending."""
     rig = Rig(num_blocks=32)

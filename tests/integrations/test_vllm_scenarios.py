@@ -33,6 +33,35 @@ def test_repeated_prompt_hits_the_cpu_tier_and_vllm_computes_only_the_tail(polic
     assert any(p.loads for p in rig.runtime.plans)
 
 
+def test_lazy_steady_decode_steps_go_to_the_manager_by_number() -> None:
+    """Lazy over vLLM's hashes: a steady decode step reaches kvflow as its number alone
+    (``quiet_step``, no translation), a step that leaves the workers nothing binds no plan, and
+    a block a finished request freed is still stored by the walk of such steps while another
+    request decodes."""
+    rig = Rig(policy="lazy", num_blocks=12, extra={"lazy_watermark": 2})
+    scheduler = rig.h.connector.scheduler_role
+    quiet: list[int] = []
+    stored: set[int] = set()
+    real = scheduler.quiet_step
+
+    def spy(step: int) -> Any:
+        quiet.append(step)
+        plan = real(step)
+        if plan is not None:
+            stored.update(b for t in plan.stores for b in t.gpu_block_ids[0])
+        return plan
+
+    scheduler.quiet_step = spy
+    rig.h.add(PROMPT, max_tokens=1)
+    rig.run()
+    rig.h.add([t + 1000 for t in PROMPT], max_tokens=24)
+    rig.run()
+    assert len(quiet) >= 8, "the second request's decode steps"
+    assert quiet == sorted(set(quiet))
+    assert len(rig.runtime.plans) < rig.h.connector._step, "idle steps bind no plan"
+    assert len(stored) >= 4, "the first request's 4 full blocks, stored by quiet steps' walks"
+
+
 def test_hybrid_model_repeated_prompt_hits_the_cpu_tier() -> None:
     """Full-attention plus sliding-window groups: the repeated prompt is loaded for both groups
     (the window group only inside its window) and vLLM schedules the 6-token tail."""

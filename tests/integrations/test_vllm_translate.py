@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvflow.core.protocol import StepReport
+from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.requests import CachedRequest, RequestLike, SchedulerOutput
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import (
@@ -25,6 +25,7 @@ from kvflow.integrations.vllm import (
     steady_decode,
     translate_scheduler_output,
 )
+from kvflow.integrations.vllm.relay import IDLE_METADATA
 from tests.integrations.vllm_harness import (
     LAYERS,
     VLLMHarness,
@@ -325,6 +326,28 @@ def test_relay_holds_loads_whose_failures_vllm_has_not_seen_yet() -> None:
     relay.apply(later, None)
     assert later.finished_recving == {"b"}
     assert not relay.pending
+
+
+def test_an_idle_step_gets_the_shared_metadata_unless_an_echo_is_due() -> None:
+    """No plan and nothing to echo: the one shared idle metadata. No plan with an echo due: a
+    metadata of its own that carries the echo (which the idle one never does)."""
+
+    class Outcome:
+        finished_sending: frozenset[str] = frozenset()
+        finished_recving = frozenset({"b"})
+        invalid_block_ids = frozenset({5})
+
+    relay = OutcomeRelay()
+    assert relay.metadata(None) is IDLE_METADATA
+    relay.apply(KVConnectorOutput(), Outcome())
+    meta = relay.metadata(None)
+    assert meta is not IDLE_METADATA
+    assert (meta.plan, meta.echo_invalid_block_ids) == (None, frozenset({5}))
+    assert IDLE_METADATA.plan is None
+    assert not IDLE_METADATA.echo_invalid_block_ids
+    assert relay.metadata(None) is IDLE_METADATA, "the echo went out once"
+    plan = StepPlan(3)
+    assert relay.metadata(plan).plan is plan
 
 
 def test_relay_with_several_groups_echoes_unflagged_loads_as_failed_requests() -> None:

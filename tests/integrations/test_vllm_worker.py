@@ -155,7 +155,9 @@ def test_end_to_end_repeated_prompt_gets_its_exact_kv_back_from_the_cpu_tier(
         forward(so)
         for worker in workers:
             worker.wait_for_save()
-            worker.handle_preemptions(KVFlowConnectorMetadata(StepPlan(meta.plan.step, flush=True)))
+            worker.handle_preemptions(
+                KVFlowConnectorMetadata(StepPlan(meta.plan.step if meta.plan else 0, flush=True))
+            )
             worker.get_transfer_results(so.finished_req_ids)
             invalid |= worker.get_block_ids_with_load_errors()
             metas.append(worker.build_connector_worker_meta())

@@ -250,7 +250,9 @@ class Instance:
         self.forward(so)
         w.wait_for_save()
         assert isinstance(meta, KVFlowConnectorMetadata)
-        w.handle_preemptions(KVFlowConnectorMetadata(StepPlan(meta.plan.step, flush=True)))
+        w.handle_preemptions(
+            KVFlowConnectorMetadata(StepPlan(meta.plan.step if meta.plan else 0, flush=True))
+        )
         results = w.get_transfer_results(so.finished_req_ids)
         output = KVConnectorOutput(
             finished_sending=results.finished_sending or None,

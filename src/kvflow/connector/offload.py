@@ -171,6 +171,13 @@ class OffloadScheduler:
             self.manager.decode_step(step, request_ids, num_computed_tokens, new_block_ids)
         )
 
+    def quiet_step(self, step: int) -> StepPlan | None:
+        """``build_connector_meta`` of a step with no news for the CPU tier, by its number
+        (``OffloadManager.quiet_step``: steady decode under the lazy policy over a keyed GPU
+        view); None where the workers have nothing to do."""
+        plan = self.manager.quiet_step(step)
+        return plan if plan is None else self._stamped(plan)
+
     def _stamped(self, plan: StepPlan) -> StepPlan:
         """The plan, its transfers' launch times noted (for their latency at commit)."""
         if self._now is not None and (plan.stores or plan.loads):

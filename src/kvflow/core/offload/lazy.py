@@ -62,6 +62,11 @@ class LazyCursor:
         # Keyed: blocks whose content predates the last reset (block → its key then).
         self._stale: dict[int, BlockKey] = {}
 
+    @property
+    def keyed(self) -> bool:
+        """Whether the walk reads what a free block holds from the engine (nothing recorded)."""
+        return self._keyed is not None
+
     def record(self, sts: Sequence[RequestState]) -> None:
         """Advance the requests' cursors to their confirmed blocks, recording what each block
         passed holds."""
@@ -261,19 +266,21 @@ class LazyCursor:
         nothing."""
         cursor = self._valid_cursor()
         ahead = self._ahead
-        budget = self._watermark - len(ahead)
+        # Only a keyed view's engine takes blocks without telling (``taken`` is exact else):
+        # counting such blocks as covered would cover fewer than the watermark.
+        budget = self._prune() if ahead else self._watermark
         if budget <= 0:
-            # Only a keyed view's engine takes blocks without telling (``taken`` is exact else).
-            budget = self._prune()
-            if budget <= 0:
-                return None
+            return None
         ids, found = keyed.scan_free(cursor, budget)
         if not ids:
             return None  # the steady state: every free block is covered
         ahead.update(ids)
         self._order.extend(ids)
         if not found:
-            return self._picked([], ids[-1], cursor)
+            # The steady state's walk: nothing to store, the last block scanned is the cursor.
+            end = ids[-1]
+            self._cursor, self._cursor_hash = end, keyed.block_hash(end)
+            return None
         picked: list[dict[BlockHash, int]] = [{} for _ in range(self._geo.num_groups)]
         stale = self._stale
         storing = self._storing

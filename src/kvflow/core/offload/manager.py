@@ -98,6 +98,8 @@ class OffloadManager(DecodeSteps, ManagerQueries):
                 null_block_id=self._null,
                 watermark=config.lazy_watermark,
             )
+        # ``quiet_step``'s walk: the lazy policy over a keyed view only.
+        self._quiet_lazy = self._lazy if self._lazy is not None and self._lazy.keyed else None
         self._no_new: GroupBlockIds = ((),) * self._num_groups
         self.init_decode(fused=self._eager and geo.num_groups == 1)
         self._allocated: dict[str, RequestState] = {}  # matches the engine allocated blocks for
@@ -414,18 +416,43 @@ class OffloadManager(DecodeSteps, ManagerQueries):
             return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
         return ledger.launch(so.step, flush)
 
+    def quiet_step(self, step: int) -> StepPlan | None:
+        """``build_step_plan`` of a step that holds no news for the CPU tier, given by its number
+        alone: no request new, resumed, finished or preempted, and running requests whose steps
+        the policy does not need. That is a steady decode step under the lazy policy over a
+        keyed GPU view (``LazyCursor.keyed``): the walk, and whatever it or an earlier call left
+        to launch. None where that leaves the workers nothing to do (most such steps: no plan
+        object is made for them). ``ConfigError`` under any other policy, whose running
+        requests have news."""
+        lazy = self._quiet_lazy
+        if lazy is None:
+            raise ConfigError(
+                "quiet_step needs the lazy store policy over a keyed GPU view: "
+                "other policies need every running request's step (decode_step)"
+            )
+        if type(step) is not int or step < 0:
+            validate.strict_int("step", step)
+        if self._allocated:
+            # Hits allocated since the last step: the general path turns them into loads.
+            return self.build_step_plan(SchedulerOutput(step))
+        return self._walk_step(step, lazy)
+
     def _quiet_lazy_step(self, so: SchedulerOutput, lazy: LazyCursor) -> StepPlan:
-        """``build_step_plan`` of a lazy step without requests, finishes or preemptions: the
-        walk, and whatever it or an earlier call left to launch."""
+        """``build_step_plan`` of a lazy step without requests, finishes or preemptions."""
         validate.scheduler_output(so)
+        plan = self._walk_step(so.step, lazy)
+        return StepPlan(so.step, (), (), False, ()) if plan is None else plan
+
+    def _walk_step(self, step: int, lazy: LazyCursor) -> StepPlan | None:
+        """The walk, and whatever it or an earlier call left to launch; None if nothing."""
         ledger = self._ledger
         if not self._reset_pending:
             batch = lazy.walk()
             if batch is not None:
                 self._plan_store(batch, LAZY_REQUEST_ID)
         if not ledger.pending and not ledger.abandoned:
-            return StepPlan(so.step, (), (), False, ())
-        return ledger.launch(so.step, False)
+            return None
+        return ledger.launch(step, False)
 
     def _advance(self, sts: Sequence[RequestState], request_id: str) -> None:
         """Hand the blocks the requests completed since their last call to the store policy;

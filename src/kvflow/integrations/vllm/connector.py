@@ -196,6 +196,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         # kvflow's own scheduler role without PD: a steady decode step goes to it whole, as
         # columns (``OffloadScheduler.decode_step``), not through the translation.
         self._decode: OffloadScheduler | None = None
+        # The same, lazy over a keyed view: a steady decode step has no news for it, and goes
+        # to it by its number alone (``OffloadScheduler.quiet_step``).
+        self._quiet: OffloadScheduler | None = None
         self._pd: PDSchedulerRole | None = None
         self._pd_pending = False  # kv_both: PD is built at the first request with PD params
         self._data_endpoint = ""  # this instance's worker data plane (the handshake's)
@@ -373,12 +376,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = self.make_scheduler_role(view)
             from kvflow.connector.offload import OffloadScheduler
 
-            if (
-                isinstance(self._scheduler, OffloadScheduler)
-                and self._select is None
-                and not self._keyed
-            ):
-                self._decode = self._scheduler
+            if isinstance(self._scheduler, OffloadScheduler):
+                if self._keyed:
+                    self._quiet = self._scheduler
+                elif self._select is None:
+                    self._decode = self._scheduler
             if self.pd_role == "both":
                 self._pd_pending = True
             elif self.pd_role is not None:
@@ -390,7 +392,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
         assert isinstance(self._scheduler, OffloadScheduler)
         self._pd_pending = False
-        self._decode = None
+        self._decode = self._quiet = None
         self._scheduler = self._pd = self.make_pd_scheduler(self._scheduler)
 
     def _view(self, request: Request) -> RequestLike:
@@ -422,6 +424,14 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             role = self.scheduler_role  # raises the error that says why
         step = self._step
         self._step = step + 1
+        quiet = self._quiet
+        if quiet is not None and steady_decode(scheduler_output):
+            # Lazy over a keyed view (no PD): most such steps leave the workers nothing to do,
+            # and get the one idle metadata.
+            quiet_plan = quiet.quiet_step(step)
+            if quiet_plan is not None:
+                self._stats_dirty = True
+            return self._relay.metadata(quiet_plan)
         pd = self._pd
         decode = self._decode
         if decode is not None and steady_decode(scheduler_output):
@@ -442,7 +452,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             )
         if plan.stores or plan.loads or plan.abandoned:
             self._stats_dirty = True
-        meta = KVFlowConnectorMetadata(plan, *self._relay.take_echo())
+        meta = self._relay.metadata(plan)
         return meta if pd is None else pd.wrap_meta(meta)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -595,16 +605,17 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         ):
             self._pd_worker.apply(connector_metadata.pd_ops)
             self._pd_reply = connector_metadata.want_reply
+        if plan is None:
+            return  # nothing for the workers this step (``IDLE_METADATA``)
         if plan.loads:
             self._load_requests.update((t.transfer_id, t.request_id) for t in plan.loads)
         self.worker.bind_connector_metadata(plan)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if (
-            isinstance(kv_connector_metadata, KVFlowConnectorMetadata)
-            and kv_connector_metadata.plan.flush
-        ):
-            self.worker.handle_preemptions(kv_connector_metadata.plan)
+        if isinstance(kv_connector_metadata, KVFlowConnectorMetadata):
+            plan = kv_connector_metadata.plan
+            if plan is not None and plan.flush:
+                self.worker.handle_preemptions(plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker.start_load_kv()

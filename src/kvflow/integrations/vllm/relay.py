@@ -42,12 +42,13 @@ class OutcomeLike(Protocol):
 
 
 class KVFlowConnectorMetadata(KVConnectorMetadata):
-    """Scheduler → workers, once per step: the manager's plan, plus load failures to echo back
-    (block ids with one KV cache group, request ids with several)."""
+    """Scheduler → workers, once per step: the manager's plan (None: nothing for the workers to
+    do this step), plus load failures to echo back (block ids with one KV cache group, request
+    ids with several)."""
 
     def __init__(
         self,
-        plan: StepPlan,
+        plan: StepPlan | None,
         echo_invalid_block_ids: frozenset[int] = frozenset(),
         echo_failed_request_ids: frozenset[str] = frozenset(),
     ):
@@ -82,6 +83,8 @@ def report_has_news(report: StepReport) -> bool:
 
 
 _NO_ECHO: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
+IDLE_METADATA = KVFlowConnectorMetadata(None, *_NO_ECHO)
+"""A step with nothing for the workers: no plan, nothing to echo. One object, never changed."""
 
 
 class OutcomeRelay:
@@ -146,6 +149,13 @@ class OutcomeRelay:
             recving | set(connector_output.finished_recving or ())
         ) or None
 
+    def metadata(self, plan: StepPlan | None) -> KVFlowConnectorMetadata:
+        """This step's metadata: ``plan`` and the echo, or with neither the one shared idle
+        metadata (most lazy steps: nothing is made for them)."""
+        if plan is None and not (self._echo or self._echo_requests):
+            return IDLE_METADATA
+        return KVFlowConnectorMetadata(plan, *self.take_echo())
+
     def take_echo(self) -> tuple[frozenset[int], frozenset[str]]:
         """Block ids and request ids to send to the workers now; held completions are released on
         the next ``apply``."""
@@ -161,6 +171,7 @@ class OutcomeRelay:
 
 
 __all__ = [
+    "IDLE_METADATA",
     "KVFlowConnectorMetadata",
     "KVFlowWorkerMetadata",
     "OutcomeLike",
