@@ -275,6 +275,13 @@ class Driver:
         self.num_gpu_blocks = num_gpu_blocks
         self.step_no = 0
         self.profiler = profiler  # on during the timed spans only
+        self.stamps: dict[str, Any] = {}
+        """The last measured step's host times (``perf_counter``): its start (``t0``), after
+        the plan (``meta``) and the bind (``bind``), around the launch call, each poll's start
+        (``polls``) and when the scheduler saw the result (``seen``); with a CUDA backend's
+        clock mark (``mark``) the device's copy span can be placed among them."""
+        backend = conn.worker.backend
+        self._clock = getattr(backend, "clock_mark", None)
 
     def gpu_ids(self, n: int) -> tuple[int, ...]:
         """``n`` scattered GPU block ids (block 0 is the engine's null block)."""
@@ -287,7 +294,9 @@ class Driver:
     def _poll(self, done: Callable[[KVConnectorOutput], bool], what: str) -> None:
         sched, worker = self.conn.scheduler, self.conn.worker
         deadline = time.perf_counter() + DEADLINE_S
+        polls: list[float] = self.stamps.setdefault("polls", [])
         while True:
+            polls.append(time.perf_counter())
             worker.get_finished(set())
             report = worker.build_worker_report()
             out = sched.update_connector_output(KVConnectorOutput(reports=(report,)))
@@ -299,15 +308,29 @@ class Driver:
     def _step(self, output: SchedulerOutput) -> float:
         """Plan, bind and launch one step; returns seconds in the launch call of the step's
         direction (``wait_for_save`` for stores, ``start_load_kv`` for loads)."""
+        stamps = self.stamps
         meta = self.conn.scheduler.build_connector_meta(output)
+        stamps["meta"] = time.perf_counter()
         worker = self.conn.worker
         worker.bind_connector_metadata(meta)
-        t0 = time.perf_counter()
+        t0 = stamps["bind"] = time.perf_counter()
         worker.start_load_kv()
-        t1 = time.perf_counter()
+        t1 = stamps["loaded"] = time.perf_counter()
         worker.wait_for_save()
-        t2 = time.perf_counter()
+        t2 = stamps["saved"] = time.perf_counter()
         return (t2 - t1) if meta.stores else (t1 - t0)
+
+    def begin(self) -> float:
+        """A measured step starts now: fresh stamps, a clock mark (the device is idle), and
+        its start time."""
+        self.stamps = {"mark": self._clock() if self._clock is not None else None}
+        t0 = self.stamps["t0"] = time.perf_counter()
+        return t0
+
+    def seen(self) -> float:
+        """The scheduler has seen the step's result: the step's wall seconds."""
+        t = self.stamps["seen"] = time.perf_counter()
+        return float(t - self.stamps["t0"])
 
     def next_step(self) -> int:
         self.step_no += 1
@@ -325,10 +348,10 @@ class Driver:
         prof = self.profiler
         if prof is not None:
             prof.enable()
-        t0 = time.perf_counter()
+        self.begin()
         launch = self._step(SchedulerOutput(self.next_step(), new_requests=(new,)))
         self._poll(lambda _: not sched.has_pending_push_work(), f"store of {req.request_id}")
-        wall = time.perf_counter() - t0
+        wall = self.seen()
         if prof is not None:
             prof.disable()
         return wall, launch
@@ -340,14 +363,14 @@ class Driver:
         prof = self.profiler
         if prof is not None:
             prof.enable()
-        t0 = time.perf_counter()
+        self.begin()
         hit, _ = sched.get_num_new_matched_tokens(req, 0)
         if not hit:
             raise RuntimeError(f"{rid}: no CPU hit for a stored prompt")
         sched.update_state_after_alloc(req, (gpu,), hit)
         launch = self._step(SchedulerOutput(self.next_step()))
         self._poll(lambda out: rid in out.finished_recving, f"load of {rid}")
-        wall = time.perf_counter() - t0
+        wall = self.seen()
         if prof is not None:
             prof.disable()
         return wall, launch
@@ -463,6 +486,52 @@ def issued_s(conn: OffloadConnector) -> dict[Direction, float]:
     return {d: stats[d].seconds if stats else 0.0 for d in Direction}
 
 
+PHASES = (
+    "plan",
+    "bind",
+    "to_issue",
+    "issue",
+    "pre",
+    "start_in_issue",
+    "copy",
+    "detect",
+    "settle",
+    "post",
+    "polls",
+)
+
+
+def timeline(drv: Driver, direction: Direction) -> dict[str, float] | None:
+    """Where the step just measured spent its wall, in µs (``polls``: a count), with the
+    device's copy span placed on the host clock: ``pre`` from the step's start until the
+    device began copying, ``post`` from its end until the scheduler saw the result (``detect``
+    until the poll that saw it began, ``settle`` that poll). None without a CUDA backend."""
+    st = drv.stamps
+    backend: Any = drv.conn.worker.backend
+    mark = st.get("mark")
+    span = backend.last_copy_span(direction, mark) if mark is not None else None
+    if span is None:
+        return None
+    issue = backend.issue_stats[direction]
+    start, end = span
+    last_poll = st["polls"][-1]
+    us = {
+        "plan": st["meta"] - st["t0"],
+        "bind": st["bind"] - st["meta"],
+        "to_issue": issue.last_began - st["bind"],
+        "issue": issue.last_ended - issue.last_began,
+        "pre": start - st["t0"],
+        "start_in_issue": start - issue.last_began,
+        "copy": end - start,
+        "detect": last_poll - end,
+        "settle": st["seen"] - last_poll,
+        "post": st["seen"] - end,
+    }
+    out = {k: v * 1e6 for k, v in us.items()}
+    out["polls"] = float(len(st["polls"]))
+    return out
+
+
 def measure(
     args: argparse.Namespace,
     conn: OffloadConnector,
@@ -479,7 +548,8 @@ def measure(
     device = args.device
     drv = Driver(conn, num_gpu, args.seed)
     rows: dict[str, dict[str, list[float]]] = {
-        d: {"wall": [], "launch": [], "copy": [], "issue": []} for d in DIRECTIONS
+        d: {"wall": [], "launch": [], "copy": [], "issue": [], **{p: [] for p in PHASES}}
+        for d in DIRECTIONS
     }
     verified: bool | None = None
     for i in range(args.warmup + args.steps):
@@ -496,6 +566,7 @@ def measure(
         copies0, issued0 = conn.worker.copy_stats(), issued_s(conn)
         wall, launch = drv.store(store_req, src)
         copies1, issued1 = conn.worker.copy_stats(), issued_s(conn)
+        phases = {"store": timeline(drv, Direction.STORE)}
         drv.finish(store_req, src)
         load_req = make_request(args, f"l{i}", [*store_req.all_token_ids, 1])
         dst = drv.gpu_ids(blocks + 1)  # the hit's blocks and one for the new token
@@ -503,6 +574,7 @@ def measure(
         copies_l, issued_l = conn.worker.copy_stats(), issued_s(conn)
         wall_l, launch_l = drv.load(load_req, dst)
         copies2, issued2 = conn.worker.copy_stats(), issued_s(conn)
+        phases["load"] = timeline(drv, Direction.LOAD)
         if check:
             assert tensors is not None
             got = sample_pages(tensors, [dst[p] for p in positions])
@@ -517,6 +589,8 @@ def measure(
                 rows[d]["launch"].append(la)
                 rows[d]["copy"].append(c1[direction].copy_s - c0[direction].copy_s)
                 rows[d]["issue"].append(i1[direction] - i0[direction])
+                for p, v in (phases[d] or {}).items():
+                    rows[d][p].append(v)
         tick()
     return rows, verified
 
@@ -591,6 +665,9 @@ def bench_layout(
             "issues_us": [i * 1e6 for i in r["issue"]],
             "fractions": [step_bytes / w / 1e9 / ceil for w in r["wall"]],
         }
+        if r["pre"]:  # the device's copy span on the host clock (a CUDA backend)
+            result[d]["timeline"] = {p: statistics.median(r[p]) for p in PHASES}
+            result[d]["timelines"] = {p: r[p] for p in PHASES}
         if floor is not None:
             result[d].update(floor_figures(floor[d]))
     return result

@@ -200,16 +200,22 @@ def time_connector_calls(engine: Engine) -> list[float]:
     """Wrap every public method of the engine's connector (both roles; one object serving both
     is wrapped once) so its wall time adds up in the returned ``[seconds]``: what the connector
     costs the engine's thread (the copy threads' time is not in it). The null connector of an
-    offload-off engine is timed the same way, so both modes pay the same wrapper cost."""
+    offload-off engine is timed the same way, so both modes pay the same wrapper cost. A
+    connector method that calls another public one (``update_connector_output`` calls
+    ``update_from_reports``) counts once: only the outermost call adds its time."""
     spent = [0.0]
+    depth = [0]
 
     def timed(fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter() - t0
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[0] += time.perf_counter() - t0
 
         return call
 

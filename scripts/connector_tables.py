@@ -140,6 +140,47 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
     console.print(
         "goals (issue 25): wall ≥ 90 % of the ceiling, fixed ≤ ~0.25 ms per step, launch ≤ 200 µs"
     )
+    render_timeline(results, args, console)
+
+
+TIMELINE = (
+    ("plan", "plan"),
+    ("bind", "bind"),
+    ("to_issue", "to issue"),
+    ("issue", "issue"),
+    ("pre", "pre: copy starts"),
+    ("start_in_issue", "… into issue"),
+    ("copy", "copy"),
+    ("detect", "detect"),
+    ("settle", "last poll"),
+    ("post", "post"),
+    ("polls", "polls"),
+)
+
+
+def render_timeline(
+    results: list[dict[str, Any]], args: argparse.Namespace, console: Console
+) -> None:
+    """Where a step's wall goes, the device's copy span placed on the host clock (CUDA
+    backend only): medians per case and direction, µs."""
+    rows = [(r, d) for r in results for d in DIRECTIONS if "timeline" in r[d]]
+    if not rows:
+        return
+    table = Table(title=f"a step's timeline, µs (medians of {args.steps} steps)")
+    add_columns(table, ["layout", "blocks", "dir", *(name for _, name in TIMELINE)])
+    for r, d in rows:
+        t = r[d]["timeline"]
+        table.add_row(r["layout"], f"{r['blocks']:,}", d, *(f"{t[key]:.0f}" for key, _ in TIMELINE))
+    console.print(table)
+    console.print(
+        "plan: the step's start (a load's: its match) until build_connector_meta returned; "
+        "bind: bind_connector_metadata; to issue: until the CUDA backend began issuing; pre: "
+        "the step's start until the device began copying (a clock mark taken on an idle "
+        "stream puts the device's timing events on the host clock, a few µs late), … into "
+        "issue: how far into the issue that was; copy: the device's copy span; detect: its "
+        "end until the poll that saw it began; last poll: that poll; post: the copy's end "
+        "until the scheduler saw the result"
+    )
 
 
 __all__ = [
@@ -150,4 +191,5 @@ __all__ = [
     "quartiles",
     "render",
     "render_floor",
+    "render_timeline",
 ]

@@ -497,6 +497,30 @@ def test_copy_seconds_is_device_time_after_the_compute_waited_for(
     assert second.prev_timing is None
 
 
+def test_a_clock_mark_places_a_copy_span_on_the_host_clock(make_backend: Any) -> None:
+    """A store fenced on ~0.1 s of compute is placed after that wait and before the host saw it
+    finish, and its placed span is its copy time."""
+    import time
+
+    _kv, backend = ready(make_backend, "flash", torch.bfloat16, 32 * KiB, 64, 64)
+    torch.cuda.synchronize()
+    mark = backend.clock_mark()
+    assert backend.last_copy_span(Direction.STORE, mark) is None  # no store yet
+    gpu_sleep()
+    submitted = time.perf_counter()
+    fence = backend.submit(store(list(range(32)), list(range(32))), [backend.compute_fence()])
+    backend.flush()
+    finished = time.perf_counter()
+    span = backend.last_copy_span(Direction.STORE, mark)
+    assert span is not None
+    start, end = span
+    assert mark.host < submitted + 0.03 < start  # after the sleep (~0.1 s) it waited for
+    assert start < end <= finished + 1e-3  # a few µs late at most, not a ms
+    seconds = backend.copy_seconds(fence)
+    assert seconds is not None
+    assert abs((end - start) - seconds) < 1e-5
+
+
 def test_without_time_copies_no_copy_time_is_claimed(make_backend: Any) -> None:
     """With ``time_copies=False`` the backend records no timing events and says None."""
     _kv, backend = ready(make_backend, "mla", torch.bfloat16, 4 * KiB, 8, 8, time_copies=False)

@@ -58,6 +58,33 @@ def test_noreuse_bench_reports_paired_overheads(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_connector_call_timing_counts_a_nested_public_call_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connector method that calls another public one adds only its own (outer) time to the
+    engine thread's connector time, not the inner call's a second time."""
+    import itertools
+    from types import SimpleNamespace
+
+    class Conn:
+        def outer(self) -> str:
+            return self.inner()
+
+        def inner(self) -> str:
+            return "done"
+
+    conn = Conn()
+    ticks = itertools.count()
+    monkeypatch.setattr("time.perf_counter", lambda: float(next(ticks)))
+    engine = SimpleNamespace(scheduler_connector=conn, worker_connector=conn)
+    spent = bench_engine_offload.time_connector_calls(engine)  # type: ignore[arg-type]
+    assert conn.outer() == "done"
+    # Clock reads: outer starts at 0, inner starts at 1 (its end is not read), outer ends at 2.
+    assert spent == [2.0]
+    assert conn.inner() == "done"  # a call of its own counts: from 3 to 4
+    assert spent == [3.0]
+
+
 def test_copy_contention_bench_says_it_needs_cuda() -> None:
     """Without a GPU the copy-contention benchmark exits with status 2 instead of failing."""
     assert bench_copy_contention.main([]) == 2
@@ -219,7 +246,8 @@ def test_connector_transfer_bench_on_cuda_is_byte_exact_and_timed_by_events(
     tmp_path: Path, method: str
 ) -> None:
     """On the CUDA backend every layout's round trip through the connector is byte-exact, every
-    copy is timed by CUDA events, and the copy time is within the step's wall time."""
+    copy is timed by CUDA events, the copy time is within the step's wall time, and the
+    timeline's phases add up to it."""
     out = tmp_path / "connector_transfer_cuda.json"
     rc = bench_connector_transfer.main(
         [
@@ -237,6 +265,13 @@ def test_connector_transfer_bench_on_cuda_is_byte_exact_and_timed_by_events(
             assert 0 < r[d]["copy_ms"] <= r[d]["wall_ms"]
             assert r[d]["issue_us"] > 0
             assert r[d]["ceiling_gbps"] > 1
+            steps = r[d]["timelines"]
+            for i, wall_ms in enumerate(r[d]["walls_ms"]):
+                pre, copy, post = (steps[k][i] for k in ("pre", "copy", "post"))
+                assert min(pre, copy, post) > 0
+                assert pre + copy + post == pytest.approx(wall_ms * 1e3, rel=1e-6)
+                assert steps["detect"][i] + steps["settle"][i] == pytest.approx(post)
+                assert steps["polls"][i] >= 1
 
 
 def test_transfer_bench_plans_without_a_gpu(tmp_path: Path) -> None:

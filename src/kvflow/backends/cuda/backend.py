@@ -25,13 +25,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from attrs import define, evolve, frozen
+from attrs import define, evolve
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.cuda import driver as drv
+from kvflow.backends.cuda.config import CudaConfig, Method
 from kvflow.backends.cuda.kernels import MAX_IDS, PIECE_BYTES, StageKernel
 from kvflow.backends.cuda.pinned import PinnedTier
 from kvflow.backends.cuda.plan import (
@@ -41,7 +42,7 @@ from kvflow.backends.cuda.plan import (
     direct_descriptors,
     staged_plan,
 )
-from kvflow.backends.cuda.timing import IssueStats, Timing
+from kvflow.backends.cuda.timing import ClockMark, IssueStats, Timing
 from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
 from kvflow.core.logs import get_logger
@@ -49,63 +50,6 @@ from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError
 
 log = get_logger("kvflow.backends.cuda")
-
-MiB = 1 << 20
-KiB = 1 << 10
-
-Method = Literal["auto", "staged", "direct"]
-
-
-@frozen
-class CudaConfig:
-    """Tuning of the CUDA backend; the defaults come from ``scripts/bench_transfer.py`` on an H200."""
-
-    method: Method = "auto"
-    staged_max_page_bytes: int = 512 * KiB
-    """``auto`` stages a group whose smallest page is at most this; larger pages go direct."""
-    slot_bytes: int = 128 * MiB
-    num_slots: int = 2
-    """Staging ring per direction: ``num_slots`` slots of ``slot_bytes`` on the GPU."""
-    ramp_bytes: int = 16 * MiB
-    """Staged path: a store's first sub-batch and a load's last hold at most this many bytes
-    (at least one block; 0: full slots only). They are the part of a batch no DMA overlaps."""
-    gather_ctas: int = 64
-    """CTAs of one gather/scatter launch: few enough to leave compute most of the GPU."""
-    register_chunk_bytes: int = 64 * MiB
-    """Pinning granularity: a transfer waits for at most the one chunk it needs."""
-    batch_min_copies: int = 4
-    """Fewer copies than this in one call go as one ``cuMemcpyAsync`` each: on the H200's host
-    one such call cost at most about 3.7 µs (the per-page baseline's rate at 4 KiB), one
-    ``cuMemcpyBatchAsync`` 11–21 µs even for a single copy (docs/benchmarks.md), and a staged
-    sub-batch of CPU ids in runs has one to three copies."""
-    use_batch_memcpy: bool = True
-    """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
-    launch_thread: bool = True
-    """Issue driver calls on a launch thread; False issues them inside ``submit``."""
-    completion_threads: bool = True
-    """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
-    leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
-    ``InlineSyncWorker``, polls at every call: no thread of kvflow takes the GIL)."""
-    time_copies: bool = True
-    """Record timing events around each batch's copies: ``copy_seconds`` (the runtime's copy
-    throughput) is then the device's own time, not the time until a poll saw the fence."""
-
-    def __attrs_post_init__(self) -> None:
-        if self.method not in ("auto", "staged", "direct"):
-            raise ConfigError(
-                f"CudaConfig.method must be auto, staged or direct, not {self.method!r}"
-            )
-        for name in (
-            "slot_bytes",
-            "num_slots",
-            "gather_ctas",
-            "register_chunk_bytes",
-            "batch_min_copies",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"CudaConfig.{name} must be positive")
-        if self.ramp_bytes < 0:
-            raise ConfigError("CudaConfig.ramp_bytes must not be negative")
 
 
 class CudaFence:
@@ -434,6 +378,23 @@ class CudaBackend:
                 seconds -= max(0.0, overlap)
         return max(0.0, seconds)
 
+    def clock_mark(self) -> ClockMark:
+        """A mark tying the device's clock to ``time.perf_counter`` for ``last_copy_span``;
+        take it while this backend's streams are idle (a benchmark's timeline)."""
+        self._ctx.enter()
+        return ClockMark(self._timing_events, self._lanes[Direction.STORE].dma)
+
+    def last_copy_span(self, direction: Direction, mark: ClockMark) -> tuple[float, float] | None:
+        """When the last issued batch of ``direction`` began and ended copying on the device
+        (after its waits), on the host's clock by way of ``mark``; None without
+        ``time_copies`` or before that batch finished."""
+        timing = self._last_timing[direction]
+        if timing is None:
+            return None
+        self._ctx.enter()
+        start, end = mark.place(timing.start), mark.place(timing.end)
+        return None if start is None or end is None else (start, end)
+
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
 
@@ -541,7 +502,7 @@ class CudaBackend:
         if timing is not None:
             fence.prev_timing = self._last_timing[direction]
             self._last_timing[direction] = timing
-        self.issue_stats[direction].observe(time.perf_counter() - began)
+        self.issue_stats[direction].observe(began, time.perf_counter())
         fence.launched = True
         self._notify(direction, fence)
 

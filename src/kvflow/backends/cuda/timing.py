@@ -1,9 +1,12 @@
-"""How long the CUDA backend's copies took: timing events around a batch, and the host time
-spent issuing batches, for ``CudaBackend`` (importing it needs no GPU)."""
+"""How long the CUDA backend's copies took: timing events around a batch, the host time spent
+issuing batches, and marks that put device events on the host's clock, for ``CudaBackend``
+(importing it needs no GPU)."""
 
 from __future__ import annotations
 
 import contextlib
+import time
+from typing import Any
 
 from attrs import define
 
@@ -30,17 +33,46 @@ class Timing:
             self.pool.give(self.end)
 
 
+class ClockMark:
+    """A timing event recorded on an idle stream, and ``time.perf_counter()`` right after the
+    record call: a later device event's host-clock time is the mark's plus the device time
+    between them. The device reaches the record a few µs after the call returns, so placed
+    events read that much late; on a busy stream the mark would be as late as its queue."""
+
+    __slots__ = ("event", "host", "pool")
+
+    def __init__(self, pool: drv.EventPool, stream: Any) -> None:
+        self.pool = pool
+        self.event = pool.take()
+        drv.record(self.event, stream)
+        self.host = time.perf_counter()
+
+    def place(self, event: Any) -> float | None:
+        """``event``'s time on the host's ``perf_counter`` clock, or None if the driver cannot
+        say (either event not completed, or not a timing event)."""
+        seconds = drv.elapsed_s(self.event, event)
+        return None if seconds is None else self.host + seconds
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.pool.give(self.event)
+
+
 @define(eq=False)
 class IssueStats:
     """Batches issued in one direction and the host seconds issuing them took (the planning and
-    every driver call, on the launch thread or, without one, inside ``submit``)."""
+    every driver call, on the launch thread or, without one, inside ``submit``), and when the
+    last one began and ended on ``time.perf_counter``'s clock."""
 
     batches: int = 0
     seconds: float = 0.0
+    last_began: float = 0.0
+    last_ended: float = 0.0
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, began: float, ended: float) -> None:
         self.batches += 1
-        self.seconds += seconds
+        self.seconds += ended - began
+        self.last_began, self.last_ended = began, ended
 
 
-__all__ = ["IssueStats", "Timing"]
+__all__ = ["ClockMark", "IssueStats", "Timing"]

@@ -1,0 +1,70 @@
+"""``CudaConfig``: the CUDA backend's tuning (copy path, staging ring, pinning, threads), checked
+when made; importing it needs no GPU."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from attrs import frozen
+
+from kvflow.errors import ConfigError
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+Method = Literal["auto", "staged", "direct"]
+
+
+@frozen
+class CudaConfig:
+    """Tuning of the CUDA backend; the defaults come from ``scripts/bench_transfer.py`` on an H200."""
+
+    method: Method = "auto"
+    staged_max_page_bytes: int = 512 * KiB
+    """``auto`` stages a group whose smallest page is at most this; larger pages go direct."""
+    slot_bytes: int = 128 * MiB
+    num_slots: int = 2
+    """Staging ring per direction: ``num_slots`` slots of ``slot_bytes`` on the GPU."""
+    ramp_bytes: int = 16 * MiB
+    """Staged path: a store's first sub-batch and a load's last hold at most this many bytes
+    (at least one block; 0: full slots only). They are the part of a batch no DMA overlaps."""
+    gather_ctas: int = 64
+    """CTAs of one gather/scatter launch: few enough to leave compute most of the GPU."""
+    register_chunk_bytes: int = 64 * MiB
+    """Pinning granularity: a transfer waits for at most the one chunk it needs."""
+    batch_min_copies: int = 4
+    """Fewer copies than this in one call go as one ``cuMemcpyAsync`` each: on the H200's host
+    one such call cost at most about 3.7 µs (the per-page baseline's rate at 4 KiB), one
+    ``cuMemcpyBatchAsync`` 11–21 µs even for a single copy (docs/benchmarks.md), and a staged
+    sub-batch of CPU ids in runs has one to three copies."""
+    use_batch_memcpy: bool = True
+    """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
+    launch_thread: bool = True
+    """Issue driver calls on a launch thread; False issues them inside ``submit``."""
+    completion_threads: bool = True
+    """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
+    leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
+    ``InlineSyncWorker``, polls at every call: no thread of kvflow takes the GIL)."""
+    time_copies: bool = True
+    """Record timing events around each batch's copies: ``copy_seconds`` (the runtime's copy
+    throughput) is then the device's own time, not the time until a poll saw the fence."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.method not in ("auto", "staged", "direct"):
+            raise ConfigError(
+                f"CudaConfig.method must be auto, staged or direct, not {self.method!r}"
+            )
+        for name in (
+            "slot_bytes",
+            "num_slots",
+            "gather_ctas",
+            "register_chunk_bytes",
+            "batch_min_copies",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"CudaConfig.{name} must be positive")
+        if self.ramp_bytes < 0:
+            raise ConfigError("CudaConfig.ramp_bytes must not be negative")
+
+
+__all__ = ["CudaConfig", "KiB", "Method", "MiB"]
