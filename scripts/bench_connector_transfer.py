@@ -486,6 +486,7 @@ def issued_s(conn: OffloadConnector) -> dict[Direction, float]:
     return {d: stats[d].seconds if stats else 0.0 for d in Direction}
 
 
+TL = "timeline_"  # the timeline's phases among a step's figures (some share their names)
 PHASES = (
     "plan",
     "bind",
@@ -548,7 +549,7 @@ def measure(
     device = args.device
     drv = Driver(conn, num_gpu, args.seed)
     rows: dict[str, dict[str, list[float]]] = {
-        d: {"wall": [], "launch": [], "copy": [], "issue": [], **{p: [] for p in PHASES}}
+        d: {"wall": [], "launch": [], "copy": [], "issue": [], **{TL + p: [] for p in PHASES}}
         for d in DIRECTIONS
     }
     verified: bool | None = None
@@ -590,7 +591,7 @@ def measure(
                 rows[d]["copy"].append(c1[direction].copy_s - c0[direction].copy_s)
                 rows[d]["issue"].append(i1[direction] - i0[direction])
                 for p, v in (phases[d] or {}).items():
-                    rows[d][p].append(v)
+                    rows[d][TL + p].append(v)
         tick()
     return rows, verified
 
@@ -665,9 +666,9 @@ def bench_layout(
             "issues_us": [i * 1e6 for i in r["issue"]],
             "fractions": [step_bytes / w / 1e9 / ceil for w in r["wall"]],
         }
-        if r["pre"]:  # the device's copy span on the host clock (a CUDA backend)
-            result[d]["timeline"] = {p: statistics.median(r[p]) for p in PHASES}
-            result[d]["timelines"] = {p: r[p] for p in PHASES}
+        if r[TL + "pre"]:  # the device's copy span on the host clock (a CUDA backend)
+            result[d]["timeline"] = {p: statistics.median(r[TL + p]) for p in PHASES}
+            result[d]["timelines"] = {p: r[TL + p] for p in PHASES}
         if floor is not None:
             result[d].update(floor_figures(floor[d]))
     return result

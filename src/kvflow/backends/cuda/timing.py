@@ -36,14 +36,17 @@ class Timing:
 class ClockMark:
     """A timing event recorded on an idle stream, and ``time.perf_counter()`` right after the
     record call: a later device event's host-clock time is the mark's plus the device time
-    between them. The device reaches the record a few µs after the call returns, so placed
-    events read that much late; on a busy stream the mark would be as late as its queue."""
+    between them. The event is recorded and waited for once first: a device that idled takes
+    tens of µs to reach a record (all placed events would read that much early), an awake one
+    a few µs. On a busy stream the mark would be as late as its queue."""
 
     __slots__ = ("event", "host", "pool")
 
     def __init__(self, pool: drv.EventPool, stream: Any) -> None:
         self.pool = pool
         self.event = pool.take()
+        drv.record(self.event, stream)
+        drv.event_synchronize(self.event)
         drv.record(self.event, stream)
         self.host = time.perf_counter()
 
