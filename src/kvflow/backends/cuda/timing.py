@@ -11,6 +11,7 @@ from typing import Any
 from attrs import define
 
 from kvflow.backends.cuda import driver as drv
+from kvflow.errors import BackendError
 
 
 class Timing:
@@ -46,7 +47,9 @@ class ClockMark:
         self.pool = pool
         self.event = pool.take()
         drv.record(self.event, stream)
-        drv.event_synchronize(self.event)
+        err = drv.event_synchronize(self.event)
+        if err:
+            raise BackendError(f"clock mark: waiting for its event failed (CUresult {err})")
         drv.record(self.event, stream)
         self.host = time.perf_counter()
 
