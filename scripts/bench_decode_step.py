@@ -4,9 +4,13 @@ attention by torch (gather + SDPA) or by the Triton paged kernel (``triton_decod
 For each (rows, context) shape: ``rows`` requests with distinct ``context``-token prompts are
 prefilled untimed, then every ``engine.step()`` of pure decode is timed on the host clock (a step
 ends when its tokens are read back, so this is the step's full latency). Prints a table, and
-``--json`` writes the figures.
+``--json`` writes the figures. ``--offload`` runs every mode a second time with kvflow's offload
+connector (its defaults: eager stores, the inline worker loop, the CUDA backend on a GPU), so the
+step's connector calls and the stores of the blocks it completes are in the timed step.
 
     PYTHONPATH=src python scripts/bench_decode_step.py --model llama-1b --device cuda
+    PYTHONPATH=src python scripts/bench_decode_step.py --model llama-1b --device cuda \
+        --modes graphs --offload --shapes 1x1024,2x6400,8x2048
     PYTHONPATH=src python scripts/bench_decode_step.py --model tiny --device cpu \
         --modes eager-torch pieces-torch
 """
@@ -27,8 +31,16 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvflow.engine.engine import Engine, EngineConfig
-from kvflow.engine.model import build_model, model_config
+from kvflow.bench.multi_round import offload_engine
+from kvflow.connector.config import OffloadConfig
+from kvflow.engine.engine import (
+    Engine,
+    EngineConfig,
+    block_bytes_per_group,
+    make_kv_cache_config,
+)
+from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
+from kvflow.runtime.clock import SystemClock
 
 SHAPES = ((1, 1024), (2, 6400), (8, 2048), (32, 1024), (1, 16384))
 
@@ -58,6 +70,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per shape")
     p.add_argument("--warm", type=int, default=5, help="untimed decode steps first")
     p.add_argument("--shapes", default=None, help="ROWSxCONTEXT,... (default: a fixed set)")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="also run each mode with kvflow's offload connector (column MODE+offload)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument(
         "--profile",
@@ -119,6 +136,26 @@ def kernel_table(engine: Engine, title: str, steps: int = 5) -> None:
     )
 
 
+def make_engine(
+    cfg: ModelConfig, econf: EngineConfig, model: LlamaForCausalLM, offload: bool
+) -> Engine:
+    """The engine of one run: bare, or with kvflow's offload connector at its defaults (a CPU
+    tier of 2 GiB, more than any shape here stores)."""
+    if not offload:
+        return Engine(cfg, econf, model=model)
+    kv = make_kv_cache_config(cfg, econf)
+    dtype = next(model.parameters()).dtype
+    engine, _conn = offload_engine(
+        cfg,
+        econf,
+        model,
+        OffloadConfig(cpu_bytes="2GiB"),
+        block_bytes_per_group(cfg, kv, dtype),
+        now=SystemClock().now,
+    )
+    return engine
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -134,44 +171,47 @@ def main(argv: Sequence[str] | None = None) -> None:
     block = 16
     blocks = max(r * (c + args.warm + args.steps + 2 + block) // block for r, c in shapes) + 2
     results: dict[str, dict[str, list[float]]] = {}
+    runs = [(m, o) for m in args.modes for o in ((False, True) if args.offload else (False,))]
+    names = [f"{m}+offload" if o else m for m, o in runs]
     with Progress(transient=True) as progress:
-        task = progress.add_task("decode steps", total=len(args.modes) * len(shapes))
-        for mode in args.modes:
-            engine = Engine(
-                cfg,
-                EngineConfig(
-                    block_size=block,
-                    num_gpu_blocks=blocks,
-                    max_num_batched_tokens=8192,
-                    max_num_seqs=max(r for r, _ in shapes),
-                    device=args.device,
-                    dtype=args.dtype,
-                    decode_graphs=MODES[mode][0],
-                    triton_decode=MODES[mode][1],
-                    enable_prefix_caching=False,
-                ),
-                model=model,
+        task = progress.add_task("decode steps", total=len(runs) * len(shapes))
+        for (mode, offload), name in zip(runs, names, strict=True):
+            econf = EngineConfig(
+                block_size=block,
+                num_gpu_blocks=blocks,
+                max_num_batched_tokens=8192,
+                max_num_seqs=max(r for r, _ in shapes),
+                device=args.device,
+                dtype=args.dtype,
+                decode_graphs=MODES[mode][0],
+                triton_decode=MODES[mode][1],
+                enable_prefix_caching=False,
             )
+            engine = make_engine(cfg, econf, model, offload)
             # First use of each kernel and shape (module loading, cuBLAS's choice) is not timed.
             step_times(engine, *shapes[0], args.warm, args.steps)
             for rows, context in shapes:
                 key = f"{rows}x{context}"
-                results.setdefault(key, {})[mode] = step_times(
+                results.setdefault(key, {})[name] = step_times(
                     engine,
                     rows,
                     context,
                     args.warm,
                     args.steps,
-                    profile=args.profile and mode == args.modes[-1],
+                    profile=args.profile and name == names[-1],
                 )
                 progress.advance(task)
             engine.shutdown()
     table = Table(title=f"decode step, {args.model} on {args.device}: median (mean) ms")
     table.add_column("rows × context")
-    for mode in args.modes:
-        table.add_column(mode, justify="right")
-    for mode in args.modes[1:]:
-        table.add_column(f"{args.modes[0]} / {mode}", justify="right")
+    for name in names:
+        table.add_column(name, justify="right")
+    bare = [m for m, o in runs if not o]
+    for mode in bare[1:]:
+        table.add_column(f"{bare[0]} / {mode}", justify="right")
+    if args.offload:
+        for mode in bare:
+            table.add_column(f"{mode}: offload adds", justify="right")
     summary: dict[str, dict[str, float]] = {}
     for key, by_mode in results.items():
         med = {m: statistics.median(t) * 1e3 for m, t in by_mode.items()}
@@ -179,15 +219,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary[key] = {f"{m}_median_ms": med[m] for m in med} | {
             f"{m}_mean_ms": mean[m] for m in mean
         }
-        cells = [f"{med[m]:.2f} ({mean[m]:.2f})" for m in args.modes]
-        cells += [f"{med[args.modes[0]] / med[m]:.2f}×" for m in args.modes[1:]]
+        cells = [f"{med[m]:.2f} ({mean[m]:.2f})" for m in names]
+        cells += [f"{med[bare[0]] / med[m]:.2f}×" for m in bare[1:]]
+        if args.offload:
+            cells += [f"{med[f'{m}+offload'] / med[m] - 1:+.1%}" for m in bare]
         table.add_row(key.replace("x", " × "), *cells)
-    Console().print(table)
+    Console(width=160).print(table)
     if args.json is not None:
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
         args.json.write_text(
             json.dumps(
-                {"model": args.model, "device": device, "dtype": args.dtype, "shapes": summary},
+                {
+                    "model": args.model,
+                    "device": device,
+                    "dtype": args.dtype,
+                    "offload": args.offload,
+                    "shapes": summary,
+                },
                 indent=2,
             )
         )

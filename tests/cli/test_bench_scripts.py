@@ -38,6 +38,25 @@ def test_decode_step_bench_times_every_shape_in_every_mode(tmp_path: Path) -> No
         assert figures["pieces-torch_median_ms"] > 0
 
 
+def test_decode_step_bench_with_offload_times_each_mode_with_the_connector(
+    tmp_path: Path,
+) -> None:
+    """``--offload`` runs each mode a second time with kvflow's offload connector and writes
+    both figures per shape."""
+    out = tmp_path / "step_offload.json"
+    bench_decode_step.main(
+        [
+            "--model", "tiny", "--device", "cpu", "--modes", "eager-torch", "--offload",
+            "--shapes", "2x40", "--steps", "20", "--warm", "1", "--json", str(out),
+        ]
+    )  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["offload"] is True
+    figures = data["shapes"]["2x40"]
+    assert figures["eager-torch_median_ms"] > 0
+    assert figures["eager-torch+offload_median_ms"] > 0
+
+
 def test_noreuse_bench_reports_paired_overheads(tmp_path: Path) -> None:
     """The 0 % reuse scenario pairs each on run with an off run and reports their quartiles."""
     out = tmp_path / "noreuse.json"
