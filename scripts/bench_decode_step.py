@@ -75,13 +75,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also run each mode with kvflow's offload connector (column MODE+offload)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of --steps per shape and run, alternating which runs first (pooled)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument(
         "--profile",
         action="store_true",
         help="also print the device kernels of 5 steps of each shape (torch.profiler), last mode",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1 or args.warm < 0:
+        p.error("--rounds and --steps must be positive, --warm not negative")
+    return args
 
 
 def shapes_of(text: str | None) -> list[tuple[int, int]]:
@@ -173,9 +182,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     results: dict[str, dict[str, list[float]]] = {}
     runs = [(m, o) for m in args.modes for o in ((False, True) if args.offload else (False,))]
     names = [f"{m}+offload" if o else m for m, o in runs]
+    rounds = args.rounds
     with Progress(transient=True) as progress:
-        task = progress.add_task("decode steps", total=len(runs) * len(shapes))
-        for (mode, offload), name in zip(runs, names, strict=True):
+        task = progress.add_task("decode steps", total=len(runs) * len(shapes) * rounds)
+        for mode in args.modes:
             econf = EngineConfig(
                 block_size=block,
                 num_gpu_blocks=blocks,
@@ -187,21 +197,35 @@ def main(argv: Sequence[str] | None = None) -> None:
                 triton_decode=MODES[mode][1],
                 enable_prefix_caching=False,
             )
-            engine = make_engine(cfg, econf, model, offload)
-            # First use of each kernel and shape (module loading, cuBLAS's choice) is not timed.
-            step_times(engine, *shapes[0], args.warm, args.steps)
+            # The mode bare and, with --offload, with the connector: both built up front, so
+            # that their rounds interleave (a machine's drift, clocks and neighbours, then
+            # falls on both alike).
+            engines = {
+                name: make_engine(cfg, econf, model, offload)
+                for (m, offload), name in zip(runs, names, strict=True)
+                if m == mode
+            }
+            for engine in engines.values():
+                # First use of each kernel and shape (module loading, cuBLAS's choice) untimed.
+                step_times(engine, *shapes[0], args.warm, args.steps)
             for rows, context in shapes:
                 key = f"{rows}x{context}"
-                results.setdefault(key, {})[name] = step_times(
-                    engine,
-                    rows,
-                    context,
-                    args.warm,
-                    args.steps,
-                    profile=args.profile and name == names[-1],
-                )
-                progress.advance(task)
-            engine.shutdown()
+                for r in range(rounds):
+                    order = list(engines.items())
+                    for name, engine in order if r % 2 == 0 else order[::-1]:
+                        results.setdefault(key, {}).setdefault(name, []).extend(
+                            step_times(
+                                engine,
+                                rows,
+                                context,
+                                args.warm,
+                                args.steps,
+                                profile=args.profile and name == names[-1] and r == 0,
+                            )
+                        )
+                        progress.advance(task)
+            for engine in engines.values():
+                engine.shutdown()
     table = Table(title=f"decode step, {args.model} on {args.device}: median (mean) ms")
     table.add_column("rows × context")
     for name in names:

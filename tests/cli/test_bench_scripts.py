@@ -47,7 +47,7 @@ def test_decode_step_bench_with_offload_times_each_mode_with_the_connector(
     bench_decode_step.main(
         [
             "--model", "tiny", "--device", "cpu", "--modes", "eager-torch", "--offload",
-            "--shapes", "2x40", "--steps", "20", "--warm", "1", "--json", str(out),
+            "--shapes", "2x40", "--steps", "10", "--warm", "1", "--rounds", "2", "--json", str(out),
         ]
     )  # fmt: skip
     data = json.loads(out.read_text())
