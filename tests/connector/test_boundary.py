@@ -399,3 +399,12 @@ def test_worker_calls_before_registration_are_protocol_errors(rigs: list[Rig], c
     rig.worker.register_kv_caches(rig.tensors)
     _store_prefix(rig, "a", PROMPT, ((1, 2),))
     rig.assert_no_leaks()
+
+
+def test_a_step_where_nothing_settled_gives_the_engine_an_empty_output(rigs: list[Rig]) -> None:
+    """An empty report, or none, hands the engine an output with nothing to act on."""
+    rig = _rig(rigs)
+    for reports in ((StepReport(0),), ()):
+        out = rig.sched.update_connector_output(KVConnectorOutput(reports=reports))
+        assert out.is_empty
+    rig.assert_no_leaks()

@@ -15,12 +15,14 @@ from structlog.testing import capture_logs
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import hash_block
 from kvflow.core.offload import (
+    NO_OUTCOME,
     GroupSpec,
     OffloadManagerConfig,
     ResetStatus,
 )
 from kvflow.core.offload.config import Geometry
 from kvflow.core.offload.lazy import LazyCursor
+from kvflow.core.protocol import StepReport
 from kvflow.core.run_pool import RunBlockPool
 from kvflow.core.transfer import Direction, TransferState
 from kvflow.errors import ReportError
@@ -742,3 +744,18 @@ def test_a_failed_eager_store_is_rearmed_and_stored_again(make_sim: MakeSim) -> 
     assert again.gpu_block_ids == store.gpu_block_ids
     sim.complete()
     assert sim.on_cpu(a)[:2] == [True, True]
+
+
+def test_a_step_where_nothing_settled_gets_the_one_empty_outcome(make_sim: MakeSim) -> None:
+    """Reports that settle nothing (most steps) return the shared empty outcome, and a step
+    that settles a transfer returns its own."""
+    sim = make_sim(ONE_GROUP)
+    a = sim.add("a", range(10))
+    sim.match(a)
+    sim.step(new=[(a, 10)])
+    assert sim.mgr.update_from_reports([StepReport(0)]) is NO_OUTCOME
+    assert sim.mgr.update_from_reports([]) is NO_OUTCOME
+    out = sim.complete()
+    assert out is not NO_OUTCOME
+    assert len(out.committed) == 1
+    assert sim.mgr.update_from_reports([StepReport(0)]) is NO_OUTCOME

@@ -105,3 +105,11 @@ def test_tier_budget_refuses_larger_blocks_and_a_tier_past_cpu_bytes() -> None:
         validate.tier_budget([128], [256], [8], 4096)
     with pytest.raises(ConfigError, match="exceeds cpu_bytes"):
         validate.tier_budget([128], [128], [9], 1024)
+
+
+def test_a_plan_without_transfers_is_checked_only_for_its_step() -> None:
+    """A plan of no transfer passes whatever the layout, and a step that is not an int is
+    still refused."""
+    validate.plan(StepPlan(3), (4,), (4,))
+    with pytest.raises(ConfigError, match="plan step must be an int"):
+        validate.plan(StepPlan(True), (4,), (4,))

@@ -86,6 +86,34 @@ async def test_one_transfer_full_life(fake: FakeBackend, clock: FakeClock) -> No
     assert fake.violations == []
 
 
+async def test_a_step_where_nothing_finished_reports_the_ranks_one_empty_report(
+    fake: FakeBackend, clock: FakeClock
+) -> None:
+    """Steps with nothing finished get one shared empty report of the rank; a step with a
+    finished transfer gets its own report, and the next quiet step the shared one again."""
+    async with WorkerRuntime.open(fake, WorkerOptions(clock=clock, rank=2)) as rt:
+        quiet = rt.build_report()
+        assert (quiet.rank, quiet.completed, quiet.failed, quiet.invalid_block_ids) == (
+            2,
+            (),
+            (),
+            frozenset(),
+        )
+        rt.bind(StepPlan(1, stores=(store(7, "req", [2], [10]),)))
+        rt.wait_for_save()
+        await wait_all_tasks_blocked()
+        assert rt.build_report() is quiet  # in flight: nothing finished yet
+        [copy] = copies(fake)
+        [compute] = copy.wait_for
+        fake.release(compute)
+        fake.release(copy)
+        await wait_all_tasks_blocked()
+        report = rt.build_report()
+        assert report is not quiet
+        assert report.completed == (7,)
+        assert rt.build_report() is quiet
+
+
 async def test_many_in_flight_complete_out_of_order(fake: FakeBackend, clock: FakeClock) -> None:
     """Transfers finishing in reverse order are each reported once, when their own copy ends."""
     async with WorkerRuntime.open(fake, WorkerOptions(clock=clock, coalesce=False)) as rt:

@@ -25,6 +25,7 @@ from kvflow.core.block_pool import PoolEvent
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.logs import get_logger
 from kvflow.core.offload import (
+    NO_OUTCOME,
     GroupSpec,
     NewBlockIds,
     OffloadManager,
@@ -41,6 +42,9 @@ from kvflow.runtime.factory import make_sync_worker
 from kvflow.runtime.sync_worker import SyncWorker
 
 log = get_logger("kvflow.connector")
+
+_NOTHING = KVConnectorOutput()
+"""What ``update_connector_output`` returns when nothing settled (frozen: one serves all)."""
 
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 """Upper bounds of the transfer latency histogram buckets (the last bucket is open)."""
@@ -205,6 +209,8 @@ class OffloadScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput:
         """Apply the workers' reports; return what the engine must act on (all ranks agreed)."""
         outcome = self.update_from_reports(output.reports)
+        if outcome is NO_OUTCOME:
+            return _NOTHING  # most steps: nothing settled, nothing for the engine
         return KVConnectorOutput(
             finished_sending=outcome.finished_sending,
             finished_recving=outcome.finished_recving,

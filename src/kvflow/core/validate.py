@@ -210,12 +210,14 @@ def plan(plan: StepPlan, gpu_blocks: Sequence[int], cpu_blocks: Sequence[int]) -
     plan, no GPU block written by two loads, no transfer id twice. (Two loads may read one CPU
     block: requests sharing a cached prefix.)"""
     strict_int("plan step", plan.step)
+    specs = (*plan.stores, *plan.loads)
+    if not specs:
+        return  # a step with no transfer (most decode steps): nothing else to check
     num_groups = len(gpu_blocks)
     ids: set[int] = set()
     stored: list[set[int]] = [set() for _ in range(num_groups)]  # CPU blocks stores write
     read: list[set[int]] = [set() for _ in range(num_groups)]  # CPU blocks loads read
     loaded: list[set[int]] = [set() for _ in range(num_groups)]  # GPU blocks loads write
-    specs = (*plan.stores, *plan.loads)
     for spec in specs:
         tid = spec.transfer_id
         if tid in ids:

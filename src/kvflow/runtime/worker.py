@@ -93,6 +93,8 @@ class WorkerRuntime:
     _completed: list[int] = field(factory=list)
     _failed: list[int] = field(factory=list)
     _invalid: set[int] = field(factory=set)
+    _no_news: StepReport = field(init=False)
+    """This rank's report of a step where nothing finished (most steps): frozen, so one serves."""
     _stopping: bool = False
     _closed: bool = False
     _stopped: anyio.Event = field(factory=anyio.Event)
@@ -100,6 +102,7 @@ class WorkerRuntime:
     def __attrs_post_init__(self) -> None:
         if self.rank < 0:
             raise ConfigError(f"negative rank {self.rank}")
+        self._no_news = StepReport(rank=self.rank)
         self.reactor = Reactor(self.backend, self.clock, self.min_backoff, self.max_backoff)
         self.executor = DmaExecutor(
             self.backend, self.reactor, self._on_done, self.coalesce, now=self.clock.now
@@ -237,13 +240,15 @@ class WorkerRuntime:
                 f"step {plan.step} bound while step {self._plan.step} has unlaunched transfers"
             )
         new = [*plan.stores, *plan.loads]
-        ids = [t.transfer_id for t in new]
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"step {plan.step} lists a transfer id twice")
-        known = [i for i in ids if i in self._entries]
-        if known:
-            raise ProtocolError(f"step {plan.step}: transfers {known} are already known")
-        self._abandon(plan.abandoned)
+        if new:
+            ids = [t.transfer_id for t in new]
+            if len(set(ids)) != len(ids):
+                raise ConfigError(f"step {plan.step} lists a transfer id twice")
+            known = [i for i in ids if i in self._entries]
+            if known:
+                raise ProtocolError(f"step {plan.step}: transfers {known} are already known")
+        if plan.abandoned:
+            self._abandon(plan.abandoned)
         for spec in new:
             self._entries[spec.transfer_id] = _Entry(
                 spec, Transfer(spec.transfer_id, spec.direction, spec.request_id)
@@ -371,6 +376,8 @@ class WorkerRuntime:
     def build_report(self) -> StepReport:
         """Transfers finished since the last report (then RELEASED), and GPU block ids of failed
         loads (the engine recomputes them)."""
+        if not (self._completed or self._failed or self._invalid):
+            return self._no_news
         report = StepReport(
             rank=self.rank,
             completed=tuple(self._completed),

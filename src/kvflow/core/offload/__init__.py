@@ -19,10 +19,11 @@ from kvflow.core.offload.config import (
 )
 from kvflow.core.offload.decode import NewBlockIds
 from kvflow.core.offload.manager import OffloadManager
-from kvflow.core.offload.stats import OffloadStats, StepOutcome
+from kvflow.core.offload.stats import NO_OUTCOME, OffloadStats, StepOutcome
 
 __all__ = [
     "LAZY_REQUEST_ID",
+    "NO_OUTCOME",
     "STEP_STORE_ID",
     "GroupSpec",
     "NewBlockIds",

@@ -47,7 +47,7 @@ from kvflow.core.offload.state import (
     own_hashers,
     take,
 )
-from kvflow.core.offload.stats import Counters, StepOutcome
+from kvflow.core.offload.stats import NO_OUTCOME, Counters, StepOutcome
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
@@ -641,7 +641,9 @@ class OffloadManager(DecodeSteps, ManagerQueries):
         if not (
             ledger.finished_sending or ledger.finished_recving or ledger.invalid or self._reset_done
         ):
-            return StepOutcome(committed=tuple(committed), failed=tuple(failed))  # most steps
+            if not (committed or failed):
+                return NO_OUTCOME  # most steps: nothing settled
+            return StepOutcome(committed=tuple(committed), failed=tuple(failed))
         out = StepOutcome(
             take(ledger.finished_sending),
             take(ledger.finished_recving),

@@ -22,6 +22,10 @@ class StepOutcome:
     reset_complete: bool = False
 
 
+NO_OUTCOME = StepOutcome()
+"""The outcome of a step where nothing settled (most steps): frozen, so one serves all."""
+
+
 @define(eq=False)
 class Counters:
     """The manager's monotonic counters (since construction), shared by its parts."""
@@ -48,4 +52,4 @@ class OffloadStats(Counters):
     cpu_blocks_cached: int = 0
 
 
-__all__ = ["Counters", "OffloadStats", "StepOutcome"]
+__all__ = ["NO_OUTCOME", "Counters", "OffloadStats", "StepOutcome"]
