@@ -77,6 +77,7 @@ from kvflow.core.transfer import Direction
 try:  # imported as part of the scripts package (tests), or run as a file
     from scripts.connector_tables import (
         DIRECTIONS,
+        TIMELINE,
         device_name,
         floor_figures,
         render,
@@ -85,6 +86,7 @@ try:  # imported as part of the scripts package (tests), or run as a file
 except ImportError:
     from connector_tables import (  # type: ignore[import-not-found,no-redef]
         DIRECTIONS,
+        TIMELINE,
         device_name,
         floor_figures,
         render,
@@ -487,19 +489,7 @@ def issued_s(conn: OffloadConnector) -> dict[Direction, float]:
 
 
 TL = "timeline_"  # the timeline's phases among a step's figures (some share their names)
-PHASES = (
-    "plan",
-    "bind",
-    "to_issue",
-    "issue",
-    "pre",
-    "start_in_issue",
-    "copy",
-    "detect",
-    "settle",
-    "post",
-    "polls",
-)
+PHASES = tuple(key for key, _ in TIMELINE)
 
 
 def timeline(drv: Driver, direction: Direction) -> dict[str, float] | None:

@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     table.add_column("rows × context")
     for name in names:
         table.add_column(name, justify="right")
-    bare = [m for m, o in runs if not o]
+    bare = args.modes
     for mode in bare[1:]:
         table.add_column(f"{bare[0]} / {mode}", justify="right")
     if args.offload:

@@ -143,7 +143,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
     render_timeline(results, args, console)
 
 
-TIMELINE = (
+TIMELINE = (  # a step's phases (the keys of bench_connector_transfer's timeline) and labels
     ("plan", "plan"),
     ("bind", "bind"),
     ("to_issue", "to issue"),
@@ -185,6 +185,7 @@ def render_timeline(
 
 __all__ = [
     "DIRECTIONS",
+    "TIMELINE",
     "add_columns",
     "device_name",
     "floor_figures",
