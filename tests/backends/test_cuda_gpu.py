@@ -521,6 +521,35 @@ def test_a_clock_mark_places_a_copy_span_on_the_host_clock(make_backend: Any) ->
     assert abs((end - start) - seconds) < 1e-5
 
 
+def test_a_load_is_dated_when_its_copies_ended_not_when_it_was_seen(make_backend: Any) -> None:
+    """A load fenced on ~0.1 s of compute, asked about 50 ms after it finished, landed after
+    that wait and at least 50 ms ago; a second ask (a new clock mark later) agrees to 1 ms."""
+    import time
+
+    from kvflow.backends.base import DatesCopies
+
+    _kv, backend = ready(make_backend, "flash", torch.bfloat16, 32 * KiB, 64, 64)
+    dated = isinstance(backend, DatesCopies)
+    assert dated
+    torch.cuda.synchronize()
+    gpu_sleep()
+    submitted = time.perf_counter()
+    fence = backend.submit(load(list(range(32)), list(range(32))), [backend.compute_fence()])
+    backend.flush()
+    finished = time.perf_counter()
+    while time.perf_counter() < finished + 0.05:  # the host looks 50 ms late
+        pass
+    ago = backend.copy_landed_ago(fence)
+    asked = time.perf_counter()
+    assert ago is not None
+    landed = asked - ago
+    assert submitted + 0.03 < landed <= finished + 1e-3
+    backend._landing_mark = None  # the next ask takes a fresh mark
+    again = backend.copy_landed_ago(fence)
+    assert again is not None
+    assert abs((time.perf_counter() - again) - landed) < 1e-3
+
+
 def test_without_time_copies_no_copy_time_is_claimed(make_backend: Any) -> None:
     """With ``time_copies=False`` the backend records no timing events and says None."""
     _kv, backend = ready(make_backend, "mla", torch.bfloat16, 4 * KiB, 8, 8, time_copies=False)
@@ -529,6 +558,7 @@ def test_without_time_copies_no_copy_time_is_claimed(make_backend: Any) -> None:
     assert backend.query(fence) is FenceStatus.DONE
     assert fence.timing is None
     assert backend.copy_seconds(fence) is None
+    assert backend.copy_landed_ago(fence) is None
 
 
 def test_worker_copy_stats_on_cuda_are_measured(make_backend: Any) -> None:

@@ -140,4 +140,4 @@ def test_bfloat16_bench_checks_against_a_no_eviction_replay(
     assert result.check.passed
     assert result.check.requests == 4
     on = result.runs[1]
-    assert set(on.history_ttft_phases_mean_ms) >= {"queue", "load_wait", "first_step"}
+    assert set(on.history_ttft_phases_mean_ms) >= {"queue", "load_copy", "load_seen", "first_step"}

@@ -70,7 +70,8 @@ def test_bench_pd_with_p_s_first_token_matches_and_reports_the_second_token(
         total = sum(v for k, v in parts.items() if k != "match")
         assert total == pytest.approx(sum(ttfts) / len(ttfts), rel=1e-9, abs=1e-9)
     # P sampled the first token: its prefill is in P's timeline, none in D's hand-off parts.
-    assert data["pd"]["ttft_parts_mean_s"]["load_wait"] == 0
+    assert data["pd"]["ttft_parts_mean_s"]["load_copy"] == 0
+    assert data["pd"]["ttft_parts_mean_s"]["load_seen"] == 0
     assert data["pd"]["ttft_parts_mean_s"]["first_step"] > 0
 
 

@@ -5,6 +5,7 @@ leaks. One test per bug the black-box suite found, through the public connector 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from kvflow.backends.host import HostBackend
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig, machine_memory_bytes
-from kvflow.connector.offload import OffloadConnector
+from kvflow.connector.offload import OffloadConnector, landed_of
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import KVRequest, NewRequest, SchedulerOutput
 from kvflow.core.transfer import Direction
@@ -408,3 +409,32 @@ def test_a_step_where_nothing_settled_gives_the_engine_an_empty_output(rigs: lis
         out = rig.sched.update_connector_output(KVConnectorOutput(reports=reports))
         assert out.is_empty
     rig.assert_no_leaks()
+
+
+def test_a_finished_load_comes_with_when_its_copies_landed(rigs: list[Rig]) -> None:
+    """The output that names a finished load also says when its copies ended (the host
+    backend's copy thread dates them): within the step that ran it, on ``perf_counter``."""
+    rig = _rig(rigs)
+    _store_prefix(rig, "a", PROMPT, ((1, 2),))
+    req = KVRequest.from_prompt("b", [*PROMPT, 7])
+    assert rig.sched.get_num_new_matched_tokens(req, 0) == (8, True)
+    rig.sched.update_state_after_alloc(req, ((3, 4, 5),), 8)
+    began = time.perf_counter()
+    out = rig.step(NewRequest("b", ((3, 4, 5),), 0, 0))
+    ended = time.perf_counter()
+    assert out.finished_recving == {"b"}
+    assert set(out.loads_landed) == {"b"}
+    assert began < out.loads_landed["b"] < ended
+    rig.sched.request_finished(req, ((3, 4, 5),))
+    rig.settle()
+    rig.assert_no_leaks()
+
+
+def test_landed_times_are_given_for_finished_loads_only_the_latest_rank_wins() -> None:
+    """``landed_of`` keeps the requests whose load finished, each at its latest rank's time."""
+    reports = [
+        StepReport(0, completed=(1, 2), landed=(("a", 1.0), ("b", 5.0))),
+        StepReport(1, completed=(1,), landed=(("a", 1.5),)),
+    ]
+    assert landed_of(reports, frozenset({"a"})) == {"a": 1.5}
+    assert landed_of(reports, frozenset()) == {}

@@ -152,6 +152,30 @@ def test_outputs_identical_with_offload_across_evictions_and_reloads(
 
 
 @pytest.mark.parametrize("loop", ["thread", "inline"])
+def test_a_reloaded_requests_ttft_splits_its_load_at_landing(loop: str) -> None:
+    """Every request served by a CPU reload has a dated load: its TTFT's parts (launch, copies
+    until they landed, landed until the scheduler saw it, ...) are >= 0 and sum to the TTFT."""
+    on, (conn,) = _engine(
+        "tiny",
+        offload=OffloadConfig(cpu_bytes="64MiB", worker_loop=loop),
+        num_gpu_blocks=41,
+    )
+    got = run_multi_round(on, WORKLOAD)
+    reloaded = [r.result for r in got.records if r.result.external_loaded_tokens > 0]
+    assert reloaded
+    for res in reloaded:
+        t = res.timeline
+        assert t is not None
+        assert t.dated
+        parts = [t.queue, t.load_launch, t.load_copy, t.load_seen, t.to_compute, t.prefill]
+        assert min(parts) >= 0
+        assert t.load_copy > 0
+        assert sum(parts) + t.first_step == pytest.approx(res.ttft_s)
+    on.shutdown()
+    _assert_nothing_leaked(on, conn)
+
+
+@pytest.mark.parametrize("loop", ["thread", "inline"])
 def test_outputs_identical_with_offload_under_preemption(loop: str) -> None:
     """A cache so small that requests are preempted mid-run still gives identical outputs."""
     prompts = [[(7 * i + j) % 1000 for j in range(40)] for i in range(4)]

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from kvflow.core.protocol import StepPlan, StepReport, TransferSpec, aggregate
+from kvflow.core.protocol import StepPlan, StepReport, TransferSpec, aggregate, merge_reports
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError, ReportError
 
@@ -80,3 +80,26 @@ def test_aggregate_rejects_unknown_ranks_and_bad_reports() -> None:
         StepReport(0, completed=(1, 1))
     with pytest.raises(ReportError, match="negative rank"):
         StepReport(-1)
+    with pytest.raises(ReportError, match="dates a request's landed load twice"):
+        StepReport(0, completed=(1, 2), landed=(("r", 1.0), ("r", 2.0)))
+
+
+def test_merging_one_ranks_reports_keeps_everything_and_each_requests_latest_landing() -> None:
+    """``merge_reports`` joins a rank's reports of several polls: every transfer and invalid
+    block, and for a request dated in two of them, the later landing."""
+    merged = merge_reports(
+        1,
+        [
+            StepReport(1, completed=(1,), landed=(("a", 2.0), ("b", 1.0))),
+            StepReport(1, completed=(3,), failed=(4,), invalid_block_ids=frozenset({9})),
+            StepReport(1, completed=(5,), landed=(("a", 3.0),)),
+        ],
+    )
+    assert merged == StepReport(
+        1,
+        completed=(1, 3, 5),
+        failed=(4,),
+        invalid_block_ids=frozenset({9}),
+        landed=(("a", 3.0), ("b", 1.0)),
+    )
+    assert merge_reports(0, []) == StepReport(0)

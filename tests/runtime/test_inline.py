@@ -149,7 +149,7 @@ def test_submit_now_only_with_nothing_queued_ahead() -> None:
     executor = DmaExecutor(
         fake,
         Reactor(fake, FakeClock()),
-        lambda specs, status, cause: done.append(tuple(s.transfer_id for s in specs)),
+        lambda specs, status, cause, landed: done.append(tuple(s.transfer_id for s in specs)),
     )
     order = CopyOrder(1, Direction.STORE, (STORE,))
     assert executor.can_submit_now

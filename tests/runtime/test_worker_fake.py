@@ -63,6 +63,7 @@ async def test_one_transfer_full_life(fake: FakeBackend, clock: FakeClock) -> No
             assert rt.get_finished() == ({"req"}, set())
             report = rt.build_report()
             assert (report.rank, report.completed, report.failed) == (3, (7,), ())
+            assert report.landed == ()  # only loads are dated
             assert rt.transfer_state(7) is None
             assert fake.cpu_version[(0, 10)] == fake.cpu_version[(0, 11)] == version
     transitions = [(e["from"], e["to"], e["cause"]) for e in events(logs, "transfer_transition")]
@@ -421,6 +422,29 @@ async def test_delayed_fence_is_found_by_polling(fake: FakeBackend, clock: FakeC
         await rt.flush()
         assert 0.5 <= clock.now() <= 0.5 + rt.max_backoff
         assert rt.build_report().completed == (1,)
+
+
+async def test_a_load_reports_when_its_copies_landed_not_when_a_poll_saw_them(
+    fake: FakeBackend, clock: FakeClock
+) -> None:
+    """A load whose copies ran at 0.5 s, found by a back-off poll later, reports its request as
+    landed at 0.5 s; a failed load beside it reports no landing."""
+    fake.auto_complete = False
+    async with clock.autojump(), WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
+        rt.bind(StepPlan(1, loads=(load(1, "a", [1], [1]),)))
+        rt.start_load_kv()
+        rt.bind(StepPlan(2, loads=(load(2, "b", [2], [2]),)))
+        rt.start_load_kv()
+        await clock.sleep(0.001)
+        first, second = copies(fake)
+        fake.release_at(first, 0.5)
+        fake.fail(second)
+        await rt.flush()
+        assert clock.now() > 0.5
+        report = rt.build_report()
+        assert (report.completed, report.failed) == ((1,), (2,))
+        assert report.landed == (("a", 0.5),)
+        assert rt.build_report().landed == ()
 
 
 async def test_bind_rejects_bad_plans_without_changing_state(

@@ -106,3 +106,15 @@ class TimesCopies(Protocol):
         counting time they overlapped the previous batch of their direction once; None if this
         batch was not measured. Called once per fence, after ``query`` said DONE."""
         ...
+
+
+@runtime_checkable
+class DatesCopies(Protocol):
+    """A backend that knows when its copies ended (optional): a load's *landed* time, before the
+    runtime saw its fence done, for a request's time-to-first-token breakdown."""
+
+    def copy_landed_ago(self, fence: Fence) -> float | None:
+        """How many seconds ago the copies before ``fence`` (a finished one of this backend's
+        ``submit``) ended, ≥ 0; None if this backend cannot say for this batch. Called after
+        ``query`` said DONE."""
+        ...

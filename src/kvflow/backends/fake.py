@@ -46,6 +46,7 @@ class FakeFence:
     released: bool = False
     fail: bool = False
     release_at: float | None = None
+    landed: float | None = None  # on ``now``'s clock: ``release_at``, else when it ran
     writes: list[tuple[BlockKey, int]] = field(factory=list)  # compute: versions it lands
     stale_if_pending: list[tuple[BlockKey, FakeFence | None]] = field(factory=list)
     must_follow: list[tuple[BlockKey, FakeFence]] = field(
@@ -158,6 +159,15 @@ class FakeBackend:
             self.release(f)
         return f.status
 
+    def copy_landed_ago(self, fence: Fence) -> float | None:
+        """Seconds on ``now``'s clock since the batch's copies ran (``DatesCopies``): from the
+        ``release_at`` time that let it run, so a test sees a load land before a poll saw it;
+        None without a clock."""
+        f = self._own(fence)
+        if f.landed is None or self.now is None:
+            return None
+        return max(0.0, self.now() - f.landed)
+
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
 
@@ -235,6 +245,9 @@ class FakeBackend:
                     del self._unfenced[key]
             f.status = FenceStatus.DONE
         else:
+            if self.now is not None:
+                at = self.now()
+                f.landed = at if f.release_at is None else min(f.release_at, at)
             self._run_copy(f)
         if f in self._live:
             self._live.remove(f)

@@ -6,7 +6,8 @@ region's page at its ``cpu_offsets`` slot, so a whole block is one contiguous pi
 batches run in order on the copy thread (torch releases the GIL while copying); each finished
 fence calls the reactor's wakeup, so completion is seen at once instead of at the next poll.
 Compute on the host is synchronous in the engine's thread, so ``compute_fence`` is already done.
-The copy thread times each batch's copies (``copy_seconds``, the ``TimesCopies`` protocol).
+The copy thread times each batch's copies (``copy_seconds``, the ``TimesCopies`` protocol) and
+notes when they ended (``copy_landed_ago``, ``DatesCopies``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class HostFence:
     finished: threading.Event = field(factory=threading.Event)
     error: str | None = None
     copy_s: float | None = None  # the copy thread's own timing of the batch's copies
+    ended: float | None = None  # time.perf_counter when they ended
 
 
 @define(eq=False, slots=True)
@@ -146,6 +148,11 @@ class HostBackend:
         batches on the one thread never overlap. None until it has run."""
         return self._own(fence).copy_s
 
+    def copy_landed_ago(self, fence: Fence) -> float | None:
+        """Seconds since the copy thread finished this batch's copies (``DatesCopies``)."""
+        ended = self._own(fence).ended
+        return None if ended is None else max(0.0, time.perf_counter() - ended)
+
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
 
@@ -186,7 +193,8 @@ class HostBackend:
             began = time.perf_counter()
             try:
                 self._copy(batch)
-                fence.copy_s = time.perf_counter() - began
+                fence.ended = time.perf_counter()
+                fence.copy_s = fence.ended - began
             except Exception as exc:  # any copy error fails the batch, never the thread
                 fence.error = f"{type(exc).__name__}: {exc}"
                 fence.status = FenceStatus.FAILED

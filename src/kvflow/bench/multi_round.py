@@ -52,7 +52,16 @@ LOGITS_TOLERANCE = 0.05
 REFERENCE_RUN = "reference (no eviction)"
 """The name ``on_round`` gets for the half-precision check's run."""
 
-PHASES = ("queue", "match", "load_launch", "load_wait", "to_compute", "prefill", "first_step")
+PHASES = (
+    "queue",
+    "match",
+    "load_launch",
+    "load_copy",
+    "load_seen",
+    "to_compute",
+    "prefill",
+    "first_step",
+)
 """``RequestTimeline``'s parts, in order."""
 
 
@@ -99,6 +108,10 @@ class RunResult:
     # first); the means add up to the mean TTFT of those requests.
     history_ttft_phases_mean_ms: dict[str, float] = field(factory=dict)
     history_ttft_phases_p50_ms: dict[str, float] = field(factory=dict)
+    # Requests with a history that waited for an async load, and of those, how many loads the
+    # connector dated (when their copies landed: the load_copy / load_seen split).
+    history_loads: int = 0
+    history_loads_dated: int = 0
 
 
 @frozen
@@ -224,6 +237,8 @@ def _result(
         copy_time_measured=measured,
         history_ttft_phases_mean_ms={p: statistics.fmean(v) for p, v in phases.items() if v},
         history_ttft_phases_p50_ms={p: statistics.median(v) for p, v in phases.items() if v},
+        history_loads=sum(1 for t in history if t is not None and t.load_copy + t.load_seen > 0),
+        history_loads_dated=sum(1 for t in history if t is not None and t.dated),
     )
 
 

@@ -287,7 +287,8 @@ PHASE_LABELS = {
     "queue": "queue for GPU blocks",
     "match": "match (connector, within the queue's end)",
     "load_launch": "load: blocks given → launched",
-    "load_wait": "load: launched → seen done by the scheduler",
+    "load_copy": "load: launched → copies landed on the device",
+    "load_seen": "load: landed → seen done by the scheduler",
     "to_compute": "loaded → first step computing it",
     "prefill": "prefill chunks before the last",
     "first_step": "step sampling the first token",
@@ -380,6 +381,8 @@ def render(result: BenchResult, console: Console) -> None:
     for name in ("off mean", "off p50", "on mean", "on p50"):
         phases.add_column(name, justify="right")
     for name in PHASE_LABELS:
+        if name == "load_seen" and not on.history_loads_dated:
+            continue  # no load was dated: its wait is all in load_copy
         cells = [
             f"{run_phases.get(name, 0.0):.2f}"
             for run in (off, on)
@@ -387,6 +390,11 @@ def render(result: BenchResult, console: Console) -> None:
         ]
         phases.add_row(PHASE_LABELS[name], *cells)
     console.print(phases)
+    if on.history_loads:
+        console.print(
+            f"loads dated (landed on the device, from the backend's copy timing): "
+            f"{on.history_loads_dated} of {on.history_loads}"
+        )
     per_round = Table(title="TTFT p50 per round (ms)")
     per_round.add_column("round", justify="right")
     per_round.add_column("offload off", justify="right")

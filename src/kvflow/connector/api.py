@@ -120,6 +120,10 @@ class KVConnectorOutput:
     invalid_block_ids: frozenset[int] = field(default=frozenset(), converter=_int_set)
     reports: tuple[StepReport, ...] = field(default=(), converter=_reports)
     """The ranks' own reports of the transfers they finished, for the scheduler role."""
+    loads_landed: Mapping[str, float] = field(factory=dict)
+    """Of ``finished_recving``: when each request's load landed (its copies ended on the
+    device, the latest of the ranks reporting it this step), on the workers' clock, where their
+    backend dates its copies (``kvflow.backends.base.DatesCopies``)."""
 
     @property
     def is_empty(self) -> bool:

@@ -44,6 +44,18 @@ from kvflow.runtime.sync_worker import SyncWorker
 log = get_logger("kvflow.connector")
 
 _NOTHING = KVConnectorOutput()
+
+
+def landed_of(reports: Sequence[StepReport], requests: frozenset[str]) -> dict[str, float]:
+    """When each of ``requests``' loads landed: the latest time any of ``reports`` gives."""
+    out: dict[str, float] = {}
+    for r in reports:
+        for request_id, t in r.landed:
+            if request_id in requests:
+                out[request_id] = max(t, out.get(request_id, t))
+    return out
+
+
 """What ``update_connector_output`` returns when nothing settled (frozen: one serves all)."""
 
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
@@ -211,10 +223,12 @@ class OffloadScheduler:
         outcome = self.update_from_reports(output.reports)
         if outcome is NO_OUTCOME:
             return _NOTHING  # most steps: nothing settled, nothing for the engine
+        recving = outcome.finished_recving
         return KVConnectorOutput(
             finished_sending=outcome.finished_sending,
-            finished_recving=outcome.finished_recving,
+            finished_recving=recving,
             invalid_block_ids=outcome.invalid_block_ids,
+            loads_landed=landed_of(output.reports, recving) if recving else {},
         )
 
     def request_finished(

@@ -88,6 +88,7 @@ class PDOffloadConnector:
             finished_sending=sending,
             finished_recving=recving,
             invalid_block_ids=cpu.invalid_block_ids | pd.invalid_block_ids,
+            loads_landed={r: t for r, t in cpu.loads_landed.items() if r in recving},
         )
 
     @staticmethod

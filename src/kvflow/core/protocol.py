@@ -9,7 +9,7 @@ pickle and travel between processes unchanged.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 from attrs import field, frozen
@@ -138,13 +138,16 @@ class StepReport:
     """What one rank finished since its last report.
 
     ``invalid_block_ids`` are GPU block ids whose loaded contents cannot be trusted (their load
-    failed): the engine recomputes them.
+    failed): the engine recomputes them. ``landed``: (request id, when its completed load's copies
+    ended, on the worker's clock) where the backend dates its copies: a time-to-first-token
+    breakdown's "landed", before the worker saw the load finish.
     """
 
     rank: int
     completed: tuple[int, ...] = ()
     failed: tuple[int, ...] = ()
     invalid_block_ids: frozenset[int] = frozenset()
+    landed: tuple[tuple[str, float], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         if self.rank < 0:
@@ -156,6 +159,23 @@ class StepReport:
             self.failed
         ):
             raise ReportError(f"rank {self.rank} lists a transfer twice in one report")
+        if self.landed and len(dict(self.landed)) != len(self.landed):
+            raise ReportError(f"rank {self.rank} dates a request's landed load twice in one report")
+
+
+def merge_reports(rank: int, reports: Sequence[StepReport]) -> StepReport:
+    """One rank's reports of several polls as one report (a request's latest landed time)."""
+    landed: dict[str, float] = {}
+    for r in reports:
+        for request_id, t in r.landed:
+            landed[request_id] = max(t, landed.get(request_id, t))
+    return StepReport(
+        rank=rank,
+        completed=tuple(t for r in reports for t in r.completed),
+        failed=tuple(t for r in reports for t in r.failed),
+        invalid_block_ids=frozenset(b for r in reports for b in r.invalid_block_ids),
+        landed=tuple(landed.items()),
+    )
 
 
 @frozen
@@ -203,4 +223,5 @@ __all__ = [
     "StepReport",
     "TransferSpec",
     "aggregate",
+    "merge_reports",
 ]

@@ -150,18 +150,22 @@ class RequestTimeline:
     ``queue``: arrival until it was given GPU blocks; ``match``: the connector's
     ``get_num_new_matched_tokens`` at that admission (inside ``queue``'s end, not added);
     ``load_launch``: blocks given until the step carrying its async load launched it;
-    ``load_wait``: launched until the scheduler took the finished load; ``to_compute``: until
-    a step that computes its tokens was scheduled; ``prefill``: its chunks before the last;
-    ``first_step``: the step that sampled its first token, from its schedule to the token.
+    ``load_copy``: launched until its copies landed on the device; ``load_seen``: landed until
+    the scheduler took the finished load; ``to_compute``: until a step that computes its tokens
+    was scheduled; ``prefill``: its chunks before the last; ``first_step``: the step that
+    sampled its first token, from its schedule to the token. ``dated``: whether the connector
+    said when the load landed (else ``load_copy`` runs until it was seen, ``load_seen`` is 0).
     """
 
     queue: float
     match: float
     load_launch: float
-    load_wait: float
+    load_copy: float
+    load_seen: float
     to_compute: float
     prefill: float
     first_step: float
+    dated: bool = False
 
     @classmethod
     def of(cls, st: RequestStats) -> RequestTimeline:
@@ -169,16 +173,21 @@ class RequestTimeline:
         admitted = st.arrival_time if st.admitted_time is None else st.admitted_time
         launched = admitted if st.load_launched_time is None else st.load_launched_time
         seen = launched if st.load_seen_time is None else st.load_seen_time
+        landed = seen if st.load_landed_time is None else st.load_landed_time
+        # The workers' clock may read a few µs apart from the engine's: held inside the wait.
+        landed = min(max(landed, launched), seen)
         start = seen if st.compute_start_time is None else st.compute_start_time
         last = start if st.first_token_step_time is None else st.first_token_step_time
         return cls(
             queue=admitted - st.arrival_time,
             match=st.match_s,
             load_launch=launched - admitted,
-            load_wait=seen - launched,
+            load_copy=landed - launched,
+            load_seen=seen - landed,
             to_compute=start - seen,
             prefill=last - start,
             first_step=st.first_token_time - last,
+            dated=st.load_landed_time is not None and st.load_seen_time is not None,
         )
 
 

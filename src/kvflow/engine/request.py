@@ -78,6 +78,7 @@ class RequestStats:
     admitted_time: float | None = None  # first given GPU blocks
     match_s: float = 0.0  # the connector's get_num_new_matched_tokens, at that admission
     load_launched_time: float | None = None  # the step that issued its async load launched
+    load_landed_time: float | None = None  # its load's copies ended (where the backend says)
     load_seen_time: float | None = None  # the scheduler took its finished load
     compute_start_time: float | None = None  # first step computing its tokens, once scheduled
     first_token_step_time: float | None = None  # the step sampling its first token, scheduled

@@ -472,6 +472,10 @@ class Scheduler:
             results.append(StepOutput(req.request_id, (token,), finished))
 
         self._finished_recving |= kv_output.finished_recving
+        for rid, landed in kv_output.loads_landed.items():
+            loading = self.requests.get(rid)
+            if loading is not None and loading.stats.load_landed_time is None:
+                loading.stats.load_landed_time = landed
         for rid in kv_output.finished_sending:
             if rid in self._delayed_free:
                 self._delayed_free.discard(rid)

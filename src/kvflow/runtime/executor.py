@@ -26,7 +26,14 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from attrs import define, field, frozen
 
-from kvflow.backends.base import Backend, CopyBatch, Fence, FenceStatus, TimesCopies
+from kvflow.backends.base import (
+    Backend,
+    CopyBatch,
+    DatesCopies,
+    Fence,
+    FenceStatus,
+    TimesCopies,
+)
 from kvflow.core.logs import get_logger
 from kvflow.core.protocol import TransferSpec
 from kvflow.core.transfer import Direction
@@ -39,7 +46,9 @@ log = get_logger("kvflow.executor")
 GroupIds = tuple[tuple[int, ...], ...]
 """GPU block ids per KV cache group"""
 
-DoneCallback = Callable[[Sequence[TransferSpec], FenceStatus, str], None]
+DoneCallback = Callable[[Sequence[TransferSpec], FenceStatus, str, float | None], None]
+"""``(transfers, status, cause, landed)``: ``landed`` is when a finished batch's copies ended on
+the executor's clock, where the backend dates its copies (``DatesCopies``), else None."""
 """``(transfers, DONE or FAILED, cause)``: called on the loop thread when a batch has finished."""
 
 
@@ -176,11 +185,13 @@ class DmaExecutor:
     )
 
     _timer: TimesCopies | None = field(init=False, default=None)
+    _dater: DatesCopies | None = field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self._send, self._recv = anyio.create_memory_object_stream[_Command](math.inf)
         # Checked once: a protocol isinstance costs microseconds.
         self._timer = self.backend if isinstance(self.backend, TimesCopies) else None
+        self._dater = self.backend if isinstance(self.backend, DatesCopies) else None
         self._no_outstanding.set()
 
     @property
@@ -310,17 +321,23 @@ class DmaExecutor:
         per_group = [len(ids) for ids in batch.gpu_block_ids]
         stats = self.throughput[order.direction]
 
-        timer = self._timer
+        timer, dater = self._timer, self._dater
 
         def finished(status: FenceStatus) -> None:
+            landed = None
             if status is FenceStatus.DONE:
                 measured = timer.copy_seconds(fence) if timer is not None else None
-                stats.observe(started, self.now(), per_group, measured)
+                seen = self.now()
+                stats.observe(started, seen, per_group, measured)
+                ago = dater.copy_landed_ago(fence) if dater is not None else None
+                if ago is not None:
+                    landed = max(started, seen - ago)  # clocks a few µs apart: not before submit
             self._batch_finished(
                 transfers,
                 status,
                 "fence_done" if status is FenceStatus.DONE else "fence_failed",
                 (order.direction, fence),
+                landed,
             )
 
         self.reactor.watch(fence, finished)
@@ -349,6 +366,7 @@ class DmaExecutor:
         status: FenceStatus,
         cause: str,
         submitted: tuple[Direction, Fence] | None,
+        landed: float | None = None,
     ) -> None:
         if submitted is not None:
             direction, fence = submitted
@@ -358,10 +376,16 @@ class DmaExecutor:
             log.debug("copy_batch_finished", transfers=len(transfers), status=status.value)
         if self._outstanding == 0:
             self._no_outstanding.set()
-        self._finish(transfers, status, cause)
+        self._finish(transfers, status, cause, landed)
 
-    def _finish(self, transfers: Sequence[TransferSpec], status: FenceStatus, cause: str) -> None:
-        self.on_done(transfers, status, cause)
+    def _finish(
+        self,
+        transfers: Sequence[TransferSpec],
+        status: FenceStatus,
+        cause: str,
+        landed: float | None = None,
+    ) -> None:
+        self.on_done(transfers, status, cause, landed)
 
 
 __all__ = ["CopyOrder", "CopyStats", "CopyThroughput", "DmaExecutor", "coalesce"]

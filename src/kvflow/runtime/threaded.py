@@ -36,7 +36,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from kvflow.backends.base import Backend
 from kvflow.core.layout import KVLayout
 from kvflow.core.logs import get_logger
-from kvflow.core.protocol import StepPlan, StepReport
+from kvflow.core.protocol import StepPlan, StepReport, merge_reports
 from kvflow.core.transfer import Direction
 from kvflow.errors import ClosedError
 from kvflow.runtime.executor import CopyStats
@@ -105,12 +105,7 @@ class ThreadedSyncWorker(SyncWorker):
     def _take_report(self) -> StepReport:
         with self._mail_lock:
             reports, self._mail_reports = self._mail_reports, []
-        report = StepReport(
-            rank=self._rt.rank,
-            completed=tuple(t for r in reports for t in r.completed),
-            failed=tuple(t for r in reports for t in r.failed),
-            invalid_block_ids=frozenset(b for r in reports for b in r.invalid_block_ids),
-        )
+        report = merge_reports(self._rt.rank, reports)
         self._load_errors |= report.invalid_block_ids
         return report
 

@@ -93,6 +93,7 @@ class WorkerRuntime:
     _completed: list[int] = field(factory=list)
     _failed: list[int] = field(factory=list)
     _invalid: set[int] = field(factory=set)
+    _landed: dict[str, float] = field(factory=dict)  # request id → its loads' copies ended
     _no_news: StepReport = field(init=False)
     """This rank's report of a step where nothing finished (most steps): frozen, so one serves."""
     _stopping: bool = False
@@ -325,8 +326,18 @@ class WorkerRuntime:
             # After the transitions: a refused submit settles its transfers at once.
             self.executor.submit_now(order)
 
-    def _on_done(self, specs: Sequence[TransferSpec], status: FenceStatus, cause: str) -> None:
+    def _on_done(
+        self,
+        specs: Sequence[TransferSpec],
+        status: FenceStatus,
+        cause: str,
+        landed: float | None,
+    ) -> None:
         self._settled(specs, status, cause)
+        if landed is not None:
+            for s in specs:
+                if s.direction is Direction.LOAD:
+                    self._landed[s.request_id] = max(landed, self._landed.get(s.request_id, landed))
         for hook in self.progress_hooks:
             hook()
 
@@ -374,8 +385,8 @@ class WorkerRuntime:
         return sending, recving
 
     def build_report(self) -> StepReport:
-        """Transfers finished since the last report (then RELEASED), and GPU block ids of failed
-        loads (the engine recomputes them)."""
+        """Transfers finished since the last report (then RELEASED), GPU block ids of failed
+        loads (the engine recomputes them), and when the loads' copies landed."""
         if not (self._completed or self._failed or self._invalid):
             return self._no_news
         report = StepReport(
@@ -383,12 +394,15 @@ class WorkerRuntime:
             completed=tuple(self._completed),
             failed=tuple(self._failed),
             invalid_block_ids=frozenset(self._invalid),
+            landed=tuple(self._landed.items()) if self._landed else (),
         )
         for tid in (*self._completed, *self._failed):
             e = self._entries.pop(tid, None)
             if e is not None:
                 apply(e.transfer, TransferInput.RELEASE, cause="reported")
         self._completed, self._failed, self._invalid = [], [], set()
+        if self._landed:
+            self._landed = {}
         return report
 
     def transfer_state(self, transfer_id: int) -> TransferState | None:

@@ -49,6 +49,9 @@ from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError
 
+MARK_MAX_AGE_S = 1.0
+"""How long ``copy_landed_ago`` uses one clock mark before it takes a new one."""
+
 log = get_logger("kvflow.backends.cuda")
 
 
@@ -207,6 +210,9 @@ class CudaBackend:
         self._tier: PinnedTier | None = None
         self._staged: list[bool] = []
         self._last_timing: dict[Direction, Timing | None] = dict.fromkeys(Direction)
+        # Clock marks need a stream with nothing queued: one of their own.
+        self._mark_stream = drv.lowest_priority_stream()
+        self._landing_mark: ClockMark | None = None
         self.issue_stats: dict[Direction, IssueStats] = {d: IssueStats() for d in Direction}
         """Host time spent issuing each direction's batches (planning and driver calls)."""
         self._closed = False
@@ -365,24 +371,32 @@ class CudaBackend:
         if timing is None or not fence.launched:
             return None
         self._ctx.enter()
-        seconds = drv.elapsed_s(timing.start, timing.end)
-        if seconds is None:
+        return timing.seconds_beyond(prev)
+
+    def copy_landed_ago(self, fence: Fence) -> float | None:
+        """Seconds since a finished batch's copies ended on the device (``DatesCopies``): its
+        end event placed on ``time.perf_counter`` by a clock mark, taken again once older than
+        ``MARK_MAX_AGE_S`` so the two clocks cannot drift apart. None without ``time_copies``
+        or when the driver cannot say."""
+        self._event_of(fence)
+        assert isinstance(fence, CudaFence)
+        timing = fence.timing
+        if timing is None or not fence.launched:
             return None
-        if prev is not None:
-            # The previous batch's span relative to this one's start; its overlap with this
-            # batch's span [0, seconds] was counted already.
-            prev_start = drv.elapsed_s(timing.start, prev.start)
-            prev_end = drv.elapsed_s(timing.start, prev.end)
-            if prev_start is not None and prev_end is not None:
-                overlap = min(seconds, prev_end) - max(0.0, prev_start)
-                seconds -= max(0.0, overlap)
-        return max(0.0, seconds)
+        self._ctx.enter()
+        mark = self._landing_mark
+        now = time.perf_counter()
+        if mark is None or now - mark.host > MARK_MAX_AGE_S:
+            mark = self._landing_mark = self.clock_mark()
+            now = time.perf_counter()
+        ended = mark.place(timing.end)
+        return None if ended is None else max(0.0, now - ended)
 
     def clock_mark(self) -> ClockMark:
-        """A mark tying the device's clock to ``time.perf_counter`` for ``last_copy_span``;
-        take it while this backend's streams are idle (a benchmark's timeline)."""
+        """A mark tying the device's clock to ``time.perf_counter``, for ``last_copy_span`` (a
+        benchmark's timeline) and ``copy_landed_ago``: recorded on a stream of its own."""
         self._ctx.enter()
-        return ClockMark(self._timing_events, self._lanes[Direction.STORE].dma)
+        return ClockMark(self._timing_events, self._mark_stream)
 
     def last_copy_span(self, direction: Direction, mark: ClockMark) -> tuple[float, float] | None:
         """When the last issued batch of ``direction`` began and ended copying on the device
@@ -669,6 +683,8 @@ class CudaBackend:
         self._staging.clear()
         self._table_dev.clear()
         self._last_timing = dict.fromkeys(Direction)  # its events go now, not at exit
+        self._landing_mark = None
+        drv.cu.cuStreamDestroy(self._mark_stream)
         for pool in (self._fence_events, self._timing_events, self._plain_events):
             pool.close()
         log.info("cuda_backend_closed", device=self.device)

@@ -26,6 +26,22 @@ class Timing:
         self.start = pool.take()
         self.end = pool.take()
 
+    def seconds_beyond(self, prev: Timing | None) -> float | None:
+        """Device seconds from ``start`` to ``end`` (both completed), less the part ``prev``
+        (the previous batch of the direction) overlapped, which was counted already; None when
+        the driver cannot say."""
+        seconds = drv.elapsed_s(self.start, self.end)
+        if seconds is None:
+            return None
+        if prev is not None:
+            # The previous batch's span relative to this one's start.
+            prev_start = drv.elapsed_s(self.start, prev.start)
+            prev_end = drv.elapsed_s(self.start, prev.end)
+            if prev_start is not None and prev_end is not None:
+                overlap = min(seconds, prev_end) - max(0.0, prev_start)
+                seconds -= max(0.0, overlap)
+        return max(0.0, seconds)
+
     def __del__(self) -> None:
         # At interpreter shutdown the driver may already be gone.
         with contextlib.suppress(Exception):
