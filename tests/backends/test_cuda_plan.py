@@ -538,3 +538,31 @@ def test_cuda_config_rejects_bad_sizes(field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         CudaConfig(**{field: bad})  # type: ignore[arg-type]
     assert CudaConfig(ramp_bytes=0).ramp_bytes == 0
+
+
+class _Pool:
+    """An event pool stand-in: hands out plain ints, takes them back."""
+
+    def __init__(self) -> None:
+        self.given: list[int] = []
+
+    def take(self) -> int:
+        return 7
+
+    def give(self, event: int) -> None:
+        self.given.append(event)
+
+
+@pytest.mark.parametrize(("answer", "match"), [(drv.NOT_READY, "did not reach"), (999, "999")])
+def test_a_clock_mark_never_waits_past_its_deadline(
+    monkeypatch: pytest.MonkeyPatch, answer: int, match: str
+) -> None:
+    """A clock mark whose event the device never reaches (or reports failed) raises a
+    BackendError naming that, after at most ``MARK_WAIT_S``, instead of hanging its caller."""
+    from kvflow.backends.cuda import timing
+
+    monkeypatch.setattr(timing, "MARK_WAIT_S", 0.01)
+    monkeypatch.setattr(drv, "record", lambda event, stream: None)
+    monkeypatch.setattr(drv, "event_query", lambda event: answer)
+    with pytest.raises(BackendError, match=match):
+        timing.ClockMark(_Pool(), stream=1)  # type: ignore[arg-type]

@@ -387,7 +387,11 @@ class CudaBackend:
         mark = self._landing_mark
         now = time.perf_counter()
         if mark is None or now - mark.host > MARK_MAX_AGE_S:
-            mark = self._landing_mark = self.clock_mark()
+            try:
+                mark = self._landing_mark = self.clock_mark()
+            except BackendError as exc:  # undated, never a failed transfer
+                log.warning("cuda_clock_mark_failed", error=str(exc))
+                return None
             now = time.perf_counter()
         ended = mark.place(timing.end)
         return None if ended is None else max(0.0, now - ended)

@@ -178,6 +178,16 @@ def event_synchronize(event: Any) -> int:
     return result
 
 
+NOT_READY = 600
+"""``CUDA_ERROR_NOT_READY`` (a constant: this module imports without cuda-python)."""
+
+
+def event_query(event: Any) -> int:
+    """Whether ``event`` completed, without waiting: 0, ``NOT_READY``, or another CUresult."""
+    (err,) = cu.cuEventQuery(event)
+    return int(err)
+
+
 def record(event: Any, stream: Any) -> None:
     (err,) = cu.cuEventRecord(event, stream)
     if err:
@@ -383,6 +393,7 @@ def memcpy_each(desc: Descriptors, stream: Any) -> None:
 
 
 __all__ = [
+    "NOT_READY",
     "BatchMemcpy",
     "Context",
     "CopyAttributes",
@@ -392,6 +403,7 @@ __all__ = [
     "choose_abi",
     "cu",
     "elapsed_s",
+    "event_query",
     "event_synchronize",
     "lowest_priority_stream",
     "memcpy_each",

@@ -50,6 +50,10 @@ class Timing:
             self.pool.give(self.end)
 
 
+MARK_WAIT_S = 1.0
+"""How long a clock mark waits for an idle stream's event before it gives up."""
+
+
 class ClockMark:
     """A timing event recorded on an idle stream, and ``time.perf_counter()`` right after the
     record call: a later device event's host-clock time is the mark's plus the device time
@@ -63,7 +67,14 @@ class ClockMark:
         self.pool = pool
         self.event = pool.take()
         drv.record(self.event, stream)
-        err = drv.event_synchronize(self.event)
+        # Polled, not synchronized: a device that never reaches the event must not hang the
+        # caller (the runtime's loop, for ``copy_landed_ago``).
+        deadline = time.perf_counter() + MARK_WAIT_S
+        while (err := drv.event_query(self.event)) == drv.NOT_READY:
+            if time.perf_counter() > deadline:
+                raise BackendError(
+                    f"clock mark: the device did not reach its event within {MARK_WAIT_S} s"
+                )
         if err:
             raise BackendError(f"clock mark: waiting for its event failed (CUresult {err})")
         drv.record(self.event, stream)
@@ -97,4 +108,4 @@ class IssueStats:
         self.last_began, self.last_ended = began, ended
 
 
-__all__ = ["ClockMark", "IssueStats", "Timing"]
+__all__ = ["MARK_WAIT_S", "ClockMark", "IssueStats", "Timing"]
