@@ -57,7 +57,8 @@ MARK_WAIT_S = 1.0
 class ClockMark:
     """A timing event recorded on an idle stream, and ``time.perf_counter()`` right after the
     record call: a later device event's host-clock time is the mark's plus the device time
-    between them. The event is recorded and waited for once first: a device that idled takes
+    between them (the mark waits for its event, so it can be placed against at once). The event
+    is recorded and waited for once first: a device that idled takes
     tens of µs to reach a record (all placed events would read that much early), an awake one
     a few µs. On a busy stream the mark would be as late as its queue."""
 
@@ -67,8 +68,16 @@ class ClockMark:
         self.pool = pool
         self.event = pool.take()
         drv.record(self.event, stream)
-        # Polled, not synchronized: a device that never reaches the event must not hang the
-        # caller (the runtime's loop, for ``copy_landed_ago``).
+        self._reached()
+        drv.record(self.event, stream)
+        self.host = time.perf_counter()
+        # Placing an event against the mark needs the mark's event completed.
+        self._reached()
+
+    def _reached(self) -> None:
+        """Wait until the device has reached the mark's event. Polled, not synchronized: a
+        device that never reaches it must not hang the caller (the runtime's loop, for
+        ``copy_landed_ago``)."""
         deadline = time.perf_counter() + MARK_WAIT_S
         while (err := drv.event_query(self.event)) == drv.NOT_READY:
             if time.perf_counter() > deadline:
@@ -77,8 +86,6 @@ class ClockMark:
                 )
         if err:
             raise BackendError(f"clock mark: waiting for its event failed (CUresult {err})")
-        drv.record(self.event, stream)
-        self.host = time.perf_counter()
 
     def place(self, event: Any) -> float | None:
         """``event``'s time on the host's ``perf_counter`` clock, or None if the driver cannot
