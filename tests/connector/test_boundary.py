@@ -14,8 +14,14 @@ import torch
 from kvflow.backends.host import HostBackend
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig, machine_memory_bytes
-from kvflow.connector.offload import OffloadConnector, landed_of
-from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec
+from kvflow.connector.offload import OffloadConnector
+from kvflow.core.protocol import (
+    GroupBlockIds,
+    StepPlan,
+    StepReport,
+    TransferSpec,
+    latest_landed,
+)
 from kvflow.core.requests import KVRequest, NewRequest, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError, ProtocolError, ReportError
@@ -431,10 +437,11 @@ def test_a_finished_load_comes_with_when_its_copies_landed(rigs: list[Rig]) -> N
 
 
 def test_landed_times_are_given_for_finished_loads_only_the_latest_rank_wins() -> None:
-    """``landed_of`` keeps the requests whose load finished, each at its latest rank's time."""
+    """``latest_landed`` keeps the requests whose load finished, each at its latest rank's
+    time."""
     reports = [
         StepReport(0, completed=(1, 2), landed=(("a", 1.0), ("b", 5.0))),
         StepReport(1, completed=(1,), landed=(("a", 1.5),)),
     ]
-    assert landed_of(reports, frozenset({"a"})) == {"a": 1.5}
-    assert landed_of(reports, frozenset()) == {}
+    assert latest_landed(reports, frozenset({"a"})) == {"a": 1.5}
+    assert latest_landed(reports, frozenset()) == {}

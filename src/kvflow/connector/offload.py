@@ -33,7 +33,7 @@ from kvflow.core.offload import (
     ResetStatus,
     StepOutcome,
 )
-from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport
+from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, latest_landed
 from kvflow.core.requests import RequestLike, SchedulerOutput
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
@@ -44,18 +44,6 @@ from kvflow.runtime.sync_worker import SyncWorker
 log = get_logger("kvflow.connector")
 
 _NOTHING = KVConnectorOutput()
-
-
-def landed_of(reports: Sequence[StepReport], requests: frozenset[str]) -> dict[str, float]:
-    """When each of ``requests``' loads landed: the latest time any of ``reports`` gives."""
-    out: dict[str, float] = {}
-    for r in reports:
-        for request_id, t in r.landed:
-            if request_id in requests:
-                out[request_id] = max(t, out.get(request_id, t))
-    return out
-
-
 """What ``update_connector_output`` returns when nothing settled (frozen: one serves all)."""
 
 LATENCY_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
@@ -228,7 +216,7 @@ class OffloadScheduler:
             finished_sending=outcome.finished_sending,
             finished_recving=recving,
             invalid_block_ids=outcome.invalid_block_ids,
-            loads_landed=landed_of(output.reports, recving) if recving else {},
+            loads_landed=latest_landed(output.reports, recving) if recving else {},
         )
 
     def request_finished(

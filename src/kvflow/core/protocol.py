@@ -163,12 +163,21 @@ class StepReport:
             raise ReportError(f"rank {self.rank} dates a request's landed load twice in one report")
 
 
-def merge_reports(rank: int, reports: Sequence[StepReport]) -> StepReport:
-    """One rank's reports of several polls as one report (a request's latest landed time)."""
-    landed: dict[str, float] = {}
+def latest_landed(
+    reports: Iterable[StepReport], requests: frozenset[str] | None = None
+) -> dict[str, float]:
+    """Each request's latest landed time in ``reports`` (only ``requests``' where given)."""
+    out: dict[str, float] = {}
     for r in reports:
         for request_id, t in r.landed:
-            landed[request_id] = max(t, landed.get(request_id, t))
+            if requests is None or request_id in requests:
+                out[request_id] = max(t, out.get(request_id, t))
+    return out
+
+
+def merge_reports(rank: int, reports: Sequence[StepReport]) -> StepReport:
+    """One rank's reports of several polls as one report (a request's latest landed time)."""
+    landed = latest_landed(reports)
     return StepReport(
         rank=rank,
         completed=tuple(t for r in reports for t in r.completed),
@@ -223,5 +232,6 @@ __all__ = [
     "StepReport",
     "TransferSpec",
     "aggregate",
+    "latest_landed",
     "merge_reports",
 ]

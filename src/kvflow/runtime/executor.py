@@ -47,9 +47,9 @@ GroupIds = tuple[tuple[int, ...], ...]
 """GPU block ids per KV cache group"""
 
 DoneCallback = Callable[[Sequence[TransferSpec], FenceStatus, str, float | None], None]
-"""``(transfers, status, cause, landed)``: ``landed`` is when a finished batch's copies ended on
-the executor's clock, where the backend dates its copies (``DatesCopies``), else None."""
-"""``(transfers, DONE or FAILED, cause)``: called on the loop thread when a batch has finished."""
+"""``(transfers, DONE or FAILED, cause, landed)``: called on the loop thread when a batch has
+finished; ``landed`` is when a finished batch's copies ended on the executor's clock, where the
+backend dates its copies (``DatesCopies``), else None."""
 
 
 @frozen
