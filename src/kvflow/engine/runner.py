@@ -70,7 +70,7 @@ class LaunchedStep:
     kv_connector_output: KVConnectorOutput
     _sampled: _Sampled | None = None
     _tokens: dict[str, int] | None = None
-    loads_launched_at: float | None = None  # right after ``start_load_kv``, on ``ModelRunner.now``
+    loads_launched_at: float | None = None  # right before ``start_load_kv``, on ``ModelRunner.now``
 
     @property
     def first_logits(self) -> dict[str, torch.Tensor]:
@@ -189,8 +189,10 @@ class ModelRunner:
         conn = self.connector
         conn.bind_connector_metadata(connector_meta)
         conn.handle_preemptions(connector_meta)
-        conn.start_load_kv()
+        # Read before the launch: a copy thread may land a small load before the call returns,
+        # and a load's "landed" must not come before its "launched".
         loads_at = None if self.now is None else self.now()
+        conn.start_load_kv()
         pending = self._forward(batch) if batch.chunks else None
         if pending is not None:
             pending = self._start_readback(pending)
