@@ -447,6 +447,38 @@ async def test_a_load_reports_when_its_copies_landed_not_when_a_poll_saw_them(
         assert rt.build_report().landed == ()
 
 
+async def test_only_loads_are_dated_a_store_never_asks_the_backend(
+    fake: FakeBackend, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished store is not dated (no one reads its landing, and on CUDA dating costs a clock
+    mark); the load finished beside it is."""
+    fake.auto_complete = False
+    asked: list[FakeFence] = []
+    dated = FakeBackend.copy_landed_ago
+
+    def spy(self: FakeBackend, fence: Fence) -> float | None:
+        assert isinstance(fence, FakeFence)
+        asked.append(fence)
+        return dated(self, fence)
+
+    monkeypatch.setattr(FakeBackend, "copy_landed_ago", spy)
+    async with clock.autojump(), WorkerRuntime.open(fake, WorkerOptions(clock=clock)) as rt:
+        rt.bind(StepPlan(1, stores=(store(1, "a", [1], [1]),), loads=(load(2, "b", [2], [2]),)))
+        rt.start_load_kv()
+        rt.wait_for_save()
+        await clock.sleep(0.001)
+        for copy in copies(fake):
+            for compute in copy.wait_for:
+                fake.release(compute)
+            fake.release_at(copy, 0.25)
+        await rt.flush()
+        report = rt.build_report()
+        assert sorted(report.completed) == [1, 2]
+        assert report.landed == (("b", 0.25),)
+        assert [f.batch.direction for f in asked if f.batch is not None] == [Direction.LOAD]
+        assert len(asked) == 1
+
+
 async def test_bind_rejects_bad_plans_without_changing_state(
     fake: FakeBackend, clock: FakeClock
 ) -> None:

@@ -48,8 +48,9 @@ GroupIds = tuple[tuple[int, ...], ...]
 
 DoneCallback = Callable[[Sequence[TransferSpec], FenceStatus, str, float | None], None]
 """``(transfers, DONE or FAILED, cause, landed)``: called on the loop thread when a batch has
-finished; ``landed`` is when a finished batch's copies ended on the executor's clock, where the
-backend dates its copies (``DatesCopies``), else None."""
+finished; ``landed`` is when a finished load batch's copies ended on the executor's clock, where
+the backend dates its copies (``DatesCopies``), else None (always None for a store: no one reads
+a store's landing)."""
 
 
 @frozen
@@ -321,7 +322,10 @@ class DmaExecutor:
         per_group = [len(ids) for ids in batch.gpu_block_ids]
         stats = self.throughput[order.direction]
 
-        timer, dater = self._timer, self._dater
+        timer = self._timer
+        # Only a load's landing is read (a request's TTFT); dating a store would cost a clock
+        # mark's placement, and now and then a new mark, for nothing.
+        dater = self._dater if order.direction is Direction.LOAD else None
 
         def finished(status: FenceStatus) -> None:
             landed = None
