@@ -92,3 +92,33 @@ def test_decode_graphs_and_triton_attention_match_the_eager_torch_path() -> None
     for other in caches[1:]:
         for name, tensor in caches[0].items():
             torch.testing.assert_close(other[name], tensor, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("queries", "keys"), [(272, 4608), (64, 64), (17, 1041)])
+def test_a_half_precision_chunk_takes_flash_directly_and_agrees_with_sdpa(
+    dtype: torch.dtype, queries: int, keys: int
+) -> None:
+    """A chunk of 32 query heads over 8 KV heads, causal to its last key: the direct flash call
+    (grouped heads as they are) gives what SDPA gives with the heads expanded and a lower-right
+    causal bias, on the math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from kvflow.engine import kv_cache
+
+    gen = torch.Generator(device="cuda").manual_seed(queries)
+    q = torch.randn(1, queries, 32, 64, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+    both = torch.randn(2, 1, keys, 8, 64, device="cuda", dtype=dtype, generator=gen)
+    k, v = both.permute(0, 1, 3, 2, 4)  # strided as the gather from the paged cache leaves them
+    assert kv_cache._flash_fits(q, k)
+    got = kv_cache._prefill_attention(q, k, v, None)
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.float(),
+            k.float().repeat_interleave(4, dim=1),
+            v.float().repeat_interleave(4, dim=1),
+            attn_mask=causal_lower_right(queries, keys),
+        )
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

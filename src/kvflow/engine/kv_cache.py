@@ -11,6 +11,7 @@ sliding-window groups, limited to the window.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,29 @@ from kvflow.errors import ConfigError
 
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 """SDPA takes ``enable_gqa`` (grouped KV heads without copying them) from torch 2.5 on."""
+
+
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _flash_device(index: int) -> bool:
+    """Whether the CUDA device runs the flash kernel (Ampere and later)."""
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
+def _flash_fits(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """A chunk the flash kernel takes as it is: half precision on an Ampere or later GPU, a head
+    size it supports with no padding, whole groups of query heads per KV head."""
+    d = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in _FLASH_DTYPES
+        and d % 8 == 0
+        and d <= 256
+        and q.shape[1] % keys.shape[1] == 0
+        and _flash_device(q.device.index or 0)
+    )
 
 
 def layer_name(layer: int) -> str:
@@ -320,6 +344,15 @@ def _prefill_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """One chunk ``(1, heads, Q, D)`` over its keys ``(1, kv_heads, K, D)``."""
+    if mask is None and _flash_fits(q, keys):
+        # What SDPA runs for a lower-right causal bias in half precision, called directly: its
+        # dispatch (the bias object, input checks, the kernel choice) and the copies of K and V
+        # expanded to every query head were most of a chunk's host time (a 544-token step over
+        # two histories spent about 7 ms launching, docs/benchmarks.md); the flash kernel takes
+        # grouped KV heads as they are, and its causal mask is aligned to the last key.
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        out_flash: torch.Tensor = flash(q, keys, values, 0.0, is_causal=True)[0]
+        return out_flash
     rep = q.shape[1] // keys.shape[1]
     if q.device.type != "cpu" or not _SDPA_GQA:
         # On CUDA, expanded heads keep SDPA on its memory-efficient kernel; enable_gqa there
