@@ -645,7 +645,12 @@ def test_batches_reuse_their_events(make_backend: Any, monkeypatch: pytest.Monke
     timing and compute-fence events come back to the backend's pools and are taken again."""
     from kvflow.backends.cuda import driver as drv
 
-    _kv, backend = ready(make_backend, "flash", torch.bfloat16, 4 * KiB, 16, 16)
+    # No completion threads: a waiter thread still holding the last fence when ``flush``
+    # returns would keep its event out of the pool a moment longer, and the next batch would
+    # take a new one (the test failed that way once on the H100).
+    _kv, backend = ready(
+        make_backend, "flash", torch.bfloat16, 4 * KiB, 16, 16, completion_threads=False
+    )
 
     def one_batch() -> None:
         fence = backend.submit(store([1, 2, 3], [4, 5, 6]), [backend.compute_fence()])
