@@ -6,7 +6,8 @@ Block 0 of every group is the null block: padding in block tables, never written
 that a query can see. A step's tokens are one flat batch; attention gathers keys and values by
 block table and runs one SDPA for all single-token (decode) queries together and one per
 multi-token (prefill) chunk, causal with the offset of the tokens already computed and, for
-sliding-window groups, limited to the window.
+sliding-window groups, limited to the window (a half-precision chunk on a recent GPU calls the
+flash kernel itself).
 """
 
 from __future__ import annotations
