@@ -223,3 +223,27 @@ def test_hybrid_failed_load_restarts_with_identical_output(
     if not load_async:
         assert any("r0" in s for s in fake.preemptions_seen)
     assert fake.calls.count("start_load_kv") > load
+
+
+def test_a_head_without_blocks_is_not_asked_again_while_a_load_ahead_of_it_runs() -> None:
+    """Nothing runs while the first request's async load is in flight, and the second, which
+    cannot get blocks until the first finishes, is matched once then, not again every step of
+    the wait (each ask is a prefix walk and a connector match); both get the reference tokens."""
+    ps = shared_prefix_prompts(24, [6, 5, 7])
+    # 10 usable blocks of 4 tokens: one loaded request (24 + 5 + 4 tokens, 9 blocks) at a time.
+    engine, fake = _engine(
+        {"load_async": True, "load_delay_steps": 3},
+        num_gpu_blocks=11,
+        enable_prefix_caching=False,
+    )
+    engine.run_to_completion(requests(ps[:1], 4))
+    fake.requests_seen.clear()
+    later = engine.run_to_completion(
+        [GenerationRequest(p, 4, request_id=f"r{i + 1}") for i, p in enumerate(ps[1:])]
+    )
+    assert [r.external_loaded_tokens for r in later] == [24, 24]
+    assert [r.output_token_ids for r in later] == _reference(ps, 4)[1:]
+    asked = [r.request_id for r in fake.requests_seen]
+    # r2: when it first found no blocks, and when r1 had finished and its blocks were freed
+    # (within RETRY_BLOCKED_STEPS, which would add an ask).
+    assert asked.count("r2") == 2

@@ -220,15 +220,22 @@ class Scheduler:
                 skipped.append(req)
                 continue
             if (
-                self.running
-                and self._blocked_at is not None
+                self._blocked_at is not None
                 and self._blocked_at[:2] == (req.request_id, self.blocks.changes)
                 and self._step - self._blocked_at[2] < RETRY_BLOCKED_STEPS
+                and (
+                    self.running
+                    or self._delayed_free
+                    or any(r.status is RS.WAITING_FOR_REMOTE_KVS for r in skipped)
+                )
             ):
-                # Nothing came free or was cached since it last failed, and running requests
-                # will free blocks: it would fail again, and asking costs a prefix-hit walk and
-                # a connector match. The connector's answer can change too (a CPU-tier reset
-                # shrinks an async load's blocks), so it is asked again every few steps.
+                # Nothing came free or was cached since it last failed, and something will
+                # change the blocks (running requests finish, held blocks are freed, a load
+                # ahead of it ends and is cached or, failed, freed): it would fail again, and
+                # asking costs a prefix-hit walk and a connector match, each step of a wait for
+                # loads too. The connector's answer can change too (a CPU-tier reset shrinks
+                # an async load's blocks), so it is asked again every few steps, and every step
+                # when nothing will change them (the deadlock breaker below needs that).
                 self.waiting.appendleft(req)
                 blocked = req
                 break
