@@ -49,6 +49,7 @@ class FakeConnector:
     outputs_seen: list[KVConnectorOutput] = field(factory=list)
     scheduler_outputs: list[SchedulerOutput] = field(factory=list)
     requests_seen: list[RequestLike] = field(factory=list)
+    waited_after: list[int] = field(factory=list)  # len(outputs_seen) at each wait_for_progress
     _matched: dict[str, int] = field(factory=dict)  # request → first block to load
     _requests: dict[str, RequestLike] = field(factory=dict)
     _tables: dict[str, list[list[int]]] = field(factory=dict)  # as the scheduler outputs told
@@ -261,7 +262,7 @@ class FakeConnector:
         return None
 
     def wait_for_progress(self, timeout: float) -> None:
-        return None
+        self.waited_after.append(len(self.outputs_seen))
 
     def clear_connector_metadata(self) -> None:
         self.calls.append("clear_connector_metadata")

@@ -247,3 +247,26 @@ def test_a_head_without_blocks_is_not_asked_again_while_a_load_ahead_of_it_runs(
     # r2: when it first found no blocks, and when r1 had finished and its blocks were freed
     # (within RETRY_BLOCKED_STEPS, which would add an ask).
     assert asked.count("r2") == 2
+
+
+def test_an_idle_step_that_hears_of_a_finished_load_does_not_block_before_the_next() -> None:
+    """Steps with nothing to compute block in ``wait_for_progress`` while a load is in flight,
+    but not the step whose connector output names the load finished: the next step admits the
+    loaded request at once instead of after a wait."""
+    ps = shared_prefix_prompts(24, [6, 5])
+    engine, fake = _engine({"load_async": True, "load_delay_steps": 3}, enable_prefix_caching=False)
+    engine.run_to_completion(requests(ps[:1], 4))
+    engine.add_request(ps[1], 4, request_id="later")
+    finished_in_idle_step = 0
+    while engine.has_unfinished():
+        waits, outputs = len(fake.waited_after), len(fake.outputs_seen)
+        computed = engine.stats.forward_steps
+        engine.step()
+        idle = engine.stats.forward_steps == computed
+        if any("later" in o.finished_recving for o in fake.outputs_seen[outputs:]):
+            assert idle
+            finished_in_idle_step += 1
+            assert len(fake.waited_after) == waits
+    assert finished_in_idle_step == 1
+    assert len(fake.waited_after) >= 2  # the steps before it did wait
+    assert engine.take_result("later").external_loaded_tokens == 24

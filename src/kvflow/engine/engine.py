@@ -394,10 +394,12 @@ class Engine:
             or not kv_output.is_empty
             or self.scheduler_connector.has_pending_push_work()
         )
-        if not batch.chunks and self.has_unfinished():
+        if not batch.chunks and kv_output.is_empty and self.has_unfinished():
             # Nothing to compute: everyone waits on a transfer (a load, or the stores left after
             # the last request). Block briefly for it rather than spin empty steps that starve
-            # the copy threads of the GIL.
+            # the copy threads of the GIL. Not when this step's output named finished
+            # transfers: the next step can use them at once (admit a loaded request, reuse
+            # freed blocks), and blocking here would hold them up to IDLE_WAIT_S for nothing.
             self.worker_connector.wait_for_progress(IDLE_WAIT_S)
         self._idle_steps = 0 if progressed else self._idle_steps + 1
         if self._idle_steps > self.config.max_idle_steps:
