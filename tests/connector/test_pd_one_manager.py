@@ -5,11 +5,12 @@ rest comes from P, byte for byte; a block one half writes is never the other hal
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 
+from kvflow.connector.api import KVConnectorOutput
 from kvflow.connector.pd_offload import PDOffloadConnector
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.core.requests import RequestLike
@@ -143,3 +144,68 @@ def test_a_cpu_load_onto_a_block_pd_writes_is_refused_and_changes_nothing() -> N
         pd.check_no_leaks()
     finally:
         pd.close()
+
+
+class _Part:
+    """One half of ``PDOffloadConnector`` reduced to what its join reads: a fixed match, and
+    the output it reports next."""
+
+    def __init__(self, matched: int) -> None:
+        self.matched = matched
+        self.next = KVConnectorOutput()
+        self.scheduler = self
+
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self.matched, self.matched > 0
+
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: GroupBlockIds, num_external_tokens: int
+    ) -> None:
+        return None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput:
+        out, self.next = self.next, KVConnectorOutput()
+        return out
+
+
+class _Named:
+    """A request as far as the join reads it: its id."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+def test_a_load_with_a_pd_part_is_not_dated_by_its_cpu_part() -> None:
+    """A request loaded from the CPU tier alone is dated when it is received; one whose load also
+    had a part from P is received undated, whether P's part ends after the CPU's or in the same
+    step (PD does not date its copies, so the CPU part's landing could be too early)."""
+    cpu, pd = _Part(matched=16), _Part(matched=8)
+    joined = PDOffloadConnector.__new__(PDOffloadConnector)
+    joined.offload, joined.pd = cpu, pd  # type: ignore[assignment]
+    joined._split, joined._recving, joined._sending, joined._undated = {}, {}, {}, set()
+    both, alone = (cast(RequestLike, _Named(rid)) for rid in ("both", "alone"))
+    assert joined.get_num_new_matched_tokens(both, 0) == (24, True)
+    joined.update_state_after_alloc(both, ((1, 2, 3, 4, 5, 6),), 24)
+    pd.matched = 0
+    assert joined.get_num_new_matched_tokens(alone, 0) == (16, True)
+    joined.update_state_after_alloc(alone, ((7, 8, 9, 10),), 16)
+    cpu.next = KVConnectorOutput(
+        finished_recving=frozenset({"both", "alone"}), loads_landed={"both": 1.0, "alone": 1.5}
+    )
+    out = joined.update_connector_output(KVConnectorOutput())
+    assert (set(out.finished_recving), dict(out.loads_landed)) == ({"alone"}, {"alone": 1.5})
+    pd.next = KVConnectorOutput(finished_recving=frozenset({"both"}))
+    out = joined.update_connector_output(KVConnectorOutput())
+    assert (set(out.finished_recving), dict(out.loads_landed)) == ({"both"}, {})
+    # Both parts done in one step: still undated (P's part may have landed after the CPU's).
+    same = cast(RequestLike, _Named("same"))
+    pd.matched = 8
+    assert joined.get_num_new_matched_tokens(same, 0) == (24, True)
+    joined.update_state_after_alloc(same, ((11, 12, 13, 14, 15, 16),), 24)
+    cpu.next = KVConnectorOutput(finished_recving=frozenset({"same"}), loads_landed={"same": 2.0})
+    pd.next = KVConnectorOutput(finished_recving=frozenset({"same"}))
+    out = joined.update_connector_output(KVConnectorOutput())
+    assert (set(out.finished_recving), dict(out.loads_landed)) == ({"same"}, {})
+    assert joined._undated == set()

@@ -42,6 +42,9 @@ class PDOffloadConnector:
         self._split: dict[str, tuple[int, int]] = {}  # rid → (CPU tokens, PD tokens) matched
         self._recving: dict[str, set[str]] = {}  # rid → parts whose loads are still out
         self._sending: dict[str, set[str]] = {}  # rid → parts still reading its blocks
+        # rids with a PD part in their load: PD does not date its copies, so such a load's
+        # landing (its last part's) is unknown, and the CPU part's would claim it too early.
+        self._undated: set[str] = set()
 
     # ---- scheduler role -------------------------------------------------------------------
 
@@ -70,6 +73,8 @@ class PDOffloadConnector:
         parts = {p for p, k in ((CPU, cpu), (PD, rest if rest == n else 0)) if k}
         if parts:
             self._recving[rid] = parts
+        if PD in parts:
+            self._undated.add(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
         return self.offload.scheduler.build_connector_meta(scheduler_output)
@@ -84,11 +89,15 @@ class PDOffloadConnector:
         sending = self._join(
             self._sending, ((CPU, cpu.finished_sending), (PD, pd.finished_sending))
         )
+        landed = {
+            r: t for r, t in cpu.loads_landed.items() if r in recving and r not in self._undated
+        }
+        self._undated.difference_update(recving)
         return KVConnectorOutput(
             finished_sending=sending,
             finished_recving=recving,
             invalid_block_ids=cpu.invalid_block_ids | pd.invalid_block_ids,
-            loads_landed={r: t for r, t in cpu.loads_landed.items() if r in recving},
+            loads_landed=landed,
         )
 
     @staticmethod
@@ -112,6 +121,7 @@ class PDOffloadConnector:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._recving.pop(rid, None)
+        self._undated.discard(rid)
         cpu_delay, cpu_params = self.offload.scheduler.request_finished(request, block_ids)
         pd_delay, pd_params = self.pd.request_finished(request, block_ids)
         parts = {p for p, d in ((CPU, cpu_delay), (PD, pd_delay)) if d}
