@@ -544,7 +544,7 @@ def test_a_load_is_dated_when_its_copies_ended_not_when_it_was_seen(make_backend
     assert ago is not None
     landed = asked - ago
     assert submitted + 0.03 < landed <= finished + 1e-3
-    backend._landing_mark = None  # the next ask takes a fresh mark
+    backend._landing.mark = None  # the next ask takes a fresh mark
     again = backend.copy_landed_ago(fence)
     assert again is not None
     assert abs((time.perf_counter() - again) - landed) < 1e-3

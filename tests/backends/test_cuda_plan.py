@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -566,3 +567,69 @@ def test_a_clock_mark_never_waits_past_its_deadline(
     monkeypatch.setattr(drv, "event_query", lambda event: answer)
     with pytest.raises(BackendError, match=match):
         timing.ClockMark(_Pool(), stream=1)  # type: ignore[arg-type]
+
+
+class _Mark:
+    """A clock mark on the host clock: an event's time is ``at[event]``."""
+
+    def __init__(self, at: dict[str, float]) -> None:
+        self.host = time.perf_counter()
+        self.at = at
+
+    def place(self, event: str) -> float | None:
+        return self.at.get(event)
+
+
+def test_a_landing_clock_that_cannot_take_a_mark_stops_trying_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mark that cannot be taken leaves the load undated with one warning, and the next asks
+    take no mark (each try may hold the runtime's loop up to MARK_WAIT_S) until MARK_RETRY_S
+    has passed; then a mark is taken again and loads are dated."""
+    from kvflow.backends.cuda import timing
+
+    at: dict[str, float] = {}
+    tries: list[bool] = []
+    failing = [True]
+
+    def make() -> _Mark:
+        tries.append(failing[0])
+        if failing[0]:
+            raise BackendError("clock mark: the device did not reach its event within 1.0 s")
+        return _Mark(at)
+
+    clock = timing.LandingClock(make)  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        assert clock.ago("end") is None
+        assert clock.ago("end") is None
+    assert tries == [True]
+    assert [e["event"] for e in logs] == ["cuda_clock_mark_failed"]
+    failing[0] = False
+    monkeypatch.setattr(timing, "MARK_RETRY_S", 0.0)
+    at["end"] = time.perf_counter() - 0.25
+    ago = clock.ago("end")
+    assert ago is not None
+    assert 0.25 <= ago < 1.0
+    assert tries == [True, False]
+
+
+def test_a_landing_clock_keeps_its_mark_then_renews_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One mark serves every ask until it is MARK_MAX_AGE_S old, then a new one is taken; an
+    event the mark cannot place gives None."""
+    from kvflow.backends.cuda import timing
+
+    at = {"end": time.perf_counter()}
+    made: list[_Mark] = []
+
+    def make() -> _Mark:
+        made.append(_Mark(at))
+        return made[-1]
+
+    clock = timing.LandingClock(make)  # type: ignore[arg-type]
+    assert clock.ago("end") is not None
+    assert clock.ago("end") is not None
+    assert clock.ago("never") is None
+    assert len(made) == 1
+    monkeypatch.setattr(timing, "MARK_MAX_AGE_S", -1.0)
+    assert clock.ago("end") is not None
+    assert len(made) == 2

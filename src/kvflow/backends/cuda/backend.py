@@ -42,15 +42,12 @@ from kvflow.backends.cuda.plan import (
     direct_descriptors,
     staged_plan,
 )
-from kvflow.backends.cuda.timing import ClockMark, IssueStats, Timing
+from kvflow.backends.cuda.timing import ClockMark, IssueStats, LandingClock, Timing
 from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
 from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError
-
-MARK_MAX_AGE_S = 1.0
-"""How long ``copy_landed_ago`` uses one clock mark before it takes a new one."""
 
 log = get_logger("kvflow.backends.cuda")
 
@@ -212,7 +209,7 @@ class CudaBackend:
         self._last_timing: dict[Direction, Timing | None] = dict.fromkeys(Direction)
         # Clock marks need a stream with nothing queued: one of their own.
         self._mark_stream = drv.lowest_priority_stream()
-        self._landing_mark: ClockMark | None = None
+        self._landing = LandingClock(self.clock_mark)
         self.issue_stats: dict[Direction, IssueStats] = {d: IssueStats() for d in Direction}
         """Host time spent issuing each direction's batches (planning and driver calls)."""
         self._closed = False
@@ -375,26 +372,15 @@ class CudaBackend:
 
     def copy_landed_ago(self, fence: Fence) -> float | None:
         """Seconds since a finished batch's copies ended on the device (``DatesCopies``): its
-        end event placed on ``time.perf_counter`` by a clock mark, taken again once older than
-        ``MARK_MAX_AGE_S`` so the two clocks cannot drift apart. None without ``time_copies``
-        or when the driver cannot say."""
+        end event placed on ``time.perf_counter`` (``LandingClock``). None without
+        ``time_copies``, or when the driver or no clock mark can say."""
         self._event_of(fence)
         assert isinstance(fence, CudaFence)
         timing = fence.timing
         if timing is None or not fence.launched:
             return None
         self._ctx.enter()
-        mark = self._landing_mark
-        now = time.perf_counter()
-        if mark is None or now - mark.host > MARK_MAX_AGE_S:
-            try:
-                mark = self._landing_mark = self.clock_mark()
-            except BackendError as exc:  # undated, never a failed transfer
-                log.warning("cuda_clock_mark_failed", error=str(exc))
-                return None
-            now = time.perf_counter()
-        ended = mark.place(timing.end)
-        return None if ended is None else max(0.0, now - ended)
+        return self._landing.ago(timing.end)
 
     def clock_mark(self) -> ClockMark:
         """A mark tying the device's clock to ``time.perf_counter``, for ``last_copy_span`` (a
@@ -687,7 +673,7 @@ class CudaBackend:
         self._staging.clear()
         self._table_dev.clear()
         self._last_timing = dict.fromkeys(Direction)  # its events go now, not at exit
-        self._landing_mark = None
+        self._landing.mark = None
         drv.cu.cuStreamDestroy(self._mark_stream)
         for pool in (self._fence_events, self._timing_events, self._plain_events):
             pool.close()

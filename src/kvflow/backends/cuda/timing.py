@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from attrs import define
 
 from kvflow.backends.cuda import driver as drv
+from kvflow.core.logs import get_logger
 from kvflow.errors import BackendError
+
+log = get_logger("kvflow.backends.cuda")
 
 
 class Timing:
@@ -98,6 +102,47 @@ class ClockMark:
             self.pool.give(self.event)
 
 
+MARK_MAX_AGE_S = 1.0
+"""How long ``LandingClock`` uses one clock mark before it takes a new one."""
+
+MARK_RETRY_S = 60.0
+"""After a clock mark could not be taken, how long ``LandingClock`` takes none (each try may
+hold the runtime's loop for ``MARK_WAIT_S``): meanwhile loads go undated."""
+
+
+class LandingClock:
+    """Places finished batches' end events on ``time.perf_counter`` (``copy_landed_ago``)
+    against a clock mark it keeps, renewed once older than ``MARK_MAX_AGE_S`` so the two clocks
+    cannot drift apart. A mark that cannot be taken leaves loads undated, never failed, and
+    none is tried again for ``MARK_RETRY_S``."""
+
+    __slots__ = ("_failed_at", "_make", "mark")
+
+    def __init__(self, make: Callable[[], ClockMark]) -> None:
+        self._make = make
+        self.mark: ClockMark | None = None
+        self._failed_at: float | None = None
+
+    def ago(self, end: Any) -> float | None:
+        """Seconds since the completed event ``end``, or None if no mark can say."""
+        now = time.perf_counter()
+        mark = self.mark
+        if mark is None or now - mark.host > MARK_MAX_AGE_S:
+            if self._failed_at is not None and now - self._failed_at < MARK_RETRY_S:
+                return None
+            self.mark = None
+            try:
+                mark = self.mark = self._make()
+            except BackendError as exc:
+                self._failed_at = now
+                log.warning("cuda_clock_mark_failed", error=str(exc), retry_in_s=MARK_RETRY_S)
+                return None
+            self._failed_at = None
+            now = time.perf_counter()
+        ended = mark.place(end)
+        return None if ended is None else max(0.0, now - ended)
+
+
 @define(eq=False)
 class IssueStats:
     """Batches issued in one direction and the host seconds issuing them took (the planning and
@@ -115,4 +160,12 @@ class IssueStats:
         self.last_began, self.last_ended = began, ended
 
 
-__all__ = ["MARK_WAIT_S", "ClockMark", "IssueStats", "Timing"]
+__all__ = [
+    "MARK_MAX_AGE_S",
+    "MARK_RETRY_S",
+    "MARK_WAIT_S",
+    "ClockMark",
+    "IssueStats",
+    "LandingClock",
+    "Timing",
+]
