@@ -348,9 +348,9 @@ def _prefill_attention(
     if mask is None and _flash_fits(q, keys):
         # What SDPA runs for a lower-right causal bias in half precision, called directly: its
         # dispatch (the bias object, input checks, the kernel choice) and the copies of K and V
-        # expanded to every query head were most of a chunk's host time (a 544-token step over
-        # two histories spent about 7 ms launching, docs/benchmarks.md); the flash kernel takes
-        # grouped KV heads as they are, and its causal mask is aligned to the last key.
+        # expanded to every query head were most of a chunk's host time (docs/benchmarks.md,
+        # twenty-sixth session); the flash kernel takes grouped KV heads as they are, and its
+        # causal mask is aligned to the last key.
         flash = torch.ops.aten._scaled_dot_product_flash_attention
         out_flash: torch.Tensor = flash(q, keys, values, 0.0, is_causal=True)[0]
         return out_flash
