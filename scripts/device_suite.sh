@@ -76,7 +76,7 @@ for step in $STEPS; do
       run noreuse_thread 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat 9 --worker-loop thread --json "$OUT/noreuse_thread.json" ;;
     multiround)  # bf16, the dtype users serve in, is the headline; float32 beside it
-      run multiround 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
+      run multiround 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" --step-parts \
         --json "$OUT/multiround.json" --plot "$OUT/multiround.png"
       run multiround_fp32 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
         --dtype float32 --json "$OUT/multiround_fp32.json" ;;

@@ -141,3 +141,22 @@ def test_bfloat16_bench_checks_against_a_no_eviction_replay(
     assert result.check.requests == 4
     on = result.runs[1]
     assert set(on.history_ttft_phases_mean_ms) >= {"queue", "load_copy", "load_seen", "first_step"}
+
+
+@pytest.mark.usefixtures("fresh_process")
+def test_bench_step_parts_table_and_json(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``--step-parts`` prints where the engine's steps went per kind of step; the JSON has the
+    same figures either way: steps per round, and the parts adding up to each kind's total."""
+    figures = tmp_path / "f.json"
+    assert main(["bench", *TINY, "--step-parts", "--json", str(figures)]) == 0
+    out, _ = capfd.readouterr()
+    assert "Engine steps per round with a history" in out
+    runs = json.loads(figures.read_text())["runs"]
+    for run in runs:
+        parts = run["history_step_parts"]
+        assert {"decode", "prefill"} <= set(parts) <= {"decode", "prefill", "mixed", "idle"}
+        for kind in parts.values():
+            assert kind["steps"] >= 1
+            summed = sum(v for k, v in kind.items() if k.endswith("_ms") and k != "total_ms")
+            assert summed == pytest.approx(kind["total_ms"])
+    assert runs[0]["history_step_parts"]["decode"]["meta_ms"] >= 0.0

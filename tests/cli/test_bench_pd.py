@@ -147,6 +147,7 @@ def test_bench_pd_over_nixl_reports_the_transport_it_chose(
         (["--pd", "--pd-flow", "sideways"], "invalid choice"),
         (["--pd-tp", "1,2"], "--pd-tp needs --pd"),
         (["--pd-first-token", "prefill"], "--pd-first-token needs --pd"),
+        (["--pd", "--step-parts"], "--step-parts is for offload off vs on, not --pd"),
         (["--pd", "--pd-first-token", "p"], "invalid choice"),
         (
             ["--pd", "--pd-flow", "concurrent", "--pd-first-token", "prefill"],

@@ -18,6 +18,7 @@ still move a token, the first-token logits of every request must agree within
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import platform
 import statistics
@@ -41,6 +42,7 @@ from kvflow.engine.engine import (
     make_kv_cache_config,
 )
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model, model_config
+from kvflow.engine.step_parts import summarize
 from kvflow.engine.workload import MultiRoundQA, WorkloadResult, run_multi_round
 from kvflow.errors import ConfigError
 from kvflow.runtime.clock import SystemClock
@@ -112,6 +114,9 @@ class RunResult:
     # connector dated (when their copies landed: the load_copy / load_seen split).
     history_loads: int = 0
     history_loads_dated: int = 0
+    # Per kind of engine step (kvflow.engine.step_parts), means per round with a history: steps,
+    # tokens, and ms of each part of a step.
+    history_step_parts: dict[str, dict[str, float]] = field(factory=dict)
 
 
 @frozen
@@ -194,22 +199,27 @@ def _run(
     engine: Engine,
     workload: MultiRoundQA,
     on_round: Callable[[str, int], None],
-) -> WorkloadResult:
+) -> tuple[WorkloadResult, list[float]]:
+    """The workload's result, and when it began and each round ended (engine clock)."""
+    ends = [engine.clock()]
+
     def done(rnd: int, _records: object) -> None:
+        ends.append(engine.clock())
         on_round(name, rnd)
 
-    return run_multi_round(engine, workload, on_round_done=done)
+    return run_multi_round(engine, workload, on_round_done=done), ends
 
 
 def _result(
     offload: bool,
     engine: Engine,
-    result: WorkloadResult,
+    run: tuple[WorkloadResult, list[float]],
     rounds: int,
     stats: ConnectorStats | None,
     copies: dict[Direction, tuple[int, float]] | None = None,
     measured: bool = False,
 ) -> RunResult:
+    result, ends = run
     computed = result.total("prefill_tokens_computed")
     loaded = result.total("external_loaded_tokens")
     m = stats.manager if stats is not None else None
@@ -239,6 +249,8 @@ def _result(
         history_ttft_phases_p50_ms={p: statistics.median(v) for p, v in phases.items() if v},
         history_loads=sum(1 for t in history if t is not None and t.load_copy + t.load_seen > 0),
         history_loads_dated=sum(1 for t in history if t is not None and t.dated),
+        # Rounds after the first: ends[1] closes round 0.
+        history_step_parts=summarize(engine.step_parts, itertools.pairwise(ends[1:])),
     )
 
 
@@ -365,6 +377,7 @@ def run_bench(
         max_num_batched_tokens=cfg.max_batched_tokens,
         device=cfg.device,
         dtype=cfg.dtype,
+        record_step_parts=True,
     )
     kv = make_kv_cache_config(model_cfg, engine_cfg)
     block_bytes = block_bytes_per_group(model_cfg, kv, dtype)
@@ -433,20 +446,20 @@ def run_bench(
     del offloaded
     _settle(cfg.device)
     if exact:
-        same = sum(off.outputs()[k] == v for k, v in on.outputs().items())
+        same = sum(off[0].outputs()[k] == v for k, v in on[0].outputs().items())
         check = CorrectnessCheck(
             kind="tokens",
             reference="offload off",
-            tokens_identical=same == len(on.records),
-            requests=len(on.records),
+            tokens_identical=same == len(on[0].records),
+            requests=len(on[0].records),
             requests_identical=same,
             max_rel_logits_err=None,
             tolerance=None,
-            passed=same == len(on.records),
+            passed=same == len(on[0].records),
         )
     else:
         check = _check_against_reference(
-            cfg, workload, model_cfg, engine_cfg, model, on, clock, on_round
+            cfg, workload, model_cfg, engine_cfg, model, on[0], clock, on_round
         )
     device = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"
     return BenchResult(

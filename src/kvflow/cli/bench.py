@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -17,7 +18,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from kvflow.bench.multi_round import BenchResult
+    from kvflow.bench.multi_round import BenchResult, RunResult
     from kvflow.bench.pd import PDBenchResult
 
 from kvflow.bench.config import MODEL_PRESETS, BenchConfig
@@ -128,6 +129,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--trace", type=Path, default=None, help="write every log event to this file as JSON lines"
+    )
+    p.add_argument(
+        "--step-parts",
+        action="store_true",
+        help="also print where the engine's steps went in the rounds with a history: per kind "
+        "of step, steps and ms per round of each part (schedule, connector, launch, the wait for "
+        "the tokens, ...); the JSON has them either way",
     )
     p.add_argument(
         "--pd",
@@ -254,6 +262,8 @@ def validate(args: argparse.Namespace) -> BenchConfig:
             raise ConfigError("--pd-first-token needs --pd")
         if args.pd_first_token == "prefill" and (args.pd_flow or "sequential") != "sequential":
             raise ConfigError("--pd-first-token prefill needs the sequential flow")
+    if getattr(args, "step_parts", False) and getattr(args, "pd", False):
+        raise ConfigError("--step-parts is for offload off vs on, not --pd")
     if getattr(args, "pd_tp", None) is not None:
         if not args.pd:
             raise ConfigError("--pd-tp needs --pd")
@@ -314,7 +324,8 @@ def check_line(result: BenchResult) -> str:
     )
 
 
-def render(result: BenchResult, console: Console) -> None:
+def render(result: BenchResult, console: Console, *, step_parts: bool = False) -> None:
+    """The bench's tables; ``step_parts`` adds where the engine's steps went."""
     off, on = result.runs
     table = Table(
         title=(
@@ -395,6 +406,8 @@ def render(result: BenchResult, console: Console) -> None:
             f"loads dated (landed on the device, from the backend's copy timing): "
             f"{on.history_loads_dated} of {on.history_loads}"
         )
+    if step_parts:
+        console.print(step_parts_table(off, on))
     per_round = Table(title="TTFT p50 per round (ms)")
     per_round.add_column("round", justify="right")
     per_round.add_column("offload off", justify="right")
@@ -402,6 +415,40 @@ def render(result: BenchResult, console: Console) -> None:
     for r, (a, b) in enumerate(zip(off.ttft_p50_per_round_s, on.ttft_p50_per_round_s, strict=True)):
         per_round.add_row(str(r), f"{a * 1e3:.2f}", f"{b * 1e3:.2f}")
     console.print(per_round)
+
+
+STEP_PART_LABELS = {
+    "schedule_ms": "sched",
+    "meta_ms": "meta",
+    "launch_ms": "launch",
+    "connector_output_ms": "conn",
+    "tokens_ms": "tokens",
+    "outputs_ms": "out",
+    "wait_ms": "wait",
+    "total_ms": "total",
+}
+
+
+def step_parts_table(off: RunResult, on: RunResult) -> Table:
+    """Per run and kind of step, the steps and ms of each part per round with a history."""
+    table = Table(
+        box=box.SIMPLE_HEAD,  # eleven columns: no room for cell borders in 80 columns
+        pad_edge=False,
+        collapse_padding=True,
+        title="Engine steps per round with a history (means; ms but steps)",
+        caption="sched: schedule; meta: build_connector_meta; launch: the connector's worker "
+        "calls and the forward pass enqueued; conn: update_connector_output; tokens: the wait "
+        "for the sampled tokens; out: update_from_output; wait: an idle step's "
+        "wait_for_progress",
+    )
+    for name in ("run", "kind", "steps", *STEP_PART_LABELS.values()):
+        left = name in ("run", "kind")
+        table.add_column(name, justify="left" if left else "right", min_width=len(name))
+    for name, run in (("off", off), ("on", on)):
+        for kind, parts in run.history_step_parts.items():
+            cells = [f"{parts[key]:.1f}" for key in STEP_PART_LABELS]
+            table.add_row(name, kind, f"{parts['steps']:.1f}", *cells)
+    return table
 
 
 def figure(result: BenchResult) -> Figure:
@@ -616,7 +663,7 @@ def run_bench_command(args: argparse.Namespace, console: Console | None = None) 
         result = run_bench(
             cfg, on_round=lambda name, _r: progress.advance(tasks[name]), trace=args.trace
         )
-    render(result, console)
+    render(result, console, step_parts=getattr(args, "step_parts", False))
     if args.json is not None:
         args.json.write_text(json.dumps(result.to_json(), indent=2))
         console.print(f"wrote {args.json}")

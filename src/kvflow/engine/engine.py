@@ -30,6 +30,7 @@ from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model
 from kvflow.engine.request import Request, RequestStats
 from kvflow.engine.runner import ModelRunner
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from kvflow.engine.step_parts import StepParts, step_kind
 from kvflow.errors import ConfigError, KVFlowError
 
 log = get_logger("kvflow.engine")
@@ -93,6 +94,9 @@ class EngineConfig:
     # start) is overwritten with NaN and dropped from the prefix cache, so reading KV after
     # its free (a PD use-after-free, say) gives wrong tokens instead of passing unnoticed.
     poison_freed_blocks: bool = False
+    # Time each step's parts (``Engine.step_parts``, kvflow.engine.step_parts): what a step's
+    # host work and its wait for the device cost, per kind of step.
+    record_step_parts: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.block_size <= 0:
@@ -303,6 +307,8 @@ class Engine:
             self.blocks.on_freed = self.runner.poison
             self.runner.poison(list(range(1, self.kv_cache_config.num_blocks)))
         self.stats = EngineStats()
+        self.step_parts: list[StepParts] = []
+        """Each step's parts, with ``EngineConfig.record_step_parts``."""
         self._ids = itertools.count()
         self._finished: dict[str, Request] = {}
         self._idle_steps = 0
@@ -358,17 +364,21 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One engine iteration; returns the tokens it produced."""
         sched = self.scheduler
+        began = self.clock()
         out, batch = sched.schedule()
         scheduled = self.clock()
         meta = self.scheduler_connector.build_connector_meta(out)
+        built = self.clock()
         run = self.runner.launch(out, batch, meta)
+        launched = self.clock()
         if sched.loads_issued:
-            launched = run.loads_launched_at or self.clock()
+            loads_at = run.loads_launched_at or launched
             for req in sched.loads_issued:
                 if req.stats.load_launched_time is None:
-                    req.stats.load_launched_time = launched
+                    req.stats.load_launched_time = loads_at
         # While the device computes the step: the host would otherwise idle in tokens().
         kv_output = sched.update_connector_output(run.kv_connector_output)
+        told = self.clock()
         alive = {c.request_id: sched.requests[c.request_id] for c in batch.chunks}
         for c in batch.chunks:
             st = alive[c.request_id].stats
@@ -376,7 +386,10 @@ class Engine:
                 st.compute_start_time = scheduled
             if c.first_token:
                 st.first_token_step_time = scheduled
-        outputs = sched.update_from_output(out, batch, run.tokens(), kv_output)
+        tokens = run.tokens()
+        sampled = self.clock()
+        outputs = sched.update_from_output(out, batch, tokens, kv_output)
+        updated = self.clock()
         if self.config.record_first_logits:
             self._first_logits.update(run.first_logits)
         self.stats.steps += 1
@@ -401,6 +414,16 @@ class Engine:
             # transfers: the next step can use them at once (admit a loaded request, reuse
             # freed blocks), and blocking here would hold them up to IDLE_WAIT_S for nothing.
             self.worker_connector.wait_for_progress(IDLE_WAIT_S)
+        if self.config.record_step_parts:
+            stamps = (began, scheduled, built, launched, told, sampled, updated, self.clock())
+            self.step_parts.append(
+                StepParts(
+                    step_kind(len(c.token_ids) for c in batch.chunks),
+                    batch.num_tokens if batch.chunks else 0,
+                    began,
+                    tuple(b - a for a, b in itertools.pairwise(stamps)),
+                )
+            )
         self._idle_steps = 0 if progressed else self._idle_steps + 1
         if self._idle_steps > self.config.max_idle_steps:
             raise KVFlowError(
