@@ -20,6 +20,9 @@ class CudaConfig:
     """Tuning of the CUDA backend; the defaults come from ``scripts/bench_transfer.py`` on an H200."""
 
     method: Method = "auto"
+    """``auto`` stages groups of small pages and copies large ones direct; ``staged`` and
+    ``direct`` force one path. Forced ``direct`` at small scattered pages is an order of magnitude
+    slower for loads (one descriptor per page; docs/benchmarks.md, twenty-sixth session)."""
     staged_max_page_bytes: int = 512 * KiB
     """``auto`` stages a group whose smallest page is at most this; larger pages go direct."""
     slot_bytes: int = 128 * MiB
