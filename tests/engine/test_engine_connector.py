@@ -9,6 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvflow.connector.api import SchedulerConnector, WorkerConnector
+from kvflow.core.protocol import StepReport
 from kvflow.core.requests import RequestLike
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest
 from kvflow.engine.model import model_config
@@ -270,3 +271,30 @@ def test_an_idle_step_that_hears_of_a_finished_load_does_not_block_before_the_ne
     assert finished_in_idle_step == 1
     assert len(fake.waited_after) >= 2  # the steps before it did wait
     assert engine.take_result("later").external_loaded_tokens == 24
+
+
+class ReportingFake(FakeConnector):
+    """A fake whose workers hand over a report every step, with nothing finished in it."""
+
+    def build_worker_report(self) -> StepReport | None:
+        super().build_worker_report()
+        return StepReport(0)
+
+
+def test_idle_steps_still_wait_when_the_workers_report_every_step() -> None:
+    """A worker report with nothing finished is no news: while a load is in flight, the idle
+    steps still block in ``wait_for_progress`` instead of spinning against the copy threads."""
+    ps = shared_prefix_prompts(24, [6, 5])
+    cfg = model_config("tiny")
+    econf = EngineConfig(block_size=4, num_gpu_blocks=128, enable_prefix_caching=False)
+    from kvflow.engine.engine import make_kv_cache_config
+
+    fake = ReportingFake(make_kv_cache_config(cfg, econf), load_async=True, load_delay_steps=3)
+    engine = Engine(
+        cfg, econf, scheduler_connector=fake, worker_connector=fake, model=shared_model("tiny")
+    )
+    engine.run_to_completion(requests(ps[:1], 4))
+    waits = len(fake.waited_after)
+    (later,) = engine.run_to_completion([GenerationRequest(ps[1], 4, request_id="later")])
+    assert later.external_loaded_tokens == 24
+    assert len(fake.waited_after) - waits >= 2

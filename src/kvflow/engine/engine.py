@@ -407,12 +407,16 @@ class Engine:
             or not kv_output.is_empty
             or self.scheduler_connector.has_pending_push_work()
         )
-        if not batch.chunks and kv_output.is_empty and self.has_unfinished():
+        news = (
+            kv_output.finished_recving or kv_output.finished_sending or kv_output.invalid_block_ids
+        )
+        if not batch.chunks and not news and self.has_unfinished():
             # Nothing to compute: everyone waits on a transfer (a load, or the stores left after
             # the last request). Block briefly for it rather than spin empty steps that starve
             # the copy threads of the GIL. Not when this step's output named finished
             # transfers: the next step can use them at once (admit a loaded request, reuse
             # freed blocks), and blocking here would hold them up to IDLE_WAIT_S for nothing.
+            # (Workers' reports alone are no news: a connector may pass them on every step.)
             self.worker_connector.wait_for_progress(IDLE_WAIT_S)
         if self.config.record_step_parts:
             stamps = (began, scheduled, built, launched, told, sampled, updated, self.clock())
