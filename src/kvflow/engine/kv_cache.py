@@ -40,10 +40,12 @@ def _flash_device(index: int) -> bool:
 
 def _flash_fits(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """A chunk the flash kernel takes as it is: half precision on an Ampere or later GPU, a head
-    size it supports with no padding, whole groups of query heads per KV head."""
+    size it supports with no padding, whole groups of query heads per KV head (grouped heads
+    checked on torch 2.5 and later only)."""
     d = q.shape[-1]
     return (
-        q.is_cuda
+        _SDPA_GQA
+        and q.is_cuda
         and q.dtype in _FLASH_DTYPES
         and d % 8 == 0
         and d <= 256
