@@ -213,13 +213,13 @@ def _run(
 def _result(
     offload: bool,
     engine: Engine,
-    run: tuple[WorkloadResult, list[float]],
+    result: WorkloadResult,
+    ends: list[float],
     rounds: int,
     stats: ConnectorStats | None,
     copies: dict[Direction, tuple[int, float]] | None = None,
     measured: bool = False,
 ) -> RunResult:
-    result, ends = run
     computed = result.total("prefill_tokens_computed")
     loaded = result.total("external_loaded_tokens")
     m = stats.manager if stats is not None else None
@@ -418,8 +418,8 @@ def run_bench(
         _settle(cfg.device)
 
     baseline = engine(False)
-    off = _run("offload off", baseline, workload, on_round)
-    off_result = _result(False, baseline, off, cfg.rounds, None)
+    off, off_ends = _run("offload off", baseline, workload, on_round)
+    off_result = _result(False, baseline, off, off_ends, cfg.rounds, None)
     baseline.shutdown()
     del baseline
     _settle(cfg.device)
@@ -427,15 +427,16 @@ def run_bench(
     if trace is not None:
         with trace_to(trace, clock.now):
             offloaded = engine(True)
-            on = _run("offload on", offloaded, workload, on_round)
+            on, on_ends = _run("offload on", offloaded, workload, on_round)
     else:
         offloaded = engine(True)
-        on = _run("offload on", offloaded, workload, on_round)
+        on, on_ends = _run("offload on", offloaded, workload, on_round)
     connector = built[-1]
     on_result = _result(
         True,
         offloaded,
         on,
+        on_ends,
         cfg.rounds,
         connector.scheduler.stats(),
         connector.worker.copy_throughput(),
@@ -446,20 +447,20 @@ def run_bench(
     del offloaded
     _settle(cfg.device)
     if exact:
-        same = sum(off[0].outputs()[k] == v for k, v in on[0].outputs().items())
+        same = sum(off.outputs()[k] == v for k, v in on.outputs().items())
         check = CorrectnessCheck(
             kind="tokens",
             reference="offload off",
-            tokens_identical=same == len(on[0].records),
-            requests=len(on[0].records),
+            tokens_identical=same == len(on.records),
+            requests=len(on.records),
             requests_identical=same,
             max_rel_logits_err=None,
             tolerance=None,
-            passed=same == len(on[0].records),
+            passed=same == len(on.records),
         )
     else:
         check = _check_against_reference(
-            cfg, workload, model_cfg, engine_cfg, model, on[0], clock, on_round
+            cfg, workload, model_cfg, engine_cfg, model, on, clock, on_round
         )
     device = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else "cpu"
     return BenchResult(

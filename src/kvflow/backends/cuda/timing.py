@@ -62,9 +62,9 @@ class ClockMark:
     """A timing event recorded on an idle stream, and ``time.perf_counter()`` right after the
     record call: a later device event's host-clock time is the mark's plus the device time
     between them (the mark waits for its event, so it can be placed against at once). The event
-    is recorded and waited for once first: a device that idled takes
-    tens of µs to reach a record (all placed events would read that much early), an awake one
-    a few µs. On a busy stream the mark would be as late as its queue."""
+    is recorded and waited for once first: a device that idled takes tens of µs to reach a
+    record (all placed events would read that much early), an awake one a few µs. On a busy
+    stream the mark would be as late as its queue."""
 
     __slots__ = ("event", "host", "pool")
 
