@@ -175,15 +175,15 @@ class _Bucket:
                 for i, piece in enumerate(parts[:-1]):
                     piece()
                     g = group_of[i]
-                    out = triton_decode.paged_decode_attention(
+                    triton_decode.paged_decode_attention(
                         self.q[i],
                         caches[i],
                         self.tables[g],
                         self.sizes[g],
                         0,
                         splits=self.splits[g],
+                        out=self.attn,
                     )
-                    self.attn.copy_(out)
                 parts[-1]()
 
             pieces = [whole]

@@ -24,6 +24,7 @@ from attrs import field, frozen
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvflow.engine import triton_ops
 from kvflow.engine.kv_cache import AttentionMetadata, paged_attention, write_kv
 from kvflow.errors import ConfigError
 
@@ -244,6 +245,30 @@ class LlamaAttention(nn.Module):
         qk = apply_rope(qkv[:, : h + kvh], cos, sin)
         return qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
 
+    def queries_writing_kv(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotated queries of the normed ``x``; its keys and values written to their ``slots`` of
+        ``cache``. ``rope`` is the tokens' (cos, sin)."""
+        cos, sin = rope
+        fused = _still_fused(self.qkv_weight, self.q_proj)
+        if (
+            fused is not None
+            and triton_ops.usable(x)
+            and triton_ops.rope_fits(self.head_dim)
+            and cache.is_contiguous()
+        ):
+            h, kvh = self.num_heads, self.num_kv_heads
+            qkv = F.linear(x, fused).view(x.shape[0], h + 2 * kvh, self.head_dim)
+            return triton_ops.rope_write_kv(qkv, cos, sin, cache, slots, h, kvh)
+        q, k, v = self.qkv(x, cos, sin)
+        write_kv(cache, slots, k, v)
+        return q
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -261,9 +286,13 @@ class LlamaMLP(nn.Module):
         if fused is None:
             out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
             return out
-        gate, up = F.linear(x, fused).chunk(2, dim=-1)
-        fused_out: torch.Tensor = self.down_proj(F.silu(gate) * up)
-        return fused_out
+        gate_up = F.linear(x, fused)
+        if triton_ops.usable(x):
+            fused_out: torch.Tensor = self.down_proj(triton_ops.silu_mul(gate_up))
+            return fused_out
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch_out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return torch_out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -359,15 +388,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Layer ``i`` up to its attention: writes the tokens' keys and values, returns queries."""
         layer = self._layer(i)
-        q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-        write_kv(kv_cache, slot_mapping, k, v)
-        return q
+        normed = layer.input_layernorm(x)
+        return layer.self_attn.queries_writing_kv(normed, (cos, sin), kv_cache, slot_mapping)
 
     def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Layer ``i`` from its attention output ``(T, heads, head_dim)`` on: the new residual."""
         layer = self._layer(i)
-        x = x + self.reduce(layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
-        return x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
+        delta = self.reduce(layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
+        norm = layer.post_attention_layernorm
+        if triton_ops.usable(x):
+            x, normed = triton_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+        else:
+            x = x + delta
+            normed = norm(x)
+        return x + self.reduce(layer.mlp(normed))
 
     def head(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """float32 logits of the rows ``logits_indices`` of the last residual."""

@@ -32,7 +32,7 @@ HAVE_TRITON = triton is not None
 BLOCK_N = 32
 """Keys per loop iteration of one program."""
 
-MERGE_SPLITS = 16
+MERGE_SPLITS = 64
 """Splits the merge kernel reads per iteration."""
 
 TARGET_PROGRAMS = 1024
@@ -141,38 +141,37 @@ if triton is not None:
         REP_P: tl.constexpr,
         SC: tl.constexpr,
     ):
+        # One program per query head: a program per KV head merged its REP heads' splits in a
+        # loop of dependent loads, 11 us a layer at two rows on the H100 (docs/benchmarks.md).
         b = tl.program_id(0)
         h = tl.program_id(1)
-        r = tl.arange(0, REP_P)
+        r = tl.program_id(2)
         d = tl.arange(0, HEAD_DIM)
         c = tl.arange(0, SC)
-        base = (b * KV_HEADS + h) * num_splits * REP_P
-        top = tl.full([REP_P], float("-inf"), tl.float32)
-        total = tl.zeros([REP_P], tl.float32)
-        out = tl.zeros([REP_P, HEAD_DIM], tl.float32)
-        # SC splits per iteration: one split at a time, the merge was bound by the latency of
-        # its dependent loads (docs/benchmarks.md). An empty split (m = -inf) weighs 0; the
-        # maximum is taken as 0 while every split so far was empty, so no -inf - -inf arises.
+        base = (b * KV_HEADS + h) * num_splits * REP_P + r
+        top = tl.full([1], float("-inf"), tl.float32)
+        total = tl.zeros([1], tl.float32)
+        out = tl.zeros([HEAD_DIM], tl.float32)
+        # An empty split (m = -inf) weighs 0; the maximum is taken as 0 while every split so far
+        # was empty, so no -inf - -inf arises.
         for s0 in range(0, num_splits, SC):
             sv = (s0 + c) < num_splits
-            at = base + (s0 + c)[:, None] * REP_P + r[None, :]
-            m_s = tl.load(m_ptr + at, mask=sv[:, None], other=float("-inf"))
-            l_s = tl.load(l_ptr + at, mask=sv[:, None], other=0.0)
+            at = base + (s0 + c) * REP_P
+            m_s = tl.load(m_ptr + at, mask=sv, other=float("-inf"))
+            l_s = tl.load(l_ptr + at, mask=sv, other=0.0)
             new_top = tl.maximum(top, tl.max(m_s, axis=0))
             ref = tl.where(new_top == float("-inf"), 0.0, new_top)
             old_w = tl.exp(top - ref)
-            w = tl.exp(m_s - ref[None, :])
+            w = tl.exp(m_s - ref)
             total = total * old_w + tl.sum(l_s * w, axis=0)
             acc_s = tl.load(
-                acc_ptr + at[:, :, None] * HEAD_DIM + d[None, None, :],
-                mask=sv[:, None, None],
-                other=0.0,
+                acc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=sv[:, None], other=0.0
             )
-            out = out * old_w[:, None] + tl.sum(acc_s * w[:, :, None], axis=0)
+            out = out * old_w + tl.sum(acc_s * w[:, None], axis=0)
             top = new_top
-        out = out / total[:, None]
-        dst = out_ptr + b * stride_ob + (h * REP + r)[:, None] * stride_oh + d[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
+        out = out / total
+        dst = out_ptr + b * stride_ob + (h * REP + r) * stride_oh + d
+        tl.store(dst, out.to(out_ptr.dtype.element_ty))
 
     _kernel = _decode_split_kernel
     _merge = _merge_splits_kernel
@@ -207,6 +206,7 @@ def paged_decode_attention(
     max_keys: int,
     *,
     splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of decode queries ``(B, heads, D)`` over their paged keys, as ``(B, heads, D)``.
 
@@ -217,7 +217,7 @@ def paged_decode_attention(
 
     ``splits`` fixes the grid for a CUDA graph: ``sizes`` is then flat, ``2 * B + 1`` long, its
     last entry the keys per split (``split_len_for``) written on every replay, and ``max_keys``
-    is ignored.
+    is ignored. ``out``, when given, receives the result (contiguous, ``q``'s shape and dtype).
     """
     assert _kernel is not None
     b, heads, head_dim = q.shape
@@ -262,8 +262,11 @@ def paged_decode_attention(
         SPLIT_FROM_SIZES=from_sizes,
         DOT=dot,
     )
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _merge[(b, kv_heads)](
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("paged decode attention's out must be contiguous, of the queries' shape")
+    _merge[(b, kv_heads, rep)](
         acc,
         m,
         lse,
