@@ -51,6 +51,11 @@ class BlockManager:
         if null != NULL_BLOCK_ID:  # pragma: no cover - a fresh pool hands out block 0 first
             raise BlockPoolError(f"gpu: expected block {NULL_BLOCK_ID} first, got {null}")
         self.tables: dict[str, list[list[int]]] = {}
+        # ``block_ids`` of each request as last handed out, dropped whenever its tables change:
+        # a decode step asks for every running request's tables, which change once a block.
+        self._ids: dict[str, GroupBlockIds] = {}
+        self._full_attention = all(g.sliding_window is None for g in config.groups)
+        self._nothing_added: GroupBlockIds = tuple(() for _ in config.groups)
         self._num_cached: dict[str, list[int]] = {}
         # Poison-on-free (``EngineConfig.poison_freed_blocks``): called with the blocks a free
         # left with no reference, after they left the prefix cache (their data is gone).
@@ -73,7 +78,13 @@ class BlockManager:
         return block_hash + group.to_bytes(2, "little")
 
     def block_ids(self, request_id: str) -> GroupBlockIds:
-        return tuple(tuple(t) for t in self.tables.get(request_id, [[] for _ in self.pools]))
+        ids = self._ids.get(request_id)
+        if ids is None:
+            tables = self.tables.get(request_id)
+            if tables is None:
+                return self._nothing_added
+            ids = self._ids[request_id] = tuple(tuple(t) for t in tables)
+        return ids
 
     # ---- prefix hits ------------------------------------------------------------------------
 
@@ -135,6 +146,11 @@ class BlockManager:
         group has too few free blocks.
         """
         admitting = prefix_hit is not None
+        if not admitting and self._full_attention:
+            # The common decode step: the tables already cover the new token (15 steps of 16).
+            total = -(-(num_computed + num_new_tokens) // self.block_size)
+            if all(len(t) >= total for t in self.tables[request_id]):
+                return self._nothing_added
         if admitting:
             assert prefix_hit is not None
             if request_id in self.tables:
@@ -172,6 +188,7 @@ class BlockManager:
             added.append(tuple(tables[g]) if admitting else tuple(fresh))
         if admitting:
             self.tables[request_id] = tables
+        self._ids.pop(request_id, None)
         return tuple(added)
 
     def free_skipped(self, request_id: str, num_computed: int) -> None:
@@ -183,6 +200,7 @@ class BlockManager:
             gone = [b for b in table[: min(first, len(table))] if b != NULL_BLOCK_ID]
             if gone:
                 self.changes += 1
+                self._ids.pop(request_id, None)
                 pool.free(reversed(gone))
                 self._freed(gone)
                 for j in range(min(first, len(table))):
@@ -192,6 +210,7 @@ class BlockManager:
         """Give back every block of the request, tail first so its tail is evicted first."""
         tables = self.tables.pop(request_id, None)
         self._num_cached.pop(request_id, None)
+        self._ids.pop(request_id, None)
         if tables is None:
             return
         self.changes += 1
@@ -212,6 +231,13 @@ class BlockManager:
             self.on_freed(dead)
 
     # ---- prefix cache -----------------------------------------------------------------------
+
+    def caches_more(self, request_id: str, num_computed: int) -> bool:
+        """Whether ``cache_computed`` at ``num_computed`` could enter a block not entered yet
+        (15 decode steps of 16 it cannot, and need not hash the request's tokens to know)."""
+        if not self.enable_prefix_caching:
+            return False
+        return num_computed // self.block_size > min(self._num_cached[request_id])
 
     def cache_computed(
         self, request_id: str, block_hashes: Sequence[BlockHash], num_computed: int

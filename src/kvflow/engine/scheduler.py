@@ -466,7 +466,10 @@ class Scheduler:
             req.num_computed_tokens = c + n
             req.stats.external_loaded_tokens += req.pending_external_tokens
             req.pending_external_tokens = 0
-            self.blocks.cache_computed(req.request_id, req.block_hashes, req.num_computed_tokens)
+            if self.blocks.caches_more(req.request_id, req.num_computed_tokens):
+                self.blocks.cache_computed(
+                    req.request_id, req.block_hashes, req.num_computed_tokens
+                )
             if not chunk.sample:
                 continue
             token = sampled[req.request_id]
