@@ -20,6 +20,20 @@ def _graphs_used(engine: Engine) -> int:
     return graphs.steps_run
 
 
+def _uncaptured_full_graphs(engine: Engine, rows: int) -> DecodeGraphs:
+    r = engine.runner
+    return DecodeGraphs(
+        r.model,
+        r.kv_config,
+        r._layers,
+        r._layer_group,
+        rows,
+        capture=False,
+        paged_decode=True,
+        full=True,
+    )
+
+
 def test_bucket_sizes_are_powers_of_two_capped_by_the_largest() -> None:
     """Buckets double from one row and end at the largest batch exactly."""
     assert bucket_sizes(1) == [1]
@@ -111,17 +125,7 @@ def test_full_steps_on_the_triton_interpreter_give_the_dense_tokens(name: str) -
         max_num_seqs=6,
         decode_graphs="pieces",
     )
-    r = engine.runner
-    r._graphs = DecodeGraphs(
-        r.model,
-        r.kv_config,
-        r._layers,
-        r._layer_group,
-        6,
-        capture=False,
-        paged_decode=True,
-        full=True,
-    )
+    engine.runner._graphs = _uncaptured_full_graphs(engine, 6)
     ps = prompts([9, 30, 17, 41, 5], seed=7)
     results = engine.run_to_completion(requests(ps, 12))
     model = shared_model(name)
@@ -129,3 +133,22 @@ def test_full_steps_on_the_triton_interpreter_give_the_dense_tokens(name: str) -
         assert res.output_token_ids == dense_greedy(model, p, 12)
     assert _graphs_used(engine) > 0
     assert engine.stats.preemptions > 0
+
+
+def test_full_step_tables_rewrite_a_row_only_when_its_table_changed() -> None:
+    """A full bucket's block-table rows hold each row's table after any sequence of steps: a
+    row whose table is the same object is left alone, a new table is written, and a row that
+    padding overwrote is written again when a real row returns to it."""
+    engine = make_engine("tiny", num_gpu_blocks=64, max_num_seqs=4, decode_graphs="pieces")
+    graphs = _uncaptured_full_graphs(engine, 4)
+    bucket = graphs._buckets[4]
+    a, b, c = (1, 2, 3), (4, 5), (6, 7, 8, 9)
+    steps = [[a, b, c, a], [a, b, (*c, 10), a], [a, b], [a, b, c, (11,)], [b, a, c, a]]
+    with torch.inference_mode():
+        for tables in steps:
+            computed = [len(t) * 4 - 1 for t in tables]
+            graphs._full_inputs(bucket, [0] * 12, computed, [tables])
+            written = bucket.tables[0]
+            for row, table in enumerate(tables):
+                assert written[row, : len(table)].tolist() == list(table)
+            assert all(written[row, 0].item() == 0 for row in range(len(tables), 4))

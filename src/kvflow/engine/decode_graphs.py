@@ -29,7 +29,6 @@ from kvflow.core.logs import get_logger
 from kvflow.engine import triton_decode
 from kvflow.engine.kv_cache import (
     AttentionMetadata,
-    block_table_host,
     block_table_tensor,
     decode_attention,
     decode_segment,
@@ -119,6 +118,10 @@ class _Bucket:
             torch.zeros((rows, width), dtype=torch.int32, device=device) for _ in self.sizes
         ]
         self.tables_host = [_host_like(t) for t in self.tables]
+        # The block table each row of ``tables_host`` holds, per group, as the engine handed
+        # it (an immutable tuple): a row is rewritten only when its table is another object,
+        # which in a decode step is one row in sixteen.
+        self.tables_written: list[list[Sequence[int] | None]] = [[None] * rows for _ in self.tables]
         kv_heads = cfg.num_kv_heads
         capacity = [width * runner.kv_config.block_size] * len(self.sizes)
         for g, window in enumerate(runner.windows[: len(self.sizes)]):
@@ -411,11 +414,16 @@ class DecodeGraphs:
             firsts, counts = key_ranges(num_computed, self.windows[g])
             split = triton_decode.split_len_for(bucket.splits[g], max(counts))
             host += [*firsts, *([0] * pad), *counts, *([1] * pad), split]
-            table = block_table_host(tables, torch.int32)
-            table_host = bucket.tables_host[g]
-            table_host[:b, : table.shape[1]] = table
+            table_host, written = bucket.tables_host[g], bucket.tables_written[g]
+            # Entries past a row's own table may be stale: its key count keeps them unread.
+            for row, table in enumerate(tables):
+                if table is not written[row]:
+                    if table:
+                        table_host[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+                    written[row] = table
             if pad:
                 table_host[b:, 0] = 0
+                written[b:] = [None] * pad
             bucket.tables[g].copy_(table_host, non_blocking=True)
         bucket.small_host.copy_(torch.tensor(host, dtype=torch.long))
         bucket.small.copy_(bucket.small_host, non_blocking=True)
