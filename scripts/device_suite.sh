@@ -14,7 +14,9 @@
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), connector-ab (the same at 512 blocks, this
 # tree against the base tree unpacked at BASE_SRC, default .base/src, AB_ROUNDS processes each,
-# interleaved), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
+# interleaved), step-ab / multiround-ab (the decode step with and without the offload connector /
+# kvflow bench's bf16 workload with --step-parts, this tree against BASE_SRC, AB_ROUNDS each,
+# default 2, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
 # wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC, the
 # multi-round workload, the first token D's and P's), pd-one (the same with one user, 2k-16k-token
@@ -30,10 +32,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   if compgen -G ".nixlwhl/*.whl" >/dev/null; then wheels+=(.nixlwhl/*.whl); fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/kvflow-site "${wheels[@]}" || exit 1
-  export PYTHONPATH=/tmp/kvflow-site:src
+  site=/tmp/kvflow-site:
 else
-  export PYTHONPATH=src
+  site=
 fi
+export PYTHONPATH=${site}src
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "kvflow device suite: $gpus GPU(s), steps: $STEPS"
@@ -80,6 +83,21 @@ for step in $STEPS; do
         --json "$OUT/multiround.json" --plot "$OUT/multiround.png"
       run multiround_fp32 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
         --dtype float32 --json "$OUT/multiround_fp32.json" ;;
+    step-ab | multiround-ab)  # this tree against the base tree at BASE_SRC, alternating
+      for r in $(seq "${AB_ROUNDS:-2}"); do
+        for side in base new; do
+          tree=src
+          [ "$side" = base ] && tree=${BASE_SRC:-.base/src}
+          if [ "$step" = step-ab ]; then
+            run "decode_step_$side$r" 150 env PYTHONPATH="$site$tree" python3 \
+              scripts/bench_decode_step.py "${model[@]}" --modes graphs --offload \
+              --shapes 1x1024,2x6400,8x2048,8x8192 --json "$OUT/decode_step_$side$r.json"
+          else
+            run "multiround_$side$r" 150 env PYTHONPATH="$site$tree" python3 -m kvflow.cli \
+              bench "${model[@]}" "${multi[@]}" --step-parts --json "$OUT/multiround_$side$r.json"
+          fi
+        done
+      done ;;
     decode) run decode_attention 120 python3 scripts/bench_decode_attention.py ;;
     contention)
       run copy_contention 120 python3 scripts/bench_copy_contention.py \
