@@ -121,7 +121,8 @@ def test_silu_mul_is_silu_of_the_gate_times_up(dtype: torch.dtype, rows: int, wi
 def test_a_layer_with_the_kernels_agrees_with_torchs_layer(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """llama-1b's layers with the fused kernels give torch's residual and cache, up to rounding."""
+    """llama-1b's layers with the fused kernels give torch's queries, caches, residuals, MLP
+    output and logits, up to rounding."""
     device = _device(dtype)
     cfg = model_config("llama-1b")
     model = build_model(cfg, device=device, dtype=dtype)
@@ -132,13 +133,22 @@ def test_a_layer_with_the_kernels_agrees_with_torchs_layer(
     results = []
     for fused in (True, False):
         monkeypatch.setattr(triton_ops, "usable", lambda _x, fused=fused: fused)
-        cache = torch.zeros((2, 8, 16, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device)
-        q = model.pre_attention(0, x, cos, sin, cache, slots)
-        attn = q.reshape(t, cfg.num_heads, cfg.head_dim) * 0.5
-        results.append((q, cache, model.post_attention(0, x, attn)))
+        shape = (2, 8, 16, cfg.num_kv_heads, cfg.head_dim)
+        caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)]
+        q, resid = model.pre_attention(0, x, cos, sin, caches[0], slots)
+        resid, mlp_out = model.post_attention(0, resid, q * 0.5)
+        # The next layer adds the MLP's output to the residual in its input norm.
+        q1, resid1 = model.pre_attention(1, resid, cos, sin, caches[1], slots, mlp_out)
+        logits = model.head(resid1, torch.tensor([0, t - 1], device=device), mlp_out)
+        results.append((q, *caches, resid, mlp_out, q1, resid1, logits))
     tol = TOL[dtype] * 2
-    for got, want in zip(results[0], results[1], strict=True):
+    *states, logits = results[0]
+    *want_states, want_logits = results[1]
+    for got, want in zip(states, want_states, strict=True):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # A norm's sum taken in another order moves a logit, a dot product over the hidden size of
+    # a peaked head, by more than an activation.
+    torch.testing.assert_close(logits, want_logits, rtol=tol * 10, atol=tol * 10)
 
 
 @on_gpu

@@ -152,22 +152,25 @@ class _Bucket:
 
         def first() -> None:
             h, cos, sin = model.embed(self.inputs[0], self.inputs[1])
-            x[:] = [h]
             rope[:] = [cos, sin]
-            self._set_q(0, model.pre_attention(0, h, cos, sin, caches[0], slots[group_of[0]]))
+            q, h = model.pre_attention(0, h, cos, sin, caches[0], slots[group_of[0]])
+            x[:] = [h]
+            self._set_q(0, q)
 
         def middle(i: int) -> Piece:
             def piece() -> None:
-                h = model.post_attention(i - 1, x[0], self.attn)
+                h, mlp_out = model.post_attention(i - 1, x[0], self.attn)
+                q, h = model.pre_attention(
+                    i, h, rope[0], rope[1], caches[i], slots[group_of[i]], mlp_out
+                )
                 x[:] = [h]
-                q = model.pre_attention(i, h, rope[0], rope[1], caches[i], slots[group_of[i]])
                 self._set_q(i, q)
 
             return piece
 
         def final() -> None:
-            h = model.post_attention(last, x[0], self.attn)
-            self.logits = model.head(h, self.query_index)
+            h, mlp_out = model.post_attention(last, x[0], self.attn)
+            self.logits = model.head(h, self.query_index, mlp_out)
             self.tokens = self.logits.argmax(dim=-1)
 
         parts: list[Piece] = [first, *(middle(i) for i in range(1, cfg.num_layers)), final]

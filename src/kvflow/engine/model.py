@@ -172,6 +172,19 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def _add_and_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, norm(x + delta))``; one kernel on CUDA with Triton; ``delta`` None adds
+    nothing."""
+    if delta is None:
+        return x, norm(x)
+    if triton_ops.usable(x):
+        return triton_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+    x = x + delta
+    return x, norm(x)
+
+
 def fuse_linears(linears: Sequence[nn.Linear]) -> torch.Tensor:
     """Stack the weights of linears that read the same input into one matrix, and make each
     linear's weight a view of its rows, so one GEMM computes them all and loading weights into
@@ -359,15 +372,17 @@ class LlamaForCausalLM(nn.Module):
         tensor; ``layer_metadata[i]`` is the attention metadata of layer ``i``'s cache group.
         """
         x, cos, sin = self.embed(input_ids, positions)
+        mlp_out: torch.Tensor | None = None
         with sdpa_kernel(SDPA_BACKENDS):
             for i in range(self.config.num_layers):
                 meta = layer_metadata[i]
-                q = self.pre_attention(i, x, cos, sin, kv_caches[i], meta.slot_mapping)
-                x = self.post_attention(i, x, paged_attention(q, kv_caches[i], meta))
-        return self.head(x, logits_indices)
+                q, x = self.pre_attention(i, x, cos, sin, kv_caches[i], meta.slot_mapping, mlp_out)
+                x, mlp_out = self.post_attention(i, x, paged_attention(q, kv_caches[i], meta))
+        return self.head(x, logits_indices, mlp_out)
 
     # The pieces of ``forward``, apart so that ``kvflow.engine.decode_graphs`` can capture all
-    # but the attention into CUDA graphs.
+    # but the attention into CUDA graphs. A layer hands the next its residual and its MLP's
+    # output apart: the next layer's input norm adds them, in one kernel on CUDA.
 
     def embed(
         self, input_ids: torch.Tensor, positions: torch.Tensor
@@ -385,27 +400,34 @@ class LlamaForCausalLM(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
-    ) -> torch.Tensor:
-        """Layer ``i`` up to its attention: writes the tokens' keys and values, returns queries."""
+        mlp_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` up to its attention: writes the tokens' keys and values; returns the
+        queries and the residual, ``x`` plus the previous layer's ``mlp_out`` if given."""
         layer = self._layer(i)
-        normed = layer.input_layernorm(x)
-        return layer.self_attn.queries_writing_kv(normed, (cos, sin), kv_cache, slot_mapping)
+        x, normed = _add_and_norm(x, mlp_out, layer.input_layernorm)
+        q = layer.self_attn.queries_writing_kv(normed, (cos, sin), kv_cache, slot_mapping)
+        return q, x
 
-    def post_attention(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Layer ``i`` from its attention output ``(T, heads, head_dim)`` on: the new residual."""
+    def post_attention(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` from its attention output ``(T, heads, head_dim)`` on: the residual
+        before its MLP's output, and that output (the next layer or ``head`` adds them)."""
         layer = self._layer(i)
         delta = self.reduce(layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1)))
-        norm = layer.post_attention_layernorm
-        if triton_ops.usable(x):
-            x, normed = triton_ops.add_rms_norm(x, delta, norm.weight, norm.eps)
-        else:
-            x = x + delta
-            normed = norm(x)
-        return x + self.reduce(layer.mlp(normed))
+        x, normed = _add_and_norm(x, delta, layer.post_attention_layernorm)
+        return x, self.reduce(layer.mlp(normed))
 
-    def head(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """float32 logits of the rows ``logits_indices`` of the last residual."""
-        logits: torch.Tensor = self.lm_head(self.model.norm(x[logits_indices]))
+    def head(
+        self, x: torch.Tensor, logits_indices: torch.Tensor, mlp_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """float32 logits of the rows ``logits_indices`` of the last residual (``x`` plus the
+        last layer's ``mlp_out`` if given)."""
+        rows = x[logits_indices]
+        extra = None if mlp_out is None else mlp_out[logits_indices]
+        _, normed = _add_and_norm(rows, extra, self.model.norm)
+        logits: torch.Tensor = self.lm_head(normed)
         return logits.float()
 
     @torch.inference_mode()
