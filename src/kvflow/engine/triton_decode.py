@@ -224,6 +224,10 @@ def paged_decode_attention(
     _, num_blocks, block_size, kv_heads, _ = cache.shape
     if not cache.is_contiguous() or not sizes.is_contiguous() or q.stride(2) != 1:
         raise ValueError("paged decode attention needs a contiguous cache, sizes and query rows")
+    if out is not None and (
+        out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()
+    ):
+        raise ValueError("paged decode attention's out must be contiguous, of the queries' shape")
     rep = heads // kv_heads
     rep_p = max(2, 1 << (rep - 1).bit_length())
     dot = q.dtype in (torch.float16, torch.bfloat16) and cache.dtype == q.dtype
@@ -264,8 +268,6 @@ def paged_decode_attention(
     )
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError("paged decode attention's out must be contiguous, of the queries' shape")
     _merge[(b, kv_heads, rep)](
         acc,
         m,
