@@ -464,6 +464,8 @@ def build_connector(
         backend="cuda" if device.startswith("cuda") else "host",
         worker_loop=args.worker_loop,
         eager_store_interval=1,
+        # Loads as vLLM's asynchronous ones: timed until the scheduler role sees them done.
+        fence_loads="never",
     )
     if backend is None and device.startswith("cuda") and args.method != "auto":
         from kvflow.backends.cuda import CudaBackend, CudaConfig

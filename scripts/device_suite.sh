@@ -16,7 +16,8 @@
 # tree against the base tree unpacked at BASE_SRC, default .base/src, AB_ROUNDS processes each,
 # interleaved), step-ab / multiround-ab (the decode step with and without the offload connector /
 # kvflow bench's bf16 workload with --step-parts, this tree against BASE_SRC, AB_ROUNDS each,
-# default 2, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
+# default 2, alternating), multiround-fence (that workload with --fence-loads never and idle,
+# AB_ROUNDS each, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
 # wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC, the
 # multi-round workload, the first token D's and P's), pd-one (the same with one user, 2k-16k-token
@@ -83,6 +84,14 @@ for step in $STEPS; do
         --json "$OUT/multiround.json" --plot "$OUT/multiround.png"
       run multiround_fp32 300 python3 -m kvflow.cli bench "${model[@]}" "${multi[@]}" \
         --dtype float32 --json "$OUT/multiround_fp32.json" ;;
+    multiround-fence)  # kvflow bench's bf16 workload, loads never fenced vs fenced when idle
+      for r in $(seq "${AB_ROUNDS:-2}"); do
+        for fence in never idle; do
+          run "multiround_fence_$fence$r" 150 python3 -m kvflow.cli bench "${model[@]}" \
+            "${multi[@]}" --step-parts --fence-loads "$fence" \
+            --json "$OUT/multiround_fence_$fence$r.json"
+        done
+      done ;;
     step-ab | multiround-ab)  # this tree against the base tree at BASE_SRC, alternating
       for r in $(seq "${AB_ROUNDS:-2}"); do
         for side in base new; do

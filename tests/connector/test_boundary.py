@@ -57,7 +57,8 @@ class Rig:
         self.tensors = tensors if tensors is not None else _tensors()
         bb = declared if declared is not None else _block_bytes(self.tensors["l0"])
         self.conn = OffloadConnector.build(
-            OffloadConfig(cpu_bytes=8 * bb, worker_loop="inline"),
+            # The scenarios step asynchronous loads (a request waits for finished_recving).
+            OffloadConfig(cpu_bytes=8 * bb, worker_loop="inline", fence_loads="never"),
             self.kv,
             [bb],
             backend=backend or HostBackend(),

@@ -153,11 +153,12 @@ def test_outputs_identical_with_offload_across_evictions_and_reloads(
 
 @pytest.mark.parametrize("loop", ["thread", "inline"])
 def test_a_reloaded_requests_ttft_splits_its_load_at_landing(loop: str) -> None:
-    """Every request served by a CPU reload has a dated load: its TTFT's parts (launch, copies
-    until they landed, landed until the scheduler saw it, ...) are >= 0 and sum to the TTFT."""
+    """Every request served by an asynchronous CPU reload has a dated load: its TTFT's parts
+    (launch, copies until they landed, landed until the scheduler saw it, ...) are >= 0 and sum
+    to the TTFT."""
     on, (conn,) = _engine(
         "tiny",
-        offload=OffloadConfig(cpu_bytes="64MiB", worker_loop=loop),
+        offload=OffloadConfig(cpu_bytes="64MiB", worker_loop=loop, fence_loads="never"),
         num_gpu_blocks=41,
     )
     got = run_multi_round(on, WORKLOAD)
@@ -171,6 +172,32 @@ def test_a_reloaded_requests_ttft_splits_its_load_at_landing(loop: str) -> None:
         assert min(parts) >= 0
         assert t.load_copy > 0
         assert sum(parts) + t.first_step == pytest.approx(res.ttft_s)
+    on.shutdown()
+    _assert_nothing_leaked(on, conn)
+
+
+@pytest.mark.parametrize("loop", ["thread", "inline"])
+def test_fenced_reloads_run_in_the_step_that_loads_them(loop: str) -> None:
+    """With every load fenced, no request waits for its load in the scheduler: a reloaded
+    request's copies run inside the step that samples its first token (no load phases), the
+    outputs equal the run without offload, and nothing leaks."""
+    off, _ = _engine("tiny", offload=None, num_gpu_blocks=41)
+    want = run_multi_round(off, WORKLOAD).outputs()
+    on, (conn,) = _engine(
+        "tiny",
+        offload=OffloadConfig(cpu_bytes="64MiB", worker_loop=loop, fence_loads="always"),
+        num_gpu_blocks=41,
+    )
+    got = run_multi_round(on, WORKLOAD)
+    assert got.outputs() == want
+    reloaded = [r.result for r in got.records if r.result.external_loaded_tokens > 0]
+    assert reloaded
+    for res in reloaded:
+        t = res.timeline
+        assert t is not None
+        assert (t.load_launch, t.load_copy, t.load_seen) == (0, 0, 0)
+        assert t.first_step > 0
+    assert on.scheduler.num_waiting_for_remote == 0
     on.shutdown()
     _assert_nothing_leaked(on, conn)
 
@@ -200,21 +227,26 @@ def test_outputs_identical_with_offload_under_preemption(loop: str) -> None:
     _assert_nothing_leaked(on, conn)
 
 
+@pytest.mark.parametrize("fence", ["never", "idle"])
 @pytest.mark.parametrize("loop", ["thread", "inline"])
-def test_failed_load_recovers_by_recompute_with_identical_output(loop: str) -> None:
-    """A load that fails on the device is recomputed and the output does not change."""
+def test_failed_load_recovers_by_recompute_with_identical_output(loop: str, fence: str) -> None:
+    """A load that fails on the device is recomputed and the output does not change: one the
+    request waited for, or a fenced one whose step computed on its blocks (that step's token
+    is dropped)."""
     prompt = list(range(100, 160))
     off, _ = _engine("tiny", offload=None, num_gpu_blocks=64)
     (want,) = off.run_to_completion([GenerationRequest(prompt, 6, request_id="a")])
     backend = FailingCopies(fail=1)
     on, (conn,) = _engine(
         "tiny",
-        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop),
+        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop, fence_loads=fence),
         num_gpu_blocks=64,
         backend=backend,
     )
     on.run_to_completion([GenerationRequest(prompt, 6, request_id="a")])
     assert on.scheduler.reset_prefix_cache()  # the GPU cache only: the CPU copy stays
+    for cache in on.kv_caches.values():
+        cache.fill_(1e4)  # what a forward reading the failed load's blocks would see
     (got,) = on.run_to_completion([GenerationRequest(prompt, 6, request_id="b")])
     assert got.output_token_ids == want.output_token_ids
     assert backend.failed == 1

@@ -22,13 +22,18 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("fence", ["never", "always"])
 @pytest.mark.parametrize("loop", ["thread", "inline"])
 @pytest.mark.parametrize("policy", ["eager", "lazy"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
-def test_cuda_offload_outputs_identical_across_reloads(name: str, policy: str, loop: str) -> None:
+def test_cuda_offload_outputs_identical_across_reloads(
+    name: str, policy: str, loop: str, fence: str
+) -> None:
     """On the GPU with the CUDA backend, offload changes no token and really reloads blocks,
     with the worker runtime's loop on its own thread or inline on the engine's (no launch or
-    completion thread then: copies are launched and polled from the engine's calls)."""
+    completion thread then: copies are launched and polled from the engine's calls), each load
+    waited for by its request in the scheduler or fenced (the forward that reads it waits for
+    its copies on the device)."""
     cfg = model_config(name)
     model = build_model(cfg, device="cuda", dtype=torch.float32)
     econf = EngineConfig(
@@ -56,7 +61,11 @@ def test_cuda_offload_outputs_identical_across_reloads(name: str, policy: str, l
         per_layer = 2 * kv.block_size * cfg.num_kv_heads * cfg.head_dim * 4
         conn = OffloadConnector.build(
             OffloadConfig(
-                cpu_bytes="256MiB", store_policy=policy, lazy_watermark=16, worker_loop=loop
+                cpu_bytes="256MiB",
+                store_policy=policy,
+                lazy_watermark=16,
+                worker_loop=loop,
+                fence_loads=fence,
             ),
             kv,
             [per_layer * len(g.layer_names) for g in kv.groups],
@@ -81,6 +90,10 @@ def test_cuda_offload_outputs_identical_across_reloads(name: str, policy: str, l
         assert stats.blocks_stored > 0
         assert stats.blocks_loaded > 0
         assert stats.failed_transfers == 0
+        loaded = [r.result for r in got.records if r.result.external_loaded_tokens > 0]
+        assert loaded
+        if fence == "always":  # no load phase: the copies ran inside the first step
+            assert all(r.timeline is not None and r.timeline.load_copy == 0 for r in loaded)
     finally:
         on.shutdown()
     assert conn.scheduler.manager.num_live_transfers() == 0

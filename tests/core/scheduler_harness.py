@@ -127,6 +127,7 @@ class Sim:
         keyed: bool = False,
         decode_steps: bool = False,
         quiet_steps: bool = False,
+        fence_loads: str = "never",
     ) -> None:
         self.gpu = BlockPool(gpu_blocks, name="gpu")
         self.keys: dict[Hashable, BlockKey] = {}
@@ -149,6 +150,7 @@ class Sim:
             null_block_id=self.null,
             eager_store_interval=eager_store_interval,
             enable_events=enable_events,
+            fence_loads=fence_loads,
             num_gpu_blocks=gpu_blocks,  # the engine's pool: ids beyond it are refused
         )
         view: GpuCacheView = KeyedView(self.gpu, self.keys) if keyed else BlockPoolGpuView(self.gpu)

@@ -146,9 +146,12 @@ def test_a_layer_with_the_kernels_agrees_with_torchs_layer(
     *want_states, want_logits = results[1]
     for got, want in zip(states, want_states, strict=True):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    # A norm's sum taken in another order moves a logit, a dot product over the hidden size of
-    # a peaked head, by more than an activation.
-    torch.testing.assert_close(logits, want_logits, rtol=tol * 10, atol=tol * 10)
+    # The randomly initialised head's logits reach the hundreds (bf16 steps of 0.5 to 1 there),
+    # and a norm's sum taken in another order flips an input's last bit: logits are compared
+    # against their own scale, as a whole and element by element.
+    scale = float(want_logits.abs().max())
+    assert float((logits - want_logits).norm() / want_logits.norm()) <= tol
+    torch.testing.assert_close(logits, want_logits, rtol=tol, atol=tol * scale)
 
 
 @on_gpu

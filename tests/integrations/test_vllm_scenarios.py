@@ -121,7 +121,7 @@ def test_prompt_logprobs_requests_get_no_cpu_hit_and_take_no_pin() -> None:
 
 def test_request_waits_for_its_load_and_runs_after_finished_recving() -> None:
     """While the load is held the request stays WAITING_FOR_REMOTE_KVS; it runs once it lands."""
-    rig = Rig()
+    rig = Rig(extra={"fence_loads": "never"})
     rig.store_prompt_and_evict_gpu()
     rig.runtime.hold_directions = {Direction.LOAD}
     request = rig.h.add(PROMPT, max_tokens=2)
@@ -138,7 +138,7 @@ def test_request_waits_for_its_load_and_runs_after_finished_recving() -> None:
 def test_failed_load_is_not_trusted_and_the_blocks_are_loaded_again() -> None:
     """A load failing on the worker invalidates its blocks in vLLM; the request waits, the CPU tier
     (whose data is intact) loads them again, and vLLM then computes only the tail."""
-    rig = Rig()
+    rig = Rig(extra={"fence_loads": "never"})
     rig.store_prompt_and_evict_gpu()
     rig.runtime.fail_directions = {Direction.LOAD}
     request = rig.h.add(PROMPT, max_tokens=2)
@@ -153,6 +153,21 @@ def test_failed_load_is_not_trusted_and_the_blocks_are_loaded_again() -> None:
     loads = [t for p in rig.runtime.plans for t in p.loads]
     assert len(loads) == 2
     assert loads[0].transfer_id != loads[1].transfer_id
+    rig.run()
+
+
+def test_an_idle_engines_hit_loads_in_the_step_that_computes_the_request() -> None:
+    """By default (``fence_loads`` idle) a hit found while nothing runs is synchronous for
+    vLLM: the request's tail is scheduled in the step whose plan carries its load as fenced,
+    and it never waits for remote KV."""
+    rig = Rig()
+    rig.store_prompt_and_evict_gpu()
+    request = rig.h.add(PROMPT, max_tokens=2)
+    so, _ = rig.step()
+    assert so.num_scheduled_tokens == {request.request_id: 6}
+    (plan,) = [p for p in rig.runtime.plans if p.loads]
+    assert plan.fenced_loads == tuple(t.transfer_id for t in plan.loads)
+    assert not rig.h.is_waiting_for_kv(request)
     rig.run()
 
 

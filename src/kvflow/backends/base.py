@@ -75,6 +75,15 @@ class Backend(Protocol):
         """
         ...
 
+    def compute_wait(self, fence: Fence, timeout_s: float) -> bool:
+        """The engine's compute issued after this call waits for ``fence`` (a batch of loads
+        its forward reads). Called on the engine's thread, like ``compute_fence``. A GPU backend
+        has the engine's current stream wait on the device; a backend whose compute is the
+        host's blocks until the copies landed. Returns False if the batch is known to have
+        failed (then nothing is waited for: its blocks are to be recomputed). Raises
+        ``DeadlineError`` past ``timeout_s`` (real seconds) of host waiting."""
+        ...
+
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> Fence:
         """Queue ``batch`` on its direction's copy stream after ``wait_for``; return its fence."""
         ...

@@ -75,6 +75,7 @@ class FakeBackend:
     gpu_version: dict[BlockKey, int] = field(factory=dict)
     cpu_version: dict[BlockKey, int] = field(factory=dict)
     submitted: list[FakeFence] = field(factory=list)
+    compute_waits: list[FakeFence] = field(factory=list)  # ``compute_wait``'s fences, in order
     violations: list[str] = field(factory=list)
     queries: int = 0
     closed: bool = False
@@ -116,6 +117,14 @@ class FakeBackend:
         if self.auto_complete:
             self._finish(fence)
         return fence
+
+    def compute_wait(self, fence: Fence, timeout_s: float) -> bool:
+        """Noted (``compute_waits``): the fake has no compute to hold back. False for a fence
+        already failed."""
+        self._check_open()
+        own = self._own(fence)
+        self.compute_waits.append(own)
+        return own.status is not FenceStatus.FAILED
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> FakeFence:
         self._check_open()

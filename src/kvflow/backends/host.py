@@ -26,7 +26,7 @@ from kvflow.backends.torch_layout import layout_of, region_view
 from kvflow.core.layout import KVLayout
 from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
-from kvflow.errors import BackendError, ClosedError, ConfigError, LayoutError
+from kvflow.errors import BackendError, ClosedError, ConfigError, DeadlineError, LayoutError
 
 log = get_logger("kvflow.backend.host")
 
@@ -125,6 +125,16 @@ class HostBackend:
         fence = HostFence(next(self._ids), FenceStatus.DONE)
         fence.finished.set()
         return fence
+
+    def compute_wait(self, fence: Fence, timeout_s: float) -> bool:
+        """The engine computes on the host: block until ``fence``'s copies have run."""
+        self._check_open()
+        own = self._own(fence)
+        if not own.finished.wait(timeout_s):
+            raise DeadlineError(
+                f"host backend: a fenced load's copies not done after {timeout_s} s"
+            )
+        return own.status is FenceStatus.DONE
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
         self._check_open()

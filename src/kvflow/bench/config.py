@@ -48,6 +48,7 @@ class BenchConfig:
     cache_fraction: float = 0.4
     cpu_bytes: int | None = None  # default: room for twice the working set
     store_policy: str = "eager"
+    fence_loads: str = "idle"  # which CPU hits load in the step that computes them
     backend: str = "auto"
     worker_loop: str = "inline"  # where the worker runtime's loop runs: inline or thread
     max_batched_tokens: int = 2048
@@ -69,6 +70,8 @@ class BenchConfig:
         check_device(self.device, self.backend)
         if self.warmup not in ("round", "full"):
             raise ConfigError(f"warmup {self.warmup!r}: one of round, full")
+        if self.fence_loads not in ("never", "idle", "always"):
+            raise ConfigError(f"fence_loads {self.fence_loads!r}: one of never, idle, always")
         if self.worker_loop not in ("thread", "inline"):
             raise ConfigError(f"worker_loop {self.worker_loop!r}: one of thread, inline")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):

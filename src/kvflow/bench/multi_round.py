@@ -114,6 +114,9 @@ class RunResult:
     # connector dated (when their copies landed: the load_copy / load_seen split).
     history_loads: int = 0
     history_loads_dated: int = 0
+    # Requests with a history whose load was fenced: copied inside the step that sampled their
+    # first token (``fence_loads``), so no load phase of their own.
+    history_fenced_loads: int = 0
     # Per kind of engine step (kvflow.engine.step_parts), means per round with a history: steps,
     # tokens, and ms of each part of a step.
     history_step_parts: dict[str, dict[str, float]] = field(factory=dict)
@@ -224,6 +227,15 @@ def _result(
     loaded = result.total("external_loaded_tokens")
     m = stats.manager if stats is not None else None
     history = [r.result.timeline for r in result.records if r.round > 0]
+    # Reloaded with no load phase: the load was fenced, its copies inside the first step.
+    fenced = sum(
+        1
+        for r in result.records
+        if r.round > 0
+        and r.result.external_loaded_tokens > 0
+        and r.result.timeline is not None
+        and r.result.timeline.load_copy + r.result.timeline.load_seen == 0
+    )
     phases = {p: [getattr(t, p) * 1e3 for t in history if t is not None] for p in PHASES}
     return RunResult(
         offload=offload,
@@ -249,6 +261,7 @@ def _result(
         history_ttft_phases_p50_ms={p: statistics.median(v) for p, v in phases.items() if v},
         history_loads=sum(1 for t in history if t is not None and t.load_copy + t.load_seen > 0),
         history_loads_dated=sum(1 for t in history if t is not None and t.dated),
+        history_fenced_loads=fenced,
         # Rounds after the first: ends[1] closes round 0.
         history_step_parts=summarize(engine.step_parts, itertools.pairwise(ends[1:])),
     )
@@ -386,6 +399,7 @@ def run_bench(
     offload_cfg = OffloadConfig(
         cpu_bytes=cpu_bytes,
         store_policy=cfg.store_policy,
+        fence_loads=cfg.fence_loads,
         backend=cfg.backend,
         worker_loop=cfg.worker_loop,
     )

@@ -86,6 +86,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="when blocks are stored to CPU",
     )
     p.add_argument(
+        "--fence-loads",
+        choices=("never", "idle", "always"),
+        default=d.fence_loads,
+        help="which CPU hits load in the step that computes them, the forward waiting for the "
+        "copies on the device (idle: while no request runs; never: every request waits for "
+        "its load in the scheduler)",
+    )
+    p.add_argument(
         "--backend", choices=("auto", "host", "cuda"), default=d.backend, help="the copy backend"
     )
     p.add_argument(
@@ -199,6 +207,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             cache_fraction=args.cache_fraction,
             cpu_bytes=cpu_bytes,
             store_policy=args.store_policy,
+            fence_loads=args.fence_loads,
             backend=args.backend,
             worker_loop=args.worker_loop,
             max_batched_tokens=args.max_batched_tokens,
@@ -405,6 +414,11 @@ def render(result: BenchResult, console: Console, *, step_parts: bool = False) -
         console.print(
             f"loads dated (landed on the device, from the backend's copy timing): "
             f"{on.history_loads_dated} of {on.history_loads}"
+        )
+    if on.history_fenced_loads:
+        console.print(
+            f"fenced loads (copied inside the step that samples the first token, "
+            f"--fence-loads {result.config.fence_loads}): {on.history_fenced_loads}"
         )
     if step_parts:
         console.print(step_parts_table(off, on))

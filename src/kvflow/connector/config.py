@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from attrs import field, fields, frozen
 
-from kvflow.core.offload import GroupSpec, OffloadManagerConfig, StorePolicy
+from kvflow.core.offload import FenceLoads, GroupSpec, OffloadManagerConfig, StorePolicy
 from kvflow.core.validate import timeout_s
 from kvflow.errors import ConfigError
 from kvflow.runtime.sync_worker import WorkerLoop
@@ -46,6 +46,10 @@ def _choice(kind: type[E], name: str, value: object) -> E:
 
 def _store_policy(value: object) -> StorePolicy:
     return _choice(StorePolicy, "store_policy", value)
+
+
+def _fence_loads(value: object) -> FenceLoads:
+    return _choice(FenceLoads, "fence_loads", value)
 
 
 def _backend(value: object) -> BackendKind:
@@ -210,6 +214,10 @@ class OffloadConfig:
     - ``lazy_watermark``: lazy policy, blocks at the eviction end of the GPU free queue kept stored;
     - ``eager_store_interval``: eager policy, decode steps whose completed blocks go in one store
       (1: a store each step; see ``OffloadManagerConfig``);
+    - ``fence_loads``: ``idle`` (the default: a CPU hit found while no request runs loads in
+      the step that computes it, the forward waiting for the copies on the device; otherwise
+      the request waits for its load in the scheduler, as ``never`` always does) or
+      ``always``; see ``FenceLoads``;
     - ``backend``: ``auto``, ``host`` or ``cuda``;
     - ``world_size``: tensor-parallel ranks that must all report a copy before it commits;
     - ``worker_loop``: ``inline`` (the default: the worker runtime's loop, copy launches and
@@ -230,6 +238,7 @@ class OffloadConfig:
     backend: BackendKind = field(default=BackendKind.AUTO, converter=_backend)
     world_size: int = 1
     eager_store_interval: int = EAGER_STORE_INTERVAL
+    fence_loads: FenceLoads = field(default=FenceLoads.IDLE, converter=_fence_loads)
     worker_loop: WorkerLoop = field(default=WorkerLoop.INLINE, converter=_worker_loop)
     drain_timeout_s: float = field(default=DRAIN_TIMEOUT_S, converter=_drain_timeout)
     flush_timeout_s: float = field(default=FLUSH_TIMEOUT_S, converter=_flush_timeout)
@@ -288,6 +297,7 @@ class OffloadConfig:
             null_block_id=null_block_id,
             eager_store_interval=self.eager_store_interval,
             enable_events=enable_events,
+            fence_loads=self.fence_loads,
             num_gpu_blocks=num_gpu_blocks,
         )
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvflow.connector.api import KVConnectorOutput
 from kvflow.connector.offload import OffloadConnector
 from kvflow.connector.pd import PDConnector
+from kvflow.core.offload import FenceLoads
 from kvflow.core.protocol import GroupBlockIds, StepReport
 from kvflow.core.requests import RequestLike, SchedulerOutput
 
@@ -39,6 +40,9 @@ class PDOffloadConnector:
         self.pd = pd
         # One owner of GPU refs: PD's holds are taken on the offload manager's ledger.
         pd.driver.manager.ledger.attach(offload.scheduler.manager.pd_holds)
+        # A load here may have a CPU part and a PD part, and PD's part is asynchronous: the CPU
+        # part is too, so that the whole load reports ``finished_recving``.
+        offload.scheduler.manager.fence_loads = FenceLoads.NEVER
         self._split: dict[str, tuple[int, int]] = {}  # rid → (CPU tokens, PD tokens) matched
         self._recving: dict[str, set[str]] = {}  # rid → parts whose loads are still out
         self._sending: dict[str, set[str]] = {}  # rid → parts still reading its blocks

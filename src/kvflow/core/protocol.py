@@ -123,7 +123,9 @@ class StepPlan:
     ``stores`` are fenced after this step's compute; ``loads`` after any in-flight store that still
     reads their GPU blocks. ``flush`` (a request was preempted) means: before the engine reuses any
     GPU block, wait for every copy already handed over, including ones not yet submitted.
-    ``abandoned`` lists transfers whose results nobody wants any more.
+    ``abandoned`` lists transfers whose results nobody wants any more. ``fenced_loads``: the
+    loads (transfer ids) this step's forward pass reads: ``start_load_kv`` makes the engine's
+    compute wait for their copies (on a GPU, a wait on the device, not the host).
     """
 
     step: int
@@ -131,6 +133,7 @@ class StepPlan:
     loads: tuple[TransferSpec, ...] = ()
     flush: bool = False
     abandoned: tuple[int, ...] = ()
+    fenced_loads: tuple[int, ...] = ()
 
 
 @frozen

@@ -204,12 +204,21 @@ def _entries_error(
     raise AssertionError("step_entries found a problem that _entries_error did not")
 
 
+def fenced_loads(plan: StepPlan) -> None:
+    """The plan's fenced loads are some of its loads."""
+    if plan.fenced_loads:
+        stray = sorted(set(plan.fenced_loads) - {t.transfer_id for t in plan.loads})
+        if stray:
+            raise ConfigError(f"step {plan.step}: fenced loads {stray} are not its loads")
+
+
 def plan(plan: StepPlan, gpu_blocks: Sequence[int], cpu_blocks: Sequence[int]) -> None:
     """A step plan against the registered layout: every transfer's ids in range per group and
     unique within it, no CPU block written by a store and touched by another transfer of the
     plan, no GPU block written by two loads, no transfer id twice. (Two loads may read one CPU
     block: requests sharing a cached prefix.)"""
     strict_int("plan step", plan.step)
+    fenced_loads(plan)
     specs = (*plan.stores, *plan.loads)
     if not specs:
         return  # a step with no transfer (most decode steps): nothing else to check

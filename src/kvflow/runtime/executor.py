@@ -61,6 +61,7 @@ class CopyOrder:
     direction: Direction
     transfers: tuple[TransferSpec, ...]
     wait_for: tuple[Fence, ...] = ()
+    fenced: frozenset[int] = frozenset()  # transfers the engine's compute waits for
 
 
 @frozen
@@ -180,6 +181,11 @@ class DmaExecutor:
     _no_outstanding: anyio.Event = field(factory=anyio.Event)
     _stopped: anyio.Event = field(factory=anyio.Event)
     _cancelling: bool = False
+    # Orders with fenced loads queued and not yet submitted, and the fences of those submitted
+    # (``take_fenced``): the engine's compute waits for them before its forward.
+    _fenced_queued: int = 0
+    _fenced_submitted: anyio.Event = field(factory=anyio.Event)
+    _fenced: list[Fence] = field(factory=list)
     submits: int = 0  # backend.submit calls, for tests and the benchmark
     throughput: dict[Direction, CopyThroughput] = field(
         factory=lambda: {d: CopyThroughput() for d in Direction}
@@ -194,10 +200,25 @@ class DmaExecutor:
         self._timer = self.backend if isinstance(self.backend, TimesCopies) else None
         self._dater = self.backend if isinstance(self.backend, DatesCopies) else None
         self._no_outstanding.set()
+        self._fenced_submitted.set()
 
     @property
     def queued(self) -> int:
         return self._queued
+
+    @property
+    def fenced_queued(self) -> int:
+        """Queued orders holding fenced loads, not yet submitted."""
+        return self._fenced_queued
+
+    async def fenced_submitted(self) -> None:
+        """Return once no order holding fenced loads waits in the inbox."""
+        await self._fenced_submitted.wait()
+
+    def take_fenced(self) -> list[Fence]:
+        """The fences of the batches of fenced loads submitted since the last call."""
+        fences, self._fenced = self._fenced, []
+        return fences
 
     @property
     def outstanding(self) -> int:
@@ -229,6 +250,10 @@ class DmaExecutor:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
             raise ClosedError("DMA executor is closed") from exc
         self._queued += 1
+        if order.fenced:
+            if not self._fenced_queued:
+                self._fenced_submitted = anyio.Event()
+            self._fenced_queued += 1
         log.debug(
             "copy_order_queued",
             step=order.step,
@@ -273,10 +298,15 @@ class DmaExecutor:
                     self._queued -= 1
                     if self._cancelling:
                         self._finish(cmd.transfers, FenceStatus.FAILED, "shutdown")
-                        continue
-                    self._submit_order(cmd)
+                    else:
+                        self._submit_order(cmd)
+                    if cmd.fenced:
+                        self._fenced_queued -= 1
+                        if not self._fenced_queued:
+                            self._fenced_submitted.set()
         finally:
             self._stopped.set()
+            self._fenced_submitted.set()  # a waiter finds what was submitted, and goes on
 
     def _submit_order(self, order: CopyOrder) -> None:
         if self.coalesce:
@@ -309,6 +339,8 @@ class DmaExecutor:
             return
         self.submits += 1
         self._in_flight[order.direction][id(fence)] = (fence, gpu)
+        if order.fenced and any(t.transfer_id in order.fenced for t in transfers):
+            self._fenced.append(fence)
         # Guarded: with structlog configured, a filtered-out call still binds a logger.
         if log.debug_enabled():
             log.debug(

@@ -146,6 +146,19 @@ class SyncWorker(abc.ABC):
         plan = self._bound
         if plan is None or plan.loads:
             self._start_loads()
+            if plan is not None and plan.fenced_loads:
+                self._fence_compute(plan)
+
+    def _fence_compute(self, plan: StepPlan) -> None:
+        """The engine's compute (issued after this, on this thread) waits for the plan's
+        fenced loads: on a GPU a wait on the device, the host going on at once."""
+        rt = self._rt
+        fences = self._on_loop(rt.fenced_load_fences, plan.step)
+        readable = [rt.backend.compute_wait(f, rt.timeouts.load_s) for f in fences]
+        if not all(readable):
+            # Settled now, so that this step's report names the failed loads and the engine
+            # drops what its forward computes from their blocks.
+            self._on_loop(rt.settle_finished)
 
     def wait_for_save(self) -> None:
         """Launch the bound plan's stores, fenced after the compute issued so far; nothing if it

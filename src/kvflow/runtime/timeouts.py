@@ -14,6 +14,9 @@ DRAIN_TIMEOUT_S = 60.0
 """Default bound on a drain at shutdown: every queued copy submitted and finished."""
 FLUSH_TIMEOUT_S = 60.0
 """Default bound on a flush (a preemption waits for every copy handed over)."""
+LOAD_TIMEOUT_S = 60.0
+"""Default bound on the engine's wait before a forward that reads fenced loads: their copies
+submitted (and, where the compute is the host's, landed)."""
 
 
 def _drain(value: object) -> float:
@@ -24,12 +27,17 @@ def _flush(value: object) -> float:
     return timeout_s("flush_s", value)
 
 
+def _load(value: object) -> float:
+    return timeout_s("load_s", value)
+
+
 @frozen
 class Timeouts:
     """Bounds, in seconds on the runtime's clock, of the waits a worker runtime makes."""
 
     drain_s: float = field(default=DRAIN_TIMEOUT_S, converter=_drain)
     flush_s: float = field(default=FLUSH_TIMEOUT_S, converter=_flush)
+    load_s: float = field(default=LOAD_TIMEOUT_S, converter=_load)
 
 
-__all__ = ["DRAIN_TIMEOUT_S", "FLUSH_TIMEOUT_S", "Timeouts"]
+__all__ = ["DRAIN_TIMEOUT_S", "FLUSH_TIMEOUT_S", "LOAD_TIMEOUT_S", "Timeouts"]

@@ -22,6 +22,7 @@ import anyio
 from attrs import define, field, frozen
 
 from kvflow.backends.base import Backend, Fence, FenceStatus
+from kvflow.core import validate
 from kvflow.core.layout import KVLayout
 from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
@@ -248,6 +249,7 @@ class WorkerRuntime:
             known = [i for i in ids if i in self._entries]
             if known:
                 raise ProtocolError(f"step {plan.step}: transfers {known} are already known")
+        validate.fenced_loads(plan)
         if plan.abandoned:
             self._abandon(plan.abandoned)
         for spec in new:
@@ -286,7 +288,23 @@ class WorkerRuntime:
         if plan is None or self._loads_launched:
             return
         self._loads_launched = True
-        self._launch(plan.step, plan.loads, ())
+        self._launch(plan.step, plan.loads, (), frozenset(plan.fenced_loads))
+
+    async def fenced_load_fences(self, step: int) -> list[Fence]:
+        """The fences of step ``step``'s fenced loads (launched by ``start_load_kv``), once the
+        executor has submitted them: the engine's compute waits for these before its forward.
+        A load whose submit failed has none (it fails, and the engine rolls its request back).
+        ``DeadlineError`` past ``timeouts.load_s``."""
+        executor = self.executor
+        if executor.fenced_queued:
+            what = f"rank {self.rank}: step {step}'s fenced loads submitted"
+            await within(self.clock, self.timeouts.load_s, what, executor.fenced_submitted)
+        return executor.take_fenced()
+
+    async def settle_finished(self) -> None:
+        """Poll every fence once now and settle the finished ones (a failed fenced load must be
+        in the report of the step whose forward read it)."""
+        self.reactor.poll_now()
 
     def wait_for_save(self, compute_fence: Fence | None = None) -> None:
         """Launch the bound plan's stores, fenced after the compute the engine issued so far:
@@ -305,13 +323,17 @@ class WorkerRuntime:
         self.wait_for_save()
 
     def _launch(
-        self, step: int, specs: Sequence[TransferSpec], wait_for: tuple[Fence, ...]
+        self,
+        step: int,
+        specs: Sequence[TransferSpec],
+        wait_for: tuple[Fence, ...],
+        fenced: frozenset[int] = frozenset(),
     ) -> None:
         entries = self._entries
         live = [s for s in specs if s.transfer_id in entries]
         if not live:
             return
-        order = CopyOrder(step, live[0].direction, tuple(live), wait_for)
+        order = CopyOrder(step, live[0].direction, tuple(live), wait_for, fenced)
         now = self.submit_at_launch and self.executor.can_submit_now
         if not now:
             # Enqueue first: if the executor refuses (closing), no transfer has changed state.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +32,7 @@ from attrs import define, evolve
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.cuda import driver as drv
 from kvflow.backends.cuda.config import CudaConfig, Method
+from kvflow.backends.cuda.jobs import JobThread
 from kvflow.backends.cuda.kernels import MAX_IDS, PIECE_BYTES, StageKernel
 from kvflow.backends.cuda.pinned import PinnedTier
 from kvflow.backends.cuda.plan import (
@@ -47,7 +47,7 @@ from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
 from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
-from kvflow.errors import BackendError, ClosedError, ConfigError
+from kvflow.errors import BackendError, ClosedError, ConfigError, DeadlineError
 
 log = get_logger("kvflow.backends.cuda")
 
@@ -88,40 +88,6 @@ class CudaFence:
                 self.pool.give(self.event)
             else:
                 drv.cu.cuEventDestroy(self.event)
-
-
-class _JobThread:
-    """One thread that runs the jobs put to it, in order, with the device's context current.
-
-    The launch thread takes the driver calls of submitted batches, so the driver's
-    per-descriptor cost of ``cuMemcpyBatchAsync`` (large for a step's scattered blocks:
-    docs/benchmarks.md) and any wait for a CPU chunk still being pinned happen off the event loop; the
-    driver calls release the GIL. A waiter thread per direction takes fence waits (``_await``).
-    """
-
-    def __init__(self, ctx: drv.Context, name: str) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(ctx,), name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-
-    def drain(self) -> None:
-        """Block until every job put so far has run."""
-        done = threading.Event()
-        self._jobs.put(done.set)
-        done.wait()
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _run(self, ctx: drv.Context) -> None:
-        ctx.enter()
-        while (job := self._jobs.get()) is not None:
-            job()
-            del job  # drop what it holds (a fence's event) now, not at the next get()
 
 
 @define(eq=False)
@@ -187,14 +153,14 @@ class CudaBackend:
         self._timing_events = drv.EventPool(timing=True)
         self._plain_events = drv.EventPool()
         self._launcher = (
-            _JobThread(self._ctx, "kvflow-cuda-launch") if self.config.launch_thread else None
+            JobThread(self._ctx, "kvflow-cuda-launch") if self.config.launch_thread else None
         )
         self._wakeup: Callable[[], None] | None = None
         self.pushes_completions = self.config.completion_threads
         """Waiter threads call the wakeup as batches finish: the reactor need not poll on a
         timer."""
         self._waiters = (
-            {d: _JobThread(self._ctx, f"kvflow-cuda-wait-{d.value}") for d in Direction}
+            {d: JobThread(self._ctx, f"kvflow-cuda-wait-{d.value}") for d in Direction}
             if self.config.completion_threads
             else {}
         )
@@ -337,6 +303,27 @@ class CudaBackend:
         stream = self._torch.cuda.current_stream(self.device).cuda_stream
         drv.record(event, drv.stream_of(stream))
         return CudaFence(event, self, pool=self._plain_events)
+
+    def compute_wait(self, fence: Fence, timeout_s: float) -> bool:
+        """The engine's current stream waits on the device for ``fence``'s copies. The host
+        waits only for the launch thread to have issued them (``DeadlineError`` past
+        ``timeout_s``): an event waited on before it is recorded would not hold the stream."""
+        self._check_open()
+        self._event_of(fence)
+        assert isinstance(fence, CudaFence)
+        if not fence.launched and fence.error is None and self._launcher is not None:
+            issued = threading.Event()
+            self._launcher.put(issued.set)
+            if not issued.wait(timeout_s):
+                raise DeadlineError(
+                    f"CUDA backend: a fenced load's copies not issued after {timeout_s} s"
+                )
+        if not fence.launched:  # its submit failed: its transfers fail, nothing to wait for
+            return False
+        self._ctx.enter()
+        stream = self._torch.cuda.current_stream(self.device).cuda_stream
+        drv.wait(drv.stream_of(stream), fence.event)
+        return True
 
     def query(self, fence: Fence) -> FenceStatus:
         event = self._event_of(fence)

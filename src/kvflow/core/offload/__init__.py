@@ -12,6 +12,7 @@ matcher, ledger → ``state``, ``stats``, ``config``.
 from kvflow.core.offload.config import (
     LAZY_REQUEST_ID,
     STEP_STORE_ID,
+    FenceLoads,
     GroupSpec,
     OffloadManagerConfig,
     ResetStatus,
@@ -25,6 +26,7 @@ __all__ = [
     "LAZY_REQUEST_ID",
     "NO_OUTCOME",
     "STEP_STORE_ID",
+    "FenceLoads",
     "GroupSpec",
     "NewBlockIds",
     "OffloadManager",

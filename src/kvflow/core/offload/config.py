@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable
+from typing import TypeVar
 
 from attrs import field, frozen
 
@@ -26,6 +27,16 @@ class StorePolicy(enum.StrEnum):
 
     EAGER = "eager"  # as soon as a block's KV is computed
     LAZY = "lazy"  # only when the block nears the eviction end of the GPU free queue
+
+
+class FenceLoads(enum.StrEnum):
+    """When a CPU hit is loaded in the step that computes its request (the forward waits for
+    the copies on the device) instead of asynchronously (the request waits in the scheduler
+    for ``finished_recving``, then computes in a later step)."""
+
+    NEVER = "never"  # every hit loads asynchronously (vLLM's asynchronous loads)
+    IDLE = "idle"  # in the step that computes it when no request is running: nothing to stall
+    ALWAYS = "always"  # always in the step that computes it (vLLM's synchronous loads)
 
 
 class ResetStatus(enum.StrEnum):
@@ -66,13 +77,24 @@ def _as_groups(value: Iterable[GroupSpec]) -> tuple[GroupSpec, ...]:
     return tuple(value)
 
 
-def _as_policy(value: str) -> StorePolicy:
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def _choice(kind: type[E], name: str, value: str) -> E:
     try:
-        return StorePolicy(value)
+        return kind(value)
     except ValueError:
         raise ConfigError(
-            f"store_policy must be one of {[p.value for p in StorePolicy]}, got {value!r}"
+            f"{name} must be one of {[p.value for p in kind]}, got {value!r}"
         ) from None
+
+
+def _as_fence_loads(value: str) -> FenceLoads:
+    return _choice(FenceLoads, "fence_loads", value)
+
+
+def _as_policy(value: str) -> StorePolicy:
+    return _choice(StorePolicy, "store_policy", value)
 
 
 @frozen
@@ -88,6 +110,8 @@ class OffloadManagerConfig:
     are dropped with its GPU blocks. With a sliding-window group it is 1: the engine may free a
     block leaving the window before a later step would store it. ``enable_events``: the CPU
     pools record what enters and leaves the prefix cache, for ``OffloadManager.take_events``.
+    ``fence_loads`` (``FenceLoads``): which hits load in the step that computes them; with one
+    rank only (another rank's failed copy is known from its report, after the step's tokens).
     """
 
     groups: tuple[GroupSpec, ...] = field(converter=_as_groups)
@@ -97,6 +121,7 @@ class OffloadManagerConfig:
     null_block_id: int | None = None
     eager_store_interval: int = 1
     enable_events: bool = False
+    fence_loads: FenceLoads = field(default=FenceLoads.NEVER, converter=_as_fence_loads)
     num_gpu_blocks: int | None = None
     """GPU blocks per group, block ``null_block_id`` included: when given, every GPU block id an
     engine hands the manager is checked to be in range (an unknown id must never reach a pool or

@@ -144,6 +144,8 @@ class DecodeSteps:
     _phases: DecodePhases
     _fused: bool  # one group, the eager policy: ``decode_step`` fuses the step
     _limit: int  # GPU block ids are below it
+    _scheduled: int  # requests the last step scheduled
+    _finished_since: int  # requests finished since
 
     def init_decode(self, *, fused: bool) -> None:
         # A step can complete a block of some group only at a multiple of their gcd.
@@ -264,6 +266,7 @@ class DecodeSteps:
             phases.forget()
             raise
         # Every entry is checked: from here on nothing raises on bad input.
+        self._scheduled, self._finished_since = n, 0
         for table, new in grown:
             table.extend(new)
         store = self._store

@@ -163,6 +163,7 @@ class TransferLedger:
             used = set(cpu[g])
             self.cpu[g].free(reversed([b for b in pinned if b not in used]))
         xfer = self._new(Direction.LOAD, st.request.request_id, [st], gpu, cpu)
+        xfer.fenced = m.fenced
         if debug_enabled():
             log.debug(
                 "offload_load_planned",
@@ -304,14 +305,22 @@ class TransferLedger:
         """The step's plan: every PENDING transfer, launched, and the ids abandoned since."""
         stores: list[TransferSpec] = []
         loads: list[TransferSpec] = []
+        fenced: list[int] = []
         for x in self.pending:
             apply(x.transfer, TransferInput.LAUNCH, cause="step_plan")
             (stores if x.spec.direction is Direction.STORE else loads).append(x.spec)
+            if x.fenced:
+                fenced.append(x.spec.transfer_id)
         self.pending.clear()
         abandoned = tuple(self.abandoned)
         self.abandoned.clear()
         return StepPlan(
-            step=step, stores=tuple(stores), loads=tuple(loads), flush=flush, abandoned=abandoned
+            step=step,
+            stores=tuple(stores),
+            loads=tuple(loads),
+            flush=flush,
+            abandoned=abandoned,
+            fenced_loads=tuple(fenced),
         )
 
     # ---- cancelling and abandoning ------------------------------------------------------------
@@ -339,7 +348,8 @@ class TransferLedger:
                     del st.transfers[x.transfer.transfer_id]
             elif state is TransferState.PENDING:
                 self.cancel(x)
-            elif state is TransferState.IN_FLIGHT and (stores or is_load):
+            elif state is TransferState.IN_FLIGHT and (stores or is_load) and not x.fenced:
+                # (A fenced load was read by the forward that launched it: it commits as usual.)
                 self.abandon(x, cause="request_gone")
 
     def drop_all(self) -> None:
@@ -445,7 +455,7 @@ class TransferLedger:
             return False
         if ok:
             apply_seq(t, _COMMIT_AND_RELEASE)
-            if alive:
+            if alive and not x.fenced:  # a fenced load's request runs already
                 self.finished_recving.add(t.request_id)
             self.release(x, commit=True)
             return True
@@ -467,7 +477,8 @@ class TransferLedger:
         ids = {b for g in x.spec.gpu_block_ids for b in g}
         mine = ids & reported
         self.invalid |= mine or ids
-        self.finished_recving.add(x.transfer.request_id)
+        if not x.fenced:  # a fenced load's request ran on the blocks: the engine rolls it back
+            self.finished_recving.add(x.transfer.request_id)
 
     def _describe(
         self, g: int, hashes: Sequence[BlockHash], owners: Sequence[RequestState | None]

@@ -28,6 +28,7 @@ from kvflow.core.logs import debug_enabled, get_logger
 from kvflow.core.offload.config import (
     LAZY_REQUEST_ID,
     STEP_STORE_ID,
+    FenceLoads,
     Geometry,
     OffloadManagerConfig,
     ResetStatus,
@@ -103,6 +104,14 @@ class OffloadManager(DecodeSteps, ManagerQueries):
         self._no_new: GroupBlockIds = ((),) * self._num_groups
         self.init_decode(fused=self._eager and geo.num_groups == 1)
         self._allocated: dict[str, RequestState] = {}  # matches the engine allocated blocks for
+        # Requests the last step scheduled, and how many of any finished since: whether one
+        # still runs, so that a fenced load (``FenceLoads.IDLE``) stalls nobody's step.
+        self._scheduled = 0
+        self._finished_since = 0
+        self._one_rank = config.world_size == 1
+        self.fence_loads = config.fence_loads
+        """``config.fence_loads``, or what a connector combining this tier with another source
+        of KV sets (PD's loads are asynchronous: the whole load must be)."""
         self._reset_pending = False
         self._reset_done = False
 
@@ -162,7 +171,16 @@ class OffloadManager(DecodeSteps, ManagerQueries):
                 hashes = st.hashers[self._geo.slot[g]].hashes
                 pinned.append(self._ledger.pin(g, hashes[lo:hi]))
             first.append(lo)
-        st.match = PinnedHit(num_computed_tokens, num_external, tuple(first), tuple(pinned))
+        fence = self.fence_loads
+        # One rank only: a fenced load's failure must be known before the step's tokens are
+        # taken, and another rank's is known only from its report, steps later.
+        fenced = self._one_rank and (
+            fence is FenceLoads.ALWAYS
+            or (fence is FenceLoads.IDLE and self._scheduled <= self._finished_since)
+        )
+        st.match = PinnedHit(
+            num_computed_tokens, num_external, tuple(first), tuple(pinned), fenced=fenced
+        )
         self._n.hits += 1
         self._n.hit_tokens += num_external
         if debug_enabled():
@@ -171,8 +189,9 @@ class OffloadManager(DecodeSteps, ManagerQueries):
                 request_id=rid,
                 num_computed_tokens=num_computed_tokens,
                 num_external_tokens=num_external,
+                fenced=fenced,
             )
-        return num_external, True
+        return num_external, not fenced
 
     def update_state_after_alloc(
         self,
@@ -330,6 +349,10 @@ class OffloadManager(DecodeSteps, ManagerQueries):
                 dirty, _request_id, num_groups, self.config.num_gpu_blocks, self._null
             )  # names the request scheduled twice
         # Every table is checked: from here on nothing raises on bad input.
+        self._scheduled = (
+            len(so.new_requests) + len(so.cached_requests) + len(so.decode_requests.request_ids)
+        )
+        self._finished_since = 0
 
         flush = False
         if so.preempted_request_ids:
@@ -440,6 +463,7 @@ class OffloadManager(DecodeSteps, ManagerQueries):
     def _quiet_lazy_step(self, so: SchedulerOutput, lazy: LazyCursor) -> StepPlan:
         """``build_step_plan`` of a lazy step without requests, finishes or preemptions."""
         validate.scheduler_output(so)
+        self._scheduled = self._finished_since = 0
         plan = self._walk_step(so.step, lazy)
         return StepPlan(so.step, (), (), False, ()) if plan is None else plan
 
@@ -556,6 +580,7 @@ class OffloadManager(DecodeSteps, ManagerQueries):
         st = self._requests.get(request.request_id)
         if st is None:
             return False, None
+        self._finished_since += 1
         return self._finish(st, block_ids, engine_freed=False), None
 
     def _finish(

@@ -51,6 +51,7 @@ class PinnedHit:
     first: tuple[int, ...]  # per group: first block index to load
     cpu_block_ids: tuple[tuple[int, ...], ...]  # per group: pinned CPU blocks from ``first`` on
     load: tuple[GroupBlockIds, GroupBlockIds] | None = None  # (GPU, CPU) ids once allocated
+    fenced: bool = False  # its load is read by the forward of the step that launches it
 
 
 @define(eq=False)
@@ -115,6 +116,7 @@ class LiveTransfer:
     reported: dict[int, bool] = field(factory=dict)  # rank → success
     reset: bool = False  # abandoned by reset_cache (a load's blocks then become invalid)
     shared: bool = False  # a step's store: not in its requests' ``transfers``
+    fenced: bool = False  # a load the launching step's forward reads: no ``finished_recving``
 
 
 def confirmed_tokens(st: RequestState, end: int) -> int:
