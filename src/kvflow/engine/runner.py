@@ -10,6 +10,7 @@ while the forward runs on the device; only then does the host wait for the step'
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -191,11 +192,13 @@ class ModelRunner:
         conn.handle_preemptions(connector_meta)
         # Read before the launch: a copy thread may land a small load before the call returns,
         # and a load's "landed" must not come before its "launched".
+        # The forward's inputs go to the device first: their copies from pageable memory wait
+        # for the compute stream, which a fenced load holds until its copies land; the kernels
+        # are then enqueued while the load's copies run.
+        forward = self._prepare(batch) if batch.chunks else None
         loads_at = None if self.now is None else self.now()
         conn.start_load_kv()
-        pending = self._forward(batch) if batch.chunks else None
-        if pending is not None:
-            pending = self._start_readback(pending)
+        pending = self._start_readback(forward()) if forward is not None else None
         # As vLLM does: stores are handed over once the forward is enqueued, before the host
         # waits for its tokens, so their submission overlaps the device's compute. The tokens'
         # copy is enqueued first: a store's DMA fenced after it cannot hold it up (a small copy
@@ -239,7 +242,9 @@ class ModelRunner:
             sampled.request_ids, argmax, host, self._readback_event, sampled.first_logits
         )
 
-    def _forward(self, batch: StepBatch) -> _Sampled:
+    def _prepare(self, batch: StepBatch) -> Callable[[], _Sampled]:
+        """The step's forward, its inputs already on the device: call it to enqueue its
+        kernels (after ``start_load_kv``)."""
         chunks = batch.chunks
         graphs = self._graphs
         recording = self.record_first_logits and any(c.first_token for c in chunks)
@@ -249,7 +254,8 @@ class ModelRunner:
             and all(len(c.token_ids) == 1 for c in chunks)
             and graphs.tables_fit(c.block_ids for c in chunks)
         ):
-            return self._decode_from_graphs(graphs, chunks, recording)
+            # Its inputs go through pinned buffers, copied without a host wait.
+            return functools.partial(self._decode_from_graphs, graphs, chunks, recording)
         device = self.device
         ids = [t for c in chunks for t in c.token_ids]
         positions = [c.num_computed_tokens + j for c in chunks for j in range(len(c.token_ids))]
@@ -277,35 +283,46 @@ class ModelRunner:
         ids_of_rows = [chunks[i].request_id for i in sample_rows]
         size = None if graphs is None else graphs.mixed_bucket_for(len(ids), len(sample_rows))
         if graphs is not None and size is not None:
-            tokens, logits = graphs.run_mixed(
-                size,
-                ids,
-                positions,
-                [m.slot_mapping for m in group_meta],
-                [ends[i] for i in sample_rows],
-                group_meta,
+            bucket = size
+
+            def mixed() -> _Sampled:
+                assert graphs is not None
+                tokens, logits = graphs.run_mixed(
+                    bucket,
+                    ids,
+                    positions,
+                    [m.slot_mapping for m in group_meta],
+                    [ends[i] for i in sample_rows],
+                    group_meta,
+                )
+                return _Sampled(
+                    ids_of_rows,
+                    tokens if sample_rows else None,
+                    first_logits=self._first_rows(chunks, sample_rows, logits)
+                    if recording
+                    else None,
+                )
+
+            return mixed
+        logits_at = torch.tensor([ends[i] for i in sample_rows] or [ends[0]], device=device)
+        ids_on = torch.tensor(ids, dtype=torch.long, device=device)
+        positions_on = torch.tensor(positions, dtype=torch.long, device=device)
+
+        def eager() -> _Sampled:
+            logits = self.model(
+                ids_on,
+                positions_on,
+                self._layers,
+                [group_meta[g] for g in self._layer_group],
+                logits_at,
             )
             return _Sampled(
                 ids_of_rows,
-                tokens if sample_rows else None,
+                logits.argmax(dim=-1) if sample_rows else None,
                 first_logits=self._first_rows(chunks, sample_rows, logits) if recording else None,
             )
-        if not sample_rows:
-            logits_at = torch.tensor([ends[0]], device=device)
-        else:
-            logits_at = torch.tensor([ends[i] for i in sample_rows], device=device)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            self._layers,
-            [group_meta[g] for g in self._layer_group],
-            logits_at,
-        )
-        return _Sampled(
-            ids_of_rows,
-            logits.argmax(dim=-1) if sample_rows else None,
-            first_logits=self._first_rows(chunks, sample_rows, logits) if recording else None,
-        )
+
+        return eager
 
     @staticmethod
     def _first_rows(
