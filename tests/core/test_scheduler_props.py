@@ -48,10 +48,13 @@ class Engine:
         keyed: bool = False,
         decode_steps: bool = False,
         quiet_steps: bool = False,
+        world_size: int = 2,
+        fence: str = "never",
     ) -> None:
         self.sim = Sim(
             [GroupSpec(block_size=BS, num_cpu_blocks=12)],
-            world_size=2,
+            world_size=world_size,
+            fence_loads=fence,
             store_policy=policy,
             lazy_watermark=10,
             gpu_blocks=28 if policy == "eager" else 16,
@@ -61,6 +64,7 @@ class Engine:
             decode_steps=decode_steps,
             quiet_steps=quiet_steps,
         )
+        self.fence = fence
         self.n = 0
         self.waiting: set[str] = set()  # load in flight
         self.ready: list[KVRequest] = []  # to be scheduled as new requests
@@ -85,9 +89,11 @@ class Engine:
             self.preempted.append(req)
             return
         if got:
-            assert is_async
             sim.alloc(req, got, got)
-            self.waiting.add(req.request_id)
+            if is_async:
+                self.waiting.add(req.request_id)
+            else:  # fenced: its next step computes the rest, its forward reading the load
+                self.ready.append(req)
         else:
             sim.alloc(req, 0, 0)
             self.ready.append(req)
@@ -147,6 +153,14 @@ class Engine:
             good = sim.computed[rid] // BS
             assert [sim.gpu_data[b] for b in table[:good]] == sim.hashes(req, 0)[:good]
             self.ready.append(req)
+        if out.invalid_block_ids:
+            # A fenced load failed: its request computed on it, and is rolled back.
+            for req in [*self.running, *self.ready]:
+                table = sim.tables[req.request_id][0]
+                bad = [i for i, b in enumerate(table) if b in out.invalid_block_ids]
+                if bad and bad[0] * BS < sim.computed[req.request_id]:
+                    assert self.fence != "never", "an asynchronous load's blocks ran"
+                    sim.computed[req.request_id] = bad[0] * BS
 
     def pick(self, i: int) -> KVRequest | None:
         live = [*self.running, *self.ready, *(self.sim.requests[r] for r in sorted(self.waiting))]
@@ -206,8 +220,12 @@ def run(
     general: bool = False,
     decode_steps: bool = False,
     quiet_steps: bool = False,
+    world_size: int = 2,
+    fence: str = "never",
 ) -> Engine:
-    eng = Engine(policy, decode_columns, interval, keyed, decode_steps, quiet_steps)
+    eng = Engine(
+        policy, decode_columns, interval, keyed, decode_steps, quiet_steps, world_size, fence
+    )
     if general:
         eng.sim.mgr._fused = False  # decode steps: their news as columns, to the wrapper below
         plan_step = eng.sim.mgr.build_step_plan
@@ -241,6 +259,16 @@ def run(
 def test_eager_invariants_hold_over_random_events(script: list[Event]) -> None:
     """Eager policy: refs, cached data and loaded data stay consistent under any event order."""
     run("eager", script)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events, st.sampled_from(["idle", "always"]), st.sampled_from(["eager", "lazy"]))
+def test_invariants_hold_with_fenced_loads_on_one_rank(
+    script: list[Event], fence: str, policy: str
+) -> None:
+    """One rank, loads fenced (while idle, or always): the same invariants hold, and a fenced
+    load that fails rolls back the request that computed on it."""
+    run(policy, script, world_size=1, fence=fence)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
