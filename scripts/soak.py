@@ -83,6 +83,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="both",
         help="where the worker runtime's loop runs; both: the duration split between them",
     )
+    p.add_argument(
+        "--ranks",
+        choices=("1", "2", "both"),
+        default="both",
+        help="tensor-parallel ranks: 2 (a simulated late second rank) or 1 (loads fenced while "
+        "the engine is idle); both: the duration split between them",
+    )
     p.add_argument("--gpu-blocks", type=int, default=28, help="engine GPU blocks (small: evicts)")
     p.add_argument("--cpu-blocks", type=int, default=48, help="CPU tier blocks (small: evicts)")
     p.add_argument("--p-fail", type=float, default=0.05, help="store batches that fail")
@@ -114,7 +121,7 @@ class Tally:
     faults: Counter[str] = field(factory=Counter)
     rejected: Counter[str] = field(factory=Counter)
     checks: Counter[str] = field(factory=Counter)
-    segments: Counter[str] = field(factory=Counter)  # rounds per (policy, worker loop)
+    segments: Counter[str] = field(factory=Counter)  # rounds per (policy, worker loop, ranks)
     violations: list[str] = field(factory=list)
 
     def violation(self, what: str) -> None:
@@ -256,10 +263,19 @@ class FaultyHost(HostBackend):
 class LateRank:
     """The scheduler role with a simulated second tensor-parallel rank: rank 1 reports what rank
     0 reported, 0-3 steps late, and now and then reports a copy failed. Checks that no transfer
-    settles before rank 1 reported it."""
+    settles before rank 1 reported it. With ``ranks`` 1 there is no second rank: reports pass
+    as they are (fenced loads then run: docs/architecture.md)."""
 
-    def __init__(self, inner: OffloadScheduler, rng: random.Random, p_fail: float, tally: Tally):
+    def __init__(
+        self,
+        inner: OffloadScheduler,
+        rng: random.Random,
+        p_fail: float,
+        tally: Tally,
+        ranks: int = 2,
+    ):
         self.inner = inner
+        self.ranks = ranks
         self.rng = rng
         self.p_fail = p_fail
         self.tally = tally
@@ -281,12 +297,16 @@ class LateRank:
         plan = self.inner.build_connector_meta(scheduler_output)
         for spec in (*plan.stores, *plan.loads):
             self.tally.transfers[f"{spec.direction.value}s_planned"] += 1
+        if plan.fenced_loads:
+            self.tally.transfers["loads_fenced"] += len(plan.fenced_loads)
         if plan.stores or plan.loads:
             self.last_plan = plan
         return plan
 
     def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorOutput:
         self.steps += 1
+        if self.ranks == 1:
+            return self.inner.update_connector_output(output)
         for r in output.reports:
             if not (r.completed or r.failed):
                 continue
@@ -333,10 +353,12 @@ class Soak:
         policy: str,
         worker_loop: str,
         seed: int,
+        ranks: int = 2,
     ) -> None:
         self.args = args
         self.policy = policy
         self.worker_loop = worker_loop
+        self.ranks = ranks
         self.rng = random.Random(seed)
         self.tally = tally
         cfg = model_config("tiny")
@@ -384,7 +406,7 @@ class Soak:
             eager_store_interval=1 if self.policy == "eager1" else EAGER_STORE_INTERVAL,
             lazy_watermark=8,
             backend="host",
-            world_size=2,
+            world_size=self.ranks,
             worker_loop=self.worker_loop,
         )
         self.view = view
@@ -392,7 +414,11 @@ class Soak:
             config, kv, block_bytes, gpu_view=view, backend=self.backend
         )
         self.late = LateRank(
-            self.conn.scheduler, random.Random(self.rng.random()), self.args.p_rank_fail, self.tally
+            self.conn.scheduler,
+            random.Random(self.rng.random()),
+            self.args.p_rank_fail,
+            self.tally,
+            self.ranks,
         )
         return self.late, self.conn.worker
 
@@ -551,10 +577,11 @@ class Soak:
         self.reference.shutdown()
 
 
-def _segments(args: argparse.Namespace) -> list[tuple[str, str]]:
+def _segments(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     policies = ["eager", "eager1", "lazy"] if args.policy == "both" else [args.policy]
     loops = ["inline", "thread"] if args.worker_loop == "both" else [args.worker_loop]
-    return [(p, w) for p in policies for w in loops]
+    ranks = [2, 1] if args.ranks == "both" else [int(args.ranks)]
+    return [(p, w, r) for r in ranks for p in policies for w in loops]
 
 
 def run(args: argparse.Namespace, console: Console) -> Tally:
@@ -575,8 +602,8 @@ def run(args: argparse.Namespace, console: Console) -> Tally:
         transient=True,
     ) as progress:
         task = progress.add_task("", total=args.duration)
-        for k, (policy, loop) in enumerate(segments):
-            soak = Soak(args, model, tally, policy, loop, args.seed + 100 * k)
+        for k, (policy, loop, ranks) in enumerate(segments):
+            soak = Soak(args, model, tally, policy, loop, args.seed + 100 * k, ranks)
             rounds = tally.rounds
             try:
                 end = share * (k + 1)
@@ -586,7 +613,7 @@ def run(args: argparse.Namespace, console: Console) -> Tally:
                         task,
                         completed=elapsed,
                         description=(
-                            f"{policy}/{loop}: {tally.requests} requests, {tally.steps} steps, "
+                            f"{policy}/{loop}/{ranks} ranks: {tally.requests} requests, {tally.steps} steps, "
                             f"{sum(tally.faults.values())} faults, "
                             f"{sum(tally.rejected.values())} bad inputs rejected, "
                             f"{len(tally.violations)} violations"
@@ -595,7 +622,7 @@ def run(args: argparse.Namespace, console: Console) -> Tally:
             finally:
                 soak.close()
             tally.faults["preemptions"] += soak.engine.stats.preemptions
-            tally.segments[f"{policy}/{loop}"] = tally.rounds - rounds
+            tally.segments[f"{policy}/{loop}/{ranks}"] = tally.rounds - rounds
             assert soak.conn is not None
             stats = soak.conn.scheduler.manager.stats()
             tally.transfers["settled_failed"] += stats.failed_transfers
@@ -607,7 +634,7 @@ def run(args: argparse.Namespace, console: Console) -> Tally:
 
 
 def report(tally: Tally, args: argparse.Namespace, wall_s: float, console: Console) -> Table:
-    segments = ", ".join(f"{p}/{w}" for p, w in _segments(args))
+    segments = ", ".join(f"{p}/{w}/{r}" for p, w, r in _segments(args))
     table = Table(title=f"kvflow soak: {wall_s:.0f} s, seed {args.seed}, {segments}")
     table.add_column("what")
     table.add_column("count", justify="right")

@@ -13,19 +13,18 @@ from scripts import soak
 @pytest.mark.slow
 def test_soak_30_seconds_injects_every_fault_and_finds_no_violation(tmp_path: Path) -> None:
     """30 s of random traffic over the store policies (eager, eager with a store each step,
-    lazy) and both worker loops: exit status 0,
-    no violation, every fault and bad-input kind exercised, reloads and outputs checked."""
+    lazy), both worker loops and one or two ranks (one: loads fenced while the engine is idle):
+    exit status 0, no violation, every fault and bad-input kind exercised, reloads and outputs
+    checked."""
     out = tmp_path / "soak.json"
     assert soak.main(["--duration", "30", "--seed", "7", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["violations"] == []
     assert set(figures["segments"]) == {
-        "eager/inline",
-        "eager/thread",
-        "eager1/inline",
-        "eager1/thread",
-        "lazy/inline",
-        "lazy/thread",
+        f"{policy}/{loop}/{ranks}"
+        for policy in ("eager", "eager1", "lazy")
+        for loop in ("inline", "thread")
+        for ranks in (1, 2)
     }
     assert all(n > 0 for n in figures["segments"].values())
     for fault in (
@@ -42,6 +41,7 @@ def test_soak_30_seconds_injects_every_fault_and_finds_no_violation(tmp_path: Pa
     assert len(figures["rejected"]) >= 9
     assert figures["outputs_checked"] == figures["requests"] > 0
     assert figures["transfers"]["blocks_loaded_committed"] > 0
+    assert figures["transfers"]["loads_fenced"] > 0
     assert figures["checks"]["blocks_reloaded_byte_identical"] > 0
     assert figures["checks"]["transfers_held_for_late_rank"] > 0
 

@@ -142,3 +142,26 @@ def test_several_ranks_keep_every_load_asynchronous(make_sim: MakeSim) -> None:
     sim = make_sim(ONE_GROUP, fence_loads="always", world_size=2)
     sim.stored("a", range(10))
     assert sim.match(sim.add("b", [*range(10), 99])) == (8, True)
+
+
+def test_a_failed_fenced_load_keeps_its_steps_stores_out_of_the_cpu_cache(
+    make_sim: MakeSim,
+) -> None:
+    """The step that read a failed fenced load computed its request's next blocks from garbage:
+    that step's store of them completes but is not cached (a later hit would serve it), while
+    the same store's blocks of another request are."""
+    sim = make_sim(ONE_GROUP, fence_loads="always")
+    sim.stored("a", range(10))
+    c = sim.add("c", range(40, 48))
+    sim.match(c)
+    b = sim.add("b", [*range(10), 99, 98, 97, 96, 95])
+    assert sim.match(b) == (8, False)
+    sim.alloc(b, 8, 8)
+    plan = sim.step(new=[(b, 7), (c, 8)])
+    (load,) = plan.loads
+    assert plan.stores, "the step stores b's block 2 (tokens 8-11) and c's two blocks"
+    out = sim.report([sim.workers.report(0, failed=[load.transfer_id])])
+    assert out.invalid_block_ids == frozenset(sim.tables["b"][0][:2])
+    sim.complete()
+    assert sim.on_cpu(b) == [True, True, False]
+    assert sim.on_cpu(c) == [True, True]

@@ -477,8 +477,16 @@ class TransferLedger:
         ids = {b for g in x.spec.gpu_block_ids for b in g}
         mine = ids & reported
         self.invalid |= mine or ids
-        if not x.fenced:  # a fenced load's request ran on the blocks: the engine rolls it back
+        if not x.fenced:
             self.finished_recving.add(x.transfer.request_id)
+            return
+        # A fenced load's request computed on the blocks in the step that launched it (the
+        # engine rolls it back): what that step stores of its blocks is garbage, under the hashes
+        # of the right tokens, and must not enter the CPU prefix cache.
+        for st in x.reqs:
+            for other in self.live(st):
+                if other.spec.direction is Direction.STORE:
+                    other.dropped = {*other.dropped, st}
 
     def _describe(
         self, g: int, hashes: Sequence[BlockHash], owners: Sequence[RequestState | None]
