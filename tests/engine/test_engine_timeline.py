@@ -29,10 +29,13 @@ class TickingClock:
         return self.t
 
 
-def _async_load_engine(clock: TickingClock) -> Engine:
+def _async_load_engine(clock: TickingClock, num_gpu_blocks: int = 64) -> Engine:
     cfg = model_config("tiny")
     econf = EngineConfig(
-        block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16, enable_prefix_caching=False
+        block_size=4,
+        num_gpu_blocks=num_gpu_blocks,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
     )
     fake = FakeConnector(make_kv_cache_config(cfg, econf), load_async=True, load_delay_steps=2)
     return Engine(
@@ -69,6 +72,44 @@ def test_timeline_parts_sum_to_the_ttft_and_none_is_negative() -> None:
         assert res.timeline.load_copy > 0
         # The fake connector does not date its loads: the whole wait is load_copy.
         assert (res.timeline.dated, res.timeline.load_seen) == (False, 0)
+
+
+def test_a_request_preempted_before_its_first_token_starts_its_path_again() -> None:
+    """Requests that computed on a synchronous load, were preempted (before or after their
+    first token) and came back through an asynchronous one: every phase of every TTFT is >= 0
+    and they add up to it (a run before the first token's preemption counts as queueing, a load
+    after the first token is no TTFT's)."""
+    cfg = model_config("tiny")
+    econf = EngineConfig(
+        block_size=4, num_gpu_blocks=20, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
+    fake = FakeConnector(make_kv_cache_config(cfg, econf), load_async=False, load_delay_steps=2)
+    engine = Engine(
+        cfg,
+        econf,
+        model=shared_model("tiny"),
+        scheduler_connector=fake,
+        worker_connector=fake,
+        clock=TickingClock().now,
+    )
+    ps = prompts([40, 36, 44], seed=5)
+    first = engine.run_to_completion(requests(ps, 3))
+    before = engine.stats.preemptions
+    ids = [engine.add_request(p, 3) for p in ps]
+    while engine.stats.preemptions == before:
+        engine.step()
+    fake.load_async = True  # the preempted come back through asynchronous loads
+    while engine.has_unfinished():
+        engine.step()
+    results = [engine.take_result(rid) for rid in ids]
+    assert any(r.num_preemptions and r.external_loaded_tokens for r in results)
+    assert any(r.num_preemptions for r in first)
+    for res in [*first, *results]:
+        t = res.timeline
+        assert isinstance(t, RequestTimeline)
+        parts = [getattr(t, p) for p in PHASES]
+        assert min(parts) >= 0, (res.request_id, t)
+        assert sum(parts) == pytest.approx(res.ttft_s)
 
 
 @pytest.mark.parametrize("graphs", ["off", "pieces"])

@@ -83,6 +83,14 @@ class RequestStats:
     compute_start_time: float | None = None  # first step computing its tokens, once scheduled
     first_token_step_time: float | None = None  # the step sampling its first token, scheduled
 
+    def restart_first_token_path(self) -> None:
+        """The request lost its blocks before its first token: its path to that token starts
+        again at its next admission (the time spent so far counts as queueing)."""
+        if self.first_token_time is None:
+            self.admitted_time = None
+            self.load_launched_time = self.load_landed_time = self.load_seen_time = None
+            self.compute_start_time = self.first_token_step_time = None
+
 
 @define(eq=False)
 class Request:

@@ -369,6 +369,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.pending_external_tokens = 0
         req.stats.num_preemptions += 1
+        req.stats.restart_first_token_path()
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -376,6 +377,7 @@ class Scheduler:
         """Give back all of a request's blocks after a failed load; it is matched again later.
         A running one counts as preempted (its id reaches ``handle_preemptions`` next step)."""
         log.info("kv_load_failed_restart", request_id=req.request_id, status=req.status.value)
+        req.stats.restart_first_token_path()
         if req.status is RS.RUNNING:
             transition(req, RI.PREEMPT, cause="kv_load_failed")
             self.running.remove(req)
@@ -416,12 +418,13 @@ class Scheduler:
     def _finish_remote_load(self, req: Request) -> None:
         """vLLM's ``_update_waiting_for_remote_kv``: the loaded blocks count as computed."""
         self._finished_recving.discard(req.request_id)
-        if req.stats.load_seen_time is None:
+        if req.stats.load_seen_time is None and req.stats.first_token_time is None:
             req.stats.load_seen_time = self.clock()
         if req.reset_after_load:
             # The load is over, so its blocks can go; the request starts again from scratch.
             req.reset_after_load = False
             log.info("kv_load_failed_restart", request_id=req.request_id, status=req.status.value)
+            req.stats.restart_first_token_path()
             self.blocks.free(req.request_id)
             req.load_target_tokens = req.pending_external_tokens = req.num_computed_tokens = 0
         else:
@@ -484,7 +487,11 @@ class Scheduler:
         self._finished_recving |= kv_output.finished_recving
         for rid, landed in kv_output.loads_landed.items():
             loading = self.requests.get(rid)
-            if loading is not None and loading.stats.load_landed_time is None:
+            if (
+                loading is not None
+                and loading.stats.load_landed_time is None
+                and loading.stats.first_token_time is None
+            ):
                 loading.stats.load_landed_time = landed
         for rid in kv_output.finished_sending:
             if rid in self._delayed_free:
