@@ -374,9 +374,7 @@ class Engine:
         if sched.loads_issued:
             loads_at = run.loads_launched_at or launched
             for req in sched.loads_issued:
-                # (A load after the first token, of a request preempted since, is no TTFT's.)
-                if req.stats.load_launched_time is None and req.stats.first_token_time is None:
-                    req.stats.load_launched_time = loads_at
+                req.stats.date_load(launched=loads_at)
         # While the device computes the step: the host would otherwise idle in tokens().
         kv_output = sched.update_connector_output(run.kv_connector_output)
         told = self.clock()

@@ -83,6 +83,24 @@ class RequestStats:
     compute_start_time: float | None = None  # first step computing its tokens, once scheduled
     first_token_step_time: float | None = None  # the step sampling its first token, scheduled
 
+    def date_load(
+        self,
+        *,
+        launched: float | None = None,
+        landed: float | None = None,
+        seen: float | None = None,
+    ) -> None:
+        """Date a step of the load on its path to the first token, the first time each: a load
+        after the first token (a request preempted since, reloaded) is no TTFT's."""
+        if self.first_token_time is not None:
+            return
+        if launched is not None and self.load_launched_time is None:
+            self.load_launched_time = launched
+        if landed is not None and self.load_landed_time is None:
+            self.load_landed_time = landed
+        if seen is not None and self.load_seen_time is None:
+            self.load_seen_time = seen
+
     def restart_first_token_path(self) -> None:
         """The request lost its blocks before its first token: its path to that token starts
         again at its next admission (the time spent so far counts as queueing)."""

@@ -190,12 +190,12 @@ class ModelRunner:
         conn = self.connector
         conn.bind_connector_metadata(connector_meta)
         conn.handle_preemptions(connector_meta)
-        # Read before the launch: a copy thread may land a small load before the call returns,
-        # and a load's "landed" must not come before its "launched".
         # The forward's inputs go to the device first: their copies from pageable memory wait
         # for the compute stream, which a fenced load holds until its copies land; the kernels
         # are then enqueued while the load's copies run.
         forward = self._prepare(batch) if batch.chunks else None
+        # Read before the launch: a copy thread may land a small load before the call returns,
+        # and a load's "landed" must not come before its "launched".
         loads_at = None if self.now is None else self.now()
         conn.start_load_kv()
         pending = self._start_readback(forward()) if forward is not None else None

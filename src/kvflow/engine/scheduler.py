@@ -418,8 +418,7 @@ class Scheduler:
     def _finish_remote_load(self, req: Request) -> None:
         """vLLM's ``_update_waiting_for_remote_kv``: the loaded blocks count as computed."""
         self._finished_recving.discard(req.request_id)
-        if req.stats.load_seen_time is None and req.stats.first_token_time is None:
-            req.stats.load_seen_time = self.clock()
+        req.stats.date_load(seen=self.clock())
         if req.reset_after_load:
             # The load is over, so its blocks can go; the request starts again from scratch.
             req.reset_after_load = False
@@ -487,12 +486,8 @@ class Scheduler:
         self._finished_recving |= kv_output.finished_recving
         for rid, landed in kv_output.loads_landed.items():
             loading = self.requests.get(rid)
-            if (
-                loading is not None
-                and loading.stats.load_landed_time is None
-                and loading.stats.first_token_time is None
-            ):
-                loading.stats.load_landed_time = landed
+            if loading is not None:
+                loading.stats.date_load(landed=landed)
         for rid in kv_output.finished_sending:
             if rid in self._delayed_free:
                 self._delayed_free.discard(rid)
