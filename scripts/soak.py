@@ -4,8 +4,9 @@ injected faults, checking kvflow's guarantees (docs/guarantees.md) the whole tim
 The engine (tiny model, CPU) serves rounds of random requests that share prompt prefixes, on a
 GPU pool small enough to evict and preempt, with the host backend under a fault injector:
 
-- copies fail on the device (a failed load leaves garbage in its GPU blocks), run slow, or
-  report their completion late (so completions arrive out of submission order);
+- copies fail on the device (a failed load leaves garbage in its GPU blocks; a load landing in
+  parts by layer may fail after its first part landed), run slow, or report their completion
+  late (so completions arrive out of submission order);
 - a second tensor-parallel rank (simulated) reports each transfer late, and now and then reports
   a copy failed that rank 0 did;
 - the CPU prefix cache is reset with transfers in flight; preemptions come from the small pool;
@@ -52,6 +53,7 @@ from kvflow.connector.api import KVCacheConfig, KVConnectorOutput
 from kvflow.connector.config import EAGER_STORE_INTERVAL, OffloadConfig
 from kvflow.connector.offload import OffloadConnector, OffloadScheduler
 from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.layout import LayerParts
 from kvflow.core.protocol import GroupBlockIds, StepPlan, StepReport, TransferSpec
 from kvflow.core.requests import (
     CachedRequest,
@@ -124,8 +126,10 @@ class Tally:
     segments: Counter[str] = field(factory=Counter)  # rounds per (policy, worker loop, ranks)
     violations: list[str] = field(factory=list)
 
+    segment: str = ""  # the segment running: named in its violations
+
     def violation(self, what: str) -> None:
-        self.violations.append(what)
+        self.violations.append(f"[{self.segment}] {what}" if self.segment else what)
 
 
 def _digest(t: torch.Tensor) -> bytes:
@@ -155,6 +159,17 @@ class FaultyHost(HostBackend):
     _failed: int = 0
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
+        return self._faulty_submit(batch, wait_for, None)[0]
+
+    def submit_parts(
+        self, batch: CopyBatch, parts: LayerParts, wait_for: Sequence[Fence] = ()
+    ) -> tuple[HostFence, tuple[HostFence, ...]]:
+        self.tally.checks["loads_in_parts"] += 1
+        return self._faulty_submit(batch, wait_for, parts)
+
+    def _faulty_submit(
+        self, batch: CopyBatch, wait_for: Sequence[Fence], parts: LayerParts | None
+    ) -> tuple[HostFence, tuple[HostFence, ...]]:
         self._check_refs(batch, "submit")
         # A load (and a lazy store) holds a reference on its GPU blocks; an eager store may read
         # blocks a preempted request just gave back: the plan's flush waits for it before the
@@ -166,7 +181,8 @@ class FaultyHost(HostBackend):
                         self.tally.violation(f"copy submitted on free GPU block {g}/{b}")
         p_fail = self.p_fail_load if batch.direction is Direction.LOAD else self.p_fail
         if self.rng.random() < p_fail:
-            return self._fail(batch)
+            failed = self._fail(batch)
+            return failed, () if parts is None else (failed,) * parts.count
         if self.rng.random() < self.p_slow:
             self.tally.faults["copy_slowed"] += 1
             self._slow.add(id(batch))
@@ -178,7 +194,11 @@ class FaultyHost(HostBackend):
                     for b in ids
                     if (f := self._last_store.get((g, b))) is not None
                 )
-        fence = super().submit(batch, wait_for)
+        part_fences: tuple[HostFence, ...] = ()
+        if parts is None:
+            fence = super().submit(batch, wait_for)
+        else:
+            fence, part_fences = super().submit_parts(batch, parts, wait_for)
         if batch.direction is Direction.STORE:
             with self._lock:
                 for g, ids in enumerate(batch.gpu_block_ids):
@@ -187,7 +207,7 @@ class FaultyHost(HostBackend):
         if self.rng.random() < self.p_late:
             self.tally.faults["completion_reported_late"] += 1
             self._late[fence.fence_id] = self.rng.randint(1, 4)
-        return fence
+        return fence, part_fences
 
     def _fail(self, batch: CopyBatch) -> HostFence:
         self._failed += 1
@@ -224,9 +244,21 @@ class FaultyHost(HostBackend):
                 if self.cpu_refs(g, b) < 1:
                     self.tally.violation(f"{when}: CPU block {g}/{b} unreferenced under a copy")
 
-    def _copy(self, batch: CopyBatch) -> None:
+    def _copy(self, batch: CopyBatch, spans: Sequence[tuple[int, int]] | None = None) -> None:
         self._check_refs(batch, "copy")
-        if id(batch) in self._slow:
+        first = spans is None or all(lo == 0 for lo, _ in spans)
+        if spans is not None and not first and self.rng.random() < self.p_fail_load:
+            # A part after the first fails on the device, the earlier ones landed: garbage
+            # in its layers, and the batch fails.
+            self.tally.faults["load_part_failed_on_device"] += 1
+            for g, ids in enumerate(batch.gpu_block_ids):
+                lo, hi = spans[g]
+                for rc in self._regions[g][lo:hi]:
+                    rc.view[list(ids)] = torch.randint(
+                        0, 255, (len(ids), rc.page_bytes), dtype=torch.uint8
+                    )
+            raise RuntimeError("injected failure of a load's part")
+        if id(batch) in self._slow and first:
             self._slow.discard(id(batch))
             # A slow device, simulated on the device's own thread (the copy thread).
             time.sleep(self.rng.uniform(0.001, 0.003))  # noqa: TID251
@@ -239,7 +271,7 @@ class FaultyHost(HostBackend):
                         self._cpu[g][cb, 0] ^= 0xFF
             return
         with self._lock:
-            earlier = self._store_of.pop(id(batch), ())
+            earlier = self._store_of.pop(id(batch), ()) if first else ()
         for f in earlier:
             if not f.finished.is_set():
                 self.tally.violation("a load ran before an earlier store of its GPU block")
@@ -248,13 +280,15 @@ class FaultyHost(HostBackend):
                 want = self._cpu_digest.get((g, cb))
                 if want is None or want != _digest(self._cpu[g][cb]):
                     self.tally.violation(f"load read CPU block {g}/{cb} not as its store wrote it")
-        super()._copy(batch)
-        self.tally.checks["blocks_reloaded_byte_identical"] += batch.num_blocks
+        super()._copy(batch, spans)
+        if first:
+            self.tally.checks["blocks_reloaded_byte_identical"] += batch.num_blocks
         for g, (gids, cids) in enumerate(
             zip(batch.gpu_block_ids, batch.cpu_block_ids, strict=True)
         ):
+            lo, hi = (0, len(self._regions[g])) if spans is None else spans[g]
             for gb, cb in zip(gids, cids, strict=True):
-                for rc in self._regions[g]:
+                for rc in self._regions[g][lo:hi]:
                     row = self._cpu[g][cb, rc.cpu_offset : rc.cpu_offset + rc.page_bytes]
                     if not torch.equal(rc.view[gb], row):
                         self.tally.violation(f"GPU block {g}/{gb} differs from CPU {cb} after load")
@@ -408,6 +442,9 @@ class Soak:
             backend="host",
             world_size=self.ranks,
             worker_loop=self.worker_loop,
+            # With one rank, fenced loads run: whole with the worker loop on a thread, in two
+            # parts by layer with the inline loop.
+            load_parts=2 if self.ranks == 1 and self.worker_loop == "inline" else 1,
         )
         self.view = view
         self.conn = OffloadConnector.build(
@@ -604,6 +641,7 @@ def run(args: argparse.Namespace, console: Console) -> Tally:
         task = progress.add_task("", total=args.duration)
         for k, (policy, loop, ranks) in enumerate(segments):
             soak = Soak(args, model, tally, policy, loop, args.seed + 100 * k, ranks)
+            tally.segment = f"{policy}/{loop}/{ranks}"
             rounds = tally.rounds
             try:
                 end = share * (k + 1)

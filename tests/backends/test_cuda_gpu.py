@@ -275,7 +275,8 @@ def test_load_waits_for_in_flight_store_of_same_block(make_backend: Any, method:
 def test_failed_launch_fails_its_fence_only(
     make_backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch whose driver calls fail on the launch thread gets a FAILED fence; later ones run."""
+    """A batch whose driver calls fail on the launch thread gets a FAILED fence (once what it
+    issued before the failure is done); later ones run."""
     kv, backend = ready(make_backend, "mla", torch.bfloat16, 4 * KiB, 8, 8, method="direct")
     real_copy = backend._copy
 
@@ -286,6 +287,7 @@ def test_failed_launch_fails_its_fence_only(
     with capture_logs() as logs:
         failed = backend.submit(store([1], [1]))
         backend.wait_launched()
+    backend.flush()
     assert backend.query(failed) is FenceStatus.FAILED
     assert [(e["event"], e["error"]) for e in logs if e["event"] == "cuda_submit_failed"] == [
         ("cuda_submit_failed", "injected copy failure")
@@ -692,3 +694,78 @@ def test_a_batch_is_not_held_behind_another_batchs_compute_wait(make_backend: An
     assert second is not None
     assert 0 < first < 0.01
     assert 0 < second < 0.01
+
+
+def _pages(t: Any, style: str, ids: list[int]) -> Any:
+    """Layer tensor ``t``'s pages of blocks ``ids``, as bytes."""
+    u8 = t.view(torch.uint8)
+    index = torch.tensor(ids, device=t.device)
+    return (u8.index_select(1, index) if style == "flash" else u8.index_select(0, index)).cpu()
+
+
+@pytest.mark.parametrize("launch_thread", [True, False])
+@pytest.mark.parametrize("method", ["staged", "direct"])
+@pytest.mark.parametrize("style", ["flash", "mla"])
+def test_a_load_in_parts_is_readable_layer_by_layer_behind_each_parts_wait(
+    make_backend: Any, style: str, method: str, launch_thread: bool
+) -> None:
+    """A load landed in two parts by layer: compute that waited for part 0 reads its layers'
+    loaded bytes, compute after part 1's wait reads the rest, and the whole batch's fence is
+    done; across staging slots (more blocks than a slot holds) too."""
+    from kvflow.core.layout import layer_parts
+
+    n, count = 64, 40
+    kv = make_kv(style, torch.bfloat16, 16 * KiB, n, layers=4)
+    backend = make_backend(method=method, launch_thread=launch_thread, slot_bytes=1 << 20)
+    layout = backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([48])
+    rng = np.random.default_rng(7)
+    src = rng.permutation(n)[:count].tolist()
+    cpu = rng.permutation(48)[:count].tolist()
+    want = {name: _pages(t, style, src) for name, t in kv.items()}
+    backend.submit(store(src, cpu), [backend.compute_fence()])
+    backend.flush()
+    for t in kv.values():
+        t.view(torch.uint8).random_(0, 256)
+    parts = layer_parts(layout, 2)
+    assert parts.count == 2
+    dst = rng.permutation(n)[:count].tolist()
+    gpu_sleep()  # the copies queue behind nothing of compute; the compute behind the waits
+    fence, (first, second) = backend.submit_parts(load(cpu, dst), parts)
+    assert backend.compute_wait(first, 10.0)
+    early = {name: t.clone() for name, t in kv.items() if parts.part_of[name] == 0}
+    assert backend.compute_wait(second, 10.0)
+    late = {name: t.clone() for name, t in kv.items() if parts.part_of[name] == 1}
+    torch.cuda.synchronize()
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    assert sorted(early) == ["layer0", "layer1"]
+    for name, t in {**early, **late}.items():
+        assert torch.equal(_pages(t, style, dst), want[name]), name
+
+
+def test_a_failed_part_fails_its_wait_and_its_batch(
+    make_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load whose second part's driver calls fail: the first part's wait holds, the second's
+    says failed, and the batch's fence is FAILED."""
+    from kvflow.core.layout import layer_parts
+
+    kv = make_kv("flash", torch.bfloat16, 16 * KiB, 16, layers=4)
+    backend = make_backend(method="staged")
+    layout = backend.register_kv_caches(kv, 16)
+    backend.allocate_cpu_tier([16])
+    real = backend._copy_group
+
+    def second_fails(*args: Any) -> None:
+        regions = args[7]
+        if regions is not None and regions[0] > 0:
+            raise BackendError("injected failure of a part")
+        real(*args)
+
+    monkeypatch.setattr(backend, "_copy_group", second_fails)
+    fence, (first, second) = backend.submit_parts(load([1, 2], [3, 4]), layer_parts(layout, 2))
+    assert backend.compute_wait(first, 10.0)
+    assert not backend.compute_wait(second, 10.0)
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.FAILED

@@ -17,6 +17,7 @@ from kvflow.backends.cuda.plan import (
     RegionTable,
     block_ids,
     direct_descriptors,
+    part_plan,
     runs,
     staged_plan,
     subbatch_bounds,
@@ -59,6 +60,17 @@ def reference_block(memory: np.ndarray, table: RegionTable, gpu_id: int) -> np.n
         for b, st_, p in zip(table.base, table.stride, table.page, strict=True)
     ]
     return np.concatenate(pages)
+
+
+def simulated_memory(table: RegionTable, blocks_per_slot: int) -> tuple[np.ndarray, int, int, int]:
+    """A flat address space for ``table``'s GPU regions, a CPU tier of 8 blocks more than the
+    GPU's and two staging slots: (memory, CPU tier base, CPU blocks, staging base)."""
+    gpu_bytes = int((table.stride * table.num_blocks).sum())
+    cpu_base = GPU_BASE + gpu_bytes
+    cpu_blocks = table.num_blocks + 8
+    staging = cpu_base + cpu_blocks * table.block_bytes
+    memory = np.zeros(staging + 2 * blocks_per_slot * table.block_bytes, dtype=np.uint8)
+    return memory, cpu_base, cpu_blocks, staging
 
 
 def assert_within_chunks(
@@ -218,14 +230,9 @@ def test_staged_plan_round_trip_equals_direct(
     last load sub-batch)."""
     num_blocks = 16
     table = flash_table(num_layers, num_blocks, page)
-    gpu_bytes = num_layers * 2 * num_blocks * page
-    cpu_base = GPU_BASE + gpu_bytes
-    cpu_blocks = num_blocks + 8
-    staging = cpu_base + cpu_blocks * table.block_bytes
-    size = staging + 2 * blocks_per_slot * table.block_bytes
+    memory, cpu_base, cpu_blocks, staging = simulated_memory(table, blocks_per_slot)
     rng = np.random.default_rng(seed)
-    memory = np.zeros(size, dtype=np.uint8)
-    memory[GPU_BASE:cpu_base] = rng.integers(0, 256, gpu_bytes, dtype=np.uint8)
+    memory[GPU_BASE:cpu_base] = rng.integers(0, 256, cpu_base - GPU_BASE, dtype=np.uint8)
     gpu = np.array(picks, dtype=np.int64)
     # Half the cases use consecutive CPU ids (long DMA runs), half a random scatter.
     n = len(picks)
@@ -633,3 +640,90 @@ def test_a_landing_clock_keeps_its_mark_then_renews_it(monkeypatch: pytest.Monke
     monkeypatch.setattr(timing, "MARK_MAX_AGE_S", -1.0)
     assert clock.ago("end") is not None
     assert len(made) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_layers=st.integers(2, 5),
+    page=st.sampled_from([16, 48]),
+    picks=st.lists(st.integers(0, 15), min_size=1, max_size=12, unique=True),
+    blocks_per_slot=st.integers(1, 6),
+    ramp_blocks=st.integers(0, 4),
+    cut=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_load_in_parts_lands_each_parts_layers_and_only_those(
+    num_layers: int,
+    page: int,
+    picks: list[int],
+    blocks_per_slot: int,
+    ramp_blocks: int,
+    cut: int,
+    seed: int,
+) -> None:
+    """A load cut in two parts by region (``part_plan`` DMA into a slot, then the scatter over
+    the packed ``subset``, in numpy): after the first part, exactly its regions of every block
+    are back; after the second, every region; a part's direct copies (``subset``) do the same."""
+    num_blocks = 16
+    table = flash_table(num_layers, num_blocks, page)
+    cut = 2 * min(cut, num_layers - 1)  # at a layer's edge: K and V together
+    memory, cpu_base, cpu_blocks, staging = simulated_memory(table, blocks_per_slot)
+    rng = np.random.default_rng(seed)
+    memory[GPU_BASE:cpu_base] = rng.integers(0, 256, cpu_base - GPU_BASE, dtype=np.uint8)
+    gpu = np.array(picks, dtype=np.int64)
+    cpu = rng.permutation(cpu_blocks)[: len(picks)].astype(np.int64)
+    expected = [reference_block(memory, table, int(g)) for g in gpu]
+    apply(memory, direct_descriptors(table, gpu, cpu, cpu_base, store=True))
+
+    def region_ok(r: int) -> bool:
+        b, st_, p = int(table.base[r]), int(table.stride[r]), int(table.page[r])
+        off = int(table.cpu_offset[r])
+        return all(
+            np.array_equal(memory[b + int(g) * st_ : b + int(g) * st_ + p], e[off : off + p])
+            for g, e in zip(gpu, expected, strict=True)
+        )
+
+    for staged in (True, False):
+        memory[GPU_BASE:cpu_base] = 0
+        for lo, hi in ((0, cut), (cut, table.num_regions)):
+            if staged:
+                packed = table.subset(lo, hi, packed=True)
+                plan = part_plan(
+                    table,
+                    lo,
+                    hi,
+                    cpu,
+                    cpu_base,
+                    blocks_per_slot=blocks_per_slot,
+                    store=False,
+                    ramp_blocks=ramp_blocks,
+                )
+                assert plan.bounds[-1] == len(gpu)
+                for k in range(plan.num_subbatches):
+                    a, z = int(plan.bounds[k]), int(plan.bounds[k + 1])
+                    slot = staging + (k % 2) * blocks_per_slot * table.block_bytes
+                    dma = plan.dma.slice(int(plan.desc_bounds[k]), int(plan.desc_bounds[k + 1]))
+                    assert dma.total_bytes == (z - a) * packed.block_bytes
+                    apply(memory, dma, slot)
+                    for i, t in enumerate(gpu[a:z]):  # the scatter kernel's job, in numpy
+                        block = memory[
+                            slot + i * packed.block_bytes : slot + (i + 1) * packed.block_bytes
+                        ]
+                        for r in range(packed.num_regions):
+                            off, p = int(packed.cpu_offset[r]), int(packed.page[r])
+                            at = int(packed.base[r]) + int(t) * int(packed.stride[r])
+                            memory[at : at + p] = block[off : off + p]
+            else:
+                apply(
+                    memory,
+                    direct_descriptors(table.subset(lo, hi), gpu, cpu, cpu_base, store=False),
+                )
+            landed = [region_ok(r) for r in range(table.num_regions)]
+            assert landed == [r < hi for r in range(table.num_regions)]
+
+
+def test_part_plan_refuses_regions_outside_the_group() -> None:
+    """A part naming regions the group does not have is a ConfigError."""
+    table = flash_table(2, 4, 16)
+    with pytest.raises(ConfigError, match=r"regions 2\.\.4 of a group of 4"):
+        part_plan(table, 2, 5, np.arange(2), 0, blocks_per_slot=2, store=False)

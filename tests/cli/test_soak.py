@@ -13,7 +13,8 @@ from scripts import soak
 @pytest.mark.slow
 def test_soak_30_seconds_injects_every_fault_and_finds_no_violation(tmp_path: Path) -> None:
     """30 s of random traffic over the store policies (eager, eager with a store each step,
-    lazy), both worker loops and one or two ranks (one: loads fenced while the engine is idle):
+    lazy), both worker loops and one or two ranks (one: loads fenced while the engine is idle,
+    in parts by layer with the inline loop):
     exit status 0, no violation, every fault and bad-input kind exercised, reloads and outputs
     checked."""
     out = tmp_path / "soak.json"
@@ -42,6 +43,7 @@ def test_soak_30_seconds_injects_every_fault_and_finds_no_violation(tmp_path: Pa
     assert figures["outputs_checked"] == figures["requests"] > 0
     assert figures["transfers"]["blocks_loaded_committed"] > 0
     assert figures["transfers"]["loads_fenced"] > 0
+    assert figures["checks"]["loads_in_parts"] > 0
     assert figures["checks"]["blocks_reloaded_byte_identical"] > 0
     assert figures["checks"]["transfers_held_for_late_rank"] > 0
 

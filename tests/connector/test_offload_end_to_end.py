@@ -176,19 +176,36 @@ def test_a_reloaded_requests_ttft_splits_its_load_at_landing(loop: str) -> None:
     _assert_nothing_leaked(on, conn)
 
 
+class _PartsSeen(HostBackend):
+    """The host backend, counting the loads it was asked to land in parts."""
+
+    parted: int = 0
+
+    def submit_parts(self, batch: CopyBatch, parts: Any, wait_for: Sequence[Fence] = ()) -> Any:
+        type(self).parted += 1
+        return super().submit_parts(batch, parts, wait_for)
+
+
+@pytest.mark.parametrize("parts", [1, 3])
 @pytest.mark.parametrize("loop", ["thread", "inline"])
-def test_fenced_reloads_run_in_the_step_that_loads_them(loop: str) -> None:
+def test_fenced_reloads_run_in_the_step_that_loads_them(loop: str, parts: int) -> None:
     """With every load fenced, no request waits for its load in the scheduler: a reloaded
     request's copies run inside the step that samples its first token (no load phases), the
-    outputs equal the run without offload, and nothing leaks."""
+    outputs equal the run without offload, and nothing leaks; with ``load_parts`` the loads
+    land layer by layer, each layer's attention waiting for its own."""
     off, _ = _engine("tiny", offload=None, num_gpu_blocks=41)
     want = run_multi_round(off, WORKLOAD).outputs()
+    _PartsSeen.parted = 0
     on, (conn,) = _engine(
         "tiny",
-        offload=OffloadConfig(cpu_bytes="64MiB", worker_loop=loop, fence_loads="always"),
+        offload=OffloadConfig(
+            cpu_bytes="64MiB", worker_loop=loop, fence_loads="always", load_parts=parts
+        ),
         num_gpu_blocks=41,
+        backend=_PartsSeen(),
     )
     got = run_multi_round(on, WORKLOAD)
+    assert (_PartsSeen.parted > 0) == (parts > 1)
     assert got.outputs() == want
     reloaded = [r.result for r in got.records if r.result.external_loaded_tokens > 0]
     assert reloaded

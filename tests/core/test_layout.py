@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvflow.core.layout import KVStyle, TensorDesc, derive_layout
+from kvflow.core.layout import KVLayout, KVStyle, TensorDesc, derive_layout, layer_parts
 from kvflow.errors import LayoutError
 
 
@@ -119,3 +119,64 @@ def test_block_counts_must_agree_within_a_group() -> None:
         derive_layout({"a": desc("a", (4, 8), 0)}, {0: 4}, groups={"a": 1})
     with pytest.raises(LayoutError, match="unknown tensors"):
         derive_layout({"a": desc("a", (4, 8), 0)}, 4, groups={"zz": 0})
+
+
+def _layers(
+    n: int, sizes: list[int] | None = None, groups: dict[str, int] | None = None
+) -> KVLayout:
+    """``n`` flash tensors ``l0..`` (K and V regions each) of head dims ``sizes``."""
+    sizes = sizes or [8] * n
+    tensors = {f"l{i}": desc(f"l{i}", (2, 4, 16, 2, sizes[i]), 1 << (20 + i)) for i in range(n)}
+    nums = dict.fromkeys(set((groups or {}).values()) | {0}, 4)
+    return derive_layout(tensors, nums, groups)
+
+
+def test_layer_parts_cut_the_layers_in_order_into_parts_of_about_equal_bytes() -> None:
+    """Eight equal layers in four parts: two layers a part, K and V together, the spans tiling
+    the group's regions in order."""
+    parts = layer_parts(_layers(8), 4)
+    assert parts.count == 4
+    assert [parts.part_of[f"l{i}"] for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s[0] for s in parts.spans] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+
+
+def test_layer_parts_never_split_a_tensor_and_drop_empty_parts() -> None:
+    """More parts than tensors gives one part a tensor; a tensor bigger than a part's share
+    takes the parts it covers, and the empty ones are dropped."""
+    assert layer_parts(_layers(3), 8).count == 3
+    parts = layer_parts(_layers(3, [64, 8, 8]), 4)
+    assert [parts.part_of[f"l{i}"] for i in range(3)] == [0, 1, 1]
+    assert parts.count == 2
+    one = layer_parts(_layers(3), 1)
+    assert one.count == 1
+    assert one.spans == (((0, 6),),)
+
+
+def test_a_cross_layer_layout_has_one_part() -> None:
+    """One tensor for every layer cannot land by layer: one part, whatever is asked."""
+    cross = derive_layout({"all": desc("all", (6, 32, 2, 16, 8, 128), 4096)}, 6)
+    parts = layer_parts(cross, 4)
+    assert parts.count == 1
+    assert parts.part_of == {"all": 0}
+
+
+def test_layer_parts_follow_the_layers_across_groups_and_aliases() -> None:
+    """Layers of two groups (alternating, as sliding-window and full attention) are cut in
+    registration order: each part has a contiguous span in each group; an alias shares its
+    storage's part."""
+    layout = _layers(4, groups={"l0": 0, "l1": 1, "l2": 0, "l3": 1})
+    parts = layer_parts(layout, 2)
+    assert [parts.part_of[f"l{i}"] for i in range(4)] == [0, 0, 1, 1]
+    assert parts.spans == (((0, 2), (0, 2)), ((2, 4), (2, 4)))
+    a = desc("a", (2, 4, 16, 2, 8), 1 << 20)
+    b = desc("b", (2, 4, 16, 2, 8), 1 << 20)
+    c = desc("c", (2, 4, 16, 2, 8), 1 << 22)
+    aliased = layer_parts(derive_layout({"a": a, "b": b, "c": c}, 4), 2)
+    assert aliased.part_of == {"a": 0, "b": 0, "c": 1}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+def test_layer_parts_refuse_a_bad_count(bad: object) -> None:
+    """A part count that is not a positive int is a LayoutError naming it."""
+    with pytest.raises(LayoutError, match="layer parts must be a positive int"):
+        layer_parts(_layers(2), bad)  # type: ignore[arg-type]

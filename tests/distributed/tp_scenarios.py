@@ -51,8 +51,11 @@ class ForwardingWorker:
     def handle_preemptions(self, meta: object) -> None:
         self.inner.handle_preemptions(meta)
 
-    def start_load_kv(self) -> None:
-        self.inner.start_load_kv()
+    def start_load_kv(self, *, layerwise: bool = False) -> None:
+        self.inner.start_load_kv(layerwise=layerwise)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.inner.wait_for_layer_load(layer_name)
 
     def wait_for_save(self) -> None:
         self.inner.wait_for_save()

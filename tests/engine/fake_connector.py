@@ -45,6 +45,8 @@ class FakeConnector:
     store_eagerly: bool = False  # store blocks the step they are computed (needed for hybrids)
     store: dict[tuple[int, BlockHash], dict[str, torch.Tensor]] = field(factory=dict)
     calls: list[str] = field(factory=list)
+    layerwise: list[bool] = field(factory=list)  # ``start_load_kv``'s flag, per step
+    layer_waits: list[str] = field(factory=list)  # ``wait_for_layer_load``'s layers, in order
     preemptions_seen: list[frozenset[str]] = field(factory=list)
     outputs_seen: list[KVConnectorOutput] = field(factory=list)
     scheduler_outputs: list[SchedulerOutput] = field(factory=list)
@@ -207,8 +209,12 @@ class FakeConnector:
         if meta.preempted:
             self.preemptions_seen.append(meta.preempted)
 
-    def start_load_kv(self) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.layer_waits.append(layer_name)
+
+    def start_load_kv(self, *, layerwise: bool = False) -> None:
         self.calls.append("start_load_kv")
+        self.layerwise.append(layerwise)
         assert self._meta is not None
         for job in self._meta.loads:
             fail = self._failed_so_far < self.fail_loads and job.copies

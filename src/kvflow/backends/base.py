@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from attrs import frozen
 
-from kvflow.core.layout import KVLayout
+from kvflow.core.layout import KVLayout, LayerParts
 from kvflow.core.protocol import GroupBlockIds
 from kvflow.core.transfer import Direction
 
@@ -102,6 +102,21 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Wait for queued copies, free the CPU tier, unregister memory. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class CopiesInParts(Protocol):
+    """A backend that can land a load part by part (optional): the engine's compute for a
+    layer then waits only for the part holding that layer (``LayerParts``)."""
+
+    def submit_parts(
+        self, batch: CopyBatch, parts: LayerParts, wait_for: Sequence[Fence] = ()
+    ) -> tuple[Fence, tuple[Fence, ...]]:
+        """Queue ``batch`` as ``submit`` does, its copies cut into ``parts`` landing in order.
+        Returns the batch's fence (done once every part is; failed if any part failed) and
+        one fence per part, only for ``compute_wait`` (a part's failure shows there as
+        False and on the batch's fence)."""
         ...
 
 

@@ -20,7 +20,7 @@ from attrs import define, field
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.torch_layout import describe
-from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
+from kvflow.core.layout import KVLayout, LayerParts, TensorDesc, derive_layout
 from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError
@@ -39,7 +39,7 @@ class FakeFence:
     """A fence of the fake backend: a compute point or one submitted copy batch."""
 
     fence_id: int
-    kind: str  # "compute" or "copy"
+    kind: str  # "compute", "copy", or "part" (one part of a copy batch: ``wait_for[0]``)
     batch: CopyBatch | None = None
     wait_for: tuple[FakeFence, ...] = ()
     status: FenceStatus = FenceStatus.PENDING
@@ -76,6 +76,7 @@ class FakeBackend:
     cpu_version: dict[BlockKey, int] = field(factory=dict)
     submitted: list[FakeFence] = field(factory=list)
     compute_waits: list[FakeFence] = field(factory=list)  # ``compute_wait``'s fences, in order
+    parted: list[tuple[FakeFence, LayerParts]] = field(factory=list)  # ``submit_parts``' batches
     violations: list[str] = field(factory=list)
     queries: int = 0
     closed: bool = False
@@ -155,6 +156,21 @@ class FakeBackend:
         if self.auto_complete:
             self.release(fence)
         return fence
+
+    def submit_parts(
+        self, batch: CopyBatch, parts: LayerParts, wait_for: Sequence[Fence] = ()
+    ) -> tuple[FakeFence, tuple[FakeFence, ...]]:
+        """``submit``, with one fence per part (``CopiesInParts``): the parts land when the
+        batch runs, with its status (``parted`` notes the batch and its parts)."""
+        fence = self.submit(batch, wait_for)
+        part_fences = tuple(
+            FakeFence(next(self._ids), "part", wait_for=(fence,), released=True)
+            for _ in parts.spans
+        )
+        self.parted.append((fence, parts))
+        self._live.extend(part_fences)
+        self._advance()
+        return fence, part_fences
 
     def query(self, fence: Fence) -> FenceStatus:
         self.queries += 1
@@ -247,7 +263,9 @@ class FakeBackend:
             self._wakeup()
 
     def _finish(self, f: FakeFence) -> None:
-        if f.kind == "compute":
+        if f.kind == "part":
+            f.status = f.wait_for[0].status
+        elif f.kind == "compute":
             for key, version in f.writes:
                 self.gpu_version[key] = version
                 if self._unfenced.get(key) is f:

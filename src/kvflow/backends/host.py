@@ -23,7 +23,7 @@ from attrs import define, field
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.torch_layout import layout_of, region_view
-from kvflow.core.layout import KVLayout
+from kvflow.core.layout import KVLayout, LayerParts
 from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError, DeadlineError, LayoutError
@@ -50,7 +50,7 @@ class _RegionCopy:
     page_bytes: int
 
 
-_Job = tuple[CopyBatch, tuple[HostFence, ...], HostFence]
+_Job = tuple[CopyBatch, tuple[HostFence, ...], HostFence, LayerParts | None, tuple[HostFence, ...]]
 
 
 @define(eq=False)
@@ -140,15 +140,37 @@ class HostBackend:
         self._check_open()
         if not self._cpu:
             raise BackendError("submit before allocate_cpu_tier")
+        return self._queue(batch, wait_for, None)[0]
+
+    def submit_parts(
+        self, batch: CopyBatch, parts: LayerParts, wait_for: Sequence[Fence] = ()
+    ) -> tuple[HostFence, tuple[HostFence, ...]]:
+        """``submit``, the copy thread landing ``parts`` one after another (``CopiesInParts``):
+        a part's fence is set as soon as its regions are copied."""
+        self._check_open()
+        if not self._cpu:
+            raise BackendError("submit before allocate_cpu_tier")
+        if len(parts.spans) and len(parts.spans[0]) != len(self._regions):
+            raise ConfigError(
+                f"layer parts for {len(parts.spans[0])} groups, layout has {len(self._regions)}"
+            )
+        return self._queue(batch, wait_for, parts)
+
+    def _queue(
+        self, batch: CopyBatch, wait_for: Sequence[Fence], parts: LayerParts | None
+    ) -> tuple[HostFence, tuple[HostFence, ...]]:
         deps = tuple(self._own(f) for f in wait_for)
         fence = HostFence(next(self._ids))
+        part_fences = (
+            () if parts is None else tuple(HostFence(next(self._ids)) for _ in parts.spans)
+        )
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._copy_loop, name="kvflow-host-copy", daemon=True
             )
             self._thread.start()
-        self._jobs.put((batch, deps, fence))
-        return fence
+        self._jobs.put((batch, deps, fence, parts, part_fences))
+        return fence, part_fences
 
     def query(self, fence: Fence) -> FenceStatus:
         return self._own(fence).status
@@ -197,17 +219,26 @@ class HostBackend:
 
     def _copy_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            batch, deps, fence = job
+            batch, deps, fence, parts, part_fences = job
             for dep in deps:
                 dep.finished.wait()
             began = time.perf_counter()
+            landed = 0  # parts whose fences are set
             try:
-                self._copy(batch)
+                if parts is None:
+                    self._copy(batch)
+                else:
+                    for spans, part in zip(parts.spans, part_fences, strict=True):
+                        self._copy(batch, spans)
+                        _settle(part, FenceStatus.DONE)
+                        landed += 1
                 fence.ended = time.perf_counter()
                 fence.copy_s = fence.ended - began
             except Exception as exc:  # any copy error fails the batch, never the thread
                 fence.error = f"{type(exc).__name__}: {exc}"
                 fence.status = FenceStatus.FAILED
+                for part in part_fences[landed:]:
+                    _settle(part, FenceStatus.FAILED)
                 log.warning("host_copy_failed", fence_id=fence.fence_id, error=fence.error)
             else:
                 fence.status = FenceStatus.DONE
@@ -216,7 +247,9 @@ class HostBackend:
             if wakeup is not None:
                 wakeup()
 
-    def _copy(self, batch: CopyBatch) -> None:
+    def _copy(self, batch: CopyBatch, spans: Sequence[tuple[int, int]] | None = None) -> None:
+        """Copy ``batch``: every region of each group, or with ``spans`` regions
+        ``spans[g][0] .. spans[g][1] - 1`` of group ``g``."""
         if len(batch.gpu_block_ids) > len(self._regions):
             raise BackendError(f"batch names {len(batch.gpu_block_ids)} groups")
         for g, (gpu_ids, cpu_ids) in enumerate(
@@ -227,6 +260,10 @@ class HostBackend:
             cpu = self._cpu[g]
             regions = self._regions[g]
             n_gpu = regions[0].view.shape[0]
+            if spans is not None:
+                regions = regions[spans[g][0] : spans[g][1]]
+                if not regions:
+                    continue
             if min(gpu_ids) < 0 or max(gpu_ids) >= n_gpu:
                 raise BackendError(f"group {g}: GPU block id out of range 0..{n_gpu - 1}")
             if min(cpu_ids) < 0 or max(cpu_ids) >= cpu.shape[0]:
@@ -251,6 +288,11 @@ class HostBackend:
                 for rc in regions:
                     lo, hi = rc.cpu_offset // unit, (rc.cpu_offset + rc.page_bytes) // unit
                     (_words(rc.view) if wide else rc.view).index_copy_(0, gi, rows[:, lo:hi])
+
+
+def _settle(fence: HostFence, status: FenceStatus) -> None:
+    fence.status = status
+    fence.finished.set()
 
 
 def _fits_words(t: torch.Tensor) -> bool:

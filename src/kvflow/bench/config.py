@@ -49,6 +49,7 @@ class BenchConfig:
     cpu_bytes: int | None = None  # default: room for twice the working set
     store_policy: str = "eager"
     fence_loads: str = "idle"  # which CPU hits load in the step that computes them
+    load_parts: int = 1  # a fenced load lands in this many parts by layer
     backend: str = "auto"
     worker_loop: str = "inline"  # where the worker runtime's loop runs: inline or thread
     max_batched_tokens: int = 2048
@@ -72,6 +73,8 @@ class BenchConfig:
             raise ConfigError(f"warmup {self.warmup!r}: one of round, full")
         if self.fence_loads not in ("never", "idle", "always"):
             raise ConfigError(f"fence_loads {self.fence_loads!r}: one of never, idle, always")
+        if type(self.load_parts) is not int or not 1 <= self.load_parts <= 64:
+            raise ConfigError(f"load_parts must be an int in 1..64, got {self.load_parts!r}")
         if self.worker_loop not in ("thread", "inline"):
             raise ConfigError(f"worker_loop {self.worker_loop!r}: one of thread, inline")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):

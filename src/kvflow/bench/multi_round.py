@@ -400,6 +400,7 @@ def run_bench(
         cpu_bytes=cpu_bytes,
         store_policy=cfg.store_policy,
         fence_loads=cfg.fence_loads,
+        load_parts=cfg.load_parts,
         backend=cfg.backend,
         worker_loop=cfg.worker_loop,
     )

@@ -94,6 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "its load in the scheduler)",
     )
     p.add_argument(
+        "--load-parts",
+        type=int,
+        default=d.load_parts,
+        help="a fenced load lands in this many parts by layer, each layer's attention waiting "
+        "only for its own part (1: the forward waits for the whole load)",
+    )
+    p.add_argument(
         "--backend", choices=("auto", "host", "cuda"), default=d.backend, help="the copy backend"
     )
     p.add_argument(
@@ -208,6 +215,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             cpu_bytes=cpu_bytes,
             store_policy=args.store_policy,
             fence_loads=args.fence_loads,
+            load_parts=args.load_parts,
             backend=args.backend,
             worker_loop=args.worker_loop,
             max_batched_tokens=args.max_batched_tokens,
@@ -418,7 +426,8 @@ def render(result: BenchResult, console: Console, *, step_parts: bool = False) -
     if on.history_fenced_loads:
         console.print(
             f"fenced loads (copied inside the step that samples the first token, "
-            f"--fence-loads {result.config.fence_loads}): {on.history_fenced_loads}"
+            f"--fence-loads {result.config.fence_loads}, --load-parts "
+            f"{result.config.load_parts}): {on.history_fenced_loads}"
         )
     if step_parts:
         console.print(step_parts_table(off, on))

@@ -198,9 +198,17 @@ class WorkerConnector(Protocol):
         requests (named in this step's metadata) gave back, before they are overwritten."""
         ...
 
-    def start_load_kv(self) -> None:
+    def start_load_kv(self, *, layerwise: bool = False) -> None:
         """Before the forward: start this step's loads; synchronous ones must be readable by the
-        forward pass when this returns (or be fenced on the compute stream)."""
+        forward pass when this returns (or be fenced on the compute stream). ``layerwise``: the
+        engine calls ``wait_for_layer_load`` before each layer touches its KV cache, so a synchronous
+        load may instead be fenced layer by layer there."""
+        ...
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before layer ``layer_name`` writes or reads its KV cache, in a step started with
+        ``start_load_kv(layerwise=True)``: the compute issued after this call can read that
+        layer's loaded blocks."""
         ...
 
     def wait_for_save(self) -> None:
@@ -277,7 +285,10 @@ class NullConnector:
     def handle_preemptions(self, meta: object) -> None:
         return None
 
-    def start_load_kv(self) -> None:
+    def start_load_kv(self, *, layerwise: bool = False) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
     def wait_for_save(self) -> None:

@@ -218,6 +218,10 @@ class OffloadConfig:
       the step that computes it, the forward waiting for the copies on the device; otherwise
       the request waits for its load in the scheduler, as ``never`` always does) or
       ``always``; see ``FenceLoads``;
+    - ``load_parts``: a fenced load lands in up to this many parts by layer, and each layer's
+      attention waits only for its own part, so the copies overlap the forward (an engine that
+      calls ``start_load_kv(layerwise=True)`` and ``wait_for_layer_load``, as kvflow's does
+      outside its full decode graphs; 1, the default: the forward waits for the whole load);
     - ``backend``: ``auto``, ``host`` or ``cuda``;
     - ``world_size``: tensor-parallel ranks that must all report a copy before it commits;
     - ``worker_loop``: ``inline`` (the default: the worker runtime's loop, copy launches and
@@ -239,6 +243,7 @@ class OffloadConfig:
     world_size: int = 1
     eager_store_interval: int = EAGER_STORE_INTERVAL
     fence_loads: FenceLoads = field(default=FenceLoads.IDLE, converter=_fence_loads)
+    load_parts: int = 1
     worker_loop: WorkerLoop = field(default=WorkerLoop.INLINE, converter=_worker_loop)
     drain_timeout_s: float = field(default=DRAIN_TIMEOUT_S, converter=_drain_timeout)
     flush_timeout_s: float = field(default=FLUSH_TIMEOUT_S, converter=_flush_timeout)
@@ -252,7 +257,7 @@ class OffloadConfig:
             raise ConfigError(
                 f"cpu_bytes={self.cpu_bytes} is more than this machine's memory ({memory} bytes)"
             )
-        for name in ("lazy_watermark", "world_size", "eager_store_interval"):
+        for name in ("lazy_watermark", "world_size", "eager_store_interval", "load_parts"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
@@ -308,6 +313,7 @@ class OffloadConfig:
         return WorkerOptions(
             rank=rank,
             timeouts=Timeouts(drain_s=self.drain_timeout_s, flush_s=self.flush_timeout_s),
+            load_parts=self.load_parts,
         )
 
     def cpu_blocks_per_group(self, block_bytes: Sequence[int]) -> tuple[int, ...]:

@@ -308,8 +308,11 @@ class OffloadWorker:
         if plan.flush:
             self.runtime.handle_preemptions(plan)
 
-    def start_load_kv(self) -> None:
-        self.runtime.start_load_kv()
+    def start_load_kv(self, *, layerwise: bool = False) -> None:
+        self.runtime.start_load_kv(layerwise=layerwise)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.runtime.wait_for_layer_load(layer_name)
 
     def wait_for_save(self) -> None:
         self.runtime.wait_for_save()

@@ -151,8 +151,11 @@ class PDOffloadConnector:
     def handle_preemptions(self, meta: object) -> None:
         self.offload.worker.handle_preemptions(meta)
 
-    def start_load_kv(self) -> None:
-        self.offload.worker.start_load_kv()
+    def start_load_kv(self, *, layerwise: bool = False) -> None:
+        self.offload.worker.start_load_kv(layerwise=layerwise)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.offload.worker.wait_for_layer_load(layer_name)
 
     def wait_for_save(self) -> None:
         self.offload.worker.wait_for_save()

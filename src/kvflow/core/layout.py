@@ -246,12 +246,74 @@ def derive_layout(
     )
 
 
+@frozen
+class LayerParts:
+    """A load cut by layer, so that each layer's compute need wait only for its own part.
+
+    Part ``k`` copies, in KV cache group ``g``, the regions ``spans[k][g]`` (``(lo, hi)``,
+    possibly empty) of every block; the parts' spans tile each group's regions in order.
+    ``part_of`` names each registered tensor's part (an alias shares its storage's).
+    """
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+    part_of: Mapping[str, int]
+
+    @property
+    def count(self) -> int:
+        return len(self.spans)
+
+
+def layer_parts(layout: KVLayout, parts: int) -> LayerParts:
+    """Cut ``layout``'s tensors, in the order the engine registered them (its layers' order),
+    into at most ``parts`` runs of about equal bytes, never splitting a tensor: a layout of one
+    tensor (cross-layer blocks) has one part whatever is asked."""
+    if type(parts) is not int or parts < 1:
+        raise LayoutError(f"layer parts must be a positive int, got {parts!r}")
+    own: dict[str, list[tuple[int, int]]] = {}  # tensor -> (group, region index) of its regions
+    for g in layout.groups:
+        for i, r in enumerate(g.regions):
+            own.setdefault(r.tensor, []).append((g.group, i))
+    sizes = {
+        t: sum(layout.groups[g].regions[i].page_bytes for g, i in where) for t, where in own.items()
+    }
+    total = sum(sizes.values())
+    order = [t for t in layout.styles if t in own]  # registration order, aliases left out
+    raw: dict[str, int] = {}
+    acc = 0
+    for t in order:
+        raw[t] = min(parts - 1, acc * parts // total) if total else 0
+        acc += sizes[t]
+    # Parts no tensor fell into are dropped; the rest keep their order.
+    renumber = {k: n for n, k in enumerate(sorted(set(raw.values())))}
+    part_of = {t: renumber[k] for t, k in raw.items()}
+    count = len(renumber)
+    spans: list[list[tuple[int, int]]] = [[(0, 0)] * len(layout.groups) for _ in range(count)]
+    for g in layout.groups:
+        at = 0
+        for k in range(count):
+            lo = at
+            while at < len(g.regions) and part_of[g.regions[at].tensor] == k:
+                at += 1
+            spans[k][g.group] = (lo, at)
+        if at != len(g.regions):
+            # Regions out of registration order: one part, the whole load.
+            return LayerParts(
+                spans=(tuple((0, len(x.regions)) for x in layout.groups),),
+                part_of=dict.fromkeys(layout.styles, 0),
+            )
+    for alias, target in layout.aliases.items():
+        part_of[alias] = part_of[target]
+    return LayerParts(spans=tuple(tuple(s) for s in spans), part_of=part_of)
+
+
 __all__ = [
     "GroupLayout",
     "KVLayout",
     "KVStyle",
+    "LayerParts",
     "Region",
     "TensorDesc",
     "classify",
     "derive_layout",
+    "layer_parts",
 ]

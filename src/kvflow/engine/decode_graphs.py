@@ -324,12 +324,14 @@ class DecodeGraphs:
         slot_mappings: Sequence[torch.Tensor],
         sample_at: Sequence[int],
         metadata: Sequence[AttentionMetadata],
+        before_attention: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy tokens and float32 logits (rewritten by the bucket's next step) at the flat
         tokens ``sample_at`` of a step of any shape (prefill chunks
         and decode rows), from mixed bucket ``size`` (``mixed_bucket_for``): the pieces between
         the attention are replayed, the attention runs eagerly on ``metadata``, cache group
-        ``g``'s tokens write to ``slot_mappings[g]`` (on the device). Padding tokens compute
+        ``g``'s tokens write to ``slot_mappings[g]`` (on the device); ``before_attention(i)``
+        is called before layer ``i`` writes or reads its cache. Padding tokens compute
         token 0 at position 0 into slot 0 of the null block, as padding decode rows do."""
         bucket = self._mixed[size]
         self.mixed_steps_run += 1
@@ -345,6 +347,8 @@ class DecodeGraphs:
         caches, group_of = self.kv_caches, self.layer_group
         with sdpa_kernel(SDPA_BACKENDS):
             for i, piece in enumerate(bucket.pieces[:-1]):
+                if before_attention is not None:
+                    before_attention(i)  # piece ``i`` writes layer ``i``'s new keys and values
                 piece()
                 out = paged_attention(bucket.q[i][:t], caches[i], metadata[group_of[i]])
                 bucket.attn[:t].copy_(out)

@@ -365,17 +365,21 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: Sequence[torch.Tensor],
         layer_metadata: Sequence[AttentionMetadata],
         logits_indices: torch.Tensor,
+        before_attention: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states for a flat batch of tokens; logits only at ``logits_indices``.
 
         ``kv_caches[i]`` is layer ``i``'s ``(2, num_blocks, block_size, kv_heads, head_dim)``
-        tensor; ``layer_metadata[i]`` is the attention metadata of layer ``i``'s cache group.
+        tensor; ``layer_metadata[i]`` is the attention metadata of layer ``i``'s cache group;
+        ``before_attention(i)`` is called before layer ``i`` writes or reads its cache.
         """
         x, cos, sin = self.embed(input_ids, positions)
         mlp_out: torch.Tensor | None = None
         with sdpa_kernel(SDPA_BACKENDS):
             for i in range(self.config.num_layers):
                 meta = layer_metadata[i]
+                if before_attention is not None:
+                    before_attention(i)
                 q, x = self.pre_attention(i, x, cos, sin, kv_caches[i], meta.slot_mapping, mlp_out)
                 x, mlp_out = self.post_attention(i, x, paged_attention(q, kv_caches[i], meta))
         return self.head(x, logits_indices, mlp_out)

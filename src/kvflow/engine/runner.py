@@ -109,7 +109,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             kv_config, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )
-        self._layers = [self.kv_caches[layer_name(i)] for i in range(cfg.num_layers)]
+        self._layer_names = [layer_name(i) for i in range(cfg.num_layers)]
+        self._layers = [self.kv_caches[name] for name in self._layer_names]
         self._layer_group = layer_groups(kv_config, cfg.num_layers)
         self._graphs: DecodeGraphs | None = None
         self._paged_decode = False
@@ -193,11 +194,11 @@ class ModelRunner:
         # The forward's inputs go to the device first: their copies from pageable memory wait
         # for the compute stream, which a fenced load holds until its copies land; the kernels
         # are then enqueued while the load's copies run.
-        forward = self._prepare(batch) if batch.chunks else None
+        forward, layerwise = self._prepare(batch) if batch.chunks else (None, False)
         # Read before the launch: a copy thread may land a small load before the call returns,
         # and a load's "landed" must not come before its "launched".
         loads_at = None if self.now is None else self.now()
-        conn.start_load_kv()
+        conn.start_load_kv(layerwise=layerwise)
         pending = self._start_readback(forward()) if forward is not None else None
         # As vLLM does: stores are handed over once the forward is enqueued, before the host
         # waits for its tokens, so their submission overlaps the device's compute. The tokens'
@@ -242,9 +243,11 @@ class ModelRunner:
             sampled.request_ids, argmax, host, self._readback_event, sampled.first_logits
         )
 
-    def _prepare(self, batch: StepBatch) -> Callable[[], _Sampled]:
+    def _prepare(self, batch: StepBatch) -> tuple[Callable[[], _Sampled], bool]:
         """The step's forward, its inputs already on the device: call it to enqueue its
-        kernels (after ``start_load_kv``)."""
+        kernels (after ``start_load_kv``); and whether it calls the connector's
+        ``wait_for_layer_load`` before each layer touches its KV cache (not from the full decode
+        graphs, whose attention is captured with the rest)."""
         chunks = batch.chunks
         graphs = self._graphs
         recording = self.record_first_logits and any(c.first_token for c in chunks)
@@ -255,7 +258,8 @@ class ModelRunner:
             and graphs.tables_fit(c.block_ids for c in chunks)
         ):
             # Its inputs go through pinned buffers, copied without a host wait.
-            return functools.partial(self._decode_from_graphs, graphs, chunks, recording)
+            step = functools.partial(self._decode_from_graphs, graphs, chunks, recording)
+            return step, False
         device = self.device
         ids = [t for c in chunks for t in c.token_ids]
         positions = [c.num_computed_tokens + j for c in chunks for j in range(len(c.token_ids))]
@@ -294,6 +298,7 @@ class ModelRunner:
                     [m.slot_mapping for m in group_meta],
                     [ends[i] for i in sample_rows],
                     group_meta,
+                    self._wait_for_layer,
                 )
                 return _Sampled(
                     ids_of_rows,
@@ -303,7 +308,7 @@ class ModelRunner:
                     else None,
                 )
 
-            return mixed
+            return mixed, True
         logits_at = torch.tensor([ends[i] for i in sample_rows] or [ends[0]], device=device)
         ids_on = torch.tensor(ids, dtype=torch.long, device=device)
         positions_on = torch.tensor(positions, dtype=torch.long, device=device)
@@ -315,6 +320,7 @@ class ModelRunner:
                 self._layers,
                 [group_meta[g] for g in self._layer_group],
                 logits_at,
+                self._wait_for_layer,
             )
             return _Sampled(
                 ids_of_rows,
@@ -322,7 +328,12 @@ class ModelRunner:
                 first_logits=self._first_rows(chunks, sample_rows, logits) if recording else None,
             )
 
-        return eager
+        return eager, True
+
+    def _wait_for_layer(self, i: int) -> None:
+        """Before layer ``i`` writes or reads its KV cache: its loaded blocks are there for
+        what follows (as they are for the whole forward when it waits for the whole load)."""
+        self.connector.wait_for_layer_load(self._layer_names[i])
 
     @staticmethod
     def _first_rows(

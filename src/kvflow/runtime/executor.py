@@ -28,12 +28,14 @@ from attrs import define, field, frozen
 
 from kvflow.backends.base import (
     Backend,
+    CopiesInParts,
     CopyBatch,
     DatesCopies,
     Fence,
     FenceStatus,
     TimesCopies,
 )
+from kvflow.core.layout import LayerParts
 from kvflow.core.logs import get_logger
 from kvflow.core.protocol import TransferSpec
 from kvflow.core.transfer import Direction
@@ -62,6 +64,15 @@ class CopyOrder:
     transfers: tuple[TransferSpec, ...]
     wait_for: tuple[Fence, ...] = ()
     fenced: frozenset[int] = frozenset()  # transfers the engine's compute waits for
+
+
+@frozen
+class FencedBatch:
+    """A submitted batch holding fenced loads: its fence (settled by the reactor) and the
+    fences the engine's compute waits on: its parts' in layer order, or the batch's own."""
+
+    fence: Fence
+    parts: tuple[Fence, ...]
 
 
 @frozen
@@ -185,7 +196,10 @@ class DmaExecutor:
     # (``take_fenced``): the engine's compute waits for them before its forward.
     _fenced_queued: int = 0
     _fenced_submitted: anyio.Event = field(factory=anyio.Event)
-    _fenced: list[Fence] = field(factory=list)
+    _fenced: list[FencedBatch] = field(factory=list)
+    parts: LayerParts | None = None
+    """Where set (``WorkerRuntime.register_kv_caches``; the backend ``CopiesInParts``), a batch
+    holding fenced loads lands part by part, and ``take_fenced`` gives each part's fence."""
     submits: int = 0  # backend.submit calls, for tests and the benchmark
     throughput: dict[Direction, CopyThroughput] = field(
         factory=lambda: {d: CopyThroughput() for d in Direction}
@@ -215,8 +229,8 @@ class DmaExecutor:
         """Return once no order holding fenced loads waits in the inbox."""
         await self._fenced_submitted.wait()
 
-    def take_fenced(self) -> list[Fence]:
-        """The fences of the batches of fenced loads submitted since the last call."""
+    def take_fenced(self) -> list[FencedBatch]:
+        """The batches of fenced loads submitted since the last call."""
         fences, self._fenced = self._fenced, []
         return fences
 
@@ -325,9 +339,17 @@ class DmaExecutor:
         if self._outstanding == 0:
             self._no_outstanding = anyio.Event()
         self._outstanding += 1
+        fenced = bool(order.fenced) and any(t.transfer_id in order.fenced for t in transfers)
+        parts = self.parts if fenced else None
         started = self.now()  # before submit: a copy thread may start at once
         try:
-            fence = self.backend.submit(batch, wait_for)
+            if parts is not None:
+                backend = self.backend
+                assert isinstance(backend, CopiesInParts)
+                fence, part_fences = backend.submit_parts(batch, parts, wait_for)
+            else:
+                fence = self.backend.submit(batch, wait_for)
+                part_fences = (fence,)
         except Exception as exc:  # a refused submit fails its transfers, never the actor
             log.warning(
                 "copy_submit_failed",
@@ -339,8 +361,8 @@ class DmaExecutor:
             return
         self.submits += 1
         self._in_flight[order.direction][id(fence)] = (fence, gpu)
-        if order.fenced and any(t.transfer_id in order.fenced for t in transfers):
-            self._fenced.append(fence)
+        if fenced:
+            self._fenced.append(FencedBatch(fence, part_fences))
         # Guarded: with structlog configured, a filtered-out call still binds a logger.
         if log.debug_enabled():
             log.debug(
@@ -424,4 +446,4 @@ class DmaExecutor:
         self.on_done(transfers, status, cause, landed)
 
 
-__all__ = ["CopyOrder", "CopyStats", "CopyThroughput", "DmaExecutor", "coalesce"]
+__all__ = ["CopyOrder", "CopyStats", "CopyThroughput", "DmaExecutor", "FencedBatch", "coalesce"]

@@ -63,12 +63,18 @@ class InlineSyncWorker(SyncWorker):
         ready: asyncio.Future[WorkerRuntime] = self._loop.create_future()
 
         async def serve() -> None:
-            async with WorkerRuntime.open(backend, options) as rt:
-                self._stop = anyio.Event()
-                ready.set_result(rt)
-                await self._stop.wait()
-                if not self._drain:
-                    await rt.shutdown(drain=False)
+            try:
+                async with WorkerRuntime.open(backend, options) as rt:
+                    self._stop = anyio.Event()
+                    ready.set_result(rt)
+                    await self._stop.wait()
+                    if not self._drain:
+                        await rt.shutdown(drain=False)
+            except Exception as exc:
+                # A runtime that cannot start (bad options) raises here, not a wait forever.
+                if not ready.done():
+                    ready.set_exception(exc)
+                raise
 
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         self._main = self._loop.create_task(serve())

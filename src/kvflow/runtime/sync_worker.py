@@ -18,15 +18,16 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from kvflow.core import validate
-from kvflow.core.layout import KVLayout
+from kvflow.core.layout import KVLayout, LayerParts
 from kvflow.core.protocol import StepPlan, StepReport
 from kvflow.core.transfer import Direction
+from kvflow.errors import ConfigError, ProtocolError
 from kvflow.runtime.gate import PlanGate
 
 if TYPE_CHECKING:
     # Only for annotations: the connector's configuration imports ``WorkerLoop`` from here, and
     # a vLLM scheduler process reading it must not load the event loop's modules.
-    from kvflow.runtime.executor import CopyStats
+    from kvflow.runtime.executor import CopyStats, FencedBatch
     from kvflow.runtime.worker import WorkerRuntime
 
 T = TypeVar("T")
@@ -49,6 +50,12 @@ class SyncWorker(abc.ABC):
         self._load_errors: set[int] = set()
         self._gate = PlanGate()  # the boundary checks on the engine's thread
         self._bound: StepPlan | None = None
+        # This step's fenced loads landing in parts, which the engine's layers wait for one by
+        # one (``wait_for_layer_load``): how loads are cut, per batch its parts' fences, and
+        # how many leading parts the compute waits for already.
+        self._layer_parts: LayerParts | None = None
+        self._part_fences: list[FencedBatch] = []
+        self._parts_waited = 0
 
     @abc.abstractmethod
     def _check_open(self) -> None:
@@ -139,32 +146,87 @@ class SyncWorker(abc.ABC):
         self._bound = plan
         self._gate.record(plan)
 
-    def start_load_kv(self) -> None:
-        """Launch the bound plan's loads (before the forward pass); nothing if it has none."""
+    def start_load_kv(self, *, layerwise: bool = False) -> None:
+        """Launch the bound plan's loads (before the forward pass); nothing if it has none.
+
+        ``layerwise``: the engine calls ``wait_for_layer_load`` before each layer touches its KV cache
+        reads its KV cache, so where fenced loads land in parts (``WorkerOptions.load_parts``)
+        each layer's compute waits only for its own part; otherwise the whole forward waits
+        for every fenced load here."""
         self._check_open()
         self._gate.require("start_load_kv")  # boundary check
+        self._end_layer_waits()
         plan = self._bound
         if plan is None or plan.loads:
             self._start_loads()
             if plan is not None and plan.fenced_loads:
-                self._fence_compute(plan)
+                self._fence_compute(plan, layerwise)
 
-    def _fence_compute(self, plan: StepPlan) -> None:
+    def _fence_compute(self, plan: StepPlan, layerwise: bool) -> None:
         """The engine's compute (issued after this, on this thread) waits for the plan's
-        fenced loads: on a GPU a wait on the device, the host going on at once."""
+        fenced loads: on a GPU a wait on the device, the host going on at once; layer by
+        layer (``wait_for_layer_load``) where they land in parts and the engine asks."""
         rt = self._rt
         fences = self._on_loop(rt.fenced_load_fences, plan.step)
-        readable = [rt.backend.compute_wait(f, rt.timeouts.load_s) for f in fences]
-        if not all(readable):
+        parts = rt.load_parts_of
+        if layerwise and parts is not None and fences:
+            self._layer_parts, self._part_fences, self._parts_waited = parts, fences, 0
+            return
+        self._compute_waits(fences, 0, None)
+
+    def _compute_waits(self, batches: Sequence[FencedBatch], lo: int, hi: int | None) -> None:
+        """The compute waits for parts ``lo:hi`` of each batch (every fence of a whole one)."""
+        rt = self._rt
+        wait, load_s = rt.backend.compute_wait, rt.timeouts.load_s
+        # Every wait is made, a failed one included: the compute must be held behind each.
+        failed = [b.fence for b in batches if not all([wait(f, load_s) for f in b.parts[lo:hi]])]  # noqa: C419
+        if failed:
             # Settled now, so that this step's report names the failed loads and the engine
             # drops what its forward computes from their blocks.
-            self._on_loop(rt.settle_finished)
+            self._on_loop(rt.settle_failed, failed)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before layer ``layer_name`` writes or reads its KV cache: the compute issued after
+        this waits for the part of this step's fenced loads holding that layer (and the parts
+        before it). Nothing to wait for without parts in flight (``start_load_kv(layerwise=
+        True)``); an unknown layer name is a ``ConfigError``."""
+        parts = self._layer_parts
+        if parts is None:
+            return
+        part = parts.part_of.get(layer_name)
+        if part is None:
+            raise ConfigError(
+                f"wait_for_layer_load: {layer_name!r} is not a registered KV cache tensor"
+            )
+        if part < self._parts_waited:
+            return
+        self._compute_waits(self._part_fences, self._parts_waited, part + 1)
+        self._parts_waited = part + 1
+
+    def _end_layer_waits(self) -> None:
+        """Close the step's layer waits: parts the engine never waited for are waited for now
+        (so that what comes after is ordered) and reported as a ``ProtocolError``: the layers
+        in them ran without their KV."""
+        parts = self._layer_parts
+        if parts is None:
+            return
+        self._layer_parts = None
+        left = parts.count - self._parts_waited
+        if left <= 0:
+            return
+        self._compute_waits(self._part_fences, self._parts_waited, None)
+        missed = sorted(t for t, k in parts.part_of.items() if k >= self._parts_waited)
+        raise ProtocolError(
+            f"start_load_kv(layerwise=True), but wait_for_layer_load never came for the layers "
+            f"of {left} of {parts.count} load parts: {', '.join(missed)}"
+        )
 
     def wait_for_save(self) -> None:
         """Launch the bound plan's stores, fenced after the compute issued so far; nothing if it
         has none."""
         self._check_open()
         self._gate.require("wait_for_save")  # boundary check
+        self._end_layer_waits()
         plan = self._bound
         if plan is None or plan.stores:
             self._start_stores()

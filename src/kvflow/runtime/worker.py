@@ -17,20 +17,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 
 import anyio
 from attrs import define, field, frozen
 
-from kvflow.backends.base import Backend, Fence, FenceStatus
+from kvflow.backends.base import Backend, CopiesInParts, Fence, FenceStatus
 from kvflow.core import validate
-from kvflow.core.layout import KVLayout
+from kvflow.core.layout import KVLayout, LayerParts, layer_parts
 from kvflow.core.logs import get_logger
 from kvflow.core.protocol import StepPlan, StepReport, TransferSpec
 from kvflow.core.transfer import Direction, Transfer, TransferInput, TransferState, apply
 from kvflow.errors import ClosedError, ConfigError, DeadlineError, ProtocolError
 from kvflow.runtime.clock import Clock, SystemClock
 from kvflow.runtime.deadline import within
-from kvflow.runtime.executor import CopyOrder, CopyStats, DmaExecutor
+from kvflow.runtime.executor import CopyOrder, CopyStats, DmaExecutor, FencedBatch
 from kvflow.runtime.reactor import Reactor
 from kvflow.runtime.timeouts import Timeouts
 
@@ -54,6 +55,13 @@ class WorkerOptions:
     min_backoff: float = 20e-6
     max_backoff: float = 1e-3
     timeouts: Timeouts = field(factory=Timeouts)
+    load_parts: int = 1
+    """Fenced loads land in up to this many parts by layer, where the backend can
+    (``CopiesInParts``) and the engine waits layer by layer; 1: whole."""
+
+    def __attrs_post_init__(self) -> None:
+        if type(self.load_parts) is not int or self.load_parts < 1:
+            raise ConfigError(f"load_parts must be a positive int, got {self.load_parts!r}")
 
 
 @define(eq=False, slots=True)
@@ -75,6 +83,8 @@ class WorkerRuntime:
     layout: KVLayout | None = None
     timeouts: Timeouts = field(factory=Timeouts)
     """Bounds of the drain at shutdown and of a flush, on ``clock``."""
+    load_parts: int = 1
+    """``WorkerOptions.load_parts``."""
     progress_hooks: list[Callable[[], None]] = field(factory=list)
     """Called on the loop each time copies settle (the sync facade wakes an idle engine)."""
     submit_at_launch: bool = False
@@ -104,6 +114,8 @@ class WorkerRuntime:
     def __attrs_post_init__(self) -> None:
         if self.rank < 0:
             raise ConfigError(f"negative rank {self.rank}")
+        if type(self.load_parts) is not int or self.load_parts < 1:
+            raise ConfigError(f"load_parts must be a positive int, got {self.load_parts!r}")
         self._no_news = StepReport(rank=self.rank)
         self.reactor = Reactor(self.backend, self.clock, self.min_backoff, self.max_backoff)
         self.executor = DmaExecutor(
@@ -128,6 +140,7 @@ class WorkerRuntime:
             min_backoff=opts.min_backoff,
             max_backoff=opts.max_backoff,
             timeouts=opts.timeouts,
+            load_parts=opts.load_parts,
         )
         late: DeadlineError | None = None
         async with anyio.create_task_group() as tg:
@@ -219,7 +232,15 @@ class WorkerRuntime:
         """Register the engine's named KV tensors with the backend; returns their layout."""
         self._check_open()
         self.layout = self.backend.register_kv_caches(kv_caches, num_blocks, groups)
+        if self.load_parts > 1 and isinstance(self.backend, CopiesInParts):
+            parts = layer_parts(self.layout, self.load_parts)
+            self.executor.parts = parts if parts.count > 1 else None
         return self.layout
+
+    @property
+    def load_parts_of(self) -> LayerParts | None:
+        """How fenced loads are cut by layer, if they are (``WorkerOptions.load_parts``)."""
+        return self.executor.parts
 
     def allocate_cpu_tier(self, num_blocks: int | Sequence[int]) -> None:
         """Allocate the CPU tier: ``num_blocks`` per group (an int: the same for every group)."""
@@ -290,9 +311,10 @@ class WorkerRuntime:
         self._loads_launched = True
         self._launch(plan.step, plan.loads, (), frozenset(plan.fenced_loads))
 
-    async def fenced_load_fences(self, step: int) -> list[Fence]:
+    async def fenced_load_fences(self, step: int) -> list[FencedBatch]:
         """The fences of step ``step``'s fenced loads (launched by ``start_load_kv``), once the
-        executor has submitted them: the engine's compute waits for these before its forward.
+        executor has submitted them: the engine's compute waits for these before its forward
+        (per batch, its parts' fences in layer order where loads land in parts, else its own).
         A load whose submit failed has none (it fails, and the engine rolls its request back).
         ``DeadlineError`` past ``timeouts.load_s``."""
         executor = self.executor
@@ -301,10 +323,14 @@ class WorkerRuntime:
             await within(self.clock, self.timeouts.load_s, what, executor.fenced_submitted)
         return executor.take_fenced()
 
-    async def settle_finished(self) -> None:
-        """Poll every fence once now and settle the finished ones (a failed fenced load must be
-        in the report of the step whose forward read it)."""
-        self.reactor.poll_now()
+    async def settle_failed(self, fences: Sequence[Fence]) -> None:
+        """Wait until the backend reports each of these batches finished and settle it: a
+        compute wait found them failed, and a failed fenced load must be in the report of the
+        step whose forward read it (not settled before the backend says so: copies of it may
+        still run). ``DeadlineError`` past ``timeouts.load_s``."""
+        for fence in fences:
+            what = f"rank {self.rank}: a failed fenced load's batch reported finished"
+            await within(self.clock, self.timeouts.load_s, what, partial(self.reactor.wait, fence))
 
     def wait_for_save(self, compute_fence: Fence | None = None) -> None:
         """Launch the bound plan's stores, fenced after the compute the engine issued so far:

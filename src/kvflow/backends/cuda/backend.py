@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from attrs import define, evolve
+from attrs import evolve
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.cuda import driver as drv
@@ -40,73 +40,18 @@ from kvflow.backends.cuda.plan import (
     RegionTable,
     block_ids,
     direct_descriptors,
+    part_plan,
     staged_plan,
 )
+from kvflow.backends.cuda.streams import CudaFence, Lane, Ring, enter_stream, join_streams
 from kvflow.backends.cuda.timing import ClockMark, IssueStats, LandingClock, Timing
 from kvflow.backends.torch_layout import describe
-from kvflow.core.layout import KVLayout, TensorDesc, derive_layout
+from kvflow.core.layout import KVLayout, LayerParts, TensorDesc, derive_layout
 from kvflow.core.logs import get_logger
 from kvflow.core.transfer import Direction
 from kvflow.errors import BackendError, ClosedError, ConfigError, DeadlineError
 
 log = get_logger("kvflow.backends.cuda")
-
-
-class CudaFence:
-    """A CUDA event; created by one backend and only meaningful to it.
-
-    ``launched`` turns true once the event is recorded after its copies (at once, or on the
-    launch thread); until then the fence is pending whatever the event says. ``timing`` (with
-    ``CudaConfig.time_copies``) times the copies; ``prev_timing`` is the previous batch of the
-    same direction's, so that time both were copying counts once. It is dropped once the fence
-    is settled, so fences never chain.
-    """
-
-    __slots__ = ("error", "event", "launched", "owner", "pool", "prev_timing", "timing")
-
-    def __init__(
-        self,
-        event: Any,
-        owner: CudaBackend,
-        *,
-        launched: bool = True,
-        pool: drv.EventPool | None = None,
-    ) -> None:
-        self.event = event
-        self.owner = owner
-        self.launched = launched
-        self.pool = pool
-        """Where the event goes back when the fence goes (None: it is destroyed)."""
-        self.error: str | None = None
-        self.timing: Timing | None = None
-        self.prev_timing: Timing | None = None
-
-    def __del__(self) -> None:
-        # At interpreter shutdown the driver may already be gone.
-        with contextlib.suppress(Exception):
-            if self.pool is not None:
-                self.pool.give(self.event)
-            else:
-                drv.cu.cuEventDestroy(self.event)
-
-
-@define(eq=False)
-class _Ring:
-    """One direction's staging slots, each with the stream that runs its kernel and its DMA."""
-
-    base: int
-    slot_bytes: int
-    streams: list[Any]
-    next: int = 0
-
-
-@define(eq=False)
-class _Lane:
-    """One direction's streams: ``dma`` runs the direct path's copies, the ring the staged path."""
-
-    dma: Any
-    attrs: drv.CopyAttributes
-    ring: _Ring | None = None
 
 
 class CudaBackend:
@@ -139,7 +84,7 @@ class CudaBackend:
         else:
             self.batch_error = "disabled by CudaConfig.use_batch_memcpy"
         self._lanes = {
-            d: _Lane(
+            d: Lane(
                 dma=drv.lowest_priority_stream(),
                 attrs=drv.CopyAttributes(store=d is Direction.STORE, device=device),
             )
@@ -169,6 +114,8 @@ class CudaBackend:
         self._tables: list[RegionTable] = []
         self._table_dev: list[Any] = []  # torch tensors keeping the region tables alive
         self._kernel_rows: list[int] = []  # rows of each table: regions, large pages cut up
+        # Tables of load parts (group, first region, end) → (device tensor, rows).
+        self._part_tables: dict[tuple[int, int, int], tuple[Any, int]] = {}
         self._staging: list[Any] = []
         self._tier: PinnedTier | None = None
         self._staged: list[bool] = []
@@ -282,7 +229,7 @@ class CudaBackend:
                 cfg.num_slots * cfg.slot_bytes, dtype=torch.uint8, device=f"cuda:{self.device}"
             )
             self._staging.append(buf)
-            lane.ring = _Ring(
+            lane.ring = Ring(
                 base=int(buf.data_ptr()),
                 slot_bytes=cfg.slot_bytes,
                 streams=[drv.lowest_priority_stream() for _ in range(cfg.num_slots)],
@@ -311,15 +258,20 @@ class CudaBackend:
         self._check_open()
         self._event_of(fence)
         assert isinstance(fence, CudaFence)
-        if not fence.launched and fence.error is None and self._launcher is not None:
+        if fence.issued is not None:  # a load's part: waits for its own issue only
+            if not fence.issued.wait(timeout_s):
+                raise DeadlineError(
+                    f"CUDA backend: a fenced load part's copies not issued after {timeout_s} s"
+                )
+        elif not fence.launched and fence.error is None and self._launcher is not None:
             issued = threading.Event()
             self._launcher.put(issued.set)
             if not issued.wait(timeout_s):
                 raise DeadlineError(
                     f"CUDA backend: a fenced load's copies not issued after {timeout_s} s"
                 )
-        if not fence.launched:  # its submit failed: its transfers fail, nothing to wait for
-            return False
+        if not fence.launched or fence.error is not None:
+            return False  # its issue failed: its transfers fail, nothing to read
         self._ctx.enter()
         stream = self._torch.cuda.current_stream(self.device).cuda_stream
         drv.wait(drv.stream_of(stream), fence.event)
@@ -335,6 +287,9 @@ class CudaBackend:
             return FenceStatus.PENDING
         (err,) = drv.cu.cuEventQuery(event)
         if err == drv.cu.CUresult.CUDA_SUCCESS:
+            if fence.error is not None:  # its issue failed part-way; what it issued is done
+                fence.prev_timing = None
+                return FenceStatus.FAILED
             return FenceStatus.DONE
         if err == drv.cu.CUresult.CUDA_ERROR_NOT_READY:
             return FenceStatus.PENDING
@@ -414,6 +369,61 @@ class CudaBackend:
     # -- copies --------------------------------------------------------------------------------
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> CudaFence:
+        work, waits = self._work(batch, wait_for)
+        self._ctx.enter()
+        fence = CudaFence(self._fence_events.take(), self, launched=False, pool=self._fence_events)
+        self._launch(functools.partial(self._issue, batch.direction, work, waits, fence))
+        return fence
+
+    def submit_parts(
+        self, batch: CopyBatch, parts: LayerParts, wait_for: Sequence[Fence] = ()
+    ) -> tuple[CudaFence, tuple[CudaFence, ...]]:
+        """``submit``, the copies issued part by part (``CopiesInParts``): part ``k``'s regions
+        of every block, then an event the engine's compute for those layers waits on
+        (``compute_wait``), which the host may do as soon as that part is issued."""
+        work, waits = self._work(batch, wait_for)
+        if not parts.spans or any(len(spans) != len(self._tables) for spans in parts.spans):
+            raise ConfigError(f"layer parts do not cover this layout's {len(self._tables)} groups")
+        self._ctx.enter()
+        for spans in parts.spans:  # the kernel's tables of each part, made on first use
+            for g, _, _, _ in work:
+                lo, hi = spans[g]
+                if lo < hi and self._staged[g]:
+                    self._part_rows(g, lo, hi)
+        fence = CudaFence(self._fence_events.take(), self, launched=False, pool=self._fence_events)
+        part_fences = tuple(
+            CudaFence(self._plain_events.take(), self, launched=False, pool=self._plain_events)
+            for _ in parts.spans
+        )
+        for part in part_fences:
+            part.issued = threading.Event()
+        self._launch(
+            functools.partial(
+                self._issue, batch.direction, work, waits, fence, parts.spans, part_fences
+            )
+        )
+        return fence, part_fences
+
+    def _launch(self, job: Callable[[], None]) -> None:
+        if self._launcher is not None:
+            self._launcher.put(job)
+        else:
+            job()
+
+    def _part_rows(self, g: int, lo: int, hi: int) -> tuple[int, int]:
+        """The gather/scatter kernel's region table for regions ``lo .. hi - 1`` of group
+        ``g`` as a block of their own: (device address, rows), uploaded once."""
+        key = (g, lo, hi)
+        found = self._part_tables.get(key)
+        if found is None:
+            rows = self._tables[g].subset(lo, hi, packed=True).as_device_rows(PIECE_BYTES)
+            dev = self._torch.from_numpy(rows).to(f"cuda:{self.device}")
+            found = self._part_tables[key] = (dev, len(rows))
+        dev, nrows = found
+        return int(dev.data_ptr()), nrows
+
+    def _work(self, batch: CopyBatch, wait_for: Sequence[Fence]) -> tuple[list[Any], list[Any]]:
+        """A batch's checked work per group, and the fences it waits for."""
         self._check_open()
         tier = self._tier
         if tier is None:
@@ -438,20 +448,20 @@ class CudaBackend:
                 raise ConfigError(f"group {g}: {len(gpu)} GPU blocks but {len(cpu)} CPU blocks")
             if len(gpu):
                 work.append((g, table, gpu, cpu))
-        self._ctx.enter()
-        fence = CudaFence(self._fence_events.take(), self, launched=False, pool=self._fence_events)
-        job = functools.partial(self._issue, batch.direction, work, waits, fence)
-        if self._launcher is not None:
-            self._launcher.put(job)
-        else:
-            job()
-        return fence
+        return work, waits
 
     def _issue(
-        self, direction: Direction, work: list[Any], waits: list[Any], fence: CudaFence
+        self,
+        direction: Direction,
+        work: list[Any],
+        waits: list[Any],
+        fence: CudaFence,
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+        part_fences: Sequence[CudaFence] = (),
     ) -> None:
         # ``waits`` holds CudaFence objects (checked by ``submit``), kept alive until used here.
-        """Queue one batch's copies after ``waits`` and record ``fence`` after them."""
+        """Queue one batch's copies after ``waits`` and record ``fence`` after them; with
+        ``spans``, part by part, each part's fence recorded after its own copies."""
         began = time.perf_counter()
         tier = self._tier
         assert tier is not None
@@ -461,30 +471,46 @@ class CudaBackend:
             # Made here, not in ``submit``: the caller's thread does as little as it can.
             timing = fence.timing = Timing(self._timing_events) if self.config.time_copies else None
             used: list[Any] = []  # the batch's streams, in the order of their first work
-            for g, table, gpu, cpu in work:
+            for g, _, _, cpu in work:
                 tier.ensure(g, int(cpu.max()))
-                if self._staged[g]:
-                    self._staged_copy(
-                        lane, g, table, gpu, cpu, tier, used, waits, timing, store=store
-                    )
-                else:
-                    desc = direct_descriptors(
-                        table, gpu, cpu, tier.ptr(g), store=store, chunk_blocks=tier.chunk_blocks(g)
-                    )
-                    self._enter(used, lane.dma, waits, timing)
-                    self._copy(desc, lane, lane.dma)
+            if spans is None:
+                for item in work:
+                    self._copy_group(lane, item, tier, used, waits, timing, store, None, used)
+            else:
+                for part_spans, part in zip(spans, part_fences, strict=True):
+                    mine: list[Any] = []  # this part's streams
+                    for item in work:
+                        lo, hi = part_spans[item[0]]
+                        if lo < hi:
+                            self._copy_group(
+                                lane, item, tier, used, waits, timing, store, (lo, hi), mine
+                            )
+                    if not mine:
+                        enter_stream(used, lane.dma, waits, timing, mine)
+                    drv.record(part.event, join_streams(self._join, mine))
+                    part.launched = True
+                    assert part.issued is not None
+                    part.issued.set()
             if not used:  # nothing to copy: the fence completes once its waits have
-                self._enter(used, lane.dma, waits, timing)
+                enter_stream(used, lane.dma, waits, timing)
             # Every other stream of the batch joins the last one, which then marks the end.
-            last = used[-1]
-            for stream in used[:-1]:
-                drv.record(self._join, stream)
-                drv.wait(last, self._join)
+            last = join_streams(self._join, used)
             if timing is not None:
                 drv.record(timing.end, last)
             drv.record(fence.event, last)
         except Exception as exc:
             fence.error = str(exc)
+            for part in part_fences:
+                if not part.launched:
+                    part.error = fence.error
+                if part.issued is not None:
+                    part.issued.set()
+            if used:
+                # Copies issued before the failure still run: the batch reads failed only once
+                # they are done, so that its blocks are not given back under them.
+                with contextlib.suppress(Exception):
+                    drv.record(fence.event, join_streams(self._join, used))
+                    fence.launched = True
             log.error("cuda_submit_failed", direction=str(direction), error=str(exc))
             self._notify(direction, fence)  # the failure
             if self._launcher is None:
@@ -497,18 +523,42 @@ class CudaBackend:
         fence.launched = True
         self._notify(direction, fence)
 
-    @staticmethod
-    def _enter(used: list[Any], stream: Any, waits: list[Any], timing: Timing | None) -> None:
-        """Before a batch's first work on ``stream``: the stream waits for the batch's fences,
-        and the batch's first stream records its timing start (after those waits)."""
-        for s in used:
-            if s is stream:
-                return
-        for waited in waits:
-            drv.wait(stream, waited.event)
-        if timing is not None and not used:
-            drv.record(timing.start, stream)
-        used.append(stream)
+    def _copy_group(
+        self,
+        lane: Lane,
+        item: tuple[int, RegionTable, Any, Any],
+        tier: PinnedTier,
+        used: list[Any],
+        waits: list[Any],
+        timing: Timing | None,
+        store: bool,
+        regions: tuple[int, int] | None,
+        mine: list[Any],
+    ) -> None:
+        """Queue one group's copies of a batch (``regions``: only those of each block)."""
+        g, table, gpu, cpu = item
+        if self._staged[g]:
+            self._staged_copy(
+                lane,
+                g,
+                table,
+                gpu,
+                cpu,
+                tier,
+                used,
+                waits,
+                timing,
+                store=store,
+                regions=regions,
+                mine=mine,
+            )
+            return
+        part = table if regions is None else table.subset(*regions)
+        desc = direct_descriptors(
+            part, gpu, cpu, tier.ptr(g), store=store, chunk_blocks=tier.chunk_blocks(g)
+        )
+        enter_stream(used, lane.dma, waits, timing, mine)
+        self._copy(desc, lane, lane.dma)
 
     def _notify(self, direction: Direction, fence: CudaFence) -> None:
         """Have ``fence``'s waiter thread wake the reactor when it finishes (if there is one)."""
@@ -516,7 +566,7 @@ class CudaBackend:
         if waiter is not None:
             waiter.put(functools.partial(self._await, fence))
 
-    def _copy(self, desc: Descriptors, lane: _Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
+    def _copy(self, desc: Descriptors, lane: Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
         """Copy descriptors ``lo:hi`` of ``desc`` on ``stream``: one batched driver call, or
         for a few copies (or without ``cuMemcpyBatchAsync``) one ``cuMemcpyAsync`` each."""
         hi = len(desc) if hi < 0 else hi
@@ -534,7 +584,7 @@ class CudaBackend:
 
     def _staged_copy(
         self,
-        lane: _Lane,
+        lane: Lane,
         g: int,
         table: RegionTable,
         gpu: Any,
@@ -545,22 +595,41 @@ class CudaBackend:
         timing: Timing | None,
         *,
         store: bool,
+        regions: tuple[int, int] | None = None,
+        mine: list[Any] | None = None,
     ) -> None:
         ring = lane.ring
         kernel = self._kernel
         assert ring is not None
         assert kernel is not None
-        per_slot = min(MAX_IDS, ring.slot_bytes // table.block_bytes)
-        plan = staged_plan(
-            table,
-            cpu,
-            tier.ptr(g),
-            blocks_per_slot=per_slot,
-            chunk_blocks=tier.chunk_blocks(g),
-            store=store,
-            ramp_blocks=max(1, self.config.ramp_bytes // table.block_bytes)
-            if self.config.ramp_bytes
-            else 0,
+        if regions is None:
+            bb = table.block_bytes
+            regions_ptr, nreg = int(self._table_dev[g].data_ptr()), self._kernel_rows[g]
+        else:
+            bb = int(table.page[regions[0] : regions[1]].sum())
+            regions_ptr, nreg = self._part_rows(g, *regions)
+        per_slot = min(MAX_IDS, ring.slot_bytes // bb)
+        ramp = max(1, self.config.ramp_bytes // bb) if self.config.ramp_bytes else 0
+        plan = (
+            staged_plan(
+                table,
+                cpu,
+                tier.ptr(g),
+                blocks_per_slot=per_slot,
+                chunk_blocks=tier.chunk_blocks(g),
+                store=store,
+                ramp_blocks=ramp,
+            )
+            if regions is None
+            else part_plan(
+                table,
+                *regions,
+                cpu,
+                tier.ptr(g),
+                blocks_per_slot=per_slot,
+                store=store,
+                ramp_blocks=ramp,
+            )
         )
         nsub = plan.num_subbatches
         nslots = len(ring.streams)
@@ -575,8 +644,6 @@ class CudaBackend:
             if store
             else Descriptors(staging, plan.dma.src, plan.dma.size)
         )
-        regions_ptr = int(self._table_dev[g].data_ptr())
-        nreg, bb = self._kernel_rows[g], table.block_bytes
         bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
         streams = ring.streams
         for k, (slot, slot_ptr) in enumerate(zip(slots.tolist(), slot_ptrs.tolist(), strict=True)):
@@ -584,17 +651,19 @@ class CudaBackend:
             # The slot's stream ran its previous DMA (store) or scatter (load): stream order
             # makes this sub-batch wait for the slot to be free, and its DMA for its gather.
             stream = streams[slot]
-            self._enter(used, stream, waits, timing)
+            enter_stream(used, stream, waits, timing, mine)
             if store:
                 kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=True)
                 self._copy(dma, lane, stream, dlo, dhi)
             else:
                 # A load's DMAs go one after another (each on its slot's stream), so that the
                 # only scatter no DMA overlaps is the last, short sub-batch's.
-                if k:
+                # A part's DMAs also follow the previous part's: the parts land in layer
+                # order, each at the link's whole rate, rather than sharing it.
+                if k or regions is not None:
                     drv.wait(stream, self._dma_done)
                 self._copy(dma, lane, stream, dlo, dhi)
-                if k + 1 < nsub:
+                if k + 1 < nsub or regions is not None:
                     drv.record(self._dma_done, stream)
                 kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=False)
 

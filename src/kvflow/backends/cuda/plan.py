@@ -53,6 +53,21 @@ class RegionTable:
     def min_page_bytes(self) -> int:
         return int(self.page.min())
 
+    def subset(self, lo: int, hi: int, *, packed: bool = False) -> RegionTable:
+        """Regions ``lo .. hi - 1`` only, at their places in the whole CPU block (a part's
+        direct copies); ``packed``: as a block of their own, what a part's staging slot holds
+        per block (offsets from the part's first page, ``block_bytes`` the part's bytes)."""
+        offset = self.cpu_offset[lo:hi]
+        return RegionTable(
+            group=self.group,
+            num_blocks=self.num_blocks,
+            base=self.base[lo:hi],
+            stride=self.stride[lo:hi],
+            page=self.page[lo:hi],
+            cpu_offset=offset - offset[0] if packed else offset,
+            block_bytes=int(self.page[lo:hi].sum()) if packed else self.block_bytes,
+        )
+
     def as_device_rows(self, max_page: int = 0) -> I64:
         """``(R', 4)`` rows ``(base, stride, page, cpu_offset)``: the gather kernel's region table.
 
@@ -315,12 +330,45 @@ def _staged_plan_arrays(
     )
 
 
+def part_plan(
+    table: RegionTable,
+    lo: int,
+    hi: int,
+    cpu_ids: I64,
+    cpu_base: int,
+    *,
+    blocks_per_slot: int,
+    store: bool,
+    ramp_blocks: int = 0,
+) -> StagedPlan:
+    """``staged_plan`` for regions ``lo .. hi - 1`` of each block (one part of a load by
+    layer): inside a slot, block ``i`` of the sub-batch sits at ``i * part_bytes``, and the
+    part's pages, contiguous inside each CPU block, make one copy per block (consecutive
+    CPU blocks are not contiguous for a part; a block never spans two pinned chunks)."""
+    if not 0 <= lo < hi <= table.num_regions:
+        raise ConfigError(f"regions {lo}..{hi - 1} of a group of {table.num_regions}")
+    part = int(table.page[lo:hi].sum())
+    n = len(cpu_ids)
+    bounds = subbatch_bounds(n, blocks_per_slot, ramp_blocks, store=store)
+    slot_pos = np.arange(n, dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
+    cpu = cpu_base + cpu_ids * table.block_bytes + int(table.cpu_offset[lo])
+    slot_off = slot_pos * part
+    size = np.full(n, part, dtype=np.int64)
+    dst, src = (cpu, slot_off) if store else (slot_off, cpu)
+    return StagedPlan(
+        bounds=bounds,
+        dma=Descriptors(_as_u64(dst), _as_u64(src), _as_u64(size)),
+        desc_bounds=bounds.copy(),
+    )
+
+
 __all__ = [
     "Descriptors",
     "RegionTable",
     "StagedPlan",
     "block_ids",
     "direct_descriptors",
+    "part_plan",
     "runs",
     "staged_plan",
     "subbatch_bounds",
