@@ -467,10 +467,10 @@ class CudaBackend:
         assert tier is not None
         store = direction is Direction.STORE
         lane = self._lanes[direction]
+        used: list[Any] = []  # the batch's streams, in the order of their first work
         try:
             # Made here, not in ``submit``: the caller's thread does as little as it can.
             timing = fence.timing = Timing(self._timing_events) if self.config.time_copies else None
-            used: list[Any] = []  # the batch's streams, in the order of their first work
             for g, _, _, cpu in work:
                 tier.ensure(g, int(cpu.max()))
             if spans is None:
@@ -728,6 +728,7 @@ class CudaBackend:
         drv.cu.cuEventDestroy(self._dma_done)
         self._staging.clear()
         self._table_dev.clear()
+        self._part_tables.clear()
         self._last_timing = dict.fromkeys(Direction)  # its events go now, not at exit
         self._landing.mark = None
         drv.cu.cuStreamDestroy(self._mark_stream)
