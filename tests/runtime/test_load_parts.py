@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.fake import FakeBackend
@@ -262,3 +264,49 @@ def test_a_failed_part_is_in_the_steps_report_even_when_the_backend_reports_it_l
         rt.wait_for_save()
         _, _, report = rt.finish_step()
         assert report.failed == (2,)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    parts=st.integers(1, 4),
+    asked=st.lists(st.sampled_from(LAYERS), max_size=8),
+    fail=st.booleans(),
+)
+def test_layer_waits_hold_the_compute_behind_each_part_once_in_order(
+    parts: int, asked: list[str], fail: bool
+) -> None:
+    """Whatever layers the engine asks for, in whatever order: each part's fence is waited for
+    at most once, in layer order, only once a layer of it (or a later one) was asked; the rest
+    at ``wait_for_save``, with a ProtocolError when any was left; a failed batch is in the
+    step's report."""
+    backend = FakeBackend()
+    with InlineSyncWorker(backend, WorkerOptions(load_parts=parts)) as rt:
+        _ready(rt)
+        layer_parts = rt.runtime.load_parts_of
+        count = 1 if layer_parts is None else layer_parts.count
+        rt.bind_connector_metadata(_fenced_load_plan(1, tid=1))
+        rt.start_load_kv(layerwise=True)
+        (batch,) = backend.submitted
+        if fail:
+            backend.fail(batch)
+        else:
+            backend.release(batch)
+        highest = -1
+        for name in asked:
+            rt.wait_for_layer_load(name)
+            if layer_parts is not None:
+                highest = max(highest, layer_parts.part_of[name])
+            want = count if layer_parts is None else highest + 1
+            assert len(backend.compute_waits) == want
+        if len(backend.compute_waits) < count:
+            with pytest.raises(ProtocolError, match="wait_for_layer_load never came"):
+                rt.wait_for_save()
+        rt.wait_for_save()
+        waited = backend.compute_waits
+        assert len(waited) == count
+        if layer_parts is not None:
+            assert len({id(f) for f in waited}) == count
+            assert [f.wait_for for f in waited] == [(batch,)] * count
+        _, _, report = rt.finish_step()
+        assert report.failed == ((1,) if fail else ())
+        assert report.completed == (() if fail else (1,))
