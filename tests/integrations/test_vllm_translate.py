@@ -198,6 +198,8 @@ def test_options_are_validated_by_name() -> None:
         4,
     )
     assert offload_config({"worker_loop": "inline"}, 1).worker_loop == "inline"
+    with pytest.raises(ConfigError, match=r"\['load_parts'\]: an option of kvflow's own engine"):
+        offload_config({"load_parts": 4}, 1)
     with pytest.raises(ConfigError, match="cpu_byte_to_use"):
         offload_config({"cpu_byte_to_use": 1}, 1)
     with pytest.raises(ConfigError, match="store_policy"):

@@ -46,9 +46,14 @@ OFFLOADED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, Slidi
 holds)."""
 
 
+ENGINE_ONLY_KEYS = frozenset({"load_parts"})
+"""``OffloadConfig`` fields for kvflow's own engine: vLLM's adapter waits for whole loads (its
+full CUDA graphs capture the attention, so ``wait_for_layer_load`` is not called at replay)."""
+
+
 def _passthrough_keys() -> frozenset[str]:
     plain = frozenset(f.name for f in fields(OffloadConfig)) - {"cpu_bytes", "world_size", "pd"}
-    return plain | frozenset(PDConfig.keys())
+    return (plain - ENGINE_ONLY_KEYS) | frozenset(PDConfig.keys())
 
 
 def valid_keys() -> list[str]:
@@ -74,6 +79,12 @@ def offload_config(extra: Mapping[str, Any] | None, world_size: int) -> OffloadC
     field, parsed and validated there; an unknown key raises ``ConfigError`` naming it.
     """
     extra = dict(extra or {})
+    engine_only = sorted(ENGINE_ONLY_KEYS & set(extra))
+    if engine_only:
+        raise ConfigError(
+            f"kv_connector_extra_config{engine_only}: an option of kvflow's own engine; under "
+            "vLLM a fenced load lands whole (vLLM's full CUDA graphs capture the attention)"
+        )
     unknown = sorted(set(extra) - _passthrough_keys() - set(VLLM_SIZE_KEYS))
     if unknown:
         raise ConfigError(
