@@ -17,7 +17,9 @@ from kvflow.backends.cuda.plan import (
     RegionTable,
     block_ids,
     direct_descriptors,
+    group_work,
     part_plan,
+    ring_plan,
     runs,
     staged_plan,
     subbatch_bounds,
@@ -727,3 +729,56 @@ def test_part_plan_refuses_regions_outside_the_group() -> None:
     table = flash_table(2, 4, 16)
     with pytest.raises(ConfigError, match=r"regions 2\.\.4 of a group of 4"):
         part_plan(table, 2, 5, np.arange(2), 0, blocks_per_slot=2, store=False)
+
+
+@pytest.mark.parametrize("regions", [None, (2, 6)])
+@pytest.mark.parametrize("store", [True, False])
+def test_ring_plan_places_sub_batches_on_the_slots_in_turn(
+    regions: tuple[int, int] | None, store: bool
+) -> None:
+    """A batch's sub-batches (a slot's worth of whole blocks, or of a part's pages, each)
+    go to the ring's slots in turn from the next one, every staging address inside its slot."""
+    table = flash_table(4, 16, 64)  # 512-byte blocks; regions 2..5: 256 bytes of them
+    slot_bytes, base = 1024, 1 << 30
+    cpu = np.arange(9, dtype=np.int64)[::-1].copy()
+    placed = ring_plan(
+        table,
+        cpu,
+        0,
+        regions=regions,
+        ring=(base, slot_bytes, 2, 3),
+        max_blocks=512,
+        chunk_blocks=0,
+        ramp_bytes=0,
+        store=store,
+    )
+    per_block = 512 if regions is None else 256
+    assert placed.block_bytes == per_block
+    per_slot = slot_bytes // per_block
+    assert np.diff(placed.plan.bounds).tolist() == [per_slot] * (9 // per_slot) + (
+        [9 % per_slot] if 9 % per_slot else []
+    )
+    n = placed.plan.num_subbatches
+    assert placed.slots == [(2 + k) % 3 for k in range(n)]
+    assert placed.slot_ptrs == [base + s * slot_bytes for s in placed.slots]
+    staging = placed.dma.src if store else placed.dma.dst
+    for k in range(n):
+        lo, hi = int(placed.plan.desc_bounds[k]), int(placed.plan.desc_bounds[k + 1])
+        for at, size in zip(staging[lo:hi].tolist(), placed.dma.size[lo:hi].tolist(), strict=True):
+            assert placed.slot_ptrs[k] <= at
+            assert at + size <= placed.slot_ptrs[k] + slot_bytes
+    assert placed.dma.total_bytes == 9 * per_block
+
+
+def test_group_work_checks_the_whole_batch_and_skips_empty_groups() -> None:
+    """Block pairs per group come back as arrays, an empty group left out; a wrong group
+    count, an id out of range or unequal counts is a ConfigError naming the group."""
+    tables = [flash_table(1, 8, 16), flash_table(1, 8, 16)]
+    work = group_work(tables, [4, 4], ((1, 2), ()), ((0, 3), ()))
+    assert [(g, gpu.tolist(), cpu.tolist()) for g, _, gpu, cpu in work] == [(0, [1, 2], [0, 3])]
+    with pytest.raises(ConfigError, match="copy batch has 1/1 groups, layout has 2"):
+        group_work(tables, [4, 4], ((1,),), ((0,),))
+    with pytest.raises(ConfigError, match=r"group 1 CPU block id 4 is outside 0\.\.3"):
+        group_work(tables, [4, 4], ((), (1,)), ((), (4,)))
+    with pytest.raises(ConfigError, match="group 0: 2 GPU blocks but 1 CPU blocks"):
+        group_work(tables, [4, 4], ((1, 2), ()), ((0,), ()))

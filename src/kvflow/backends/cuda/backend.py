@@ -38,10 +38,9 @@ from kvflow.backends.cuda.pinned import PinnedTier
 from kvflow.backends.cuda.plan import (
     Descriptors,
     RegionTable,
-    block_ids,
     direct_descriptors,
-    part_plan,
-    staged_plan,
+    group_work,
+    ring_plan,
 )
 from kvflow.backends.cuda.streams import CudaFence, Lane, Ring, enter_stream, join_streams
 from kvflow.backends.cuda.timing import ClockMark, IssueStats, LandingClock, Timing
@@ -428,27 +427,17 @@ class CudaBackend:
         tier = self._tier
         if tier is None:
             raise BackendError("submit before allocate_cpu_tier")
-        if len(batch.gpu_block_ids) != len(self._tables) or len(batch.cpu_block_ids) != len(
-            self._tables
-        ):
-            raise ConfigError(
-                f"copy batch has {len(batch.gpu_block_ids)}/{len(batch.cpu_block_ids)} groups, "
-                f"layout has {len(self._tables)}"
-            )
+        work = group_work(
+            self._tables,
+            [tier.num_blocks(g) for g in range(len(self._tables))],
+            batch.gpu_block_ids,
+            batch.cpu_block_ids,
+        )
         # The fences themselves travel with the job: a caller may drop a fence (and so destroy
         # its event) before the launch thread has waited on it.
         for f in wait_for:
             self._event_of(f)  # a fence from elsewhere raises here, in the caller's thread
-        waits = list(wait_for)
-        work = []
-        for g, table in enumerate(self._tables):
-            gpu = block_ids(batch.gpu_block_ids[g], table.num_blocks, f"group {g} GPU")
-            cpu = block_ids(batch.cpu_block_ids[g], tier.num_blocks(g), f"group {g} CPU")
-            if len(gpu) != len(cpu):
-                raise ConfigError(f"group {g}: {len(gpu)} GPU blocks but {len(cpu)} CPU blocks")
-            if len(gpu):
-                work.append((g, table, gpu, cpu))
-        return work, waits
+        return work, list(wait_for)
 
     def _issue(
         self,
@@ -603,50 +592,26 @@ class CudaBackend:
         assert ring is not None
         assert kernel is not None
         if regions is None:
-            bb = table.block_bytes
             regions_ptr, nreg = int(self._table_dev[g].data_ptr()), self._kernel_rows[g]
         else:
-            bb = int(table.page[regions[0] : regions[1]].sum())
             regions_ptr, nreg = self._part_rows(g, *regions)
-        per_slot = min(MAX_IDS, ring.slot_bytes // bb)
-        ramp = max(1, self.config.ramp_bytes // bb) if self.config.ramp_bytes else 0
-        plan = (
-            staged_plan(
-                table,
-                cpu,
-                tier.ptr(g),
-                blocks_per_slot=per_slot,
-                chunk_blocks=tier.chunk_blocks(g),
-                store=store,
-                ramp_blocks=ramp,
-            )
-            if regions is None
-            else part_plan(
-                table,
-                *regions,
-                cpu,
-                tier.ptr(g),
-                blocks_per_slot=per_slot,
-                store=store,
-                ramp_blocks=ramp,
-            )
-        )
-        nsub = plan.num_subbatches
-        nslots = len(ring.streams)
-        slots = (ring.next + np.arange(nsub)) % nslots
-        ring.next = (ring.next + nsub) % nslots
-        slot_ptrs = (ring.base + slots * ring.slot_bytes).astype(np.uint64)
-        # Every staging-side address at once: each descriptor's slot base plus its offset in it.
-        staging = plan.dma.src if store else plan.dma.dst
-        staging = staging + np.repeat(slot_ptrs, np.diff(plan.desc_bounds))
-        dma = (
-            Descriptors(plan.dma.dst, staging, plan.dma.size)
-            if store
-            else Descriptors(staging, plan.dma.src, plan.dma.size)
-        )
-        bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
         streams = ring.streams
-        for k, (slot, slot_ptr) in enumerate(zip(slots.tolist(), slot_ptrs.tolist(), strict=True)):
+        placed = ring_plan(
+            table,
+            cpu,
+            tier.ptr(g),
+            regions=regions,
+            ring=(ring.base, ring.slot_bytes, ring.next, len(streams)),
+            max_blocks=MAX_IDS,
+            chunk_blocks=tier.chunk_blocks(g),
+            ramp_bytes=self.config.ramp_bytes,
+            store=store,
+        )
+        plan, dma, bb = placed.plan, placed.dma, placed.block_bytes
+        nsub = plan.num_subbatches
+        ring.next = (ring.next + nsub) % len(streams)
+        bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
+        for k, (slot, slot_ptr) in enumerate(zip(placed.slots, placed.slot_ptrs, strict=True)):
             lo, hi, dlo, dhi = bounds[k], bounds[k + 1], dbounds[k], dbounds[k + 1]
             # The slot's stream ran its previous DMA (store) or scatter (load): stream order
             # makes this sub-batch wait for the slot to be free, and its DMA for its gather.

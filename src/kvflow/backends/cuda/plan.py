@@ -106,6 +106,30 @@ def block_ids(ids: Sequence[int], limit: int, what: str) -> I64:
     return arr
 
 
+def group_work(
+    tables: Sequence[RegionTable],
+    cpu_blocks: Sequence[int],
+    gpu_ids: Sequence[Sequence[int]],
+    cpu_ids: Sequence[Sequence[int]],
+) -> list[tuple[int, RegionTable, I64, I64]]:
+    """A batch's block pairs, checked: ``(group, table, GPU ids, CPU ids)`` for each group with
+    blocks; ``ConfigError`` naming the group for a wrong group count, an id out of range, or
+    unequal counts."""
+    if len(gpu_ids) != len(tables) or len(cpu_ids) != len(tables):
+        raise ConfigError(
+            f"copy batch has {len(gpu_ids)}/{len(cpu_ids)} groups, layout has {len(tables)}"
+        )
+    work = []
+    for g, table in enumerate(tables):
+        gpu = block_ids(gpu_ids[g], table.num_blocks, f"group {g} GPU")
+        cpu = block_ids(cpu_ids[g], cpu_blocks[g], f"group {g} CPU")
+        if len(gpu) != len(cpu):
+            raise ConfigError(f"group {g}: {len(gpu)} GPU blocks but {len(cpu)} CPU blocks")
+        if len(gpu):
+            work.append((g, table, gpu, cpu))
+    return work
+
+
 @frozen
 class Descriptors:
     """Parallel arrays of one batched copy: ``size[i]`` bytes from ``src[i]`` to ``dst[i]``."""
@@ -362,13 +386,82 @@ def part_plan(
     )
 
 
+@frozen
+class RingPlan:
+    """A group's staged plan placed on a staging ring: sub-batch ``k`` in slot ``slots[k]`` at
+    ``slot_ptrs[k]``; ``dma`` with every staging-side address absolute; ``block_bytes`` of one
+    block in a slot (the whole block's, or a part's)."""
+
+    plan: StagedPlan
+    slots: list[int]
+    slot_ptrs: list[int]
+    dma: Descriptors
+    block_bytes: int
+
+
+def ring_plan(
+    table: RegionTable,
+    cpu_ids: I64,
+    cpu_base: int,
+    *,
+    regions: tuple[int, int] | None,
+    ring: tuple[int, int, int, int],
+    max_blocks: int,
+    chunk_blocks: int,
+    ramp_bytes: int,
+    store: bool,
+) -> RingPlan:
+    """``staged_plan`` (or ``part_plan`` for ``regions``) over a ring of ``(base, slot bytes,
+    next slot, slots)``: sub-batches of at most a slot's worth of blocks and ``max_blocks``
+    (the kernel's ids per launch), placed on the slots in turn from the next one."""
+    base, slot_bytes, first, nslots = ring
+    bb = table.block_bytes if regions is None else int(table.page[regions[0] : regions[1]].sum())
+    per_slot = min(max_blocks, slot_bytes // bb)
+    ramp = max(1, ramp_bytes // bb) if ramp_bytes else 0
+    plan = (
+        staged_plan(
+            table,
+            cpu_ids,
+            cpu_base,
+            blocks_per_slot=per_slot,
+            chunk_blocks=chunk_blocks,
+            store=store,
+            ramp_blocks=ramp,
+        )
+        if regions is None
+        else part_plan(
+            table,
+            *regions,
+            cpu_ids,
+            cpu_base,
+            blocks_per_slot=per_slot,
+            store=store,
+            ramp_blocks=ramp,
+        )
+    )
+    slots = (first + np.arange(plan.num_subbatches)) % nslots
+    slot_ptrs = (base + slots * slot_bytes).astype(np.uint64)
+    # Every staging-side address at once: each descriptor's slot base plus its offset in it.
+    staging = plan.dma.src if store else plan.dma.dst
+    staging = staging + np.repeat(slot_ptrs, np.diff(plan.desc_bounds))
+    dma = (
+        Descriptors(plan.dma.dst, staging, plan.dma.size)
+        if store
+        else Descriptors(staging, plan.dma.src, plan.dma.size)
+    )
+    return RingPlan(plan, slots.tolist(), slot_ptrs.tolist(), dma, bb)
+
+
 __all__ = [
     "Descriptors",
     "RegionTable",
+    "RingPlan",
     "StagedPlan",
     "block_ids",
     "direct_descriptors",
+    "group_work",
     "part_plan",
+    "ring_plan",
     "runs",
     "staged_plan",
     "subbatch_bounds",
