@@ -201,8 +201,8 @@ class WorkerConnector(Protocol):
     def start_load_kv(self, *, layerwise: bool = False) -> None:
         """Before the forward: start this step's loads; synchronous ones must be readable by the
         forward pass when this returns (or be fenced on the compute stream). ``layerwise``: the
-        engine calls ``wait_for_layer_load`` before each layer touches its KV cache, so a synchronous
-        load may instead be fenced layer by layer there."""
+        engine calls ``wait_for_layer_load`` before each layer writes or reads its KV cache,
+        so a synchronous load may instead be fenced layer by layer there."""
         ...
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -246,8 +246,8 @@ class ModelRunner:
     def _prepare(self, batch: StepBatch) -> tuple[Callable[[], _Sampled], bool]:
         """The step's forward, its inputs already on the device: call it to enqueue its
         kernels (after ``start_load_kv``); and whether it calls the connector's
-        ``wait_for_layer_load`` before each layer touches its KV cache (not from the full decode
-        graphs, whose attention is captured with the rest)."""
+        ``wait_for_layer_load`` before each layer writes or reads its KV cache (not from the
+        full decode graphs, whose attention is captured with the rest)."""
         chunks = batch.chunks
         graphs = self._graphs
         recording = self.record_first_logits and any(c.first_token for c in chunks)

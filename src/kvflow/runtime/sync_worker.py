@@ -149,7 +149,7 @@ class SyncWorker(abc.ABC):
     def start_load_kv(self, *, layerwise: bool = False) -> None:
         """Launch the bound plan's loads (before the forward pass); nothing if it has none.
 
-        ``layerwise``: the engine calls ``wait_for_layer_load`` before each layer touches its KV cache
+        ``layerwise``: the engine calls ``wait_for_layer_load`` before each layer writes or
         reads its KV cache, so where fenced loads land in parts (``WorkerOptions.load_parts``)
         each layer's compute waits only for its own part; otherwise the whole forward waits
         for every fenced load here."""
