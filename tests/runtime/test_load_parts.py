@@ -91,7 +91,8 @@ def test_each_layer_waits_for_its_own_part_on_the_host(facade: Any) -> None:
 def test_the_compute_waits_part_by_part_as_the_layers_ask(facade: Any) -> None:
     """On the fake backend: nothing is waited for at ``start_load_kv(layerwise=True)``; a
     layer of part 1 waits for parts 0 and 1 of the batch in order; an earlier layer after that
-    waits for nothing more. Without ``layerwise`` every part is waited for at once."""
+    waits for nothing more. Without ``layerwise`` every part is waited for at once. The
+    backend prepared the parts once, at registration."""
     backend = FakeBackend(auto_complete=True)
     with facade(backend, WorkerOptions(load_parts=2)) as rt:
         _ready(rt)
@@ -99,6 +100,7 @@ def test_the_compute_waits_part_by_part_as_the_layers_ask(facade: Any) -> None:
         assert backend.compute_waits == []
         ((batch, parts),) = backend.parted
         assert parts.count == 2
+        assert backend.prepared == [parts], "made ready once, at registration"
         rt.wait_for_layer_load("l2")
         assert [f.kind for f in backend.compute_waits] == ["part", "part"]
         assert all(f.wait_for == (batch,) for f in backend.compute_waits)

@@ -110,6 +110,12 @@ class CopiesInParts(Protocol):
     """A backend that can land a load part by part (optional): the engine's compute for a
     layer then waits only for the part holding that layer (``LayerParts``)."""
 
+    def prepare_parts(self, parts: LayerParts) -> None:
+        """Make now what landing loads in ``parts`` needs (called once, after registration),
+        so that no load's submit does it; ``ConfigError`` if ``parts`` does not fit the
+        registered layout."""
+        ...
+
     def submit_parts(
         self, batch: CopyBatch, parts: LayerParts, wait_for: Sequence[Fence] = ()
     ) -> tuple[Fence, tuple[Fence, ...]]:

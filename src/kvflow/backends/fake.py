@@ -77,6 +77,7 @@ class FakeBackend:
     submitted: list[FakeFence] = field(factory=list)
     compute_waits: list[FakeFence] = field(factory=list)  # ``compute_wait``'s fences, in order
     parted: list[tuple[FakeFence, LayerParts]] = field(factory=list)  # ``submit_parts``' batches
+    prepared: list[LayerParts] = field(factory=list)  # ``prepare_parts``' calls
     violations: list[str] = field(factory=list)
     queries: int = 0
     closed: bool = False
@@ -156,6 +157,10 @@ class FakeBackend:
         if self.auto_complete:
             self.release(fence)
         return fence
+
+    def prepare_parts(self, parts: LayerParts) -> None:
+        """Noted (``prepared``): the fake has nothing to make ahead."""
+        self.prepared.append(parts)
 
     def submit_parts(
         self, batch: CopyBatch, parts: LayerParts, wait_for: Sequence[Fence] = ()

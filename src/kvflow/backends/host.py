@@ -150,11 +150,15 @@ class HostBackend:
         self._check_open()
         if not self._cpu:
             raise BackendError("submit before allocate_cpu_tier")
+        self.prepare_parts(parts)
+        return self._queue(batch, wait_for, parts)
+
+    def prepare_parts(self, parts: LayerParts) -> None:
+        """Nothing to make ahead on the host (``CopiesInParts``); ``parts`` is checked."""
         if len(parts.spans) and len(parts.spans[0]) != len(self._regions):
             raise ConfigError(
                 f"layer parts for {len(parts.spans[0])} groups, layout has {len(self._regions)}"
             )
-        return self._queue(batch, wait_for, parts)
 
     def _queue(
         self, batch: CopyBatch, wait_for: Sequence[Fence], parts: LayerParts | None

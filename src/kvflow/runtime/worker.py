@@ -234,7 +234,9 @@ class WorkerRuntime:
         self.layout = self.backend.register_kv_caches(kv_caches, num_blocks, groups)
         if self.load_parts > 1 and isinstance(self.backend, CopiesInParts):
             parts = layer_parts(self.layout, self.load_parts)
-            self.executor.parts = parts if parts.count > 1 else None
+            if parts.count > 1:
+                self.backend.prepare_parts(parts)
+                self.executor.parts = parts
         return self.layout
 
     @property

@@ -381,14 +381,7 @@ class CudaBackend:
         of every block, then an event the engine's compute for those layers waits on
         (``compute_wait``), which the host may do as soon as that part is issued."""
         work, waits = self._work(batch, wait_for)
-        if not parts.spans or any(len(spans) != len(self._tables) for spans in parts.spans):
-            raise ConfigError(f"layer parts do not cover this layout's {len(self._tables)} groups")
-        self._ctx.enter()
-        for spans in parts.spans:  # the kernel's tables of each part, made on first use
-            for g, _, _, _ in work:
-                lo, hi = spans[g]
-                if lo < hi and self._staged[g]:
-                    self._part_rows(g, lo, hi)
+        self.prepare_parts(parts)  # made already, unless the runtime did not ask
         fence = CudaFence(self._fence_events.take(), self, launched=False, pool=self._fence_events)
         part_fences = tuple(
             CudaFence(self._plain_events.take(), self, launched=False, pool=self._plain_events)
@@ -402,6 +395,18 @@ class CudaBackend:
             )
         )
         return fence, part_fences
+
+    def prepare_parts(self, parts: LayerParts) -> None:
+        """Upload the kernel's region table of each part of a staged group now (``CopiesInParts``):
+        an upload in a load's submit would make the caller wait for its stream."""
+        self._check_open()
+        if not parts.spans or any(len(spans) != len(self._tables) for spans in parts.spans):
+            raise ConfigError(f"layer parts do not cover this layout's {len(self._tables)} groups")
+        self._ctx.enter()
+        for spans in parts.spans:
+            for g, (lo, hi) in enumerate(spans):
+                if lo < hi and self._staged[g]:
+                    self._part_rows(g, lo, hi)
 
     def _launch(self, job: Callable[[], None]) -> None:
         if self._launcher is not None:
