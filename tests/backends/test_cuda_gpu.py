@@ -727,6 +727,7 @@ def test_a_load_in_parts_is_readable_layer_by_layer_behind_each_parts_wait(
     backend.flush()
     for t in kv.values():
         t.view(torch.uint8).random_(0, 256)
+    torch.cuda.synchronize()  # the poison is in before the load, which waits for no compute
     parts = layer_parts(layout, 2)
     assert parts.count == 2
     dst = rng.permutation(n)[:count].tolist()
