@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
+from kvflow.backends.ports import free_port
 from kvflow.core.logs import get_logger
 from kvflow.errors import ConfigError, DeadlineError, KVFlowError
 from kvflow.runtime.clock import SystemClock
@@ -47,14 +47,6 @@ _object_group: dist.ProcessGroup | None = None
 _timeout_s: float = 120.0
 """This rank's bound on every collective (the launch's ``timeout_s``): the process groups'
 timeout, and the barrier's."""
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _rank_entry(

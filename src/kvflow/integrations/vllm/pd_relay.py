@@ -9,7 +9,6 @@ only they see (D's DONE and ABORT on P, the reports the connector takes).
 from __future__ import annotations
 
 import itertools
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvflow.backends.base import Fence, FenceStatus
+from kvflow.backends.ports import free_port
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.common import ANY_PEER, Action, LaunchCopies
 from kvflow.core.pd.messages import Abort, Claim, Done, DoneStatus, Message
@@ -31,13 +31,6 @@ from kvflow.integrations.vllm.relay import KVFlowConnectorMetadata, KVFlowWorker
 from kvflow.runtime.pd_driver import PDDriver, Report
 
 log = get_logger("kvflow.integrations.vllm.pd")
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (a P data-plane pair's endpoint when none is configured)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 # ---- what crosses to the workers and back -----------------------------------------------------
