@@ -219,6 +219,80 @@ def test_fenced_reloads_run_in_the_step_that_loads_them(loop: str, parts: int) -
     _assert_nothing_leaked(on, conn)
 
 
+@define(eq=False)
+class _GatedParts(HostBackend):
+    """The host backend, whose copy thread copies a load's part after the first only once the
+    engine's compute asks for it (``compute_wait`` on that part): what lands after the compute
+    of the earlier layers is then the rule, not luck. Notes the order of asks and copies."""
+
+    events: list[tuple[str, int]] = field(factory=list)
+    _gates: dict[int, Any] = field(factory=dict)  # id(part fence) → its threading.Event
+    _index: dict[int, tuple[Any, int]] = field(factory=dict)  # id(batch) → (gates, part)
+
+    def submit_parts(self, batch: CopyBatch, parts: Any, wait_for: Sequence[Fence] = ()) -> Any:
+        import threading
+
+        fence, part_fences = super().submit_parts(batch, parts, wait_for)
+        gates = [threading.Event() for _ in part_fences]
+        gates[0].set()
+        for k, p in enumerate(part_fences):
+            self._gates[id(p)] = (gates[k], k)
+        self._index[id(batch)] = (gates, 0)
+        return fence, part_fences
+
+    def compute_wait(self, fence: Fence, timeout_s: float) -> bool:
+        found = self._gates.get(id(fence))
+        if found is not None:
+            gate, k = found
+            self.events.append(("asked", k))
+            gate.set()
+        return super().compute_wait(fence, timeout_s)
+
+    def _copy(self, batch: CopyBatch, spans: Sequence[tuple[int, int]] | None = None) -> None:
+        if spans is not None:
+            gates, k = self._index[id(batch)]
+            self._index[id(batch)] = (gates, k + 1)
+            if not gates[k].wait(10.0):
+                self.events.append(("gate_timed_out", k))
+            self.events.append(("copied", k))
+        super()._copy(batch, spans)
+
+
+@pytest.mark.parametrize("loop", ["thread", "inline"])
+def test_a_layer_computes_before_a_later_parts_copies_and_outputs_do_not_change(
+    loop: str,
+) -> None:
+    """With loads in three parts (one a layer of the CPU model) and a copy thread that copies
+    a part only once the compute asks for it, every part after the first is copied after the
+    engine computed the layers before it, and the outputs equal the run without offload."""
+    off, _ = _engine("tiny", offload=None, num_gpu_blocks=41)
+    want = run_multi_round(off, WORKLOAD).outputs()
+    backend = _GatedParts()
+    on, (conn,) = _engine(
+        "tiny",
+        offload=OffloadConfig(
+            cpu_bytes="64MiB", worker_loop=loop, fence_loads="always", load_parts=3
+        ),
+        num_gpu_blocks=41,
+        backend=backend,
+    )
+    got = run_multi_round(on, WORKLOAD)
+    assert got.outputs() == want
+    events = backend.events
+    assert ("gate_timed_out", 1) not in events
+    assert ("gate_timed_out", 2) not in events
+    copies = events.count(("copied", 2))
+    assert copies > 0
+    assert events.count(("asked", 2)) == copies
+    # Per parted load: asked 1 before copied 1, asked 2 before copied 2.
+    for k in (1, 2):
+        asked = [i for i, e in enumerate(events) if e == ("asked", k)]
+        copied = [i for i, e in enumerate(events) if e == ("copied", k)]
+        assert all(a < c for a, c in zip(asked, copied, strict=True))
+    on.shutdown()
+    _assert_nothing_leaked(on, conn)
+
+
 @pytest.mark.parametrize("loop", ["thread", "inline"])
 def test_outputs_identical_with_offload_under_preemption(loop: str) -> None:
     """A cache so small that requests are preempted mid-run still gives identical outputs."""
