@@ -180,3 +180,11 @@ def test_layer_parts_refuse_a_bad_count(bad: object) -> None:
     """A part count that is not a positive int is a LayoutError naming it."""
     with pytest.raises(LayoutError, match="layer parts must be a positive int"):
         layer_parts(_layers(2), bad)  # type: ignore[arg-type]
+
+
+def test_layer_parts_are_checked_against_the_groups_a_backend_registered() -> None:
+    """Parts cut for one group count are a LayoutError (a ConfigError) on a layout of another."""
+    parts = layer_parts(_layers(4, groups={"l0": 0, "l1": 1, "l2": 0, "l3": 1}), 2)
+    parts.check_groups(2)
+    with pytest.raises(LayoutError, match="layer parts do not cover this layout's 1 groups"):
+        parts.check_groups(1)

@@ -137,9 +137,6 @@ class HostBackend:
         return own.status is FenceStatus.DONE
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
-        self._check_open()
-        if not self._cpu:
-            raise BackendError("submit before allocate_cpu_tier")
         return self._queue(batch, wait_for, None)[0]
 
     def submit_parts(
@@ -147,22 +144,19 @@ class HostBackend:
     ) -> tuple[HostFence, tuple[HostFence, ...]]:
         """``submit``, the copy thread landing ``parts`` one after another (``CopiesInParts``):
         a part's fence is set as soon as its regions are copied."""
-        self._check_open()
-        if not self._cpu:
-            raise BackendError("submit before allocate_cpu_tier")
         self.prepare_parts(parts)
         return self._queue(batch, wait_for, parts)
 
     def prepare_parts(self, parts: LayerParts) -> None:
         """Nothing to make ahead on the host (``CopiesInParts``); ``parts`` is checked."""
-        if len(parts.spans) and len(parts.spans[0]) != len(self._regions):
-            raise ConfigError(
-                f"layer parts for {len(parts.spans[0])} groups, layout has {len(self._regions)}"
-            )
+        parts.check_groups(len(self._regions))
 
     def _queue(
         self, batch: CopyBatch, wait_for: Sequence[Fence], parts: LayerParts | None
     ) -> tuple[HostFence, tuple[HostFence, ...]]:
+        self._check_open()
+        if not self._cpu:
+            raise BackendError("submit before allocate_cpu_tier")
         deps = tuple(self._own(f) for f in wait_for)
         fence = HostFence(next(self._ids))
         part_fences = (

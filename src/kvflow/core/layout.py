@@ -262,6 +262,12 @@ class LayerParts:
     def count(self) -> int:
         return len(self.spans)
 
+    def check_groups(self, groups: int) -> None:
+        """``LayoutError`` unless every part has a span for each of ``groups`` KV cache groups
+        (a backend's check of parts against the layout it registered)."""
+        if not self.spans or any(len(spans) != groups for spans in self.spans):
+            raise LayoutError(f"layer parts do not cover this layout's {groups} groups")
+
 
 def layer_parts(layout: KVLayout, parts: int) -> LayerParts:
     """Cut ``layout``'s tensors, in the order the engine registered them (its layers' order),

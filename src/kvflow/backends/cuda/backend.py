@@ -400,8 +400,7 @@ class CudaBackend:
         """Upload the kernel's region table of each part of a staged group now (``CopiesInParts``):
         an upload in a load's submit would make the caller wait for its stream."""
         self._check_open()
-        if not parts.spans or any(len(spans) != len(self._tables) for spans in parts.spans):
-            raise ConfigError(f"layer parts do not cover this layout's {len(self._tables)} groups")
+        parts.check_groups(len(self._tables))
         self._ctx.enter()
         for spans in parts.spans:
             for g, (lo, hi) in enumerate(spans):

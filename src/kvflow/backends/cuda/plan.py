@@ -53,6 +53,10 @@ class RegionTable:
     def min_page_bytes(self) -> int:
         return int(self.page.min())
 
+    def span_bytes(self, lo: int, hi: int) -> int:
+        """Bytes of regions ``lo .. hi - 1`` of one block (contiguous in a CPU block)."""
+        return int(self.page[lo:hi].sum())
+
     def subset(self, lo: int, hi: int, *, packed: bool = False) -> RegionTable:
         """Regions ``lo .. hi - 1`` only, at their places in the whole CPU block (a part's
         direct copies); ``packed``: as a block of their own, what a part's staging slot holds
@@ -65,7 +69,7 @@ class RegionTable:
             stride=self.stride[lo:hi],
             page=self.page[lo:hi],
             cpu_offset=offset - offset[0] if packed else offset,
-            block_bytes=int(self.page[lo:hi].sum()) if packed else self.block_bytes,
+            block_bytes=self.span_bytes(lo, hi) if packed else self.block_bytes,
         )
 
     def as_device_rows(self, max_page: int = 0) -> I64:
@@ -371,7 +375,7 @@ def part_plan(
     CPU blocks are not contiguous for a part; a block never spans two pinned chunks)."""
     if not 0 <= lo < hi <= table.num_regions:
         raise ConfigError(f"regions {lo}..{hi - 1} of a group of {table.num_regions}")
-    part = int(table.page[lo:hi].sum())
+    part = table.span_bytes(lo, hi)
     n = len(cpu_ids)
     bounds = subbatch_bounds(n, blocks_per_slot, ramp_blocks, store=store)
     slot_pos = np.arange(n, dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
@@ -415,7 +419,7 @@ def ring_plan(
     next slot, slots)``: sub-batches of at most a slot's worth of blocks and ``max_blocks``
     (the kernel's ids per launch), placed on the slots in turn from the next one."""
     base, slot_bytes, first, nslots = ring
-    bb = table.block_bytes if regions is None else int(table.page[regions[0] : regions[1]].sum())
+    bb = table.block_bytes if regions is None else table.span_bytes(*regions)
     per_slot = min(max_blocks, slot_bytes // bb)
     ramp = max(1, ramp_bytes // bb) if ramp_bytes else 0
     plan = (
