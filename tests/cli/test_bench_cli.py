@@ -13,7 +13,7 @@ import torch
 
 from kvflow.bench.config import BenchConfig
 from kvflow.bench.multi_round import LOGITS_TOLERANCE, compare_to_reference, run_bench
-from kvflow.cli.bench import figure
+from kvflow.cli.bench_report import figure
 from kvflow.cli.main import main
 from kvflow.engine.engine import RequestResult
 from kvflow.engine.workload import RoundRecord, WorkloadResult

@@ -115,6 +115,7 @@ class CudaBackend:
         self._kernel_rows: list[int] = []  # rows of each table: regions, large pages cut up
         # Tables of load parts (group, first region, end) → (device tensor, rows).
         self._part_tables: dict[tuple[int, int, int], tuple[Any, int]] = {}
+        self._prepared: LayerParts | None = None  # the parts whose tables are all uploaded
         self._staging: list[Any] = []
         self._tier: PinnedTier | None = None
         self._staged: list[bool] = []
@@ -381,7 +382,8 @@ class CudaBackend:
         of every block, then an event the engine's compute for those layers waits on
         (``compute_wait``), which the host may do as soon as that part is issued."""
         work, waits = self._work(batch, wait_for)
-        self.prepare_parts(parts)  # made already, unless the runtime did not ask
+        if parts is not self._prepared:  # made already, unless the runtime did not ask
+            self.prepare_parts(parts)
         fence = CudaFence(self._fence_events.take(), self, launched=False, pool=self._fence_events)
         part_fences = tuple(
             CudaFence(self._plain_events.take(), self, launched=False, pool=self._plain_events)
@@ -406,6 +408,7 @@ class CudaBackend:
             for g, (lo, hi) in enumerate(spans):
                 if lo < hi and self._staged[g]:
                     self._part_rows(g, lo, hi)
+        self._prepared = parts
 
     def _launch(self, job: Callable[[], None]) -> None:
         if self._launcher is not None:
@@ -698,6 +701,7 @@ class CudaBackend:
         self._staging.clear()
         self._table_dev.clear()
         self._part_tables.clear()
+        self._prepared = None
         self._last_timing = dict.fromkeys(Direction)  # its events go now, not at exit
         self._landing.mark = None
         drv.cu.cuStreamDestroy(self._mark_stream)
