@@ -18,7 +18,7 @@
 # kvflow bench's bf16 workload with --step-parts, this tree against BASE_SRC, AB_ROUNDS each,
 # default 2, alternating), multiround-fence (that workload with --fence-loads never and idle,
 # AB_ROUNDS each, alternating), multiround-parts (that workload's fenced loads whole and in
-# LOAD_PARTS parts by layer, default 4, AB_ROUNDS each, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
+# LOAD_PARTS parts by layer, default 4 (a list: each), AB_ROUNDS each, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
 # wheel from .nixlwhl/), gloo (PD's CPU transport on the host's cores), pd (kvflow bench --pd on the one GPU over CUDA IPC, the
 # multi-round workload, the first token D's and P's), pd-one (the same with one user, 2k-16k-token
@@ -95,7 +95,7 @@ for step in $STEPS; do
       done ;;
     multiround-parts)  # that workload, fenced loads whole vs in LOAD_PARTS parts by layer
       for r in $(seq "${AB_ROUNDS:-2}"); do
-        for parts in 1 "${LOAD_PARTS:-4}"; do
+        for parts in 1 ${LOAD_PARTS:-4}; do  # LOAD_PARTS may list several counts
           run "multiround_parts_$parts-$r" 150 python3 -m kvflow.cli bench "${model[@]}" \
             "${multi[@]}" --step-parts --load-parts "$parts" \
             --json "$OUT/multiround_parts_$parts-$r.json"
