@@ -745,15 +745,17 @@ def test_a_load_in_parts_is_readable_layer_by_layer_behind_each_parts_wait(
         assert torch.equal(_pages(t, style, dst), want[name]), name
 
 
+@pytest.mark.parametrize("launch_thread", [True, False])
 def test_a_failed_part_fails_its_wait_and_its_batch(
-    make_backend: Any, monkeypatch: pytest.MonkeyPatch
+    make_backend: Any, monkeypatch: pytest.MonkeyPatch, launch_thread: bool
 ) -> None:
     """A load whose second part's driver calls fail: the first part's wait holds, the second's
-    says failed, and the batch's fence is FAILED."""
+    says failed, and the batch's fence is FAILED (issued on the launch thread, or on the
+    caller's as the waits come)."""
     from kvflow.core.layout import layer_parts
 
     kv = make_kv("flash", torch.bfloat16, 16 * KiB, 16, layers=4)
-    backend = make_backend(method="staged")
+    backend = make_backend(method="staged", launch_thread=launch_thread)
     layout = backend.register_kv_caches(kv, 16)
     backend.allocate_cpu_tier([16])
     real = backend._copy_group
@@ -770,3 +772,43 @@ def test_a_failed_part_fails_its_wait_and_its_batch(
     assert not backend.compute_wait(second, 10.0)
     backend.flush()
     assert backend.query(fence) is FenceStatus.FAILED
+
+
+def test_without_a_launch_thread_a_loads_parts_are_issued_one_ahead_of_the_waits(
+    make_backend: Any,
+) -> None:
+    """On the caller's thread a load in three parts issues part 0 in ``submit_parts`` and each
+    later part when the engine waits for the one before it; a submit in between issues the rest
+    first, and every part lands."""
+    from kvflow.core.layout import layer_parts
+
+    n = 32
+    kv = make_kv("flash", torch.bfloat16, 16 * KiB, n, layers=6)
+    backend = make_backend(method="staged", launch_thread=False, completion_threads=False)
+    layout = backend.register_kv_caches(kv, n)
+    backend.allocate_cpu_tier([n])
+    ids = list(range(8))
+    want = {name: _pages(t, "flash", ids) for name, t in kv.items()}
+    backend.submit(store(ids, ids), [backend.compute_fence()])
+    backend.flush()
+    for t in kv.values():
+        t.view(torch.uint8).random_(0, 256)
+    torch.cuda.synchronize()
+    parts = layer_parts(layout, 3)
+    backend.prepare_parts(parts)
+    dst = list(range(16, 24))
+    fence, fences = backend.submit_parts(load(ids, dst), parts)
+    assert [f.launched for f in fences] == [True, False, False]
+    assert backend.compute_wait(fences[0], 10.0)
+    assert [f.launched for f in fences] == [True, True, False]
+    assert not fence.launched
+    other = backend.submit(store([30], [30]), [backend.compute_fence()])
+    assert all(f.launched for f in fences)
+    assert fence.launched
+    assert backend.compute_wait(fences[1], 10.0)
+    assert backend.compute_wait(fences[2], 10.0)
+    backend.flush()
+    assert backend.query(fence) is FenceStatus.DONE
+    assert backend.query(other) is FenceStatus.DONE
+    for name, t in kv.items():
+        assert torch.equal(_pages(t, "flash", dst), want[name]), name

@@ -21,6 +21,7 @@ from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.config import OffloadConfig
 from kvflow.connector.offload import OffloadConnector
 from kvflow.core.gpu_view import GpuCacheView
+from kvflow.core.layout import LayerParts
 from kvflow.core.transfer import Direction
 from kvflow.engine.engine import Engine, EngineConfig, GenerationRequest
 from kvflow.engine.frontend import AsyncEngine
@@ -41,11 +42,22 @@ class FailingCopies(HostBackend):
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
         if batch.direction is self.direction and self.failed < self.fail:
-            self.failed += 1
-            fence = HostFence(-self.failed, FenceStatus.FAILED, error="injected copy failure")
-            fence.finished.set()
-            return fence
+            return self._failed()
         return super().submit(batch, wait_for)
+
+    def submit_parts(
+        self, batch: CopyBatch, parts: LayerParts, wait_for: Sequence[Fence] = ()
+    ) -> tuple[HostFence, tuple[HostFence, ...]]:
+        if batch.direction is self.direction and self.failed < self.fail:
+            fence = self._failed()
+            return fence, tuple(fence for _ in range(parts.count))
+        return super().submit_parts(batch, parts, wait_for)
+
+    def _failed(self) -> HostFence:
+        self.failed += 1
+        fence = HostFence(-self.failed, FenceStatus.FAILED, error="injected copy failure")
+        fence.finished.set()
+        return fence
 
     def query(self, fence: Fence) -> FenceStatus:
         if isinstance(fence, HostFence) and fence.fence_id < 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from attrs import frozen
 
+from kvflow.connector.config import LOAD_PARTS
 from kvflow.errors import ConfigError
 
 MODEL_PRESETS = ("tiny", "small", "llama-1b")
@@ -49,7 +50,7 @@ class BenchConfig:
     cpu_bytes: int | None = None  # default: room for twice the working set
     store_policy: str = "eager"
     fence_loads: str = "idle"  # which CPU hits load in the step that computes them
-    load_parts: int = 1  # a fenced load lands in this many parts by layer
+    load_parts: int = LOAD_PARTS  # a fenced load lands in this many parts by layer
     backend: str = "auto"
     worker_loop: str = "inline"  # where the worker runtime's loop runs: inline or thread
     max_batched_tokens: int = 2048

@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.load_parts,
         help="a fenced load lands in this many parts by layer, each layer's attention waiting "
-        "only for its own part (1: the forward waits for the whole load)",
+        f"only for its own part (default {d.load_parts}; 1: the forward waits for the whole load)",
     )
     p.add_argument(
         "--backend", choices=("auto", "host", "cuda"), default=d.backend, help="the copy backend"

@@ -203,6 +203,11 @@ EAGER_STORE_INTERVAL = 4
 """Default decode steps per eager store: four steps' completed blocks cost one transfer's
 planning, launch and commit (docs/benchmarks.md, issue 7), and wait at most three steps."""
 
+LOAD_PARTS = 4
+"""Default parts by layer of a fenced load: the first layers' attention waits for a quarter of
+the copies, and each part's copies land at the link's whole rate. Four beat one and eight on
+llama-1b's fenced prefill steps (docs/benchmarks.md, "Thirtieth session")."""
+
 
 @frozen
 class OffloadConfig:
@@ -221,7 +226,8 @@ class OffloadConfig:
     - ``load_parts``: a fenced load lands in up to this many parts by layer, and each layer's
       attention waits only for its own part, so the copies overlap the forward (an engine that
       calls ``start_load_kv(layerwise=True)`` and ``wait_for_layer_load``, as kvflow's does
-      outside its full decode graphs; 1, the default: the forward waits for the whole load);
+      outside its full decode graphs; default ``LOAD_PARTS``; 1: the forward waits for the
+      whole load, as it does in any step whose engine does not ask layer by layer);
     - ``backend``: ``auto``, ``host`` or ``cuda``;
     - ``world_size``: tensor-parallel ranks that must all report a copy before it commits;
     - ``worker_loop``: ``inline`` (the default: the worker runtime's loop, copy launches and
@@ -243,7 +249,7 @@ class OffloadConfig:
     world_size: int = 1
     eager_store_interval: int = EAGER_STORE_INTERVAL
     fence_loads: FenceLoads = field(default=FenceLoads.IDLE, converter=_fence_loads)
-    load_parts: int = 1
+    load_parts: int = LOAD_PARTS
     worker_loop: WorkerLoop = field(default=WorkerLoop.INLINE, converter=_worker_loop)
     drain_timeout_s: float = field(default=DRAIN_TIMEOUT_S, converter=_drain_timeout)
     flush_timeout_s: float = field(default=FLUSH_TIMEOUT_S, converter=_flush_timeout)
@@ -335,6 +341,7 @@ class OffloadConfig:
 
 __all__ = [
     "EAGER_STORE_INTERVAL",
+    "LOAD_PARTS",
     "BackendKind",
     "OffloadConfig",
     "PDConfig",

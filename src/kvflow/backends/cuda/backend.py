@@ -19,10 +19,8 @@ store waits (device-side) on the compute fence, a load on any in-flight store of
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,17 +30,16 @@ from attrs import evolve
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.cuda import driver as drv
 from kvflow.backends.cuda.config import CudaConfig, Method
+from kvflow.backends.cuda.deferred import DeferredIssue
+from kvflow.backends.cuda.issue import BatchIssue
 from kvflow.backends.cuda.jobs import JobThread
-from kvflow.backends.cuda.kernels import MAX_IDS, PIECE_BYTES, StageKernel
+from kvflow.backends.cuda.kernels import PIECE_BYTES, StageKernel
 from kvflow.backends.cuda.pinned import PinnedTier
 from kvflow.backends.cuda.plan import (
-    Descriptors,
     RegionTable,
-    direct_descriptors,
     group_work,
-    ring_plan,
 )
-from kvflow.backends.cuda.streams import CudaFence, Lane, Ring, enter_stream, join_streams
+from kvflow.backends.cuda.streams import CudaFence, Lane, Ring
 from kvflow.backends.cuda.timing import ClockMark, IssueStats, LandingClock, Timing
 from kvflow.backends.torch_layout import describe
 from kvflow.core.layout import KVLayout, LayerParts, TensorDesc, derive_layout
@@ -53,7 +50,7 @@ from kvflow.errors import BackendError, ClosedError, ConfigError, DeadlineError
 log = get_logger("kvflow.backends.cuda")
 
 
-class CudaBackend:
+class CudaBackend(BatchIssue):
     """The backend protocol on one CUDA device. Methods are called from one thread."""
 
     name = "cuda"
@@ -99,6 +96,7 @@ class CudaBackend:
         self._launcher = (
             JobThread(self._ctx, "kvflow-cuda-launch") if self.config.launch_thread else None
         )
+        self._deferred = DeferredIssue()  # without a launcher: a load's parts not issued yet
         self._wakeup: Callable[[], None] | None = None
         self.pushes_completions = self.config.completion_threads
         """Waiter threads call the wakeup as batches finish: the reactor need not poll on a
@@ -258,6 +256,11 @@ class CudaBackend:
         self._check_open()
         self._event_of(fence)
         assert isinstance(fence, CudaFence)
+        k = self._deferred.pending_index(fence)
+        if k is not None:
+            self._deferred.through(k + 1)  # this part, and the next queued behind it
+        else:
+            self._deferred.finish()
         if fence.issued is not None:  # a load's part: waits for its own issue only
             if not fence.issued.wait(timeout_s):
                 raise DeadlineError(
@@ -344,23 +347,6 @@ class CudaBackend:
     def set_wakeup(self, wakeup: Callable[[], None] | None) -> None:
         self._wakeup = wakeup
 
-    def _await(self, fence: CudaFence) -> None:
-        """On a waiter thread: sleep until ``fence``'s copies finish, then wake the reactor.
-
-        The reactor then polls once per finished batch instead of on a timer while copies run:
-        every timed poll takes the GIL from the engine's thread. The wait releases the GIL and,
-        on blocking-sync events, sleeps. Fences of one direction finish in about launch order,
-        so waiting for them in order costs at most a late notice, never a missed one (each
-        notice polls every fence).
-        """
-        if fence.launched:
-            err = drv.event_synchronize(fence.event)
-            if err:
-                log.error("cuda_event_wait_failed", error=err)
-        wakeup = self._wakeup
-        if wakeup is not None:
-            wakeup()
-
     def _event_of(self, fence: Fence) -> Any:
         if not isinstance(fence, CudaFence) or fence.owner is not self:
             raise BackendError(f"fence {fence!r} was not made by this CUDA backend")
@@ -369,6 +355,7 @@ class CudaBackend:
     # -- copies --------------------------------------------------------------------------------
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> CudaFence:
+        self._deferred.finish()
         work, waits = self._work(batch, wait_for)
         self._ctx.enter()
         fence = CudaFence(self._fence_events.take(), self, launched=False, pool=self._fence_events)
@@ -380,7 +367,10 @@ class CudaBackend:
     ) -> tuple[CudaFence, tuple[CudaFence, ...]]:
         """``submit``, the copies issued part by part (``CopiesInParts``): part ``k``'s regions
         of every block, then an event the engine's compute for those layers waits on
-        (``compute_wait``), which the host may do as soon as that part is issued."""
+        (``compute_wait``), which the host may do as soon as that part is issued. Without a
+        launch thread, part 0 is issued here and each later part as the engine waits for the
+        one before it (``DeferredIssue``)."""
+        self._deferred.finish()
         work, waits = self._work(batch, wait_for)
         if parts is not self._prepared:  # made already, unless the runtime did not ask
             self.prepare_parts(parts)
@@ -391,11 +381,17 @@ class CudaBackend:
         )
         for part in part_fences:
             part.issued = threading.Event()
-        self._launch(
-            functools.partial(
-                self._issue, batch.direction, work, waits, fence, parts.spans, part_fences
+        if self._launcher is not None:
+            self._launcher.put(
+                functools.partial(
+                    self._issue, batch.direction, work, waits, fence, parts.spans, part_fences
+                )
             )
-        )
+        else:
+            job = self._issue_steps(
+                batch.direction, work, waits, fence, parts.spans, part_fences, defer=True
+            )
+            self._deferred.start(job, part_fences)
         return fence, part_fences
 
     def prepare_parts(self, parts: LayerParts) -> None:
@@ -416,18 +412,6 @@ class CudaBackend:
         else:
             job()
 
-    def _part_rows(self, g: int, lo: int, hi: int) -> tuple[int, int]:
-        """The gather/scatter kernel's region table for regions ``lo .. hi - 1`` of group
-        ``g`` as a block of their own: (device address, rows), uploaded once."""
-        key = (g, lo, hi)
-        found = self._part_tables.get(key)
-        if found is None:
-            rows = self._tables[g].subset(lo, hi, packed=True).as_device_rows(PIECE_BYTES)
-            dev = self._torch.from_numpy(rows).to(f"cuda:{self.device}")
-            found = self._part_tables[key] = (dev, len(rows))
-        dev, nrows = found
-        return int(dev.data_ptr()), nrows
-
     def _work(self, batch: CopyBatch, wait_for: Sequence[Fence]) -> tuple[list[Any], list[Any]]:
         """A batch's checked work per group, and the fences it waits for."""
         self._check_open()
@@ -445,199 +429,6 @@ class CudaBackend:
         for f in wait_for:
             self._event_of(f)  # a fence from elsewhere raises here, in the caller's thread
         return work, list(wait_for)
-
-    def _issue(
-        self,
-        direction: Direction,
-        work: list[Any],
-        waits: list[Any],
-        fence: CudaFence,
-        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
-        part_fences: Sequence[CudaFence] = (),
-    ) -> None:
-        # ``waits`` holds CudaFence objects (checked by ``submit``), kept alive until used here.
-        """Queue one batch's copies after ``waits`` and record ``fence`` after them; with
-        ``spans``, part by part, each part's fence recorded after its own copies."""
-        began = time.perf_counter()
-        tier = self._tier
-        assert tier is not None
-        store = direction is Direction.STORE
-        lane = self._lanes[direction]
-        used: list[Any] = []  # the batch's streams, in the order of their first work
-        try:
-            # Made here, not in ``submit``: the caller's thread does as little as it can.
-            timing = fence.timing = Timing(self._timing_events) if self.config.time_copies else None
-            for g, _, _, cpu in work:
-                tier.ensure(g, int(cpu.max()))
-            if spans is None:
-                for item in work:
-                    self._copy_group(lane, item, tier, used, waits, timing, store, None, used)
-            else:
-                for part_spans, part in zip(spans, part_fences, strict=True):
-                    mine: list[Any] = []  # this part's streams
-                    for item in work:
-                        lo, hi = part_spans[item[0]]
-                        if lo < hi:
-                            self._copy_group(
-                                lane, item, tier, used, waits, timing, store, (lo, hi), mine
-                            )
-                    if not mine:
-                        enter_stream(used, lane.dma, waits, timing, mine)
-                    drv.record(part.event, join_streams(self._join, mine))
-                    part.launched = True
-                    assert part.issued is not None
-                    part.issued.set()
-            if not used:  # nothing to copy: the fence completes once its waits have
-                enter_stream(used, lane.dma, waits, timing)
-            # Every other stream of the batch joins the last one, which then marks the end.
-            last = join_streams(self._join, used)
-            if timing is not None:
-                drv.record(timing.end, last)
-            drv.record(fence.event, last)
-        except Exception as exc:
-            fence.error = str(exc)
-            for part in part_fences:
-                if not part.launched:
-                    part.error = fence.error
-                if part.issued is not None:
-                    part.issued.set()
-            if used:
-                # Copies issued before the failure still run: the batch reads failed only once
-                # they are done, so that its blocks are not given back under them.
-                with contextlib.suppress(Exception):
-                    drv.record(fence.event, join_streams(self._join, used))
-                    fence.launched = True
-            log.error("cuda_submit_failed", direction=str(direction), error=str(exc))
-            self._notify(direction, fence)  # the failure
-            if self._launcher is None:
-                raise
-            return
-        if timing is not None:
-            fence.prev_timing = self._last_timing[direction]
-            self._last_timing[direction] = timing
-        self.issue_stats[direction].observe(began, time.perf_counter())
-        fence.launched = True
-        self._notify(direction, fence)
-
-    def _copy_group(
-        self,
-        lane: Lane,
-        item: tuple[int, RegionTable, Any, Any],
-        tier: PinnedTier,
-        used: list[Any],
-        waits: list[Any],
-        timing: Timing | None,
-        store: bool,
-        regions: tuple[int, int] | None,
-        mine: list[Any],
-    ) -> None:
-        """Queue one group's copies of a batch (``regions``: only those of each block)."""
-        g, table, gpu, cpu = item
-        if self._staged[g]:
-            self._staged_copy(
-                lane,
-                g,
-                table,
-                gpu,
-                cpu,
-                tier,
-                used,
-                waits,
-                timing,
-                store=store,
-                regions=regions,
-                mine=mine,
-            )
-            return
-        part = table if regions is None else table.subset(*regions)
-        desc = direct_descriptors(
-            part, gpu, cpu, tier.ptr(g), store=store, chunk_blocks=tier.chunk_blocks(g)
-        )
-        enter_stream(used, lane.dma, waits, timing, mine)
-        self._copy(desc, lane, lane.dma)
-
-    def _notify(self, direction: Direction, fence: CudaFence) -> None:
-        """Have ``fence``'s waiter thread wake the reactor when it finishes (if there is one)."""
-        waiter = self._waiters.get(direction)
-        if waiter is not None:
-            waiter.put(functools.partial(self._await, fence))
-
-    def _copy(self, desc: Descriptors, lane: Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
-        """Copy descriptors ``lo:hi`` of ``desc`` on ``stream``: one batched driver call, or
-        for a few copies (or without ``cuMemcpyBatchAsync``) one ``cuMemcpyAsync`` each."""
-        hi = len(desc) if hi < 0 else hi
-        if self._batch is not None and hi - lo >= self.config.batch_min_copies:
-            self._batch.raw(
-                desc.dst.ctypes.data + 8 * lo,
-                desc.src.ctypes.data + 8 * lo,
-                desc.size.ctypes.data + 8 * lo,
-                hi - lo,
-                lane.attrs,
-                stream,
-            )
-        else:
-            drv.memcpy_each(desc.slice(lo, hi), stream)
-
-    def _staged_copy(
-        self,
-        lane: Lane,
-        g: int,
-        table: RegionTable,
-        gpu: Any,
-        cpu: Any,
-        tier: PinnedTier,
-        used: list[Any],
-        waits: list[Any],
-        timing: Timing | None,
-        *,
-        store: bool,
-        regions: tuple[int, int] | None = None,
-        mine: list[Any] | None = None,
-    ) -> None:
-        ring = lane.ring
-        kernel = self._kernel
-        assert ring is not None
-        assert kernel is not None
-        if regions is None:
-            regions_ptr, nreg = int(self._table_dev[g].data_ptr()), self._kernel_rows[g]
-        else:
-            regions_ptr, nreg = self._part_rows(g, *regions)
-        streams = ring.streams
-        placed = ring_plan(
-            table,
-            cpu,
-            tier.ptr(g),
-            regions=regions,
-            ring=(ring.base, ring.slot_bytes, ring.next, len(streams)),
-            max_blocks=MAX_IDS,
-            chunk_blocks=tier.chunk_blocks(g),
-            ramp_bytes=self.config.ramp_bytes,
-            store=store,
-        )
-        plan, dma, bb = placed.plan, placed.dma, placed.block_bytes
-        nsub = plan.num_subbatches
-        ring.next = (ring.next + nsub) % len(streams)
-        bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
-        for k, (slot, slot_ptr) in enumerate(zip(placed.slots, placed.slot_ptrs, strict=True)):
-            lo, hi, dlo, dhi = bounds[k], bounds[k + 1], dbounds[k], dbounds[k + 1]
-            # The slot's stream ran its previous DMA (store) or scatter (load): stream order
-            # makes this sub-batch wait for the slot to be free, and its DMA for its gather.
-            stream = streams[slot]
-            enter_stream(used, stream, waits, timing, mine)
-            if store:
-                kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=True)
-                self._copy(dma, lane, stream, dlo, dhi)
-            else:
-                # A load's DMAs go one after another (each on its slot's stream), so that the
-                # only scatter no DMA overlaps is the last, short sub-batch's.
-                # A part's DMAs also follow the previous part's: the parts land in layer
-                # order, each at the link's whole rate, rather than sharing it.
-                if k or regions is not None:
-                    drv.wait(stream, self._dma_done)
-                self._copy(dma, lane, stream, dlo, dhi)
-                if k + 1 < nsub or regions is not None:
-                    drv.record(self._dma_done, stream)
-                kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=False)
 
     # -- inspection, flush, shutdown ------------------------------------------------------------
 
@@ -662,6 +453,7 @@ class CudaBackend:
 
     def wait_launched(self) -> None:
         """Block until every submitted batch has been handed to the driver (its fence recorded)."""
+        self._deferred.finish()
         if self._launcher is not None:
             self._launcher.drain()
 
@@ -684,6 +476,7 @@ class CudaBackend:
     def close(self) -> None:
         if self._closed:
             return
+        self._deferred.close()
         self.flush()
         self._closed = True
         if self._launcher is not None:

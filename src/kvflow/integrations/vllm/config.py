@@ -37,9 +37,10 @@ DEFAULT_CPU_BYTES = 4 << 30
 VLLM_SIZE_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank")
 """vLLM's offload connectors' names for the CPU tier's size (kvflow's ``cpu_bytes``)."""
 
-VLLM_DEFAULTS: Mapping[str, object] = {"worker_loop": WorkerLoop.THREAD.value}
+VLLM_DEFAULTS: Mapping[str, object] = {"worker_loop": WorkerLoop.THREAD.value, "load_parts": 1}
 """Defaults that differ in vLLM: its workers make their own threads and process layout, and the
-scheduler's calls live in another process, so the runtime's loop gets a thread of its own."""
+scheduler's calls live in another process, so the runtime's loop gets a thread of its own; a
+fenced load lands whole (``ENGINE_ONLY_KEYS``)."""
 
 OFFLOADED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec)
 """The KV cache spec types kvflow offloads (exact types: a subclass may change what a block
