@@ -19,6 +19,7 @@ store waits (device-side) on the compute fence, a load on any in-flight store of
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -257,10 +258,7 @@ class CudaBackend(BatchIssue):
         self._event_of(fence)
         assert isinstance(fence, CudaFence)
         k = self._deferred.pending_index(fence)
-        if k is not None:
-            self._deferred.through(k + 1)  # this part, and the next queued behind it
-        else:
-            self._deferred.finish()
+        self._issue_deferred(None if k is None else k + 1)  # this part, and the next behind it
         if fence.issued is not None:  # a load's part: waits for its own issue only
             if not fence.issued.wait(timeout_s):
                 raise DeadlineError(
@@ -355,7 +353,7 @@ class CudaBackend(BatchIssue):
     # -- copies --------------------------------------------------------------------------------
 
     def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> CudaFence:
-        self._deferred.finish()
+        self._issue_deferred()
         work, waits = self._work(batch, wait_for)
         self._ctx.enter()
         fence = CudaFence(self._fence_events.take(), self, launched=False, pool=self._fence_events)
@@ -370,10 +368,11 @@ class CudaBackend(BatchIssue):
         (``compute_wait``), which the host may do as soon as that part is issued. Without a
         launch thread, part 0 is issued here and each later part as the engine waits for the
         one before it (``DeferredIssue``)."""
-        self._deferred.finish()
+        self._issue_deferred()
         work, waits = self._work(batch, wait_for)
         if parts is not self._prepared:  # made already, unless the runtime did not ask
             self.prepare_parts(parts)
+        self._ctx.enter()
         fence = CudaFence(self._fence_events.take(), self, launched=False, pool=self._fence_events)
         part_fences = tuple(
             CudaFence(self._plain_events.take(), self, launched=False, pool=self._plain_events)
@@ -393,6 +392,16 @@ class CudaBackend(BatchIssue):
             )
             self._deferred.start(job, part_fences)
         return fence, part_fences
+
+    def _issue_deferred(self, upto: int | None = None) -> None:
+        """Issue the pending load's parts through part ``upto`` (None: all that is left), on
+        this thread with the device's context current."""
+        if self._deferred.pending:
+            self._ctx.enter()
+            if upto is None:
+                self._deferred.finish()
+            else:
+                self._deferred.through(upto)
 
     def prepare_parts(self, parts: LayerParts) -> None:
         """Upload the kernel's region table of each part of a staged group now (``CopiesInParts``):
@@ -453,7 +462,7 @@ class CudaBackend(BatchIssue):
 
     def wait_launched(self) -> None:
         """Block until every submitted batch has been handed to the driver (its fence recorded)."""
-        self._deferred.finish()
+        self._issue_deferred()
         if self._launcher is not None:
             self._launcher.drain()
 
@@ -476,6 +485,8 @@ class CudaBackend(BatchIssue):
     def close(self) -> None:
         if self._closed:
             return
+        with contextlib.suppress(Exception):  # closing whatever the driver says
+            self._issue_deferred()
         self._deferred.close()
         self.flush()
         self._closed = True

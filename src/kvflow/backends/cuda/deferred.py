@@ -12,7 +12,6 @@ in the order they were submitted.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Generator, Sequence
 
@@ -51,6 +50,11 @@ class DeferredIssue:
                     return
             self._job = None  # the generator ran to its end: every part and the fence issued
 
+    @property
+    def pending(self) -> bool:
+        """Whether a load's issue is left to run."""
+        return self._job is not None
+
     def pending_index(self, fence: object) -> int | None:
         """``fence``'s part index if it belongs to the pending load, else None."""
         if self._job is None:
@@ -66,9 +70,7 @@ class DeferredIssue:
             self.through(len(self._parts))
 
     def close(self) -> None:
-        """Finish the pending load's issue, whatever fails: the backend is closing."""
-        with contextlib.suppress(Exception):
-            self.finish()
+        """Drop what is left (the backend is closing and has issued it, or could not)."""
         self._job = None
 
 
