@@ -703,20 +703,26 @@ def _pages(t: Any, style: str, ids: list[int]) -> Any:
     return (u8.index_select(1, index) if style == "flash" else u8.index_select(0, index)).cpu()
 
 
-@pytest.mark.parametrize("launch_thread", [True, False])
+@pytest.mark.parametrize("issue", ["thread", "caller", "deferred"])
 @pytest.mark.parametrize("method", ["staged", "direct"])
 @pytest.mark.parametrize("style", ["flash", "mla"])
 def test_a_load_in_parts_is_readable_layer_by_layer_behind_each_parts_wait(
-    make_backend: Any, style: str, method: str, launch_thread: bool
+    make_backend: Any, style: str, method: str, issue: str
 ) -> None:
     """A load landed in two parts by layer: compute that waited for part 0 reads its layers'
     loaded bytes, compute after part 1's wait reads the rest, and the whole batch's fence is
-    done; across staging slots (more blocks than a slot holds) too."""
+    done; across staging slots (more blocks than a slot holds) too; issued on the launch thread,
+    all in ``submit_parts``, or part by part as the waits come."""
     from kvflow.core.layout import layer_parts
 
     n, count = 64, 40
     kv = make_kv(style, torch.bfloat16, 16 * KiB, n, layers=4)
-    backend = make_backend(method=method, launch_thread=launch_thread, slot_bytes=1 << 20)
+    backend = make_backend(
+        method=method,
+        launch_thread=issue == "thread",
+        defer_parts=issue == "deferred",
+        slot_bytes=1 << 20,
+    )
     layout = backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([48])
     rng = np.random.default_rng(7)
@@ -755,7 +761,7 @@ def test_a_failed_part_fails_its_wait_and_its_batch(
     from kvflow.core.layout import layer_parts
 
     kv = make_kv("flash", torch.bfloat16, 16 * KiB, 16, layers=4)
-    backend = make_backend(method="staged", launch_thread=launch_thread)
+    backend = make_backend(method="staged", launch_thread=launch_thread, defer_parts=True)
     layout = backend.register_kv_caches(kv, 16)
     backend.allocate_cpu_tier([16])
     real = backend._copy_group
@@ -784,7 +790,9 @@ def test_without_a_launch_thread_a_loads_parts_are_issued_one_ahead_of_the_waits
 
     n = 32
     kv = make_kv("flash", torch.bfloat16, 16 * KiB, n, layers=6)
-    backend = make_backend(method="staged", launch_thread=False, completion_threads=False)
+    backend = make_backend(
+        method="staged", launch_thread=False, completion_threads=False, defer_parts=True
+    )
     layout = backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([n])
     ids = list(range(8))

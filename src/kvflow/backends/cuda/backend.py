@@ -380,8 +380,8 @@ class CudaBackend(BatchIssue):
         )
         for part in part_fences:
             part.issued = threading.Event()
-        if self._launcher is not None:
-            self._launcher.put(
+        if self._launcher is not None or not self.config.defer_parts:
+            self._launch(
                 functools.partial(
                     self._issue, batch.direction, work, waits, fence, parts.spans, part_fences
                 )

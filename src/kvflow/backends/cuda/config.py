@@ -44,6 +44,9 @@ class CudaConfig:
     """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
     launch_thread: bool = True
     """Issue driver calls on a launch thread; False issues them inside ``submit``."""
+    defer_parts: bool = True
+    """Without a launch thread: issue a load's later parts as the engine waits for the part
+    before each (``DeferredIssue``) rather than all of them in ``submit_parts``."""
     completion_threads: bool = True
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
