@@ -44,9 +44,11 @@ class CudaConfig:
     """False forces the per-copy ``cuMemcpyAsync`` fallback (what an old driver gets)."""
     launch_thread: bool = True
     """Issue driver calls on a launch thread; False issues them inside ``submit``."""
-    defer_parts: bool = True
+    defer_parts: bool = False
     """Without a launch thread: issue a load's later parts as the engine waits for the part
-    before each (``DeferredIssue``) rather than all of them in ``submit_parts``."""
+    before each (``DeferredIssue``) rather than all of them in ``submit_parts``. Off by default:
+    a part's copies are one DMA per block, so issuing them between the forward's layers left the
+    host, not the GPU, setting the fenced step's pace (docs/benchmarks.md, thirtieth session)."""
     completion_threads: bool = True
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
