@@ -8,23 +8,17 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from tests.runtime.fenced_helpers import FACADES, load_spec, stored
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.fake import FakeBackend
 from kvflow.backends.host import HostBackend, HostFence
-from kvflow.core.protocol import StepPlan, TransferSpec
+from kvflow.core.protocol import StepPlan
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError, DeadlineError
 from kvflow.runtime.inline import InlineSyncWorker
-from kvflow.runtime.threaded import ThreadedSyncWorker
 from kvflow.runtime.timeouts import Timeouts
 from kvflow.runtime.worker import WorkerOptions
-
-FACADES = pytest.mark.parametrize("facade", [ThreadedSyncWorker, InlineSyncWorker])
-
-
-def _load(tid: int, gpu: list[int], cpu: list[int]) -> TransferSpec:
-    return TransferSpec(tid, f"r{tid}", Direction.LOAD, [gpu], [cpu])
 
 
 @FACADES
@@ -35,16 +29,9 @@ def test_fenced_load_has_landed_when_start_load_kv_returns(facade: Any) -> None:
     with facade(HostBackend(), WorkerOptions()) as rt:
         rt.register_kv_caches(caches, 8)
         rt.allocate_cpu_tier(4)
-        store = TransferSpec(1, "a", Direction.STORE, [[1, 2]], [[0, 3]])
-        rt.bind_connector_metadata(StepPlan(1, stores=(store,)))
-        rt.start_load_kv()
-        rt.wait_for_save()
-        rt.flush()
-        want = {n: t[:, 1:3].clone() for n, t in caches.items()}
-        for t in caches.values():
-            t.zero_()
+        want = stored(rt, caches)
         rt.bind_connector_metadata(
-            StepPlan(2, loads=(_load(2, [5, 6], [0, 3]),), fenced_loads=(2,))
+            StepPlan(2, loads=(load_spec(2, [5, 6], [0, 3]),), fenced_loads=(2,))
         )
         rt.start_load_kv()
         for n, t in caches.items():
@@ -63,12 +50,14 @@ def test_compute_waits_for_the_fenced_loads_batch_only(facade: Any) -> None:
     with facade(backend, WorkerOptions()) as rt:
         rt.register_kv_caches(caches, 8)
         rt.allocate_cpu_tier(4)
-        rt.bind_connector_metadata(StepPlan(1, loads=(_load(1, [1], [0]),)))
+        rt.bind_connector_metadata(StepPlan(1, loads=(load_spec(1, [1], [0]),)))
         rt.start_load_kv()
         rt.wait_for_save()
         rt.get_finished()
         assert backend.compute_waits == []
-        plan = StepPlan(2, loads=(_load(2, [2], [1]), _load(3, [3], [2])), fenced_loads=(2, 3))
+        plan = StepPlan(
+            2, loads=(load_spec(2, [2], [1]), load_spec(3, [3], [2])), fenced_loads=(2, 3)
+        )
         rt.bind_connector_metadata(plan)
         rt.start_load_kv()
         (waited,) = backend.compute_waits
@@ -88,9 +77,9 @@ def test_a_plan_fencing_a_transfer_it_does_not_load_is_refused(facade: Any) -> N
         rt.allocate_cpu_tier(4)
         with pytest.raises(ConfigError, match=r"step 1: fenced loads \[9\] are not its loads"):
             rt.bind_connector_metadata(
-                StepPlan(1, loads=(_load(1, [1], [0]),), fenced_loads=(1, 9))
+                StepPlan(1, loads=(load_spec(1, [1], [0]),), fenced_loads=(1, 9))
             )
-        rt.bind_connector_metadata(StepPlan(1, loads=(_load(1, [1], [0]),), fenced_loads=(1,)))
+        rt.bind_connector_metadata(StepPlan(1, loads=(load_spec(1, [1], [0]),), fenced_loads=(1,)))
         rt.start_load_kv()
         rt.wait_for_save()
         rt.get_finished()
@@ -115,7 +104,7 @@ def test_a_fenced_load_that_never_lands_is_a_deadline_error() -> None:
     with InlineSyncWorker(_NeverLands(), options) as rt:
         rt.register_kv_caches({"l0": torch.zeros(2, 8, 4, 2, 8)}, 8)
         rt.allocate_cpu_tier(4)
-        rt.bind_connector_metadata(StepPlan(1, loads=(_load(1, [1], [0]),), fenced_loads=(1,)))
+        rt.bind_connector_metadata(StepPlan(1, loads=(load_spec(1, [1], [0]),), fenced_loads=(1,)))
         with pytest.raises(DeadlineError, match=r"fenced load's copies not done after 0\.0 s"):
             rt.start_load_kv()
         for fence in _NeverLands.stuck:

@@ -10,19 +10,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.runtime.fenced_helpers import FACADES, load_spec, stored
 
 from kvflow.backends.base import CopyBatch, Fence, FenceStatus
 from kvflow.backends.fake import FakeBackend
 from kvflow.backends.host import HostBackend
 from kvflow.connector.config import OffloadConfig
-from kvflow.core.protocol import StepPlan, TransferSpec
+from kvflow.core.protocol import StepPlan
 from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError, ProtocolError
 from kvflow.runtime.inline import InlineSyncWorker
-from kvflow.runtime.threaded import ThreadedSyncWorker
 from kvflow.runtime.worker import WorkerOptions
 
-FACADES = pytest.mark.parametrize("facade", [ThreadedSyncWorker, InlineSyncWorker])
 LAYERS = [f"l{i}" for i in range(4)]
 
 
@@ -36,33 +35,14 @@ def _ready(rt: Any, caches: dict[str, torch.Tensor] | None = None) -> None:
     rt.allocate_cpu_tier(4)
 
 
-def _load(tid: int, gpu: list[int], cpu: list[int]) -> TransferSpec:
-    return TransferSpec(tid, f"r{tid}", Direction.LOAD, [gpu], [cpu])
-
-
 def _fenced_load_plan(step: int, tid: int = 2) -> StepPlan:
-    return StepPlan(step, loads=(_load(tid, [5, 6], [0, 3]),), fenced_loads=(tid,))
+    return StepPlan(step, loads=(load_spec(tid, [5, 6], [0, 3]),), fenced_loads=(tid,))
 
 
 def _start_fenced(rt: Any, step: int) -> None:
     """Bind a plan fencing one load (transfer ``step``) and start it, layer by layer."""
     rt.bind_connector_metadata(_fenced_load_plan(step, tid=step))
     rt.start_load_kv(layerwise=True)
-
-
-def _stored(rt: Any, caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Store GPU blocks 1, 2 into CPU blocks 0, 3 and zero the caches; returns their bytes."""
-    rt.bind_connector_metadata(
-        StepPlan(1, stores=(TransferSpec(1, "a", Direction.STORE, [[1, 2]], [[0, 3]]),))
-    )
-    rt.start_load_kv()
-    rt.wait_for_save()
-    rt.flush()
-    rt.get_finished()
-    want = {n: t[:, 1:3].clone() for n, t in caches.items()}
-    for t in caches.values():
-        t.zero_()
-    return want
 
 
 @FACADES
@@ -73,7 +53,7 @@ def test_each_layer_waits_for_its_own_part_on_the_host(facade: Any) -> None:
     with facade(HostBackend(), WorkerOptions(load_parts=2)) as rt:
         _ready(rt, caches)
         assert rt.runtime.load_parts_of is not None
-        want = _stored(rt, caches)
+        want = stored(rt, caches)
         rt.bind_connector_metadata(_fenced_load_plan(2))
         rt.start_load_kv(layerwise=True)
         rt.wait_for_layer_load("l1")
@@ -170,7 +150,7 @@ def test_a_failed_part_fails_its_load_and_lets_the_step_report_it(facade: Any) -
     caches = _caches()
     with facade(_SecondPartFails(), WorkerOptions(load_parts=2)) as rt:
         _ready(rt, caches)
-        want = _stored(rt, caches)
+        want = stored(rt, caches)
         rt.bind_connector_metadata(_fenced_load_plan(2))
         rt.start_load_kv(layerwise=True)
         rt.wait_for_layer_load("l0")
@@ -258,7 +238,7 @@ def test_a_failed_part_is_in_the_steps_report_even_when_the_backend_reports_it_l
     caches = _caches()
     with facade(_FailureSeenLate(), WorkerOptions(load_parts=2)) as rt:
         _ready(rt, caches)
-        _stored(rt, caches)
+        stored(rt, caches)
         rt.bind_connector_metadata(_fenced_load_plan(2))
         rt.start_load_kv(layerwise=True)
         for name in LAYERS:
