@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from attrs import field, fields, frozen
 
 from kvflow.core.offload import FenceLoads, GroupSpec, OffloadManagerConfig, StorePolicy
-from kvflow.core.validate import timeout_s
+from kvflow.core.validate import positive_int, timeout_s
 from kvflow.errors import ConfigError
 from kvflow.runtime.sync_worker import WorkerLoop
 from kvflow.runtime.timeouts import DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, Timeouts
@@ -264,9 +264,7 @@ class OffloadConfig:
                 f"cpu_bytes={self.cpu_bytes} is more than this machine's memory ({memory} bytes)"
             )
         for name in ("lazy_watermark", "world_size", "eager_store_interval", "load_parts"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, getattr(self, name))
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> OffloadConfig:

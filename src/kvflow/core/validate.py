@@ -33,6 +33,12 @@ def strict_int(name: str, value: object, *, minimum: int = 0) -> int:
     return value
 
 
+def positive_int(name: str, value: object) -> None:
+    """``ConfigError`` naming ``name`` unless ``value`` is an int (not a bool) above 0."""
+    if type(value) is not int or value <= 0:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+
 def timeout_s(name: str, value: object) -> float:
     """A timeout in seconds: a finite number >= 0 (inf or nan would make a wait unbounded)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -316,6 +322,7 @@ __all__ = [
     "id_problem",
     "plan",
     "plan_order",
+    "positive_int",
     "scheduler_output",
     "step_entries",
     "strict_int",

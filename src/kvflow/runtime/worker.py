@@ -60,8 +60,7 @@ class WorkerOptions:
     (``CopiesInParts``) and the engine waits layer by layer; 1: whole."""
 
     def __attrs_post_init__(self) -> None:
-        if type(self.load_parts) is not int or self.load_parts < 1:
-            raise ConfigError(f"load_parts must be a positive int, got {self.load_parts!r}")
+        validate.positive_int("load_parts", self.load_parts)
 
 
 @define(eq=False, slots=True)
@@ -114,8 +113,7 @@ class WorkerRuntime:
     def __attrs_post_init__(self) -> None:
         if self.rank < 0:
             raise ConfigError(f"negative rank {self.rank}")
-        if type(self.load_parts) is not int or self.load_parts < 1:
-            raise ConfigError(f"load_parts must be a positive int, got {self.load_parts!r}")
+        validate.positive_int("load_parts", self.load_parts)
         self._no_news = StepReport(rank=self.rank)
         self.reactor = Reactor(self.backend, self.clock, self.min_backoff, self.max_backoff)
         self.executor = DmaExecutor(

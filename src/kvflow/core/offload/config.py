@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from attrs import field, frozen
 
+from kvflow.core.validate import positive_int
 from kvflow.errors import ConfigError
 
 LAZY_REQUEST_ID = "<lazy>"
@@ -46,11 +47,6 @@ class ResetStatus(enum.StrEnum):
     PENDING = "pending"  # transfers were in flight; the reset completes when they settle
 
 
-def _positive(name: str, value: int) -> None:
-    if type(value) is not int or value <= 0:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-
-
 @frozen
 class GroupSpec:
     """One KV cache group as the manager sees it.
@@ -65,10 +61,10 @@ class GroupSpec:
     block_bytes: int = 0
 
     def __attrs_post_init__(self) -> None:
-        _positive("block_size", self.block_size)
-        _positive("num_cpu_blocks", self.num_cpu_blocks)
+        positive_int("block_size", self.block_size)
+        positive_int("num_cpu_blocks", self.num_cpu_blocks)
         if self.sliding_window is not None:
-            _positive("sliding_window", self.sliding_window)
+            positive_int("sliding_window", self.sliding_window)
         if type(self.block_bytes) is not int or self.block_bytes < 0:
             raise ConfigError(f"block_bytes must be a non-negative int, got {self.block_bytes!r}")
 
@@ -129,15 +125,15 @@ class OffloadManagerConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.num_gpu_blocks is not None:
-            _positive("num_gpu_blocks", self.num_gpu_blocks)
+            positive_int("num_gpu_blocks", self.num_gpu_blocks)
         if not self.groups:
             raise ConfigError("OffloadManagerConfig needs at least one KV cache group")
         for g, spec in enumerate(self.groups):
             if not isinstance(spec, GroupSpec):
                 raise ConfigError(f"group {g} must be a GroupSpec, not {type(spec).__name__}")
-        _positive("world_size", self.world_size)
-        _positive("lazy_watermark", self.lazy_watermark)
-        _positive("eager_store_interval", self.eager_store_interval)
+        positive_int("world_size", self.world_size)
+        positive_int("lazy_watermark", self.lazy_watermark)
+        positive_int("eager_store_interval", self.eager_store_interval)
 
 
 @frozen
