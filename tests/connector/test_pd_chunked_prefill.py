@@ -124,7 +124,8 @@ def test_d_abort_mid_stream_holds_d_s_blocks_until_the_hand_off_drained() -> Non
     stay out of D's pool until P acknowledged and every chunk settled; P serves on."""
     pd = Pair(**CHUNKED)
     try:
-        tid = pd.start_concurrent("r0", PROMPTS[1], MAX_TOKENS)
+        # The claim first: a claim that lands after P's prefill finished streams nothing.
+        (tid,) = claims_before_prefill(pd, [PROMPTS[1]], MAX_TOKENS)
         step_until(pd, pd.dc.driver.manager.transfers, tid, lambda t: t.state is DState.IN_FLIGHT)
         free_before = pd.d.blocks.num_free_blocks()
         assert pd.d.abort_request("r0")
@@ -141,7 +142,8 @@ def test_p_abort_mid_stream_drains_and_d_recomputes_with_identical_output() -> N
     pushes settled, D's hand-off fails and D computes the prompt itself, same output."""
     pd = Pair(**CHUNKED)
     try:
-        tid = pd.start_concurrent("r0", PROMPTS[1], MAX_TOKENS)
+        # The claim first: a claim that lands after P's prefill finished streams nothing.
+        (tid,) = claims_before_prefill(pd, [PROMPTS[1]], MAX_TOKENS)
         transfers = pd.pc.driver.manager.transfers
         step_until(pd, transfers, tid, lambda t: t.state is PState.STREAMING and bool(t.chunks))
         assert pd.p.abort_request("r0")
