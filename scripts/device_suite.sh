@@ -10,13 +10,14 @@
 #
 # Steps: tests, step (one decode step, eager vs CUDA graphs), reload (16k reload and 0 % reuse),
 # noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
-# its own), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
+# its own), noreuse-parts (0 % reuse, bf16, with --step-parts), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), connector-ab (the same at 512 blocks, this
 # tree against the base tree unpacked at BASE_SRC, default .base/src, AB_ROUNDS processes each,
 # interleaved), step-ab / multiround-ab (the decode step with and without the offload connector /
 # kvflow bench's bf16 workload with --step-parts, this tree against BASE_SRC, AB_ROUNDS each,
-# default 2, alternating), multiround-fence (that workload with --fence-loads never and idle,
+# default 2, alternating), multiround-trees (that workload on each tree of TREES, "name=src-dir"
+# pairs, AB_ROUNDS each, alternating), multiround-fence (that workload with --fence-loads never and idle,
 # AB_ROUNDS each, alternating), multiround-parts (that workload's fenced loads whole and in
 # LOAD_PARTS parts by layer, default 4 (a list: each), AB_ROUNDS each, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
@@ -74,6 +75,9 @@ for step in $STEPS; do
     noreuse-lazy)
       run noreuse_lazy 150 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat 9 --store-policy lazy --json "$OUT/noreuse_lazy.json" ;;
+    noreuse-parts)  # bf16 0 % reuse with where each kind of step's time goes, off and on
+      run noreuse_parts 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
+        --scenario noreuse --repeat "${REPEAT:-9}" --step-parts --json "$OUT/noreuse_parts.json" ;;
     noreuse-fp32)
       run noreuse_fp32 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat "${REPEAT:-9}" --dtype float32 --json "$OUT/noreuse_fp32.json" ;;
@@ -114,6 +118,14 @@ for step in $STEPS; do
             run "multiround_$side$r" 150 env PYTHONPATH="$site$tree" python3 -m kvflow.cli \
               bench "${model[@]}" "${multi[@]}" --step-parts --json "$OUT/multiround_$side$r.json"
           fi
+        done
+      done ;;
+    multiround-trees)  # that workload on each tree of TREES ("name=src-dir ..."), alternating
+      for r in $(seq "${AB_ROUNDS:-2}"); do
+        for named in ${TREES:-new=src}; do
+          run "multiround_${named%%=*}$r" 150 env PYTHONPATH="$site${named#*=}" python3 -m \
+            kvflow.cli bench "${model[@]}" "${multi[@]}" --step-parts \
+            --json "$OUT/multiround_${named%%=*}$r.json"
         done
       done ;;
     decode) run decode_attention 120 python3 scripts/bench_decode_attention.py ;;

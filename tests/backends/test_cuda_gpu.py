@@ -703,16 +703,23 @@ def _pages(t: Any, style: str, ids: list[int]) -> Any:
     return (u8.index_select(1, index) if style == "flash" else u8.index_select(0, index)).cpu()
 
 
+@pytest.mark.parametrize("cpu_ids", ["scattered", "runs"])
 @pytest.mark.parametrize("issue", ["thread", "caller", "deferred"])
 @pytest.mark.parametrize("method", ["staged", "direct"])
 @pytest.mark.parametrize("style", ["flash", "mla"])
 def test_a_load_in_parts_is_readable_layer_by_layer_behind_each_parts_wait(
-    make_backend: Any, style: str, method: str, issue: str
+    make_backend: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    style: str,
+    method: str,
+    issue: str,
+    cpu_ids: str,
 ) -> None:
     """A load landed in two parts by layer: compute that waited for part 0 reads its layers'
     loaded bytes, compute after part 1's wait reads the rest, and the whole batch's fence is
     done; across staging slots (more blocks than a slot holds) too; issued on the launch thread,
-    all in ``submit_parts``, or part by part as the waits come."""
+    all in ``submit_parts``, or part by part as the waits come; CPU ids scattered, or in two
+    runs over several pinned chunks, which the staged path copies as 2D copies."""
     from kvflow.core.layout import layer_parts
 
     n, count = 64, 40
@@ -722,12 +729,24 @@ def test_a_load_in_parts_is_readable_layer_by_layer_behind_each_parts_wait(
         launch_thread=issue == "thread",
         defer_parts=issue == "deferred",
         slot_bytes=1 << 20,
+        register_chunk_bytes=1 << 20,
     )
     layout = backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([48])
+    rows: list[int] = []
+    real_2d = backend._memcpy2d
+
+    def counted_2d(copies: Any, *args: Any) -> None:
+        rows.extend(copies.rows[args[1] : args[2]].tolist())
+        real_2d(copies, *args)
+
+    monkeypatch.setattr(backend, "_memcpy2d", counted_2d)
     rng = np.random.default_rng(7)
     src = rng.permutation(n)[:count].tolist()
-    cpu = rng.permutation(48)[:count].tolist()
+    if cpu_ids == "runs":
+        cpu = [*range(2, 22), *range(26, 46)]
+    else:
+        cpu = rng.permutation(48)[:count].tolist()
     want = {name: _pages(t, style, src) for name, t in kv.items()}
     backend.submit(store(src, cpu), [backend.compute_fence()])
     backend.flush()
@@ -749,6 +768,8 @@ def test_a_load_in_parts_is_readable_layer_by_layer_behind_each_parts_wait(
     assert sorted(early) == ["layer0", "layer1"]
     for name, t in {**early, **late}.items():
         assert torch.equal(_pages(t, style, dst), want[name]), name
+    # Each part's rows, once: both parts' 2D copies where they were used.
+    assert sum(rows) == (2 * count if cpu_ids == "runs" and method == "staged" else 0)
 
 
 @pytest.mark.parametrize("launch_thread", [True, False])

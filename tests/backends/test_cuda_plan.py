@@ -10,82 +10,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
+from tests.backends.plan_helpers import (
+    GPU_BASE,
+    apply,
+    assert_within_chunks,
+    flash_table,
+    reference_block,
+    simulated_memory,
+    tdesc,
+)
 
 from kvflow.backends.cuda import driver as drv
 from kvflow.backends.cuda.plan import (
-    Descriptors,
     RegionTable,
     block_ids,
     direct_descriptors,
     group_work,
-    part_plan,
-    ring_plan,
     runs,
     staged_plan,
     subbatch_bounds,
 )
-from kvflow.core.layout import TensorDesc, derive_layout
+from kvflow.core.layout import derive_layout
 from kvflow.errors import BackendError, ConfigError
-
-GPU_BASE = 1 << 20  # simulated address space: [GPU regions | CPU tier | staging]
-
-
-def tdesc(
-    name: str, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, ptr: int
-) -> TensorDesc:
-    return TensorDesc(
-        name=name, shape=shape, strides=strides, itemsize=itemsize, data_ptr=ptr, device="cuda:0"
-    )
-
-
-def flash_table(num_layers: int, num_blocks: int, page: int) -> RegionTable:
-    """A FlashAttention-style layout: per layer (2, N, page) placed back to back at GPU_BASE."""
-    tensors = {}
-    ptr = GPU_BASE
-    for i in range(num_layers):
-        name = f"layer{i}"
-        tensors[name] = tdesc(name, (2, num_blocks, page), (num_blocks * page, page, 1), 1, ptr)
-        ptr += 2 * num_blocks * page
-    return RegionTable.from_group(derive_layout(tensors, num_blocks).groups[0])
-
-
-def apply(memory: np.ndarray, desc: Descriptors, offset_dst: int = 0, offset_src: int = 0) -> None:
-    """Run a batch of copies on a simulated flat address space."""
-    for d, s, n in zip(desc.dst.tolist(), desc.src.tolist(), desc.size.tolist(), strict=True):
-        memory[d + offset_dst : d + offset_dst + n] = memory[s + offset_src : s + offset_src + n]
-
-
-def reference_block(memory: np.ndarray, table: RegionTable, gpu_id: int) -> np.ndarray:
-    """The bytes a block-major CPU block must hold for GPU block ``gpu_id``."""
-    pages = [
-        memory[int(b) + gpu_id * int(st_) : int(b) + gpu_id * int(st_) + int(p)]
-        for b, st_, p in zip(table.base, table.stride, table.page, strict=True)
-    ]
-    return np.concatenate(pages)
-
-
-def simulated_memory(table: RegionTable, blocks_per_slot: int) -> tuple[np.ndarray, int, int, int]:
-    """A flat address space for ``table``'s GPU regions, a CPU tier of 8 blocks more than the
-    GPU's and two staging slots: (memory, CPU tier base, CPU blocks, staging base)."""
-    gpu_bytes = int((table.stride * table.num_blocks).sum())
-    cpu_base = GPU_BASE + gpu_bytes
-    cpu_blocks = table.num_blocks + 8
-    staging = cpu_base + cpu_blocks * table.block_bytes
-    memory = np.zeros(staging + 2 * blocks_per_slot * table.block_bytes, dtype=np.uint8)
-    return memory, cpu_base, cpu_blocks, staging
-
-
-def assert_within_chunks(
-    host: np.ndarray, size: np.ndarray, cpu_base: int, block_bytes: int, chunk_blocks: int
-) -> None:
-    """Every copy's CPU-side bytes lie inside one pinned chunk of ``chunk_blocks`` blocks (the
-    driver refuses a copy over two separately pinned ranges); 0 means one chunk."""
-    if chunk_blocks <= 0:
-        return
-    for at, n in zip(host.tolist(), size.tolist(), strict=True):
-        first = (at - cpu_base) // block_bytes
-        last = (at + n - 1 - cpu_base) // block_bytes
-        assert first // chunk_blocks == last // chunk_blocks, (at, n, chunk_blocks)
 
 
 def test_block_ids_rejects_out_of_range() -> None:
@@ -642,132 +588,6 @@ def test_a_landing_clock_keeps_its_mark_then_renews_it(monkeypatch: pytest.Monke
     monkeypatch.setattr(timing, "MARK_MAX_AGE_S", -1.0)
     assert clock.ago("end") is not None
     assert len(made) == 2
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    num_layers=st.integers(2, 5),
-    page=st.sampled_from([16, 48]),
-    picks=st.lists(st.integers(0, 15), min_size=1, max_size=12, unique=True),
-    blocks_per_slot=st.integers(1, 6),
-    ramp_blocks=st.integers(0, 4),
-    cut=st.integers(1, 4),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_a_load_in_parts_lands_each_parts_layers_and_only_those(
-    num_layers: int,
-    page: int,
-    picks: list[int],
-    blocks_per_slot: int,
-    ramp_blocks: int,
-    cut: int,
-    seed: int,
-) -> None:
-    """A load cut in two parts by region (``part_plan`` DMA into a slot, then the scatter over
-    the packed ``subset``, in numpy): after the first part, exactly its regions of every block
-    are back; after the second, every region; a part's direct copies (``subset``) do the same."""
-    num_blocks = 16
-    table = flash_table(num_layers, num_blocks, page)
-    cut = 2 * min(cut, num_layers - 1)  # at a layer's edge: K and V together
-    memory, cpu_base, cpu_blocks, staging = simulated_memory(table, blocks_per_slot)
-    rng = np.random.default_rng(seed)
-    memory[GPU_BASE:cpu_base] = rng.integers(0, 256, cpu_base - GPU_BASE, dtype=np.uint8)
-    gpu = np.array(picks, dtype=np.int64)
-    cpu = rng.permutation(cpu_blocks)[: len(picks)].astype(np.int64)
-    expected = [reference_block(memory, table, int(g)) for g in gpu]
-    apply(memory, direct_descriptors(table, gpu, cpu, cpu_base, store=True))
-
-    def region_ok(r: int) -> bool:
-        b, st_, p = int(table.base[r]), int(table.stride[r]), int(table.page[r])
-        off = int(table.cpu_offset[r])
-        return all(
-            np.array_equal(memory[b + int(g) * st_ : b + int(g) * st_ + p], e[off : off + p])
-            for g, e in zip(gpu, expected, strict=True)
-        )
-
-    for staged in (True, False):
-        memory[GPU_BASE:cpu_base] = 0
-        for lo, hi in ((0, cut), (cut, table.num_regions)):
-            if staged:
-                packed = table.subset(lo, hi, packed=True)
-                plan = part_plan(
-                    table,
-                    lo,
-                    hi,
-                    cpu,
-                    cpu_base,
-                    blocks_per_slot=blocks_per_slot,
-                    store=False,
-                    ramp_blocks=ramp_blocks,
-                )
-                assert plan.bounds[-1] == len(gpu)
-                for k in range(plan.num_subbatches):
-                    a, z = int(plan.bounds[k]), int(plan.bounds[k + 1])
-                    slot = staging + (k % 2) * blocks_per_slot * table.block_bytes
-                    dma = plan.dma.slice(int(plan.desc_bounds[k]), int(plan.desc_bounds[k + 1]))
-                    assert dma.total_bytes == (z - a) * packed.block_bytes
-                    apply(memory, dma, slot)
-                    for i, t in enumerate(gpu[a:z]):  # the scatter kernel's job, in numpy
-                        block = memory[
-                            slot + i * packed.block_bytes : slot + (i + 1) * packed.block_bytes
-                        ]
-                        for r in range(packed.num_regions):
-                            off, p = int(packed.cpu_offset[r]), int(packed.page[r])
-                            at = int(packed.base[r]) + int(t) * int(packed.stride[r])
-                            memory[at : at + p] = block[off : off + p]
-            else:
-                apply(
-                    memory,
-                    direct_descriptors(table.subset(lo, hi), gpu, cpu, cpu_base, store=False),
-                )
-            landed = [region_ok(r) for r in range(table.num_regions)]
-            assert landed == [r < hi for r in range(table.num_regions)]
-
-
-def test_part_plan_refuses_regions_outside_the_group() -> None:
-    """A part naming regions the group does not have is a ConfigError."""
-    table = flash_table(2, 4, 16)
-    with pytest.raises(ConfigError, match=r"regions 2\.\.4 of a group of 4"):
-        part_plan(table, 2, 5, np.arange(2), 0, blocks_per_slot=2, store=False)
-
-
-@pytest.mark.parametrize("regions", [None, (2, 6)])
-@pytest.mark.parametrize("store", [True, False])
-def test_ring_plan_places_sub_batches_on_the_slots_in_turn(
-    regions: tuple[int, int] | None, store: bool
-) -> None:
-    """A batch's sub-batches (a slot's worth of whole blocks, or of a part's pages, each)
-    go to the ring's slots in turn from the next one, every staging address inside its slot."""
-    table = flash_table(4, 16, 64)  # 512-byte blocks; regions 2..5: 256 bytes of them
-    slot_bytes, base = 1024, 1 << 30
-    cpu = np.arange(9, dtype=np.int64)[::-1].copy()
-    placed = ring_plan(
-        table,
-        cpu,
-        0,
-        regions=regions,
-        ring=(base, slot_bytes, 2, 3),
-        max_blocks=512,
-        chunk_blocks=0,
-        ramp_bytes=0,
-        store=store,
-    )
-    per_block = 512 if regions is None else 256
-    assert placed.block_bytes == per_block
-    per_slot = slot_bytes // per_block
-    assert np.diff(placed.plan.bounds).tolist() == [per_slot] * (9 // per_slot) + (
-        [9 % per_slot] if 9 % per_slot else []
-    )
-    n = placed.plan.num_subbatches
-    assert placed.slots == [(2 + k) % 3 for k in range(n)]
-    assert placed.slot_ptrs == [base + s * slot_bytes for s in placed.slots]
-    staging = placed.dma.src if store else placed.dma.dst
-    for k in range(n):
-        lo, hi = int(placed.plan.desc_bounds[k]), int(placed.plan.desc_bounds[k + 1])
-        for at, size in zip(staging[lo:hi].tolist(), placed.dma.size[lo:hi].tolist(), strict=True):
-            assert placed.slot_ptrs[k] <= at
-            assert at + size <= placed.slot_ptrs[k] + slot_bytes
-    assert placed.dma.total_bytes == 9 * per_block
 
 
 def test_group_work_checks_the_whole_batch_and_skips_empty_groups() -> None:

@@ -80,6 +80,7 @@ class CudaBackend(BatchIssue):
                 )
         else:
             self.batch_error = "disabled by CudaConfig.use_batch_memcpy"
+        self._memcpy2d = drv.Memcpy2D()
         self._lanes = {
             d: Lane(
                 dma=drv.lowest_priority_stream(),

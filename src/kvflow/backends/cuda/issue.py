@@ -21,7 +21,13 @@ from kvflow.backends.cuda.config import CudaConfig
 from kvflow.backends.cuda.jobs import JobThread
 from kvflow.backends.cuda.kernels import MAX_IDS, PIECE_BYTES, StageKernel
 from kvflow.backends.cuda.pinned import PinnedTier
-from kvflow.backends.cuda.plan import Descriptors, RegionTable, direct_descriptors, ring_plan
+from kvflow.backends.cuda.plan import (
+    Copies,
+    Pitched,
+    RegionTable,
+    direct_descriptors,
+    ring_plan,
+)
 from kvflow.backends.cuda.streams import CudaFence, Lane, enter_stream, join_streams
 from kvflow.backends.cuda.timing import IssueStats, Timing
 from kvflow.core.logs import get_logger
@@ -49,6 +55,7 @@ class BatchIssue:
     _waiters: dict[Direction, JobThread]
     _wakeup: Callable[[], None] | None
     _batch: drv.BatchMemcpy | None
+    _memcpy2d: drv.Memcpy2D
     _kernel: StageKernel | None
     _table_dev: list[Any]
     _kernel_rows: list[int]
@@ -199,10 +206,14 @@ class BatchIssue:
         if waiter is not None:
             waiter.put(functools.partial(self._await, fence))
 
-    def _copy(self, desc: Descriptors, lane: Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
-        """Copy descriptors ``lo:hi`` of ``desc`` on ``stream``: one batched driver call, or
-        for a few copies (or without ``cuMemcpyBatchAsync``) one ``cuMemcpyAsync`` each."""
+    def _copy(self, desc: Copies, lane: Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
+        """Copy ``lo:hi`` of ``desc`` on ``stream``: 2D copies one driver call each; plain
+        descriptors in one batched driver call, or for a few copies (or without
+        ``cuMemcpyBatchAsync``) one ``cuMemcpyAsync`` each."""
         hi = len(desc) if hi < 0 else hi
+        if isinstance(desc, Pitched):
+            self._memcpy2d(desc, stream, lo, hi)
+            return
         if self._batch is not None and hi - lo >= self.config.batch_min_copies:
             self._batch.raw(
                 desc.dst.ctypes.data + 8 * lo,
@@ -250,6 +261,7 @@ class BatchIssue:
             chunk_blocks=tier.chunk_blocks(g),
             ramp_bytes=self.config.ramp_bytes,
             store=store,
+            pitched=self.config.pitched_parts,
         )
         plan, dma, bb = placed.plan, placed.dma, placed.block_bytes
         nsub = plan.num_subbatches

@@ -1,7 +1,8 @@
 """Copy descriptors for the CUDA backend, built with numpy: no per-chunk Python loops.
 
 Pure functions from block ids and a group's region table to the pointer/size arrays that
-``cuMemcpyBatchAsync`` takes, and to the run structure of the staged path. Nothing here touches
+``cuMemcpyBatchAsync`` takes (and the 2D copies of a load's part), and to the run structure of
+the staged path. Nothing here touches
 a device, so it is tested on any machine.
 """
 
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-from attrs import frozen
+from attrs import evolve, frozen
 
 from kvflow.core.layout import GroupLayout
 from kvflow.errors import ConfigError
@@ -211,12 +212,12 @@ class StagedPlan:
     """A group's blocks cut into sub-batches that each fit one staging slot.
 
     Sub-batch ``k`` holds blocks ``bounds[k]:bounds[k + 1]``, gathered into its slot in that order;
-    its DMA descriptors are ``dma.slice(desc_bounds[k], desc_bounds[k + 1])``, with staging-side
+    its DMA copies are ``dma.slice(desc_bounds[k], desc_bounds[k + 1])``, with staging-side
     addresses relative to the slot (add the slot's address before use).
     """
 
     bounds: I64
-    dma: Descriptors
+    dma: Copies
     desc_bounds: I64
 
     @property
@@ -358,6 +359,57 @@ def _staged_plan_arrays(
     )
 
 
+PITCHED_MIN_ROWS = 4
+"""``part_plan`` copies a part as 2D copies (``Pitched``: one per run of consecutive CPU blocks)
+when the runs average at least this many blocks; with shorter runs one descriptor per block in
+one batched call costs the host less than a driver call per run."""
+
+
+@frozen
+class Pitched:
+    """2D copies between CPU blocks and a staging slot: copy ``i`` moves ``rows[i]`` rows of
+    ``width`` bytes from ``src[i]`` to ``dst[i]``, the rows ``cpu_pitch`` apart on the CPU side
+    and back to back on the staging side (a part's pages of a run of consecutive CPU blocks:
+    contiguous inside each block, a block apart from one block to the next)."""
+
+    dst: U64
+    src: U64
+    rows: U64
+    width: int
+    cpu_pitch: int
+    store: bool
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def size(self) -> U64:
+        """Bytes of each copy (contiguous on the staging side)."""
+        return self.rows * np.uint64(self.width)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.rows.sum()) * self.width
+
+    def slice(self, lo: int, hi: int) -> Pitched:
+        return evolve(self, dst=self.dst[lo:hi], src=self.src[lo:hi], rows=self.rows[lo:hi])
+
+    def row_copies(self) -> Descriptors:
+        """The same copies as one plain descriptor per row."""
+        rows = self.rows.astype(np.int64)
+        first = np.repeat(np.cumsum(rows) - rows, rows)
+        row = np.arange(int(rows.sum()), dtype=np.int64) - first
+        cpu_step, slot_step = row * self.cpu_pitch, row * self.width
+        dst_step, src_step = (cpu_step, slot_step) if self.store else (slot_step, cpu_step)
+        dst = np.repeat(self.dst.view(np.int64), rows) + dst_step
+        src = np.repeat(self.src.view(np.int64), rows) + src_step
+        size = np.full(len(row), self.width, dtype=np.int64)
+        return Descriptors(_as_u64(dst), _as_u64(src), _as_u64(size))
+
+
+Copies = Descriptors | Pitched
+
+
 def part_plan(
     table: RegionTable,
     lo: int,
@@ -368,18 +420,41 @@ def part_plan(
     blocks_per_slot: int,
     store: bool,
     ramp_blocks: int = 0,
+    chunk_blocks: int = 0,
+    pitched: bool = True,
 ) -> StagedPlan:
     """``staged_plan`` for regions ``lo .. hi - 1`` of each block (one part of a load by
-    layer): inside a slot, block ``i`` of the sub-batch sits at ``i * part_bytes``, and the
-    part's pages, contiguous inside each CPU block, make one copy per block (consecutive
-    CPU blocks are not contiguous for a part; a block never spans two pinned chunks)."""
+    layer): inside a slot, block ``i`` of the sub-batch sits at ``i * part_bytes``. The part's
+    pages are contiguous inside each CPU block but not across consecutive blocks: a run of
+    consecutive CPU blocks (split at sub-batch and pinned-chunk boundaries) is one 2D copy
+    (``Pitched``) where runs are long enough (``PITCHED_MIN_ROWS``) and ``pitched``, otherwise
+    each block is one copy."""
     if not 0 <= lo < hi <= table.num_regions:
         raise ConfigError(f"regions {lo}..{hi - 1} of a group of {table.num_regions}")
     part = table.span_bytes(lo, hi)
     n = len(cpu_ids)
     bounds = subbatch_bounds(n, blocks_per_slot, ramp_blocks, store=store)
     slot_pos = np.arange(n, dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
-    cpu = cpu_base + cpu_ids * table.block_bytes + int(table.cpu_offset[lo])
+    first_page = cpu_base + int(table.cpu_offset[lo])
+    if pitched and n:
+        starts, lengths = runs(slot_pos, cpu_ids, chunk_blocks)
+        if len(starts) * PITCHED_MIN_ROWS <= n:
+            cpu = first_page + cpu_ids[starts] * table.block_bytes
+            slot_off = slot_pos[starts] * part
+            dst, src = (cpu, slot_off) if store else (slot_off, cpu)
+            return StagedPlan(
+                bounds=bounds,
+                dma=Pitched(
+                    _as_u64(dst),
+                    _as_u64(src),
+                    _as_u64(lengths),
+                    width=part,
+                    cpu_pitch=table.block_bytes,
+                    store=store,
+                ),
+                desc_bounds=np.searchsorted(starts, bounds).astype(np.int64),
+            )
+    cpu = first_page + cpu_ids * table.block_bytes
     slot_off = slot_pos * part
     size = np.full(n, part, dtype=np.int64)
     dst, src = (cpu, slot_off) if store else (slot_off, cpu)
@@ -399,7 +474,7 @@ class RingPlan:
     plan: StagedPlan
     slots: list[int]
     slot_ptrs: list[int]
-    dma: Descriptors
+    dma: Copies
     block_bytes: int
 
 
@@ -414,10 +489,12 @@ def ring_plan(
     chunk_blocks: int,
     ramp_bytes: int,
     store: bool,
+    pitched: bool = True,
 ) -> RingPlan:
-    """``staged_plan`` (or ``part_plan`` for ``regions``) over a ring of ``(base, slot bytes,
-    next slot, slots)``: sub-batches of at most a slot's worth of blocks and ``max_blocks``
-    (the kernel's ids per launch), placed on the slots in turn from the next one."""
+    """``staged_plan`` (or ``part_plan`` for ``regions``, with ``pitched``) over a ring of
+    ``(base, slot bytes, next slot, slots)``: sub-batches of at most a slot's worth of blocks
+    and ``max_blocks`` (the kernel's ids per launch), placed on the slots in turn from the next
+    one."""
     base, slot_bytes, first, nslots = ring
     bb = table.block_bytes if regions is None else table.span_bytes(*regions)
     per_slot = min(max_blocks, slot_bytes // bb)
@@ -441,6 +518,8 @@ def ring_plan(
             blocks_per_slot=per_slot,
             store=store,
             ramp_blocks=ramp,
+            chunk_blocks=chunk_blocks,
+            pitched=pitched,
         )
     )
     slots = (first + np.arange(plan.num_subbatches)) % nslots
@@ -448,16 +527,15 @@ def ring_plan(
     # Every staging-side address at once: each descriptor's slot base plus its offset in it.
     staging = plan.dma.src if store else plan.dma.dst
     staging = staging + np.repeat(slot_ptrs, np.diff(plan.desc_bounds))
-    dma = (
-        Descriptors(plan.dma.dst, staging, plan.dma.size)
-        if store
-        else Descriptors(staging, plan.dma.src, plan.dma.size)
-    )
+    dma = evolve(plan.dma, src=staging) if store else evolve(plan.dma, dst=staging)
     return RingPlan(plan, slots.tolist(), slot_ptrs.tolist(), dma, bb)
 
 
 __all__ = [
+    "PITCHED_MIN_ROWS",
+    "Copies",
     "Descriptors",
+    "Pitched",
     "RegionTable",
     "RingPlan",
     "StagedPlan",
