@@ -404,6 +404,25 @@ def test_lazy_invariants_hold_with_decode_steps(script: list[Event]) -> None:
     run("lazy", script, decode_steps=True)
 
 
+def test_a_block_stored_freed_again_and_taken_untold_leaves_the_quiet_walks_prefix() -> None:
+    """Blocks a preemption frees are picked for a store, come back behind the cursor and are
+    walked again; once the engine takes one of them untold, the quiet walk drops it from the
+    covered prefix as the told one does, and both store the same blocks in the same step (a
+    stale walk-order entry kept such a block covered: the store came a step late)."""
+    steps = [("step", 0, 12, "ok")] * 5 + [("step", 0, 5, "ok")] * 2
+    script = [("admit", base, 30, "ok") for base in range(len(BASES))] + [
+        *steps,
+        ("preempt", 0, 12, "ok"),
+        ("report", 0, 12, "ok"),
+        *[("step", 0, 12, "ok")] * 6,
+        ("step", 0, 5, "ok"),
+    ]
+    quiet = run("lazy", script, keyed=True, quiet_steps=True)
+    told = run("lazy", script, keyed=True, decode_steps=True)
+    assert quiet.sim.workers.plans == told.sim.workers.plans
+    assert any(len(plan.stores) for plan in told.sim.workers.plans[14:])
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(decode_events)
 def test_quiet_steps_plan_what_steps_with_the_running_news_plan(script: list[Event]) -> None:

@@ -9,7 +9,7 @@ walk reads each free block's key from the engine, so the policy's work per step 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from kvflow.core.gpu_view import BlockKey, GpuCacheView, KeyedGpuCacheView
 from kvflow.core.hashing import BlockHash
@@ -239,25 +239,35 @@ class LazyCursor:
         assert self._keyed is not None
         ahead = self._ahead
         order = self._order
+        if len(order) != len(ahead):
+            # Every block of ``ahead`` has an entry; more entries are stale: blocks that left
+            # the prefix (picked for a store, ``taken``), some of them walked again since.
+            order = self._order = self._compacted()
         first = self._keyed.first_free_in(ahead)
         k = len(order) if first is None else order.index(first)
         if k:
-            gone: Collection[int] = order[:k]
+            gone = order[:k]
             del order[:k]
-            if len(order) + k != len(ahead):
-                # A block taken and walked again has a later entry: it is still covered. (With
-                # as many entries as ``ahead`` has blocks, ``order`` holds each once: the
-                # steady state needs no such check.)
-                gone = set(gone).difference(order)
             ahead.difference_update(gone)
             stale = self._stale
             if stale:
                 for b in gone:
                     stale.pop(b, None)  # taken: its next content is computed after the reset
-        if len(order) > 2 * len(ahead) + self._watermark:
-            # Blocks taken from the middle of the prefix (``taken``) linger in ``order``.
-            self._order = [b for b in order if b in ahead]
         return self._watermark - len(ahead)
+
+    def _compacted(self) -> list[int]:
+        """``order`` with one entry per block of ``ahead``: its last, where the walk that covered
+        it last put it (an earlier entry is from before it left the free queue and came back
+        behind the cursor), so that the list is the covered prefix in queue order again."""
+        ahead = self._ahead
+        seen: set[int] = set()
+        kept = []
+        for b in reversed(self._order):
+            if b in ahead and b not in seen:
+                seen.add(b)
+                kept.append(b)
+        kept.reverse()
+        return kept
 
     def _walk_keyed(self, keyed: KeyedGpuCacheView) -> StoreBatch | None:
         """``walk`` over a keyed view: up to the budget of free blocks past the cursor, read
