@@ -60,6 +60,7 @@ def test_a_load_in_parts_is_readable_layer_by_layer_behind_each_parts_wait(
         defer_parts=issue == "deferred",
         slot_bytes=1 << 20,
         register_chunk_bytes=1 << 20,
+        pitched_parts=True,
     )
     layout = backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([48])
