@@ -2,8 +2,7 @@
 
 Pure functions from block ids and a group's region table to the pointer/size arrays that
 ``cuMemcpyBatchAsync`` takes (and the 2D copies of a load's part), and to the run structure of
-the staged path. Nothing here touches
-a device, so it is tested on any machine.
+the staged path. Nothing here touches a device, so it is tested on any machine.
 """
 
 from __future__ import annotations
@@ -333,6 +332,21 @@ def staged_plan(
     return _staged_plan_arrays(table, cpu_ids, cpu_base, bounds, chunk_blocks, store)
 
 
+def _slot_positions(bounds: I64) -> I64:
+    """Each block's place in its sub-batch's slot (``bounds`` from ``subbatch_bounds``)."""
+    return np.arange(int(bounds[-1]), dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
+
+
+def _slot_runs(cpu_ids: I64, bounds: I64, chunk_blocks: int) -> tuple[I64, I64, I64, I64]:
+    """``_slot_positions``, and the runs of blocks consecutive both there and in ``cpu_ids``
+    (a new sub-batch restarts at slot offset 0, so runs break there; they break at pinned-chunk
+    boundaries too): (slot places, run starts, run lengths, each sub-batch's first run, as
+    ``StagedPlan.desc_bounds``)."""
+    slot_pos = _slot_positions(bounds)
+    starts, lengths = runs(slot_pos, cpu_ids, chunk_blocks)
+    return slot_pos, starts, lengths, np.searchsorted(starts, bounds).astype(np.int64)
+
+
 def _staged_plan_arrays(
     table: RegionTable,
     cpu_ids: I64,
@@ -342,16 +356,12 @@ def _staged_plan_arrays(
     store: bool,
 ) -> StagedPlan:
     """``staged_plan`` for any CPU ids, in numpy (no loop per block or per run)."""
-    n = len(cpu_ids)
-    # A new sub-batch restarts at slot offset 0, so runs break there too.
-    slot_pos = np.arange(n, dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
-    starts, lengths = runs(slot_pos, cpu_ids, chunk_blocks)
+    slot_pos, starts, lengths, desc_bounds = _slot_runs(cpu_ids, bounds, chunk_blocks)
     bb = table.block_bytes
     slot_off = slot_pos[starts] * bb
     cpu = cpu_base + cpu_ids[starts] * bb
     size = lengths * bb
     dst, src = (cpu, slot_off) if store else (slot_off, cpu)
-    desc_bounds = np.searchsorted(starts, bounds).astype(np.int64)
     return StagedPlan(
         bounds=bounds,
         dma=Descriptors(_as_u64(dst), _as_u64(src), _as_u64(size)),
@@ -434,10 +444,9 @@ def part_plan(
     part = table.span_bytes(lo, hi)
     n = len(cpu_ids)
     bounds = subbatch_bounds(n, blocks_per_slot, ramp_blocks, store=store)
-    slot_pos = np.arange(n, dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
     first_page = cpu_base + int(table.cpu_offset[lo])
     if pitched and n:
-        starts, lengths = runs(slot_pos, cpu_ids, chunk_blocks)
+        slot_pos, starts, lengths, desc_bounds = _slot_runs(cpu_ids, bounds, chunk_blocks)
         if len(starts) * PITCHED_MIN_ROWS <= n:
             cpu = first_page + cpu_ids[starts] * table.block_bytes
             slot_off = slot_pos[starts] * part
@@ -452,8 +461,10 @@ def part_plan(
                     cpu_pitch=table.block_bytes,
                     store=store,
                 ),
-                desc_bounds=np.searchsorted(starts, bounds).astype(np.int64),
+                desc_bounds=desc_bounds,
             )
+    else:
+        slot_pos = _slot_positions(bounds)
     cpu = first_page + cpu_ids * table.block_bytes
     slot_off = slot_pos * part
     size = np.full(n, part, dtype=np.int64)
