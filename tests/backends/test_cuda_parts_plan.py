@@ -26,7 +26,7 @@ from kvflow.backends.cuda.plan import (
     part_plan,
     ring_plan,
 )
-from kvflow.errors import ConfigError
+from kvflow.errors import BackendError, ConfigError
 
 
 @settings(max_examples=60, deadline=None)
@@ -283,3 +283,83 @@ def test_the_2d_copy_parameters_have_cuda_h_layout() -> None:
         "WidthInBytes": 112,
         "Height": 120,
     }
+
+
+class EmulatedDriver:
+    """``libcuda``'s ``cuMemcpy2DAsync_v2`` emulated on host memory: it reads the parameter
+    struct as the driver does (unified addresses, pitches, offsets) and copies row by row."""
+
+    def __init__(self, fail_with: int = 0) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+        self.fail_with = fail_with
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+        self.cuMemcpy2DAsync_v2 = proto(self._copy)
+
+    def _copy(self, params: int, stream: int | None) -> int:
+        p = drv._Memcpy2D.from_address(params)
+        self.calls.append((int(stream or 0), p.Height, p.WidthInBytes))
+        unified = p.srcMemoryType == p.dstMemoryType == 4  # CU_MEMORYTYPE_UNIFIED
+        # An exception would not leave a ctypes callback: a bad struct is the driver's error.
+        if self.fail_with or not unified or min(p.srcPitch, p.dstPitch) < p.WidthInBytes:
+            return self.fail_with or 1  # CUDA_ERROR_INVALID_VALUE
+        for r in range(p.Height):
+            ctypes.memmove(
+                p.dstDevice + p.dstXInBytes + (p.dstY + r) * p.dstPitch,
+                p.srcDevice + p.srcXInBytes + (p.srcY + r) * p.srcPitch,
+                p.WidthInBytes,
+            )
+        return 0
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_the_2d_copy_call_gives_the_driver_the_plans_rows(
+    monkeypatch: pytest.MonkeyPatch, store: bool
+) -> None:
+    """``Memcpy2D`` fills ``CUDA_MEMCPY2D`` so that a driver reading it (emulated here on host
+    memory) copies exactly the plan's rows, sub-batch by sub-batch on a ring of real addresses,
+    the CPU block as the pitch on the CPU side and the part's bytes on the staging side."""
+    fake = EmulatedDriver()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
+    table = flash_table(3, 64, 16)  # 96-byte blocks; regions 2..6: 64 bytes of them
+    cpu_blocks, slot_bytes, nslots = 80, 64 * 16, 3
+    rng = np.random.default_rng(5)
+    memory = rng.integers(0, 256, cpu_blocks * table.block_bytes + nslots * slot_bytes, np.uint8)
+    base = memory.ctypes.data
+    reference, original = memory.copy(), memory.copy()
+    cpu = run_ids([9, 6, 12], [2, 5, 1])
+    placed = ring_plan(
+        table,
+        cpu,
+        base,
+        regions=(2, 6),
+        ring=(base + cpu_blocks * table.block_bytes, slot_bytes, 1, nslots),
+        max_blocks=512,
+        chunk_blocks=32,
+        ramp_bytes=0,
+        store=store,
+    )
+    assert isinstance(placed.dma, Pitched)
+    copy = drv.Memcpy2D()
+    for k in range(placed.plan.num_subbatches):
+        lo, hi = int(placed.plan.desc_bounds[k]), int(placed.plan.desc_bounds[k + 1])
+        copy(placed.dma, 7, lo, hi)
+        apply(reference, placed.dma.slice(lo, hi), -base, -base)
+    assert [c[1] for c in fake.calls] == placed.dma.rows.tolist()
+    assert {(c[0], c[2]) for c in fake.calls} == {(7, table.span_bytes(2, 6))}
+    assert np.array_equal(memory, reference)
+    assert not np.array_equal(memory, original)
+
+
+def test_a_failed_2d_copy_is_a_backend_error_naming_its_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 2D copy the driver refuses raises ``BackendError`` naming the call, its rows and width,
+    and issues nothing after it."""
+    fake = EmulatedDriver(fail_with=1)  # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
+    table = flash_table(2, 64, 16)
+    plan = part_plan(table, 0, 2, run_ids([8, 8], [1, 1]), 1 << 20, blocks_per_slot=64, store=False)
+    assert isinstance(plan.dma, Pitched)
+    with pytest.raises(BackendError, match=r"cuMemcpy2DAsync \(8 rows of 32 bytes\) failed"):
+        drv.Memcpy2D()(plan.dma, 0)
+    assert len(fake.calls) == 1

@@ -19,6 +19,7 @@ from scripts import (
     bench_pd_control,
     bench_pd_transfer,
     bench_transfer,
+    connector_rig,
 )
 
 
@@ -165,7 +166,7 @@ def test_connector_transfer_bench_drives_every_layout_through_the_connector(
     assert rc == 0
     f = json.loads(out.read_text())
     results = f["results"]
-    assert [r["layout"] for r in results] == list(bench_connector_transfer.LAYOUTS)
+    assert [r["layout"] for r in results] == list(connector_rig.LAYOUTS)
     for r in results:
         assert r["bytes_match"] is True
         assert r["copy_time_measured"] is True  # the host backend's copy thread timed them
