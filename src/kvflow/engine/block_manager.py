@@ -3,9 +3,9 @@
 One ``kvflow.core.block_pool.BlockPool`` shared by every KV cache group (as in vLLM), block 0 held
 forever as the null block, so a block id names one block whatever its group: transfers, invalid
 block reports and the offload manager's GPU references need no group to go with an id. A group's
-prefix-cache key is the block hash tagged with the group id. A request's table in a
-full-attention group covers every position; in a sliding-window group, blocks wholly before the
-window of the next query are freed and replaced by the null block. Prefix hits use the request's
+prefix-cache key is the block hash tagged with the group id (group 0: the hash alone). A request's
+table in a full-attention group covers every position; in a sliding-window group, blocks wholly
+before the window of the next query are freed and replaced by the null block. Prefix hits use the request's
 chained block hashes: a full-attention group needs every block of the prefix cached, a
 sliding-window group only the blocks inside the window at the hit point; the hit is the longest
 length every group agrees on. Blocks enter the prefix cache once computed (after the step that
@@ -15,6 +15,7 @@ wrote them), so a block is never matched before its data exists.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 
 from kvflow.connector.api import NULL_BLOCK_ID, KVCacheConfig, KVCacheGroupSpec
 from kvflow.core.block_pool import BlockPool
@@ -74,8 +75,10 @@ class BlockManager:
 
     @staticmethod
     def cache_key(group: int, block_hash: BlockHash) -> BlockHash:
-        """The prefix-cache key of a block of ``group``: one pool serves every group."""
-        return block_hash + group.to_bytes(2, "little")
+        """The prefix-cache key of a block of ``group``: one pool serves every group. Group 0's
+        is the hash itself, so the common one-group model keys nothing; another group's is the
+        hash tagged with its id, longer than any hash, so it never meets a group 0 key."""
+        return block_hash + group.to_bytes(2, "little") if group else block_hash
 
     def block_ids(self, request_id: str) -> GroupBlockIds:
         ids = self._ids.get(request_id)
@@ -96,6 +99,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [[] for _ in self.pools]
         max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        if self._full_attention:
+            return self._full_hit(block_hashes, max_blocks)
         hashes = block_hashes[:max_blocks]
         n = max_blocks
         keyed = [[self.cache_key(g.group_id, h) for h in hashes] for g in self.config.groups]
@@ -115,6 +120,20 @@ class BlockManager:
                 table.append(bid)
             tables.append(table)
         return tables
+
+    def _full_hit(self, block_hashes: Sequence[BlockHash], limit: int) -> list[list[int]]:
+        """``find_prefix_hit`` where every group is full attention: each group's cached prefix,
+        walked only as far as the groups before it hit (a prompt's blocks past its hit, most of
+        a long one, are never keyed), then cut to the shortest."""
+        table = self.pool.find_longest_prefix(islice(block_hashes, limit))
+        tables = [table]
+        n = len(table)
+        for g in range(1, len(self.pools)):
+            tag = g.to_bytes(2, "little")
+            table = self.pool.find_longest_prefix(h + tag for h in islice(block_hashes, n))
+            tables.append(table)
+            n = len(table)
+        return [t[:n] if len(t) > n else t for t in tables]
 
     def _sliding_hit(
         self, group: KVCacheGroupSpec, pool: BlockPool, hashes: Sequence[BlockHash], limit: int
