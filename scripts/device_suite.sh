@@ -18,7 +18,7 @@
 # kvflow bench's bf16 workload with --step-parts, this tree against BASE_SRC, AB_ROUNDS each,
 # default 2, alternating), multiround-trees (that workload on each tree of TREES, "name=src-dir"
 # pairs, AB_ROUNDS each, alternating), multiround-issue (the same over this tree as it is, with
-# CudaConfig.pitched_parts on, and with defer_parts on too), multiround-fence (that workload with --fence-loads never and idle,
+# CudaConfig.pitched_parts off, and with defer_parts on), multiround-fence (that workload with --fence-loads never and idle,
 # AB_ROUNDS each, alternating), multiround-parts (that workload's fenced loads whole and in
 # LOAD_PARTS parts by layer, default 4 (a list: each), AB_ROUNDS each, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
@@ -123,20 +123,20 @@ for step in $STEPS; do
       done ;;
     multiround-issue | multiround-trees)
       # multiround-issue: this tree's CUDA issue of a load's parts as it is, with
-      # CudaConfig.pitched_parts on, and with defer_parts on too (copies of src/ with those
-      # defaults flipped); multiround-trees: each tree of TREES ("name=src-dir ...").
+      # CudaConfig.pitched_parts off (one descriptor per block), and with defer_parts on (copies
+      # of src/ with those defaults flipped); multiround-trees: each tree of TREES.
       trees=${TREES:-new=src}
       if [ "$step" = multiround-issue ]; then
         cfg=kvflow/backends/cuda/config.py
-        for v in pitched deferred; do
+        for v in per-block deferred; do
           rm -rf "/tmp/kvflow-$v" && mkdir -p "/tmp/kvflow-$v" && cp -r src "/tmp/kvflow-$v/"
-          sed -i 's/^    pitched_parts: bool = False$/    pitched_parts: bool = True/' "/tmp/kvflow-$v/src/$cfg"
         done
+        sed -i 's/^    pitched_parts: bool = True$/    pitched_parts: bool = False/' "/tmp/kvflow-per-block/src/$cfg"
         sed -i 's/^    defer_parts: bool = False$/    defer_parts: bool = True/' "/tmp/kvflow-deferred/src/$cfg"
-        grep -q "pitched_parts: bool = True" "/tmp/kvflow-pitched/src/$cfg" \
+        grep -q "pitched_parts: bool = False" "/tmp/kvflow-per-block/src/$cfg" \
           && grep -q "defer_parts: bool = True" "/tmp/kvflow-deferred/src/$cfg" \
           || { echo "!! multiround-issue: could not flip the CudaConfig defaults"; status=1; continue; }
-        trees="as-is=src pitched=/tmp/kvflow-pitched/src deferred=/tmp/kvflow-deferred/src"
+        trees="as-is=src per-block=/tmp/kvflow-per-block/src deferred=/tmp/kvflow-deferred/src"
       fi
       for r in $(seq "${AB_ROUNDS:-2}"); do
         for named in $trees; do

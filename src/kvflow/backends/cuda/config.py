@@ -47,14 +47,14 @@ class CudaConfig:
     defer_parts: bool = False
     """Without a launch thread: issue a load's later parts as the engine waits for the part
     before each (``DeferredIssue``) rather than all of them in ``submit_parts``. Off by default:
-    a part's copies are one DMA per block, so issuing them between the forward's layers left the
-    host, not the GPU, setting the fenced step's pace (docs/benchmarks.md, thirtieth session)."""
-    pitched_parts: bool = False
+    with one descriptor per block it left the host setting the fenced step's pace (thirtieth
+    session), and with the 2D copies it gained nothing over issuing every part at once
+    (docs/benchmarks.md, thirty-second session)."""
+    pitched_parts: bool = True
     """A staged load's part copies each run of consecutive CPU blocks with one
     ``cuMemcpy2DAsync`` (the part's pages are a block apart in the CPU tier) where runs average
-    ``plan.PITCHED_MIN_ROWS`` blocks or more; False: always one descriptor per block. Off until
-    its GPU tests and the bf16 workload have run on a device (no device was lent the session
-    that built it)."""
+    ``plan.PITCHED_MIN_ROWS`` blocks or more; False: always one descriptor per block (it made
+    the fenced step's issue the host's pace: docs/benchmarks.md, thirty-second session)."""
     completion_threads: bool = True
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
