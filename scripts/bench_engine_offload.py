@@ -6,7 +6,9 @@ Two scenarios, each run with offload off and on in one process, on one model:
   prefix cache is dropped and the same prompt comes back: with offload on, its KV is loaded from
   the CPU tier instead of recomputed. Goal (issue 6): reload ≥ 5× faster than recompute.
 - ``noreuse``: every prompt unique (0 % reuse): offload only stores, never loads. Goal: offload on
-  costs ≤ 1 % in wall time and TTFT (issue 25).
+  costs ≤ 1 % in wall time and TTFT (issue 25). ``--calls`` adds each public connector method's
+  time on the engine thread; ``--null-copies`` runs offload on a backend whose copies finish at
+  once, so that what is left is kvflow's own host work, measurable on any machine.
 
     PYTHONPATH=src python scripts/bench_engine_offload.py --model llama-1b --device cuda
     PYTHONPATH=src python scripts/bench_engine_offload.py --model tiny --context 2048   # CPU smoke
@@ -43,6 +45,11 @@ from kvflow.engine.step_parts import summarize
 from kvflow.runtime.clock import SystemClock
 from kvflow.tracing import trace_to
 
+try:  # imported as part of the scripts package (tests), or run as a file
+    from scripts.connector_rig import NullCopies
+except ImportError:
+    from connector_rig import NullCopies  # type: ignore[import-not-found,no-redef]
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -74,6 +81,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--trace", type=Path, default=None, help="reload: JSON-lines trace of the reload"
+    )
+    p.add_argument(
+        "--calls",
+        action="store_true",
+        help="noreuse: each public connector method's time on the engine thread, offload on",
+    )
+    p.add_argument(
+        "--null-copies",
+        action="store_true",
+        help="offload on a backend whose copies finish at once and move nothing (no loads are "
+        "checked: 0 %% reuse only): kvflow's own host work, on any machine",
     )
     return p.parse_args(argv)
 
@@ -120,6 +138,7 @@ class Bench:
             ),
             block_bytes_per_group(self.cfg, kv, self.dtype),
             now=self.clock.now,
+            backend=NullCopies() if args.null_copies else None,
         )
         self.connectors.append(conn)
         return engine
@@ -205,17 +224,20 @@ def reload_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
     }
 
 
-def time_connector_calls(engine: Engine) -> list[float]:
+def time_connector_calls(
+    engine: Engine, per_call: dict[str, list[float]] | None = None
+) -> list[float]:
     """Wrap every public method of the engine's connector (both roles; one object serving both
     is wrapped once) so its wall time adds up in the returned ``[seconds]``: what the connector
     costs the engine's thread (the copy threads' time is not in it). The null connector of an
     offload-off engine is timed the same way, so both modes pay the same wrapper cost. A
     connector method that calls another public one (``update_connector_output`` calls
-    ``update_from_reports``) counts once: only the outermost call adds its time."""
+    ``update_from_reports``) counts once: only the outermost call adds its time, also to
+    ``per_call[name]`` (``[calls, seconds]``) when given."""
     spent = [0.0]
     depth = [0]
 
-    def timed(fn: Any) -> Any:
+    def timed(name: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             depth[0] += 1
             t0 = time.perf_counter()
@@ -224,7 +246,12 @@ def time_connector_calls(engine: Engine) -> list[float]:
             finally:
                 depth[0] -= 1
                 if not depth[0]:
-                    spent[0] += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    spent[0] += dt
+                    if per_call is not None:
+                        figures = per_call.setdefault(name, [0.0, 0.0])
+                        figures[0] += 1
+                        figures[1] += dt
 
         return call
 
@@ -233,7 +260,7 @@ def time_connector_calls(engine: Engine) -> list[float]:
         for name in dir(role):
             fn = None if name.startswith("_") else getattr(role, name)
             if callable(fn):
-                setattr(role, name, timed(fn))
+                setattr(role, name, timed(name, fn))
     return spent
 
 
@@ -264,6 +291,7 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
     # whole prefill steps when batch boundaries shift, so the pooled figure is the steadier one.
     pooled: dict[bool, list[float]] = {False: [], True: []}
     parts: dict[bool, list[dict[str, dict[str, float]]]] = {False: [], True: []}
+    on_calls: dict[str, list[float]] = {}  # per public connector method: [calls, seconds]
     task = progress.add_task("noreuse: unique prompts", total=2 * args.repeat + 2)
     seed = 100
     # One untimed run in each mode at full size first: the first runs of a process pay one-time
@@ -285,7 +313,7 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         # Alternate which mode runs first, so neither always inherits the other's leftovers.
         for offload in (False, True) if i % 2 == 0 else (True, False):
             engine = b.engine(blocks, offload=offload)
-            spent = time_connector_calls(engine)
+            spent = time_connector_calls(engine, on_calls if offload else None)
             reqs = [
                 GenerationRequest(b.prompt(args.prompt, seed + i), args.answer)
                 for i in range(args.requests)
@@ -347,7 +375,36 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         ],
         "blocks_stored_last_run": stats.blocks_stored,
         "step_parts": {"off": mean_parts(parts[False]), "on": mean_parts(parts[True])},
+        "null_copies": args.null_copies,
+        # Per public method of the connector, offload on: calls and ms per run, µs per call.
+        "on_calls": {
+            name: {
+                "calls_per_run": n / args.repeat,
+                "ms_per_run": sec * 1e3 / args.repeat,
+                "us_per_call": sec * 1e6 / n,
+            }
+            for name, (n, sec) in sorted(on_calls.items(), key=lambda kv: -kv[1][1])
+            if name not in ("shutdown", "stats")  # the bench's own calls, after the timed span
+        },
     }
+
+
+def calls_table(calls: dict[str, dict[str, float]]) -> Table:
+    """Each public connector method's share of the engine thread, offload on (``--calls``)."""
+    table = Table(title="0 % reuse, offload on: the connector's calls on the engine thread")
+    for name in ("method", "calls per run", "ms per run", "µs per call"):
+        table.add_column(name, justify="left" if name == "method" else "right")
+    for name, f in calls.items():
+        table.add_row(
+            name, f"{f['calls_per_run']:.0f}", f"{f['ms_per_run']:.2f}", f"{f['us_per_call']:.1f}"
+        )
+    table.add_row(
+        "all",
+        f"{sum(f['calls_per_run'] for f in calls.values()):.0f}",
+        f"{sum(f['ms_per_run'] for f in calls.values()):.2f}",
+        "",
+    )
+    return table
 
 
 def mean_parts(runs: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -385,6 +442,9 @@ def step_parts_table(parts: dict[str, dict[str, dict[str, float]]]) -> Table:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.null_copies and args.scenario != "noreuse":
+        print("bench_engine_offload: --null-copies moves no bytes: use it with --scenario noreuse")
+        return 2
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     sys.setswitchinterval(5e-4)  # as kvflow bench: keep the copy threads' GIL waits short
     console = Console()
@@ -432,8 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         table.add_row("  first reload's speed-up", f"{r['first_reload_speedup']:.1f}×", "")
     if "noreuse" in out:
         n = out["noreuse"]
+        nulled = ", offload's copies null" if n["null_copies"] else ""
         table.add_row(
-            f"0 % reuse, {n['requests']} × {n['prompt_tokens']} tokens: wall off / on (s)",
+            f"0 % reuse, {n['requests']} × {n['prompt_tokens']} tokens{nulled}: wall off / on (s)",
             f"{n['off_wall_s']:.3f} / {n['on_wall_s']:.3f}",
             "",
         )
@@ -478,6 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(table)
     if args.step_parts and "noreuse" in out:
         console.print(step_parts_table(out["noreuse"]["step_parts"]))
+    if args.calls and "noreuse" in out:
+        console.print(calls_table(out["noreuse"]["on_calls"]))
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

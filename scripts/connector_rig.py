@@ -228,6 +228,9 @@ class NullCopies:
     def compute_fence(self) -> object:
         return self
 
+    def compute_wait(self, fence: object, timeout_s: float) -> bool:
+        return True
+
     def submit(self, batch: CopyBatch, wait_for: Sequence[object] = ()) -> object:
         return self
 

@@ -97,12 +97,39 @@ def test_connector_call_timing_counts_a_nested_public_call_once(
     ticks = itertools.count()
     monkeypatch.setattr("time.perf_counter", lambda: float(next(ticks)))
     engine = SimpleNamespace(scheduler_connector=conn, worker_connector=conn)
-    spent = bench_engine_offload.time_connector_calls(engine)  # type: ignore[arg-type]
+    per_call: dict[str, list[float]] = {}
+    spent = bench_engine_offload.time_connector_calls(engine, per_call)  # type: ignore[arg-type]
     assert conn.outer() == "done"
     # Clock reads: outer starts at 0, inner starts at 1 (its end is not read), outer ends at 2.
     assert spent == [2.0]
+    assert per_call == {"outer": [1, 2.0]}
     assert conn.inner() == "done"  # a call of its own counts: from 3 to 4
     assert spent == [3.0]
+    assert per_call == {"outer": [1, 2.0], "inner": [1, 1.0]}
+
+
+def test_noreuse_bench_on_null_copies_times_each_connector_method(tmp_path: Path) -> None:
+    """With ``--null-copies --calls`` the 0 % reuse scenario runs offload on copies that finish
+    at once and writes each public connector method's calls and time per run, which add up to
+    the connector's time on the engine thread; a scenario with loads refuses null copies."""
+    out = tmp_path / "noreuse.json"
+    rc = bench_engine_offload.main(
+        [
+            "--scenario", "noreuse", "--requests", "4", "--prompt", "40", "--answer", "3",
+            "--repeat", "2", "--cpu-bytes", "64MiB", "--null-copies", "--calls",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    n = json.loads(out.read_text())["noreuse"]
+    assert n["null_copies"] is True
+    calls = n["on_calls"]
+    assert calls["build_connector_meta"]["calls_per_run"] > 0
+    assert calls["wait_for_save"]["ms_per_run"] > 0
+    total_ms = sum(c["ms_per_run"] for c in calls.values())
+    mean_on_ms = sum(r["connector_calls_s"] for r in n["runs_on"]) * 1e3 / 2
+    assert total_ms == pytest.approx(mean_on_ms, rel=0.05)
+    assert bench_engine_offload.main(["--scenario", "reload", "--null-copies"]) == 2
 
 
 def test_copy_contention_bench_says_it_needs_cuda() -> None:

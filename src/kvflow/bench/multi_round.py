@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from attrs import asdict, evolve, field, frozen
 
+from kvflow.backends.base import Backend
 from kvflow.bench.config import BenchConfig
 from kvflow.connector.api import KVCacheConfig
 from kvflow.connector.config import OffloadConfig
@@ -178,8 +179,10 @@ def offload_engine(
     block_bytes: Sequence[int],
     *,
     now: Callable[[], float],
+    backend: Backend | None = None,
 ) -> tuple[Engine, OffloadConnector]:
-    """An engine with kvflow's offload connector, ready to be timed.
+    """An engine with kvflow's offload connector, ready to be timed (on ``backend``, else the
+    one ``offload_cfg`` selects).
 
     The CUDA backend pins its CPU tier in the background; this waits for it, so benchmarks time
     the steady state, not the start-up.
@@ -187,7 +190,9 @@ def offload_engine(
     built: list[OffloadConnector] = []
 
     def factory(kv_cfg: KVCacheConfig, gpu_view: GpuCacheView) -> tuple[Any, Any]:
-        conn = OffloadConnector.build(offload_cfg, kv_cfg, block_bytes, gpu_view=gpu_view, now=now)
+        conn = OffloadConnector.build(
+            offload_cfg, kv_cfg, block_bytes, gpu_view=gpu_view, now=now, backend=backend
+        )
         built.append(conn)
         return conn.scheduler, conn.worker
 
