@@ -5,8 +5,8 @@ forever as the null block, so a block id names one block whatever its group: tra
 block reports and the offload manager's GPU references need no group to go with an id. A group's
 prefix-cache key is the block hash tagged with the group id (group 0: the hash alone). A request's
 table in a full-attention group covers every position; in a sliding-window group, blocks wholly
-before the window of the next query are freed and replaced by the null block. Prefix hits use the request's
-chained block hashes: a full-attention group needs every block of the prefix cached, a
+before the window of the next query are freed and replaced by the null block. Prefix hits use the
+request's chained block hashes: a full-attention group needs every block of the prefix cached, a
 sliding-window group only the blocks inside the window at the hit point; the hit is the longest
 length every group agrees on. Blocks enter the prefix cache once computed (after the step that
 wrote them), so a block is never matched before its data exists.
@@ -128,9 +128,9 @@ class BlockManager:
         table = self.pool.find_longest_prefix(islice(block_hashes, limit))
         tables = [table]
         n = len(table)
+        key = self.cache_key
         for g in range(1, len(self.pools)):
-            tag = g.to_bytes(2, "little")
-            table = self.pool.find_longest_prefix(h + tag for h in islice(block_hashes, n))
+            table = self.pool.find_longest_prefix(key(g, h) for h in islice(block_hashes, n))
             tables.append(table)
             n = len(table)
         return [t[:n] if len(t) > n else t for t in tables]
