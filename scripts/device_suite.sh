@@ -8,7 +8,8 @@
 #   scripts/device_suite.sh                 # everything: longer than one device call, so split it
 #   STEPS="tests reload" scripts/device_suite.sh   # with STEPS (a call: at most 10 minutes)
 #
-# Steps: tests, step (one decode step, eager vs CUDA graphs), reload (16k reload and 0 % reuse),
+# Steps: tests, step (one decode step, eager vs CUDA graphs), step-shapes (the decode step with
+# the offload connector at 1x1024, 2x6400, 8x2048 and 8x8192), reload (16k reload and 0 % reuse),
 # noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
 # its own), noreuse-parts (0 % reuse, bf16, with --step-parts), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
@@ -69,6 +70,9 @@ for step in $STEPS; do
       run decode_step_fp32 240 python3 scripts/bench_decode_step.py --model llama-1b \
         --device cuda --dtype float32 --modes piecewise graphs \
         --json "$OUT/decode_step_fp32.json" ;;
+    step-shapes)  # the decode step with the offload connector at issue 25's four shapes
+      run decode_step_shapes 240 python3 scripts/bench_decode_step.py "${model[@]}" --modes graphs \
+        --offload --rounds 3 --shapes 1x1024,2x6400,8x2048,8x8192 --json "$OUT/decode_step_shapes.json" ;;
     reload)
       run engine_offload 300 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario both --reloads 5 --repeat "${REPEAT:-16}" --trace "$OUT/reload_trace.jsonl" \
