@@ -34,7 +34,7 @@ def apply(memory: np.ndarray, desc: Copies, offset_dst: int = 0, offset_src: int
     """Run a batch of copies (2D copies row by row) on a simulated flat address space."""
     if isinstance(desc, Pitched):
         desc = desc.row_copies()
-    for d, s, n in zip(desc.dst.tolist(), desc.src.tolist(), desc.size.tolist(), strict=True):
+    for d, s, n in zip(*desc.lists(), strict=True):
         memory[d + offset_dst : d + offset_dst + n] = memory[s + offset_src : s + offset_src + n]
 
 

@@ -4,6 +4,7 @@ or one 2D copy per run of CPU blocks, on a simulated address space, and their st
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from tests.backends.plan_helpers import (
 from kvflow.backends.cuda import driver as drv
 from kvflow.backends.cuda.plan import (
     PITCHED_MIN_ROWS,
+    CopyList,
     Descriptors,
     Pitched,
     direct_descriptors,
@@ -126,18 +128,24 @@ def test_part_plan_refuses_regions_outside_the_group() -> None:
         part_plan(table, 2, 5, np.arange(2), 0, blocks_per_slot=2, store=False)
 
 
-@pytest.mark.parametrize("ascending", [False, True])
+@pytest.mark.parametrize("ids", ["descending", "ascending", "ascending tuple"])
 @pytest.mark.parametrize("regions", [None, (2, 6)])
 @pytest.mark.parametrize("store", [True, False])
 def test_ring_plan_places_sub_batches_on_the_slots_in_turn(
-    regions: tuple[int, int] | None, store: bool, ascending: bool
+    regions: tuple[int, int] | None, store: bool, ids: str
 ) -> None:
     """A batch's sub-batches (a slot's worth of whole blocks, or of a part's pages, each)
     go to the ring's slots in turn from the next one, every staging address inside its slot;
-    a part's 2D copies (CPU ids ascending) too."""
+    a part's 2D copies (CPU ids ascending) and whole blocks planned in plain Python (an
+    ascending tuple) too."""
     table = flash_table(4, 16, 64)  # 512-byte blocks; regions 2..5: 256 bytes of them
     slot_bytes, base = 2048, 1 << 30
-    cpu = np.arange(9, dtype=np.int64) if ascending else np.arange(9, dtype=np.int64)[::-1].copy()
+    ascending = ids != "descending"
+    cpu: Sequence[int] | np.ndarray = (
+        np.arange(9, dtype=np.int64) if ascending else np.arange(9, dtype=np.int64)[::-1].copy()
+    )
+    if ids == "ascending tuple":
+        cpu = tuple(range(9))
     placed = ring_plan(
         table,
         cpu,
@@ -152,20 +160,27 @@ def test_ring_plan_places_sub_batches_on_the_slots_in_turn(
     per_block = 512 if regions is None else 256
     assert placed.block_bytes == per_block
     per_slot = slot_bytes // per_block
-    assert np.diff(placed.plan.bounds).tolist() == [per_slot] * (9 // per_slot) + (
+    assert np.diff(placed.bounds).tolist() == [per_slot] * (9 // per_slot) + (
         [9 % per_slot] if 9 % per_slot else []
     )
-    n = placed.plan.num_subbatches
+    n = placed.num_subbatches
     assert placed.slots == [(2 + k) % 3 for k in range(n)]
     assert placed.slot_ptrs == [base + s * slot_bytes for s in placed.slots]
-    staging = placed.dma.src if store else placed.dma.dst
+    dma = placed.dma
+    dst, src, size = (
+        (dma.dst.tolist(), dma.src.tolist(), dma.size.tolist())
+        if isinstance(dma, Pitched)
+        else dma.lists()
+    )
+    staging = src if store else dst
     for k in range(n):
-        lo, hi = int(placed.plan.desc_bounds[k]), int(placed.plan.desc_bounds[k + 1])
-        for at, size in zip(staging[lo:hi].tolist(), placed.dma.size[lo:hi].tolist(), strict=True):
+        lo, hi = placed.desc_bounds[k], placed.desc_bounds[k + 1]
+        for at, nbytes in zip(staging[lo:hi], size[lo:hi], strict=True):
             assert placed.slot_ptrs[k] <= at
-            assert at + size <= placed.slot_ptrs[k] + slot_bytes
-    assert placed.dma.total_bytes == 9 * per_block
-    assert isinstance(placed.dma, Pitched) == (ascending and regions is not None)
+            assert at + nbytes <= placed.slot_ptrs[k] + slot_bytes
+    assert dma.total_bytes == 9 * per_block
+    assert isinstance(dma, Pitched) == (ascending and regions is not None)
+    assert isinstance(dma, CopyList) == (ids == "ascending tuple" and regions is None)
 
 
 def run_ids(lengths: list[int], gaps: list[int]) -> np.ndarray:
@@ -340,8 +355,8 @@ def test_the_2d_copy_call_gives_the_driver_the_plans_rows(
     )
     assert isinstance(placed.dma, Pitched)
     copy = drv.Memcpy2D()
-    for k in range(placed.plan.num_subbatches):
-        lo, hi = int(placed.plan.desc_bounds[k]), int(placed.plan.desc_bounds[k + 1])
+    for k in range(placed.num_subbatches):
+        lo, hi = placed.desc_bounds[k], placed.desc_bounds[k + 1]
         copy(placed.dma, 7, lo, hi)
         apply(reference, placed.dma.slice(lo, hi), -base, -base)
     assert [c[1] for c in fake.calls] == placed.dma.rows.tolist()

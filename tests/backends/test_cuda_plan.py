@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,10 +23,16 @@ from tests.backends.plan_helpers import (
 
 from kvflow.backends.cuda import driver as drv
 from kvflow.backends.cuda.plan import (
+    FEW_RUNS,
+    CopyList,
+    Descriptors,
+    Pitched,
     RegionTable,
+    RingPlan,
     block_ids,
     direct_descriptors,
     group_work,
+    ring_plan,
     runs,
     staged_plan,
     subbatch_bounds,
@@ -462,6 +469,78 @@ def test_few_runs_plan_equals_the_array_plan(
     assert fast.dma.size.tolist() == slow.dma.size.tolist()
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=8),
+    slot_blocks=st.integers(1, 40),
+    max_blocks=st.integers(1, 64),
+    chunk_blocks=st.integers(0, 17),
+    ramp_blocks=st.integers(0, 9),
+    first=st.integers(0, 3),
+    store=st.booleans(),
+)
+def test_ring_plan_in_plain_python_places_the_same_copies_as_the_arrays(
+    pieces: list[tuple[int, int]],
+    slot_blocks: int,
+    max_blocks: int,
+    chunk_blocks: int,
+    ramp_blocks: int,
+    first: int,
+    store: bool,
+) -> None:
+    """A batch's CPU ids as a tuple of ascending runs (what the issue path passes) get the
+    same sub-batches, slots and absolute copies from the plain-Python plan as the same ids as
+    an array get from the numpy plan, whichever of the two the tuple's runs choose."""
+    ids: list[int] = []
+    at = 0
+    for gap, length in pieces:
+        at += gap
+        ids += range(at, at + length)
+        at += length
+    table = flash_table(1, 4, 16)
+    bb = table.block_bytes
+
+    def place(cpu: Sequence[int] | np.ndarray) -> RingPlan:
+        return ring_plan(
+            table,
+            cpu,
+            1 << 30,
+            regions=None,
+            ring=(1 << 40, slot_blocks * bb, first, 4),
+            max_blocks=max_blocks,
+            chunk_blocks=chunk_blocks,
+            ramp_bytes=ramp_blocks * bb,
+            store=store,
+        )
+
+    mine, theirs = place(tuple(ids)), place(np.array(ids, dtype=np.int64))
+    assert isinstance(theirs.dma, Descriptors)
+    pieces_cut = len(ascending_runs_of(ids)) + len(ids) // min(slot_blocks, max_blocks)
+    if chunk_blocks:
+        pieces_cut += len(ids) // chunk_blocks
+    assert isinstance(mine.dma, CopyList) == (pieces_cut < FEW_RUNS)
+    assert (mine.bounds, mine.desc_bounds) == (theirs.bounds, theirs.desc_bounds)
+    assert (mine.slots, mine.slot_ptrs, mine.block_bytes) == (
+        theirs.slots,
+        theirs.slot_ptrs,
+        theirs.block_bytes,
+    )
+    assert not isinstance(mine.dma, Pitched)
+    assert mine.dma.lists() == theirs.dma.lists()
+    assert mine.dma.total_bytes == theirs.dma.total_bytes == len(ids) * bb
+
+
+def ascending_runs_of(ids: list[int]) -> list[list[int]]:
+    """``ids`` cut where consecutive ids stop stepping by one."""
+    out: list[list[int]] = []
+    for b in ids:
+        if out and out[-1][-1] + 1 == b:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out
+
+
 @pytest.mark.parametrize("page", [16, 1000, 4096, 70_000, 2 << 20])
 def test_device_rows_cut_large_pages_into_pieces_of_the_same_block(page: int) -> None:
     """The kernel's rows cover each page exactly once, in pieces of at most about the limit
@@ -591,11 +670,22 @@ def test_a_landing_clock_keeps_its_mark_then_renews_it(monkeypatch: pytest.Monke
 
 
 def test_group_work_checks_the_whole_batch_and_skips_empty_groups() -> None:
-    """Block pairs per group come back as arrays, an empty group left out; a wrong group
-    count, an id out of range or unequal counts is a ConfigError naming the group."""
+    """Block pairs per group come back as tuples of ints (a batch's own tuples as they are, a
+    list or an array converted), an empty group left out; a wrong group count, an id out of
+    range (also a negative one, or one in an array) or unequal counts is a ConfigError naming
+    the group."""
     tables = [flash_table(1, 8, 16), flash_table(1, 8, 16)]
-    work = group_work(tables, [4, 4], ((1, 2), ()), ((0, 3), ()))
-    assert [(g, gpu.tolist(), cpu.tolist()) for g, _, gpu, cpu in work] == [(0, [1, 2], [0, 3])]
+    gpu_ids = (1, 2)
+    work = group_work(tables, [4, 4], (gpu_ids, ()), ((0, 3), ()))
+    assert [(g, gpu, cpu) for g, _, gpu, cpu in work] == [(0, (1, 2), (0, 3))]
+    assert work[0][2] is gpu_ids
+    converted = group_work(tables, [4, 4], ([1, 2], ()), (np.array([0, 3]), ()))
+    assert [(gpu, cpu) for _, _, gpu, cpu in converted] == [((1, 2), (0, 3))]
+    assert all(type(b) is int for _, _, gpu, cpu in converted for b in (*gpu, *cpu))
+    with pytest.raises(ConfigError, match=r"group 0 GPU block id -1 is outside 0\.\.7"):
+        group_work(tables, [4, 4], ((1, -1), ()), ((0, 3), ()))
+    with pytest.raises(ConfigError, match=r"group 0 CPU block id 9 is outside 0\.\.3"):
+        group_work(tables, [4, 4], ((1, 2), ()), (np.array([0, 9]), ()))
     with pytest.raises(ConfigError, match="copy batch has 1/1 groups, layout has 2"):
         group_work(tables, [4, 4], ((1,),), ((0,),))
     with pytest.raises(ConfigError, match=r"group 1 CPU block id 4 is outside 0\.\.3"):

@@ -189,7 +189,9 @@ class DmaExecutor:
     _flushes: int = 0  # flush barriers in the inbox or waited on by the actor
     _closed: bool = False
     _outstanding: int = 0  # batches submitted, not yet finished
-    _no_outstanding: anyio.Event = field(factory=anyio.Event)
+    # Made by the first waiter for the outstanding batches to finish, set and dropped once they
+    # have: an event per batch would cost every store's launch an async-library lookup.
+    _no_outstanding: anyio.Event | None = None
     _stopped: anyio.Event = field(factory=anyio.Event)
     _cancelling: bool = False
     # Orders with fenced loads queued and not yet submitted, and the fences of those submitted
@@ -213,7 +215,6 @@ class DmaExecutor:
         # Checked once: a protocol isinstance costs microseconds.
         self._timer = self.backend if isinstance(self.backend, TimesCopies) else None
         self._dater = self.backend if isinstance(self.backend, DatesCopies) else None
-        self._no_outstanding.set()
         self._fenced_submitted.set()
 
     @property
@@ -295,7 +296,14 @@ class DmaExecutor:
     async def wait_closed(self) -> None:
         """Wait until the actor has left its loop and every submitted batch has finished."""
         await self._stopped.wait()
-        await self._no_outstanding.wait()
+        await self._drained()
+
+    async def _drained(self) -> None:
+        """Return once no submitted batch is outstanding."""
+        if self._outstanding:
+            if self._no_outstanding is None:
+                self._no_outstanding = anyio.Event()
+            await self._no_outstanding.wait()
 
     # -- the actor ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -304,7 +312,7 @@ class DmaExecutor:
                 async for cmd in self._recv:
                     if isinstance(cmd, _Flush):
                         # Everything queued before the barrier is submitted by now.
-                        await self._no_outstanding.wait()
+                        await self._drained()
                         self._flushes -= 1
                         cmd.done.set()
                         log.debug("flush_done")
@@ -336,8 +344,6 @@ class DmaExecutor:
             return
         gpu = batch.gpu_block_ids
         wait_for = [*order.wait_for, *self._conflicts(gpu, order.direction)]
-        if self._outstanding == 0:
-            self._no_outstanding = anyio.Event()
         self._outstanding += 1
         fenced = bool(order.fenced) and any(t.transfer_id in order.fenced for t in transfers)
         parts = self.parts if fenced else None
@@ -432,8 +438,9 @@ class DmaExecutor:
         self._outstanding -= 1
         if log.debug_enabled():
             log.debug("copy_batch_finished", transfers=len(transfers), status=status.value)
-        if self._outstanding == 0:
+        if self._outstanding == 0 and self._no_outstanding is not None:
             self._no_outstanding.set()
+            self._no_outstanding = None
         self._finish(transfers, status, cause, landed)
 
     def _finish(

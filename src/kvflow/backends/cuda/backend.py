@@ -65,6 +65,13 @@ class CudaBackend(BatchIssue):
         if not torch.cuda.is_available():
             raise BackendError("CUDA backend: torch sees no CUDA device")
         self._torch = torch
+        # The engine's current stream as a raw handle in one C call (what Triton reads):
+        # ``torch.cuda.current_stream`` builds a Stream object through several Python calls,
+        # a cost on every store's launch. Older or other builds fall back to it.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._current_stream: Callable[[int], int] = (
+            raw if raw is not None else lambda d: int(torch.cuda.current_stream(d).cuda_stream)
+        )
         torch.cuda.init()  # type: ignore[no-untyped-call]
         self._ctx = drv.Context(device)
         self.device = device
@@ -247,7 +254,7 @@ class CudaBackend(BatchIssue):
         self._check_open()
         self._ctx.enter()
         event = self._plain_events.take()
-        stream = self._torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._current_stream(self.device)
         drv.record(event, drv.stream_of(stream))
         return CudaFence(event, self, pool=self._plain_events)
 
@@ -275,7 +282,7 @@ class CudaBackend(BatchIssue):
         if not fence.launched or fence.error is not None:
             return False  # its issue failed: its transfers fail, nothing to read
         self._ctx.enter()
-        stream = self._torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._current_stream(self.device)
         drv.wait(drv.stream_of(stream), fence.event)
         return True
 

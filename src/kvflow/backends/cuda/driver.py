@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.backends.cuda.plan import Descriptors, Pitched
+from kvflow.backends.cuda.plan import CopyList, Descriptors, Pitched
 from kvflow.backends.probe import BATCH_MEMCPY_ABIS, resolve_batch_memcpy
 from kvflow.errors import BackendError
 
@@ -447,9 +447,9 @@ class Memcpy2D:
                 raise _failed(f"cuMemcpy2DAsync ({h} rows of {width} bytes)", err)
 
 
-def memcpy_each(desc: Descriptors, stream: Any) -> None:
+def memcpy_each(desc: Descriptors | CopyList, stream: Any) -> None:
     """The fallback without ``cuMemcpyBatchAsync``: one ``cuMemcpyAsync`` per descriptor."""
-    for d, s, n in zip(desc.dst.tolist(), desc.src.tolist(), desc.size.tolist(), strict=True):
+    for d, s, n in zip(*desc.lists(), strict=True):
         check(cu.cuMemcpyAsync(d, s, n, stream), "cuMemcpyAsync")
 
 

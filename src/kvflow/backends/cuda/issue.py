@@ -23,8 +23,10 @@ from kvflow.backends.cuda.kernels import MAX_IDS, PIECE_BYTES, StageKernel
 from kvflow.backends.cuda.pinned import PinnedTier
 from kvflow.backends.cuda.plan import (
     Copies,
+    CopyList,
     Pitched,
     RegionTable,
+    as_i64,
     direct_descriptors,
     ring_plan,
 )
@@ -111,7 +113,7 @@ class BatchIssue:
             # Made here, not in ``submit``: the caller's thread does as little as it can.
             timing = fence.timing = Timing(self._timing_events) if self.config.time_copies else None
             for g, _, _, cpu in work:
-                tier.ensure(g, int(cpu.max()))
+                tier.ensure(g, max(cpu))
             if spans is None:
                 for item in work:
                     self._copy_group(lane, item, tier, used, waits, timing, store, None, used)
@@ -166,7 +168,7 @@ class BatchIssue:
     def _copy_group(
         self,
         lane: Lane,
-        item: tuple[int, RegionTable, Any, Any],
+        item: tuple[int, RegionTable, tuple[int, ...], tuple[int, ...]],
         tier: PinnedTier,
         used: list[Any],
         waits: list[Any],
@@ -195,7 +197,12 @@ class BatchIssue:
             return
         part = table if regions is None else table.subset(*regions)
         desc = direct_descriptors(
-            part, gpu, cpu, tier.ptr(g), store=store, chunk_blocks=tier.chunk_blocks(g)
+            part,
+            as_i64(gpu),
+            as_i64(cpu),
+            tier.ptr(g),
+            store=store,
+            chunk_blocks=tier.chunk_blocks(g),
         )
         enter_stream(used, lane.dma, waits, timing, mine)
         self._copy(desc, lane, lane.dma)
@@ -215,6 +222,8 @@ class BatchIssue:
             self._memcpy2d(desc, stream, lo, hi)
             return
         if self._batch is not None and hi - lo >= self.config.batch_min_copies:
+            if isinstance(desc, CopyList):
+                desc = desc.descriptors()  # alive until the call returns: it reads the arrays
             self._batch.raw(
                 desc.dst.ctypes.data + 8 * lo,
                 desc.src.ctypes.data + 8 * lo,
@@ -231,8 +240,8 @@ class BatchIssue:
         lane: Lane,
         g: int,
         table: RegionTable,
-        gpu: Any,
-        cpu: Any,
+        gpu: tuple[int, ...],
+        cpu: tuple[int, ...],
         tier: PinnedTier,
         used: list[Any],
         waits: list[Any],
@@ -263,10 +272,10 @@ class BatchIssue:
             store=store,
             pitched=self.config.pitched_parts,
         )
-        plan, dma, bb = placed.plan, placed.dma, placed.block_bytes
-        nsub = plan.num_subbatches
+        dma, bb = placed.dma, placed.block_bytes
+        nsub = placed.num_subbatches
         ring.next = (ring.next + nsub) % len(streams)
-        bounds, dbounds = plan.bounds.tolist(), plan.desc_bounds.tolist()
+        bounds, dbounds = placed.bounds, placed.desc_bounds
         for k, (slot, slot_ptr) in enumerate(zip(placed.slots, placed.slot_ptrs, strict=True)):
             lo, hi, dlo, dhi = bounds[k], bounds[k + 1], dbounds[k], dbounds[k + 1]
             # The slot's stream ran its previous DMA (store) or scatter (load): stream order

@@ -10,6 +10,7 @@ launch needs no host→device upload and no buffer that must outlive it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -175,7 +176,7 @@ class StageKernel:
         num_regions: int,
         staging_ptr: int,
         block_bytes: int,
-        gpu_ids: np.ndarray[Any, np.dtype[np.int64]],
+        gpu_ids: Sequence[int],
         *,
         to_staging: bool,
     ) -> None:

@@ -3,6 +3,11 @@
 Pure functions from block ids and a group's region table to the pointer/size arrays that
 ``cuMemcpyBatchAsync`` takes (and the 2D copies of a load's part), and to the run structure of
 the staged path. Nothing here touches a device, so it is tested on any machine.
+
+A step's common case (a whole-block staged batch whose CPU ids come in a few ascending runs, as
+the CPU tier hands them out) is planned in plain Python instead: the batch is issued on the
+engine's thread right after the forward's launch has left the caches cold, and there a numpy
+call costs many times its warm price (docs/benchmarks.md, thirty-third session).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 from attrs import evolve, frozen
 
+from kvflow.core.idruns import EVERY_CAP, ascending_runs, every
 from kvflow.core.layout import GroupLayout
 from kvflow.errors import ConfigError
 
@@ -96,7 +102,7 @@ class RegionTable:
         return np.ascontiguousarray(rows, dtype=np.int64)
 
 
-def block_ids(ids: Sequence[int], limit: int, what: str) -> I64:
+def block_ids(ids: Sequence[int] | I64, limit: int, what: str) -> I64:
     """``ids`` as an int64 array; ``ConfigError`` naming ``what`` if any is outside ``[0, limit)``."""
     arr = (
         # A tuple of ints (what a CopyBatch holds): fromiter skips asarray's type discovery.
@@ -110,23 +116,43 @@ def block_ids(ids: Sequence[int], limit: int, what: str) -> I64:
     return arr
 
 
+_INT = frozenset({int})
+
+
+def id_tuple(ids: Sequence[int] | I64, limit: int, what: str) -> tuple[int, ...]:
+    """``ids`` as a tuple of ints, each in ``[0, limit)``; ``ConfigError`` naming ``what`` for one
+    outside. A tuple of ints (what a ``CopyBatch`` holds) is checked by a few C-level passes and
+    returned as it is; anything else goes through ``block_ids``."""
+    if type(ids) is tuple and _INT.issuperset(map(type, ids)):
+        if ids and (min(ids) < 0 or max(ids) >= limit):
+            bad = next(b for b in ids if b < 0 or b >= limit)
+            raise ConfigError(f"{what} block id {bad} is outside 0..{limit - 1}")
+        return ids
+    return tuple(block_ids(ids, limit, what).tolist())
+
+
+def as_i64(ids: Sequence[int]) -> I64:
+    """Checked ids (``id_tuple``) as the int64 array the vectorized plans take."""
+    return np.fromiter(ids, np.int64, len(ids))
+
+
 def group_work(
     tables: Sequence[RegionTable],
     cpu_blocks: Sequence[int],
-    gpu_ids: Sequence[Sequence[int]],
-    cpu_ids: Sequence[Sequence[int]],
-) -> list[tuple[int, RegionTable, I64, I64]]:
+    gpu_ids: Sequence[Sequence[int] | I64],
+    cpu_ids: Sequence[Sequence[int] | I64],
+) -> list[tuple[int, RegionTable, tuple[int, ...], tuple[int, ...]]]:
     """A batch's block pairs, checked: ``(group, table, GPU ids, CPU ids)`` for each group with
-    blocks; ``ConfigError`` naming the group for a wrong group count, an id out of range, or
-    unequal counts."""
+    blocks, the ids as tuples of ints (``id_tuple``); ``ConfigError`` naming the group for a
+    wrong group count, an id out of range, or unequal counts."""
     if len(gpu_ids) != len(tables) or len(cpu_ids) != len(tables):
         raise ConfigError(
             f"copy batch has {len(gpu_ids)}/{len(cpu_ids)} groups, layout has {len(tables)}"
         )
     work = []
     for g, table in enumerate(tables):
-        gpu = block_ids(gpu_ids[g], table.num_blocks, f"group {g} GPU")
-        cpu = block_ids(cpu_ids[g], cpu_blocks[g], f"group {g} CPU")
+        gpu = id_tuple(gpu_ids[g], table.num_blocks, f"group {g} GPU")
+        cpu = id_tuple(cpu_ids[g], cpu_blocks[g], f"group {g} CPU")
         if len(gpu) != len(cpu):
             raise ConfigError(f"group {g}: {len(gpu)} GPU blocks but {len(cpu)} CPU blocks")
         if len(gpu):
@@ -151,6 +177,39 @@ class Descriptors:
 
     def slice(self, lo: int, hi: int) -> Descriptors:
         return Descriptors(self.dst[lo:hi], self.src[lo:hi], self.size[lo:hi])
+
+    def lists(self) -> tuple[list[int], list[int], list[int]]:
+        """``(dst, src, size)`` as lists of ints."""
+        return self.dst.tolist(), self.src.tolist(), self.size.tolist()
+
+
+@frozen
+class CopyList:
+    """``Descriptors`` as lists of ints: a few copies planned in plain Python (``ring_plan``'s
+    common case), made arrays only for a batched driver call (``descriptors``)."""
+
+    dst: list[int]
+    src: list[int]
+    size: list[int]
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.size)
+
+    def slice(self, lo: int, hi: int) -> CopyList:
+        return CopyList(self.dst[lo:hi], self.src[lo:hi], self.size[lo:hi])
+
+    def lists(self) -> tuple[list[int], list[int], list[int]]:
+        return self.dst, self.src, self.size
+
+    def descriptors(self) -> Descriptors:
+        u64 = np.uint64
+        return Descriptors(
+            np.array(self.dst, dtype=u64), np.array(self.src, dtype=u64), np.array(self.size, u64)
+        )
 
 
 def _as_u64(a: I64) -> U64:
@@ -216,7 +275,7 @@ class StagedPlan:
     """
 
     bounds: I64
-    dma: Copies
+    dma: Descriptors | Pitched
     desc_bounds: I64
 
     @property
@@ -225,6 +284,11 @@ class StagedPlan:
 
 
 def subbatch_bounds(n: int, blocks_per_slot: int, ramp_blocks: int, *, store: bool) -> I64:
+    """``subbatch_cuts`` as an array."""
+    return np.asarray(subbatch_cuts(n, blocks_per_slot, ramp_blocks, store=store), dtype=np.int64)
+
+
+def subbatch_cuts(n: int, blocks_per_slot: int, ramp_blocks: int, *, store: bool) -> list[int]:
     """Where ``n`` blocks are cut into sub-batches of at most ``blocks_per_slot``.
 
     With ``ramp_blocks`` (0 for none) a store's first sub-batch, and a load's last, holds at most
@@ -236,7 +300,7 @@ def subbatch_bounds(n: int, blocks_per_slot: int, ramp_blocks: int, *, store: bo
         raise ConfigError(f"blocks_per_slot must be positive, got {blocks_per_slot}")
     ramp = min(ramp_blocks, blocks_per_slot) if ramp_blocks > 0 else 0
     if n == 0:
-        return np.zeros(1, dtype=np.int64)
+        return [0]
     if not ramp or n <= ramp:
         cuts = list(range(0, n, blocks_per_slot))
     elif store:
@@ -246,7 +310,7 @@ def subbatch_bounds(n: int, blocks_per_slot: int, ramp_blocks: int, *, store: bo
         body = n - ramp
         cuts = [*range(0, body, blocks_per_slot), body]
     cuts.append(n)
-    return np.asarray(cuts, dtype=np.int64)
+    return cuts
 
 
 FEW_RUNS = 48
@@ -417,7 +481,7 @@ class Pitched:
         return Descriptors(_as_u64(dst), _as_u64(src), _as_u64(size))
 
 
-Copies = Descriptors | Pitched
+Copies = Descriptors | Pitched | CopyList
 
 
 def part_plan(
@@ -478,20 +542,26 @@ def part_plan(
 
 @frozen
 class RingPlan:
-    """A group's staged plan placed on a staging ring: sub-batch ``k`` in slot ``slots[k]`` at
-    ``slot_ptrs[k]``; ``dma`` with every staging-side address absolute; ``block_bytes`` of one
-    block in a slot (the whole block's, or a part's)."""
+    """A group's staged plan placed on a staging ring: sub-batch ``k`` holds blocks
+    ``bounds[k]:bounds[k + 1]`` in slot ``slots[k]`` at ``slot_ptrs[k]``, its DMA copies
+    ``dma.slice(desc_bounds[k], desc_bounds[k + 1])``, every staging-side address absolute;
+    ``block_bytes`` of one block in a slot (the whole block's, or a part's)."""
 
-    plan: StagedPlan
+    bounds: list[int]
+    desc_bounds: list[int]
     slots: list[int]
     slot_ptrs: list[int]
     dma: Copies
     block_bytes: int
 
+    @property
+    def num_subbatches(self) -> int:
+        return len(self.bounds) - 1
+
 
 def ring_plan(
     table: RegionTable,
-    cpu_ids: I64,
+    cpu_ids: Sequence[int] | I64,
     cpu_base: int,
     *,
     regions: tuple[int, int] | None,
@@ -505,15 +575,21 @@ def ring_plan(
     """``staged_plan`` (or ``part_plan`` for ``regions``, with ``pitched``) over a ring of
     ``(base, slot bytes, next slot, slots)``: sub-batches of at most a slot's worth of blocks
     and ``max_blocks`` (the kernel's ids per launch), placed on the slots in turn from the next
-    one."""
+    one. Whole blocks whose CPU ids come in a few ascending runs are planned in plain Python
+    (``_ring_runs``), the same copies."""
     base, slot_bytes, first, nslots = ring
     bb = table.block_bytes if regions is None else table.span_bytes(*regions)
     per_slot = min(max_blocks, slot_bytes // bb)
     ramp = max(1, ramp_bytes // bb) if ramp_bytes else 0
+    if regions is None and type(cpu_ids) is tuple:
+        placed = _ring_runs(cpu_ids, bb, cpu_base, ring, per_slot, ramp, chunk_blocks, store)
+        if placed is not None:
+            return placed
+    ids = cpu_ids if isinstance(cpu_ids, np.ndarray) else as_i64(cpu_ids)
     plan = (
         staged_plan(
             table,
-            cpu_ids,
+            ids,
             cpu_base,
             blocks_per_slot=per_slot,
             chunk_blocks=chunk_blocks,
@@ -524,7 +600,7 @@ def ring_plan(
         else part_plan(
             table,
             *regions,
-            cpu_ids,
+            ids,
             cpu_base,
             blocks_per_slot=per_slot,
             store=store,
@@ -539,23 +615,83 @@ def ring_plan(
     staging = plan.dma.src if store else plan.dma.dst
     staging = staging + np.repeat(slot_ptrs, np.diff(plan.desc_bounds))
     dma = evolve(plan.dma, src=staging) if store else evolve(plan.dma, dst=staging)
-    return RingPlan(plan, slots.tolist(), slot_ptrs.tolist(), dma, bb)
+    return RingPlan(
+        plan.bounds.tolist(), plan.desc_bounds.tolist(), slots.tolist(), slot_ptrs.tolist(), dma, bb
+    )
+
+
+def _ring_runs(
+    cpu_ids: tuple[int, ...],
+    bb: int,
+    cpu_base: int,
+    ring: tuple[int, int, int, int],
+    per_slot: int,
+    ramp: int,
+    chunk_blocks: int,
+    store: bool,
+) -> RingPlan | None:
+    """``ring_plan`` of whole blocks in plain Python, or None unless the CPU ids are ascending
+    runs that cut into fewer than ``FEW_RUNS`` pieces (then the arrays are cheaper)."""
+    n = len(cpu_ids)
+    if not n or cpu_ids[-1] >= EVERY_CAP:
+        return None
+    runs = ascending_runs(cpu_ids, every(cpu_ids[-1] + 1), cpu_ids[-1] + 1)
+    if (
+        runs is None
+        or len(runs) + n // per_slot + (n // chunk_blocks if chunk_blocks > 0 else 0) >= FEW_RUNS
+    ):
+        return None
+    cuts = subbatch_cuts(n, per_slot, ramp, store=store)
+    base, slot_bytes, first, nslots = ring
+    slots = [(first + k) % nslots for k in range(len(cuts) - 1)]
+    slot_ptrs = [base + s * slot_bytes for s in slots]
+    # Every piece starts at a run start or a sub-batch start, and splits at chunk boundaries.
+    starts = sorted({*(r[2] for r in runs), *cuts[:-1]})
+    ends = [*starts[1:], n]
+    dst: list[int] = []
+    src: list[int] = []
+    size: list[int] = []
+    desc_bounds = [0]
+    k = 0  # the sub-batch of the piece at hand
+    for at, end in zip(starts, ends, strict=True):
+        cid = cpu_ids[at]
+        while at >= cuts[k + 1]:
+            k += 1
+            desc_bounds.append(len(size))
+        staging = slot_ptrs[k] + (at - cuts[k]) * bb
+        while at < end:
+            stop = end
+            if chunk_blocks > 0:
+                stop = min(stop, at + chunk_blocks - cid % chunk_blocks)
+            cpu = cpu_base + cid * bb
+            dst.append(cpu if store else staging)
+            src.append(staging if store else cpu)
+            size.append((stop - at) * bb)
+            staging += (stop - at) * bb
+            cid += stop - at
+            at = stop
+    desc_bounds.extend([len(size)] * (len(cuts) - len(desc_bounds)))
+    return RingPlan(cuts, desc_bounds, slots, slot_ptrs, CopyList(dst, src, size), bb)
 
 
 __all__ = [
     "PITCHED_MIN_ROWS",
     "Copies",
+    "CopyList",
     "Descriptors",
     "Pitched",
     "RegionTable",
     "RingPlan",
     "StagedPlan",
+    "as_i64",
     "block_ids",
     "direct_descriptors",
     "group_work",
+    "id_tuple",
     "part_plan",
     "ring_plan",
     "runs",
     "staged_plan",
     "subbatch_bounds",
+    "subbatch_cuts",
 ]
