@@ -176,7 +176,7 @@ class StageKernel:
         num_regions: int,
         staging_ptr: int,
         block_bytes: int,
-        gpu_ids: Sequence[int],
+        gpu_ids: Sequence[int] | np.ndarray[Any, np.dtype[np.int64]],
         *,
         to_staging: bool,
     ) -> None:
