@@ -15,11 +15,13 @@ from scripts import (
     bench_decode_step,
     bench_driver_calls,
     bench_engine_offload,
+    bench_issue_plan,
     bench_logging,
     bench_pd_control,
     bench_pd_transfer,
     bench_transfer,
     connector_rig,
+    time_offload_parts,
 )
 
 
@@ -335,3 +337,41 @@ def test_transfer_bench_plans_without_a_gpu(tmp_path: Path) -> None:
         assert r["one_run_descriptors"] <= r["churned_pool_descriptors"] < 64
         assert r["scattered_descriptors"] > 32
         assert r["one_run_plan_us"] > 0
+
+
+def test_issue_plan_bench_times_both_ways_cold_and_warm(tmp_path: Path) -> None:
+    """The store-planning bench times the plain-Python and the numpy plan of one batch, each
+    cold and warm, and refuses a nonsensical shape with exit 2."""
+    out = tmp_path / "plan.json"
+    shape = ["--blocks", "32", "--runs", "3", "--rounds", "2", "--warm", "3", "--sweep-mib", "1"]
+    rc = bench_issue_plan.main([*shape, "--json", str(out)])
+    assert rc == 0
+    got = json.loads(out.read_text())
+    ways = {"tuples (plain Python)", "arrays (numpy)"}
+    assert set(got["cold_us"]) == set(got["warm_us"]) == ways
+    assert all(v > 0 for v in (*got["cold_us"].values(), *got["warm_us"].values()))
+    with pytest.raises(SystemExit) as exc:
+        bench_issue_plan.main(["--runs", "9", "--blocks", "4"])
+    assert exc.value.code == 2
+
+
+def test_offload_parts_times_the_connectors_functions_on_the_engine_thread(tmp_path: Path) -> None:
+    """The function timer runs the 0 % reuse bench with timers around the connector's and the
+    runtime's functions: the connector's calls are counted once per engine step (warm-up run
+    included), a store launch and its commit are timed, and a missing --parts-json file is a
+    one-line exit 2."""
+    out = tmp_path / "parts.json"
+    bench = ["--model", "tiny", "--scenario", "noreuse", "--repeat", "1", "--null-copies"]
+    small = ["--requests", "4", "--prompt", "64", "--answer", "4"]
+    assert time_offload_parts.main([*bench, *small, "--parts-json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["runs_counted"] == 2
+    functions = got["functions"]
+    steps = functions["OffloadScheduler.build_connector_meta"]["calls"]
+    assert steps > 0
+    assert functions["OffloadWorker.wait_for_save"]["calls"] == steps
+    assert functions["OffloadScheduler.request_finished"]["calls"] == 2 * 4
+    for name in ("InlineSyncWorker._start_stores", "TransferLedger.release"):
+        assert functions[name]["calls"] >= 2
+        assert functions[name]["seconds"] > 0
+    assert time_offload_parts.main([*bench, "--parts-json"]) == 2

@@ -273,6 +273,9 @@ class BatchIssue:
             pitched=self.config.pitched_parts,
         )
         dma, bb = placed.dma, placed.block_bytes
+        # One conversion for the batch: the kernel's parameter block then takes each sub-batch's
+        # ids as a copy of a view, not int by int from a tuple.
+        ids = as_i64(gpu)
         nsub = placed.num_subbatches
         ring.next = (ring.next + nsub) % len(streams)
         bounds, dbounds = placed.bounds, placed.desc_bounds
@@ -283,7 +286,7 @@ class BatchIssue:
             stream = streams[slot]
             enter_stream(used, stream, waits, timing, mine)
             if store:
-                kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=True)
+                kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, ids[lo:hi], to_staging=True)
                 self._copy(dma, lane, stream, dlo, dhi)
             else:
                 # A load's DMAs go one after another (each on its slot's stream), so that the
@@ -295,7 +298,7 @@ class BatchIssue:
                 self._copy(dma, lane, stream, dlo, dhi)
                 if k + 1 < nsub or regions is not None:
                     drv.record(self._dma_done, stream)
-                kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, gpu[lo:hi], to_staging=False)
+                kernel.launch(stream, regions_ptr, nreg, slot_ptr, bb, ids[lo:hi], to_staging=False)
 
     def _await(self, fence: CudaFence) -> None:
         """On a waiter thread: sleep until ``fence``'s copies finish, then wake the reactor.
