@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host time of planning one staged store on the CUDA backend, warm and with cold caches.
+"""Host time of planning one staged batch on the CUDA backend, warm and with cold caches.
 
 A store is issued on the engine's thread right after the forward's launch, whose Python and
 torch work has left the CPU caches cold; a loop of one call measures the warm cost, which can be
@@ -8,9 +8,12 @@ a tenth of that. Per round, each way plans the same batch (``group_work``'s chec
 summed, a large dict built and serialized: ``--sweep-mib``) and ``--warm`` times back to back.
 The ways, interleaved: the batch's ids as tuples of ints (what a ``CopyBatch`` holds: the plain
 Python plan for CPU ids in a few ascending runs) and as int64 arrays (the numpy plan, what every
-batch took until the thirty-third session). No GPU is needed: nothing here touches a device.
+batch took until the thirty-third session). ``--parts N`` plans a fenced load in N parts by layer
+instead (a part's 2D copies each), what a history request's first step issues before its
+forward. No GPU is needed: nothing here touches a device.
 
     python scripts/bench_issue_plan.py --json out.json
+    python scripts/bench_issue_plan.py --parts 4 --blocks 400
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=2, help="ascending runs the CPU ids come in")
     p.add_argument("--layers", type=int, default=16, help="layers (K and V each a region)")
     p.add_argument("--page-kib", type=int, default=16, help="bytes of one region's page")
+    p.add_argument("--parts", type=int, default=0, help="a load in this many parts (0: a store)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warm", type=int, default=200, help="back-to-back plans per warm timing")
     p.add_argument("--sweep-mib", type=int, default=64)
@@ -51,6 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.runs > args.blocks:
         p.error("--runs must be at most --blocks")
+    if args.parts < 0 or args.parts > 2 * args.layers:
+        p.error("--parts must be between 0 and the regions (2 x --layers)")
     return args
 
 
@@ -84,6 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "arrays (numpy)": ((np.array(gpu),), (np.array(cpu),)),
     }
 
+    nregions = 2 * args.layers
+    spans: list[tuple[int, int] | None] = (
+        [None]
+        if not args.parts
+        else [
+            (k * nregions // args.parts, (k + 1) * nregions // args.parts)
+            for k in range(args.parts)
+        ]
+    )
+
     def plan(ids: tuple[Any, Any]) -> Callable[[], object]:
         def one() -> object:
             cpu_ids: Sequence[int] | np.ndarray[Any, np.dtype[np.int64]]
@@ -92,17 +108,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:  # the checks and the plan as they were: numpy from the start
                 block_ids(ids[0][0], table.num_blocks, "group 0 GPU")
                 cpu_ids = block_ids(ids[1][0], cpu_blocks, "group 0 CPU")
-            return ring_plan(
-                table,
-                cpu_ids,
-                1 << 46,
-                regions=None,
-                ring=ring,
-                max_blocks=4096,
-                chunk_blocks=64 * MiB // table.block_bytes,
-                ramp_bytes=16 * MiB,
-                store=True,
-            )
+            return [
+                ring_plan(
+                    table,
+                    cpu_ids,
+                    1 << 46,
+                    regions=span,
+                    ring=ring,
+                    max_blocks=4096,
+                    chunk_blocks=64 * MiB // table.block_bytes,
+                    ramp_bytes=16 * MiB,
+                    store=not args.parts,
+                )
+                for span in spans
+            ]
 
         return one
 
@@ -130,14 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 warm[name].append((time.perf_counter() - t0) / args.warm)
             progress.advance(task)
     out: dict[str, Any] = {
+        "parts": args.parts,
         "blocks": args.blocks,
         "runs": args.runs,
         "block_bytes": table.block_bytes,
         "cold_us": {w: statistics.median(v) * 1e6 for w, v in cold.items()},
         "warm_us": {w: statistics.median(v) * 1e6 for w, v in warm.items()},
     }
+    what = f"a load in {args.parts} parts" if args.parts else "a store"
     t = Table(
-        title=f"planning one staged store: {args.blocks} blocks of {table.block_bytes // KiB} KiB, "
+        title=f"planning {what}: {args.blocks} blocks of {table.block_bytes // KiB} KiB, "
         f"CPU ids in {args.runs} runs (medians of {args.rounds} rounds)"
     )
     t.add_column("ids as")

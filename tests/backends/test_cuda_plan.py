@@ -439,12 +439,7 @@ def test_few_runs_plan_equals_the_array_plan(
     exactly the descriptors and bounds of the numpy path."""
     from kvflow.backends.cuda import plan as p
 
-    ids: list[int] = []
-    at = 0
-    for gap, length in pieces:
-        at += gap
-        ids += range(at, at + length)
-        at += length
+    ids = ids_in_runs(pieces)
     cpu = np.array(ids, dtype=np.int64)
     table = flash_table(1, 4, 16)
     base = 1 << 30
@@ -491,12 +486,7 @@ def test_ring_plan_in_plain_python_places_the_same_copies_as_the_arrays(
     """A batch's CPU ids as a tuple of ascending runs (what the issue path passes) get the
     same sub-batches, slots and absolute copies from the plain-Python plan as the same ids as
     an array get from the numpy plan, whichever of the two the tuple's runs choose."""
-    ids: list[int] = []
-    at = 0
-    for gap, length in pieces:
-        at += gap
-        ids += range(at, at + length)
-        at += length
+    ids = ids_in_runs(pieces)
     table = flash_table(1, 4, 16)
     bb = table.block_bytes
 
@@ -519,15 +509,113 @@ def test_ring_plan_in_plain_python_places_the_same_copies_as_the_arrays(
     if chunk_blocks:
         pieces_cut += len(ids) // chunk_blocks
     assert isinstance(mine.dma, CopyList) == (pieces_cut < FEW_RUNS)
+    assert_same_placement(mine, theirs)
+    assert not isinstance(mine.dma, Pitched)
+    assert mine.dma.lists() == theirs.dma.lists()
+    assert mine.dma.total_bytes == theirs.dma.total_bytes == len(ids) * bb
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6),
+    regions=st.tuples(st.integers(0, 3), st.integers(1, 4)),
+    slot_parts=st.integers(1, 40),
+    chunk_blocks=st.integers(0, 17),
+    ramp_blocks=st.integers(0, 9),
+    first=st.integers(0, 3),
+    store=st.booleans(),
+)
+def test_a_parts_2d_copies_in_plain_python_are_the_arrays_ones(
+    pieces: list[tuple[int, int]],
+    regions: tuple[int, int],
+    slot_parts: int,
+    chunk_blocks: int,
+    ramp_blocks: int,
+    first: int,
+    store: bool,
+) -> None:
+    """A load's part (some regions of each block) over CPU ids in ascending runs: where the
+    plain-Python plan makes it, its 2D copies, sub-batches and slots are exactly those of the
+    numpy plan of the same ids as an array, and ``ring_plan`` of the tuple gives the same."""
+    from kvflow.backends.cuda import plan as p
+
+    ids = ids_in_runs(pieces)
+    table = flash_table(2, 4, 16)  # four regions
+    lo, hi = regions[0], min(4, regions[0] + regions[1])
+    part = table.span_bytes(lo, hi)
+    ring = (1 << 40, slot_parts * part, first, 4)
+
+    def place(cpu: Sequence[int] | np.ndarray) -> RingPlan:
+        return ring_plan(
+            table,
+            cpu,
+            1 << 30,
+            regions=(lo, hi),
+            ring=ring,
+            max_blocks=512,
+            chunk_blocks=chunk_blocks,
+            ramp_bytes=ramp_blocks * part,
+            store=store,
+        )
+
+    theirs = place(np.array(ids, dtype=np.int64))
+    ramp = max(1, ramp_blocks) if ramp_blocks else 0
+    base = (1 << 30) + table.span_offset(lo)
+    fast = p._ring_runs(
+        tuple(ids), part, base, ring, slot_parts, ramp, chunk_blocks, store, table.block_bytes
+    )
+    for mine in (place(tuple(ids)), *([] if fast is None else [fast])):
+        assert_same_placement(mine, theirs)
+        assert type(mine.dma) is type(theirs.dma)
+        if isinstance(mine.dma, Pitched):
+            assert isinstance(theirs.dma, Pitched)
+            for a, b in ((mine.dma.dst, theirs.dma.dst), (mine.dma.src, theirs.dma.src)):
+                assert a.dtype == b.dtype == np.uint64
+                assert a.tolist() == b.tolist()
+            assert mine.dma.rows.tolist() == theirs.dma.rows.tolist()
+            assert (mine.dma.width, mine.dma.cpu_pitch, mine.dma.store) == (
+                part,
+                table.block_bytes,
+                store,
+            )
+    if fast is not None:
+        assert isinstance(theirs.dma, Pitched)
+
+
+def test_a_parts_few_long_runs_are_planned_in_plain_python() -> None:
+    """Two long runs of CPU ids (what a load of one request's history has) take the
+    plain-Python part plan: 2D copies, one per run and sub-batch."""
+    from kvflow.backends.cuda import plan as p
+
+    table = flash_table(2, 4, 16)
+    ids = (*range(10, 40), *range(50, 90))
+    part = table.span_bytes(1, 3)
+    fast = p._ring_runs(ids, part, 1 << 30, (1 << 40, 64 * part, 0, 2), 64, 0, 0, False, 64)
+    assert fast is not None
+    assert isinstance(fast.dma, Pitched)
+    assert fast.dma.rows.tolist() == [30, 34, 6]
+    assert fast.bounds == [0, 64, 70]
+
+
+def ids_in_runs(pieces: list[tuple[int, int]]) -> list[int]:
+    """Ascending ids: per ``(gap, length)``, ``gap`` ids skipped, then a run of ``length``."""
+    ids: list[int] = []
+    at = 0
+    for gap, length in pieces:
+        at += gap
+        ids += range(at, at + length)
+        at += length
+    return ids
+
+
+def assert_same_placement(mine: RingPlan, theirs: RingPlan) -> None:
+    """The two plans cut the same sub-batches onto the same slots."""
     assert (mine.bounds, mine.desc_bounds) == (theirs.bounds, theirs.desc_bounds)
     assert (mine.slots, mine.slot_ptrs, mine.block_bytes) == (
         theirs.slots,
         theirs.slot_ptrs,
         theirs.block_bytes,
     )
-    assert not isinstance(mine.dma, Pitched)
-    assert mine.dma.lists() == theirs.dma.lists()
-    assert mine.dma.total_bytes == theirs.dma.total_bytes == len(ids) * bb
 
 
 def ascending_runs_of(ids: list[int]) -> list[list[int]]:

@@ -340,19 +340,21 @@ def test_transfer_bench_plans_without_a_gpu(tmp_path: Path) -> None:
 
 
 def test_issue_plan_bench_times_both_ways_cold_and_warm(tmp_path: Path) -> None:
-    """The store-planning bench times the plain-Python and the numpy plan of one batch, each
-    cold and warm, and refuses a nonsensical shape with exit 2."""
-    out = tmp_path / "plan.json"
+    """The planning bench times the plain-Python and the numpy plan of one store, and of a load
+    in parts, each cold and warm, and refuses a nonsensical shape with exit 2."""
     shape = ["--blocks", "32", "--runs", "3", "--rounds", "2", "--warm", "3", "--sweep-mib", "1"]
-    rc = bench_issue_plan.main([*shape, "--json", str(out)])
-    assert rc == 0
-    got = json.loads(out.read_text())
-    ways = {"tuples (plain Python)", "arrays (numpy)"}
-    assert set(got["cold_us"]) == set(got["warm_us"]) == ways
-    assert all(v > 0 for v in (*got["cold_us"].values(), *got["warm_us"].values()))
-    with pytest.raises(SystemExit) as exc:
-        bench_issue_plan.main(["--runs", "9", "--blocks", "4"])
-    assert exc.value.code == 2
+    for parts in ("0", "4"):
+        out = tmp_path / f"plan{parts}.json"
+        assert bench_issue_plan.main([*shape, "--parts", parts, "--json", str(out)]) == 0
+        got = json.loads(out.read_text())
+        assert got["parts"] == int(parts)
+        ways = {"tuples (plain Python)", "arrays (numpy)"}
+        assert set(got["cold_us"]) == set(got["warm_us"]) == ways
+        assert all(v > 0 for v in (*got["cold_us"].values(), *got["warm_us"].values()))
+    for bad in (["--runs", "9", "--blocks", "4"], ["--parts", "33", "--layers", "16"]):
+        with pytest.raises(SystemExit) as exc:
+            bench_issue_plan.main(bad)
+        assert exc.value.code == 2
 
 
 def test_offload_parts_times_the_connectors_functions_on_the_engine_thread(tmp_path: Path) -> None:

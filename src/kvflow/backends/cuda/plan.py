@@ -12,6 +12,7 @@ call costs many times its warm price (docs/benchmarks.md, thirty-third session).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,9 +60,18 @@ class RegionTable:
     def min_page_bytes(self) -> int:
         return int(self.page.min())
 
+    @functools.cached_property
+    def _columns(self) -> tuple[list[int], list[int]]:
+        """``page`` and ``cpu_offset`` as lists of ints, for the plans made in plain Python."""
+        return self.page.tolist(), self.cpu_offset.tolist()
+
     def span_bytes(self, lo: int, hi: int) -> int:
         """Bytes of regions ``lo .. hi - 1`` of one block (contiguous in a CPU block)."""
-        return int(self.page[lo:hi].sum())
+        return sum(self._columns[0][lo:hi])
+
+    def span_offset(self, lo: int) -> int:
+        """Where region ``lo``'s page sits inside a CPU block."""
+        return self._columns[1][lo]
 
     def subset(self, lo: int, hi: int, *, packed: bool = False) -> RegionTable:
         """Regions ``lo .. hi - 1`` only, at their places in the whole CPU block (a part's
@@ -581,8 +591,18 @@ def ring_plan(
     bb = table.block_bytes if regions is None else table.span_bytes(*regions)
     per_slot = min(max_blocks, slot_bytes // bb)
     ramp = max(1, ramp_bytes // bb) if ramp_bytes else 0
-    if regions is None and type(cpu_ids) is tuple:
-        placed = _ring_runs(cpu_ids, bb, cpu_base, ring, per_slot, ramp, chunk_blocks, store)
+    if type(cpu_ids) is tuple and (regions is None or pitched):
+        placed = _ring_runs(
+            cpu_ids,
+            bb,
+            cpu_base if regions is None else cpu_base + table.span_offset(regions[0]),
+            ring,
+            per_slot,
+            ramp,
+            chunk_blocks,
+            store,
+            None if regions is None else table.block_bytes,
+        )
         if placed is not None:
             return placed
     ids = cpu_ids if isinstance(cpu_ids, np.ndarray) else as_i64(cpu_ids)
@@ -629,9 +649,14 @@ def _ring_runs(
     ramp: int,
     chunk_blocks: int,
     store: bool,
+    cpu_pitch: int | None = None,
 ) -> RingPlan | None:
-    """``ring_plan`` of whole blocks in plain Python, or None unless the CPU ids are ascending
-    runs that cut into fewer than ``FEW_RUNS`` pieces (then the arrays are cheaper)."""
+    """``ring_plan`` in plain Python, or None unless the CPU ids are ascending runs that cut
+    into fewer than ``FEW_RUNS`` pieces (then the arrays are cheaper). ``bb`` bytes of each
+    block go to a slot: whole blocks (``cpu_pitch`` None), or a part's pages, ``cpu_pitch``
+    (a whole CPU block) apart on the CPU side from ``cpu_base`` (the tier's base plus the
+    part's offset in a block), each piece one 2D copy (``Pitched``) as ``part_plan`` makes them
+    where its pieces average ``PITCHED_MIN_ROWS`` blocks or more (else None)."""
     n = len(cpu_ids)
     if not n or cpu_ids[-1] >= EVERY_CAP:
         return None
@@ -642,36 +667,48 @@ def _ring_runs(
     ):
         return None
     cuts = subbatch_cuts(n, per_slot, ramp, store=store)
+    if cpu_pitch is not None and (len(runs) + len(cuts)) * PITCHED_MIN_ROWS > n:
+        return None  # maybe too many pieces for 2D copies: part_plan decides
     base, slot_bytes, first, nslots = ring
     slots = [(first + k) % nslots for k in range(len(cuts) - 1)]
     slot_ptrs = [base + s * slot_bytes for s in slots]
     # Every piece starts at a run start or a sub-batch start, and splits at chunk boundaries.
     starts = sorted({*(r[2] for r in runs), *cuts[:-1]})
     ends = [*starts[1:], n]
+    pitch = bb if cpu_pitch is None else cpu_pitch
     dst: list[int] = []
     src: list[int] = []
-    size: list[int] = []
+    blocks: list[int] = []  # per piece
     desc_bounds = [0]
     k = 0  # the sub-batch of the piece at hand
     for at, end in zip(starts, ends, strict=True):
         cid = cpu_ids[at]
         while at >= cuts[k + 1]:
             k += 1
-            desc_bounds.append(len(size))
+            desc_bounds.append(len(blocks))
         staging = slot_ptrs[k] + (at - cuts[k]) * bb
         while at < end:
             stop = end
             if chunk_blocks > 0:
                 stop = min(stop, at + chunk_blocks - cid % chunk_blocks)
-            cpu = cpu_base + cid * bb
+            cpu = cpu_base + cid * pitch
             dst.append(cpu if store else staging)
             src.append(staging if store else cpu)
-            size.append((stop - at) * bb)
+            blocks.append(stop - at)
             staging += (stop - at) * bb
             cid += stop - at
             at = stop
-    desc_bounds.extend([len(size)] * (len(cuts) - len(desc_bounds)))
-    return RingPlan(cuts, desc_bounds, slots, slot_ptrs, CopyList(dst, src, size), bb)
+    desc_bounds.extend([len(blocks)] * (len(cuts) - len(desc_bounds)))
+    dma: Copies
+    if cpu_pitch is None:
+        dma = CopyList(dst, src, [b * bb for b in blocks])
+    else:
+        if len(blocks) * PITCHED_MIN_ROWS > n:
+            return None  # part_plan: one copy per block
+        u64 = np.uint64
+        rows = np.array(blocks, dtype=u64)
+        dma = Pitched(np.array(dst, dtype=u64), np.array(src, dtype=u64), rows, bb, pitch, store)
+    return RingPlan(cuts, desc_bounds, slots, slot_ptrs, dma, bb)
 
 
 __all__ = [
