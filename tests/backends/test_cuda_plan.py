@@ -582,6 +582,28 @@ def test_a_parts_2d_copies_in_plain_python_are_the_arrays_ones(
         assert isinstance(theirs.dma, Pitched)
 
 
+@pytest.mark.parametrize("regions", [None, (1, 3)])
+def test_a_slot_smaller_than_a_block_is_a_config_error_either_way(
+    regions: tuple[int, int] | None,
+) -> None:
+    """A staging slot that cannot hold one block (or one part of it) is a ConfigError naming the
+    slot's capacity, whether the ids come as a tuple of runs or as an array."""
+    table = flash_table(2, 4, 16)
+    for cpu in ((1, 2, 3), np.array([1, 2, 3])):
+        with pytest.raises(ConfigError, match="blocks_per_slot must be positive"):
+            ring_plan(
+                table,
+                cpu,
+                0,
+                regions=regions,
+                ring=(1 << 40, 8, 0, 2),
+                max_blocks=512,
+                chunk_blocks=0,
+                ramp_bytes=0,
+                store=True,
+            )
+
+
 def test_a_parts_few_long_runs_are_planned_in_plain_python() -> None:
     """Two long runs of CPU ids (what a load of one request's history has) take the
     plain-Python part plan: 2D copies, one per run and sub-batch."""

@@ -658,8 +658,8 @@ def _ring_runs(
     part's offset in a block), each piece one 2D copy (``Pitched``) as ``part_plan`` makes them
     where its pieces average ``PITCHED_MIN_ROWS`` blocks or more (else None)."""
     n = len(cpu_ids)
-    if not n or cpu_ids[-1] >= EVERY_CAP:
-        return None
+    if not n or cpu_ids[-1] >= EVERY_CAP or per_slot <= 0:
+        return None  # per_slot: the arrays' plan names a slot too small for a block
     runs = ascending_runs(cpu_ids, every(cpu_ids[-1] + 1), cpu_ids[-1] + 1)
     if (
         runs is None
