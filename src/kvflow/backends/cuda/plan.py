@@ -12,12 +12,11 @@ call costs many times its warm price (docs/benchmarks.md, thirty-third session).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-from attrs import evolve, frozen
+from attrs import Factory, evolve, field, frozen
 
 from kvflow.core.idruns import EVERY_CAP, ascending_runs, every
 from kvflow.core.layout import GroupLayout
@@ -38,6 +37,19 @@ class RegionTable:
     page: I64  # bytes of one page of each region
     cpu_offset: I64  # where each region's page sits inside one block-major CPU block
     block_bytes: int  # one whole block across all regions (one CPU block)
+    # ``page`` and ``cpu_offset`` as ints, for the plans made in plain Python.
+    _pages: list[int] = field(
+        init=False,
+        eq=False,
+        repr=False,
+        default=Factory(lambda t: t.page.tolist(), takes_self=True),
+    )
+    _offsets: list[int] = field(
+        init=False,
+        eq=False,
+        repr=False,
+        default=Factory(lambda t: t.cpu_offset.tolist(), takes_self=True),
+    )
 
     @classmethod
     def from_group(cls, group: GroupLayout) -> RegionTable:
@@ -60,18 +72,13 @@ class RegionTable:
     def min_page_bytes(self) -> int:
         return int(self.page.min())
 
-    @functools.cached_property
-    def _columns(self) -> tuple[list[int], list[int]]:
-        """``page`` and ``cpu_offset`` as lists of ints, for the plans made in plain Python."""
-        return self.page.tolist(), self.cpu_offset.tolist()
-
     def span_bytes(self, lo: int, hi: int) -> int:
         """Bytes of regions ``lo .. hi - 1`` of one block (contiguous in a CPU block)."""
-        return sum(self._columns[0][lo:hi])
+        return sum(self._pages[lo:hi])
 
     def span_offset(self, lo: int) -> int:
         """Where region ``lo``'s page sits inside a CPU block."""
-        return self._columns[1][lo]
+        return self._offsets[lo]
 
     def subset(self, lo: int, hi: int, *, packed: bool = False) -> RegionTable:
         """Regions ``lo .. hi - 1`` only, at their places in the whole CPU block (a part's
