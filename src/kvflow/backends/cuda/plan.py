@@ -12,7 +12,7 @@ call costs many times its warm price (docs/benchmarks.md, thirty-third session).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -337,6 +337,57 @@ dozen array calls (what a CPU pool that hands out ascending runs gives); more co
 (``scripts/bench_transfer.py --plan-only``)."""
 
 
+def _pieces(
+    cpu_ids: Sequence[int] | I64,
+    run_starts: Iterable[int],
+    cuts: list[int],
+    chunk_blocks: int,
+    *,
+    slots: Sequence[int],
+    bb: int,
+    cpu_base: int,
+    pitch: int,
+    store: bool,
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A staged batch's DMA pieces where its CPU ids come in runs (``run_starts``: where each
+    run begins) and ``cuts`` are its sub-batches' bounds: a piece starts at a run or sub-batch
+    start and ends at the next one, or where its CPU ids enter a new pinned chunk. Sub-batch
+    ``k``'s blocks lie ``bb`` bytes apart from ``slots[k]``, CPU block ``i`` at ``cpu_base + i *
+    pitch``. Returns each piece's ``dst``, ``src`` and blocks, and each sub-batch's first piece
+    (``desc_bounds``). One loop for all of it: a comprehension per column costs more than its
+    iterations with the caches cold, as a step's issue has them."""
+    n = cuts[-1]
+    starts = sorted({*run_starts, *cuts[:-1]})
+    first_ids = (
+        cpu_ids[starts].tolist()
+        if isinstance(cpu_ids, np.ndarray)
+        else [cpu_ids[a] for a in starts]
+    )
+    dst: list[int] = []
+    src: list[int] = []
+    blocks: list[int] = []
+    desc_bounds = [0]
+    k = 0  # the sub-batch of the piece at hand
+    for at, end, cid in zip(starts, [*starts[1:], n], first_ids, strict=True):
+        while at >= cuts[k + 1]:
+            k += 1
+            desc_bounds.append(len(blocks))
+        staging = slots[k] + (at - cuts[k]) * bb
+        while at < end:
+            stop = end
+            if chunk_blocks > 0:
+                stop = min(stop, at + chunk_blocks - cid % chunk_blocks)
+            cpu = cpu_base + cid * pitch
+            dst.append(cpu if store else staging)
+            src.append(staging if store else cpu)
+            blocks.append(stop - at)
+            staging += (stop - at) * bb
+            cid += stop - at
+            at = stop
+    desc_bounds.extend([len(blocks)] * (len(cuts) - len(desc_bounds)))
+    return dst, src, blocks, desc_bounds
+
+
 def _staged_plan_runs(
     table: RegionTable,
     cpu_ids: I64,
@@ -346,41 +397,29 @@ def _staged_plan_runs(
     chunk_blocks: int,
     store: bool,
 ) -> StagedPlan:
-    """``staged_plan`` for CPU ids in few ascending runs: the same pieces, cut in Python."""
-    n = len(cpu_ids)
+    """``staged_plan`` for CPU ids in few ascending runs: the same pieces, cut in Python, their
+    staging side relative to each slot."""
     bb = table.block_bytes
     cuts = bounds.tolist()
-    # Every piece starts at a run start or a sub-batch start, and splits at chunk boundaries.
-    starts = sorted({*run_starts, *cuts[:-1]})
-    first_ids = cpu_ids[starts].tolist()
-    ends = [*starts[1:], n]
-    dst: list[int] = []
-    src: list[int] = []
-    size: list[int] = []
-    desc_bounds = [0]
-    k = 0  # the sub-batch of the piece at hand
-    for at, end, cid in zip(starts, ends, first_ids, strict=True):
-        while at >= cuts[k + 1]:
-            k += 1
-            desc_bounds.append(len(size))
-        slot_pos = at - cuts[k]
-        while at < end:
-            stop = end
-            if chunk_blocks > 0:
-                stop = min(stop, at + chunk_blocks - cid % chunk_blocks)
-            cpu = cpu_base + cid * bb
-            off = slot_pos * bb
-            dst.append(cpu if store else off)
-            src.append(off if store else cpu)
-            size.append((stop - at) * bb)
-            slot_pos += stop - at
-            cid += stop - at
-            at = stop
-    desc_bounds.extend([len(size)] * (len(cuts) - len(desc_bounds)))
+    dst, src, blocks, desc_bounds = _pieces(
+        cpu_ids,
+        run_starts,
+        cuts,
+        chunk_blocks,
+        slots=[0] * len(cuts),
+        bb=bb,
+        cpu_base=cpu_base,
+        pitch=bb,
+        store=store,
+    )
     u64 = np.uint64
     return StagedPlan(
         bounds=bounds,
-        dma=Descriptors(np.array(dst, dtype=u64), np.array(src, dtype=u64), np.array(size, u64)),
+        dma=Descriptors(
+            np.array(dst, dtype=u64),
+            np.array(src, dtype=u64),
+            np.array([b * bb for b in blocks], u64),
+        ),
         desc_bounds=np.array(desc_bounds, dtype=np.int64),
     )
 
@@ -679,33 +718,18 @@ def _ring_runs(
     base, slot_bytes, first, nslots = ring
     slots = [(first + k) % nslots for k in range(len(cuts) - 1)]
     slot_ptrs = [base + s * slot_bytes for s in slots]
-    # Every piece starts at a run start or a sub-batch start, and splits at chunk boundaries.
-    starts = sorted({*(r[2] for r in runs), *cuts[:-1]})
-    ends = [*starts[1:], n]
     pitch = bb if cpu_pitch is None else cpu_pitch
-    dst: list[int] = []
-    src: list[int] = []
-    blocks: list[int] = []  # per piece
-    desc_bounds = [0]
-    k = 0  # the sub-batch of the piece at hand
-    for at, end in zip(starts, ends, strict=True):
-        cid = cpu_ids[at]
-        while at >= cuts[k + 1]:
-            k += 1
-            desc_bounds.append(len(blocks))
-        staging = slot_ptrs[k] + (at - cuts[k]) * bb
-        while at < end:
-            stop = end
-            if chunk_blocks > 0:
-                stop = min(stop, at + chunk_blocks - cid % chunk_blocks)
-            cpu = cpu_base + cid * pitch
-            dst.append(cpu if store else staging)
-            src.append(staging if store else cpu)
-            blocks.append(stop - at)
-            staging += (stop - at) * bb
-            cid += stop - at
-            at = stop
-    desc_bounds.extend([len(blocks)] * (len(cuts) - len(desc_bounds)))
+    dst, src, blocks, desc_bounds = _pieces(
+        cpu_ids,
+        (r[2] for r in runs),
+        cuts,
+        chunk_blocks,
+        slots=slot_ptrs,
+        bb=bb,
+        cpu_base=cpu_base,
+        pitch=pitch,
+        store=store,
+    )
     dma: Copies
     if cpu_pitch is None:
         dma = CopyList(dst, src, [b * bb for b in blocks])
