@@ -137,13 +137,24 @@ def test_full_steps_on_the_triton_interpreter_give_the_dense_tokens(name: str) -
 
 def test_full_step_tables_rewrite_a_row_only_when_its_table_changed() -> None:
     """A full bucket's block-table rows hold each row's table after any sequence of steps: a
-    row whose table is the same object is left alone, a new table is written, and a row that
-    padding overwrote is written again when a real row returns to it."""
+    row whose table is the same object is left alone, a table that extends the row's gets its
+    new ids, a table that does not (shorter, or another prefix) is written whole, and a row
+    that padding overwrote is written again when a real row returns to it."""
     engine = make_engine("tiny", num_gpu_blocks=64, max_num_seqs=4, decode_graphs="pieces")
     graphs = _uncaptured_full_graphs(engine, 4)
     bucket = graphs._buckets[4]
     a, b, c = (1, 2, 3), (4, 5), (6, 7, 8, 9)
-    steps = [[a, b, c, a], [a, b, (*c, 10), a], [a, b], [a, b, c, (11,)], [b, a, c, a]]
+    steps = [
+        [a, b, c, a],
+        [a, b, (*c, 10), a],
+        [a, b],
+        [a, b, c, (11,)],
+        [b, a, c, a],
+        [(*b, 12), a, c, a],  # grows: only 12 is written
+        [(4,), a, c, (1, 2, 3, 14)],  # shorter, then another table with the same prefix
+        [(4, 15, 16), a, c, (1, 2, 3, 14)],  # grows past ids a longer table left in the row
+        [(17, 15, 16), a, c, a],  # same length, another first id
+    ]
     with torch.inference_mode():
         for tables in steps:
             computed = [len(t) * 4 - 1 for t in tables]

@@ -106,6 +106,9 @@ class _Bucket:
         n_small = n_inputs + n_index + groups * size_len
         self.small = torch.zeros(n_small, dtype=torch.long, device=device)
         self.small_host = _host_like(self.small)
+        # numpy views of the pinned buffers: a Python list lands in one in a fraction of what
+        # ``torch.tensor`` takes to build a tensor from it.
+        self.small_np = self.small_host.numpy()
         # Row 0: token ids, 1: positions, 2 + g: group g's cache slots.
         self.inputs = self.small[:n_inputs].view(2 + groups, rows)
         sizes_at = n_inputs + n_index
@@ -118,6 +121,7 @@ class _Bucket:
             torch.zeros((rows, width), dtype=torch.int32, device=device) for _ in self.sizes
         ]
         self.tables_host = [_host_like(t) for t in self.tables]
+        self.tables_np = [t.numpy() for t in self.tables_host]
         # The block table each row of ``tables_host`` holds, per group, as the engine handed
         # it (an immutable tuple): a row is rewritten only when its table is another object,
         # which in a decode step is one row in sixteen.
@@ -340,7 +344,7 @@ class DecodeGraphs:
         host = [*token_ids, *pad, *positions, *pad]
         host += [0] * (self.num_groups * rows)
         host += [*sample_at, *([0] * (bucket.samples - len(sample_at)))]
-        bucket.small_host.copy_(torch.tensor(host, dtype=torch.long))
+        bucket.small_np[:] = host
         bucket.small.copy_(bucket.small_host, non_blocking=bucket.small.is_cuda)
         for g, slots in enumerate(slot_mappings):
             bucket.inputs[2 + g, :t].copy_(slots)
@@ -382,7 +386,11 @@ class DecodeGraphs:
             self._full_inputs(bucket, host, num_computed, block_tables)
             bucket.pieces[0]()
             return bucket.tokens[:b], bucket.logits[:b]
-        bucket.inputs.copy_(torch.tensor(host, dtype=torch.long).view(bucket.inputs.shape))
+        n = bucket.inputs.numel()
+        bucket.small_np[:n] = host
+        bucket.inputs.copy_(
+            bucket.small_host[:n].view(bucket.inputs.shape), non_blocking=bucket.small.is_cuda
+        )
         segments = []
         for g, tables in enumerate(block_tables):
             segments.append(
@@ -421,18 +429,22 @@ class DecodeGraphs:
             firsts, counts = key_ranges(num_computed, self.windows[g])
             split = triton_decode.split_len_for(bucket.splits[g], max(counts))
             host += [*firsts, *([0] * pad), *counts, *([1] * pad), split]
-            table_host, written = bucket.tables_host[g], bucket.tables_written[g]
+            table_np, written = bucket.tables_np[g], bucket.tables_written[g]
             # Entries past a row's own table may be stale: its key count keeps them unread.
             for row, table in enumerate(tables):
-                if table is not written[row]:
-                    if table:
-                        table_host[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+                old = written[row]
+                if table is not old:
+                    # A running request's table only grows: when the row holds a prefix of it,
+                    # only the new ids are written (the row then holds the table either way).
+                    at = len(old) if old is not None and table[: len(old)] == old else 0
+                    if at < len(table):
+                        table_np[row, at : len(table)] = table[at:]
                     written[row] = table
             if pad:
-                table_host[b:, 0] = 0
+                table_np[b:, 0] = 0
                 written[b:] = [None] * pad
-            bucket.tables[g].copy_(table_host, non_blocking=True)
-        bucket.small_host.copy_(torch.tensor(host, dtype=torch.long))
+            bucket.tables[g].copy_(bucket.tables_host[g], non_blocking=True)
+        bucket.small_np[:] = host
         bucket.small.copy_(bucket.small_host, non_blocking=True)
 
 

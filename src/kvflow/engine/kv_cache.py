@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from attrs import frozen
@@ -182,9 +183,7 @@ def _slots(
     return result
 
 
-def block_table_host(
-    block_tables: Sequence[Sequence[int]], dtype: torch.dtype = torch.long
-) -> torch.Tensor:
+def block_table_host(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
     """The requests' block tables as one ``(B, longest)`` host tensor, padded with the null
     block; built in one host list."""
     b = len(block_tables)
@@ -192,7 +191,8 @@ def block_table_host(
     flat = [0] * (b * width)
     for i, t in enumerate(block_tables):
         flat[i * width : i * width + len(t)] = t
-    return torch.tensor(flat, dtype=dtype).view(b, width)
+    # Through numpy: it takes a list of ints several times faster than ``torch.tensor``.
+    return torch.from_numpy(np.array(flat, dtype=np.int64)).view(b, width)
 
 
 def block_table_tensor(block_tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
