@@ -183,6 +183,13 @@ def _slots(
     return result
 
 
+def long_tensor(values: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
+    """``values`` as an int64 tensor (on ``device``; None: the host), through numpy: it takes a
+    list of ints several times faster than ``torch.tensor`` does."""
+    host = torch.from_numpy(np.array(values, dtype=np.int64))
+    return host if device is None else host.to(device)
+
+
 def block_table_host(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
     """The requests' block tables as one ``(B, longest)`` host tensor, padded with the null
     block; built in one host list."""
@@ -191,8 +198,7 @@ def block_table_host(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
     flat = [0] * (b * width)
     for i, t in enumerate(block_tables):
         flat[i * width : i * width + len(t)] = t
-    # Through numpy: it takes a list of ints several times faster than ``torch.tensor``.
-    return torch.from_numpy(np.array(flat, dtype=np.int64)).view(b, width)
+    return long_tensor(flat).view(b, width)
 
 
 def block_table_tensor(block_tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -438,6 +444,7 @@ __all__ = [
     "key_ranges",
     "kv_cache_groups",
     "layer_name",
+    "long_tensor",
     "paged_attention",
     "write_kv",
 ]
