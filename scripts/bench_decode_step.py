@@ -3,7 +3,9 @@ attention by torch (gather + SDPA) or by the Triton paged kernel (``triton_decod
 
 For each (rows, context) shape: ``rows`` requests with distinct ``context``-token prompts are
 prefilled untimed, then every ``engine.step()`` of pure decode is timed on the host clock (a step
-ends when its tokens are read back, so this is the step's full latency). Prints a table, and
+ends when its tokens are read back, so this is the step's full latency; in ``graphs-ahead``, with
+``async_scheduling``, the call returns the tokens of the step before, so this is the period of
+the pipeline, what a user's token rate sees). Prints a table, and
 ``--json`` writes the figures. ``--offload`` runs every mode a second time with kvflow's offload
 connector (its defaults: eager stores, the inline worker loop, the CUDA backend on a GPU), so the
 step's connector calls and the stores of the blocks it completes are in the timed step.
@@ -45,13 +47,16 @@ from kvflow.runtime.clock import SystemClock
 SHAPES = ((1, 1024), (2, 6400), (8, 2048), (32, 1024), (1, 16384))
 
 MODES = {
-    # name: (EngineConfig.decode_graphs, EngineConfig.triton_decode)
-    "eager-torch": ("off", False),
-    "eager": ("off", True),
-    "pieces-torch": ("pieces", False),
-    "graphs-torch": ("auto", False),
-    "piecewise": ("piecewise", True),
-    "graphs": ("auto", True),  # "full" where Triton serves the attention
+    # name: (EngineConfig.decode_graphs, EngineConfig.triton_decode, .async_scheduling)
+    "eager-torch": ("off", False, False),
+    "eager": ("off", True, False),
+    "pieces-torch": ("pieces", False, False),
+    "graphs-torch": ("auto", False, False),
+    "piecewise": ("piecewise", True, False),
+    "graphs": ("auto", True, False),  # "full" where Triton serves the attention
+    # Each step scheduled and launched before the last one's tokens are read: a step's time
+    # is then the pipeline's period, not one step's latency.
+    "graphs-ahead": ("auto", True, True),
 }
 
 
@@ -195,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 dtype=args.dtype,
                 decode_graphs=MODES[mode][0],
                 triton_decode=MODES[mode][1],
+                async_scheduling=MODES[mode][2],
                 enable_prefix_caching=False,
             )
             # The mode bare and, with --offload, with the connector: both built up front, so

@@ -72,6 +72,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="model and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
     )
     p.add_argument("--worker-loop", choices=("thread", "inline"), default="inline")
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the engine schedules each step before reading the tokens of the one in flight",
+    )
     p.add_argument("--scenario", choices=("reload", "noreuse", "both"), default="both")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument(
@@ -123,6 +128,7 @@ class Bench:
             device=args.device,
             dtype=args.dtype,
             record_step_parts=args.step_parts,
+            async_scheduling=args.async_scheduling,
         )
         if not offload:
             return Engine(self.cfg, econf, model=self.model, clock=self.clock.now)

@@ -8,10 +8,13 @@
 #   scripts/device_suite.sh                 # everything: longer than one device call, so split it
 #   STEPS="tests reload" scripts/device_suite.sh   # with STEPS (a call: at most 10 minutes)
 #
-# Steps: tests, step (one decode step, eager vs CUDA graphs), step-shapes (the decode step with
+# Steps: tests, tests-engine (the engine's GPU tests and the offload connector's through it),
+# step (one decode step, eager vs CUDA graphs), step-shapes (the decode step with
 # the offload connector at 1x1024, 2x6400, 8x2048 and 8x8192), reload (16k reload and 0 % reuse),
 # noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
-# its own), noreuse-parts (0 % reuse, bf16, with --step-parts), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
+# its own), noreuse-parts (0 % reuse, bf16, with --step-parts), noreuse-ahead / noreuse-ahead-fp32
+# (the same with async scheduling, bf16 / float32), step-ahead (the decode step synchronous and
+# scheduled ahead, bare and with the connector, at issue 25's four shapes), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), connector-ab (the same at 512 blocks, this
 # tree against the base tree unpacked at BASE_SRC, default .base/src, AB_ROUNDS processes each,
@@ -64,6 +67,9 @@ multi=(--users 8 --rounds 4 --system 2048 --first-question 4096 --question 256 -
 for step in $STEPS; do
   case $step in
     tests) run gpu_tests 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider ;;
+    tests-engine)  # the engine's GPU tests and the offload connector's through it
+      run gpu_tests_engine 240 python3 -m pytest -m gpu tests/engine \
+        tests/connector/test_offload_gpu.py -q -x -p no:cacheprovider ;;
     step)
       run decode_step 240 python3 scripts/bench_decode_step.py --model llama-1b --device cuda \
         --modes piecewise graphs --json "$OUT/decode_step_bf16.json"
@@ -83,6 +89,18 @@ for step in $STEPS; do
     noreuse-parts)  # bf16 0 % reuse with where each kind of step's time goes, off and on
       run noreuse_parts 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat "${REPEAT:-9}" --step-parts --json "$OUT/noreuse_parts.json" ;;
+    noreuse-ahead)  # noreuse-parts with the engine's steps scheduled ahead (async scheduling)
+      run noreuse_ahead 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
+        --scenario noreuse --repeat "${REPEAT:-9}" --step-parts --async-scheduling \
+        --json "$OUT/noreuse_ahead.json" ;;
+    noreuse-ahead-fp32)
+      run noreuse_ahead_fp32 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
+        --scenario noreuse --repeat "${REPEAT:-9}" --dtype float32 --async-scheduling \
+        --json "$OUT/noreuse_ahead_fp32.json" ;;
+    step-ahead)  # the decode step synchronous and scheduled ahead, bare and with the connector
+      run decode_step_ahead 240 python3 scripts/bench_decode_step.py "${model[@]}" \
+        --modes graphs graphs-ahead --offload --rounds "${AB_ROUNDS:-2}" \
+        --shapes 1x1024,2x6400,8x2048,8x8192 --json "$OUT/decode_step_ahead.json" ;;
     noreuse-fp32)
       run noreuse_fp32 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat "${REPEAT:-9}" --dtype float32 --json "$OUT/noreuse_fp32.json" ;;

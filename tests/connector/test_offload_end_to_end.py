@@ -84,6 +84,7 @@ def _engine(
     num_gpu_blocks: int,
     budget: int = 64,
     backend: HostBackend | None = None,
+    ahead: bool = False,
 ) -> tuple[Engine, list[OffloadConnector]]:
     cfg = model_config(name)
     built: list[OffloadConnector] = []
@@ -98,7 +99,12 @@ def _engine(
 
     engine = Engine(
         cfg,
-        EngineConfig(block_size=4, num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=budget),
+        EngineConfig(
+            block_size=4,
+            num_gpu_blocks=num_gpu_blocks,
+            max_num_batched_tokens=budget,
+            async_scheduling=ahead,
+        ),
         model=shared_model(name),
         connector_factory=factory if offload is not None else None,
     )
@@ -128,7 +134,17 @@ WORKLOAD = MultiRoundQA(
 
 
 @pytest.mark.parametrize(
-    "policy", ["eager", "eager-each-step", "lazy", "eager-inline", "lazy-inline"]
+    "policy",
+    [
+        "eager",
+        "eager-each-step",
+        "lazy",
+        "eager-inline",
+        "lazy-inline",
+        "eager-inline-ahead",
+        "eager-each-step-ahead",
+        "lazy-inline-ahead",
+    ],
 )
 @pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
 def test_outputs_identical_with_offload_across_evictions_and_reloads(
@@ -136,7 +152,8 @@ def test_outputs_identical_with_offload_across_evictions_and_reloads(
 ) -> None:
     """Greedy outputs with offload equal those without; blocks were stored, evicted and reloaded
     (eager stores coalesced over decode steps, the default, or one store each step; the worker
-    runtime's loop on a thread of its own, the default, or inline on the engine's thread)."""
+    runtime's loop on a thread of its own, the default, or inline on the engine's thread; steps
+    scheduled ahead of the one in flight, or not)."""
     # Far below the working set, so histories are evicted between rounds; the hybrid model's
     # sliding group holds only a few blocks per request on top of the full group's.
     blocks = 46 if "-swa" in name else 41
@@ -148,13 +165,15 @@ def test_outputs_identical_with_offload_across_evictions_and_reloads(
             cpu_bytes="64MiB",
             store_policy=policy.split("-")[0],
             lazy_watermark=16,
-            eager_store_interval=1 if policy == "eager-each-step" else 4,
-            worker_loop="inline" if policy.endswith("-inline") else "thread",
+            eager_store_interval=1 if policy.startswith("eager-each-step") else 4,
+            worker_loop="inline" if "-inline" in policy else "thread",
         ),
         num_gpu_blocks=blocks,
+        ahead=policy.endswith("-ahead"),
     )
     got = run_multi_round(on, WORKLOAD)
     assert got.outputs() == want
+    assert (on.stats.steps_ahead > 0) == policy.endswith("-ahead")
     stats = conn.scheduler.stats().manager
     assert stats.blocks_stored > 0
     assert stats.blocks_loaded > 0
@@ -305,18 +324,20 @@ def test_a_layer_computes_before_a_later_parts_copies_and_outputs_do_not_change(
     _assert_nothing_leaked(on, conn)
 
 
-@pytest.mark.parametrize("loop", ["thread", "inline"])
+@pytest.mark.parametrize("loop", ["thread", "inline", "inline-ahead"])
 def test_outputs_identical_with_offload_under_preemption(loop: str) -> None:
-    """A cache so small that requests are preempted mid-run still gives identical outputs."""
+    """A cache so small that requests are preempted mid-run still gives identical outputs (with
+    steps scheduled ahead too)."""
     prompts = [[(7 * i + j) % 1000 for j in range(40)] for i in range(4)]
     reqs = [GenerationRequest(p, 12, request_id=f"p{i}") for i, p in enumerate(prompts)]
     off, _ = _engine("tiny", offload=None, num_gpu_blocks=200)
     want = [r.output_token_ids for r in off.run_to_completion(reqs)]
     on, (conn,) = _engine(
         "tiny",
-        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop),
+        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop.split("-")[0]),
         num_gpu_blocks=30,
         budget=16,
+        ahead=loop.endswith("-ahead"),
     )
     got = on.run_to_completion(reqs)
     assert [r.output_token_ids for r in got] == want
@@ -331,20 +352,21 @@ def test_outputs_identical_with_offload_under_preemption(loop: str) -> None:
 
 
 @pytest.mark.parametrize("fence", ["never", "idle"])
-@pytest.mark.parametrize("loop", ["thread", "inline"])
+@pytest.mark.parametrize("loop", ["thread", "inline", "inline-ahead"])
 def test_failed_load_recovers_by_recompute_with_identical_output(loop: str, fence: str) -> None:
     """A load that fails on the device is recomputed and the output does not change: one the
     request waited for, or a fenced one whose step computed on its blocks (that step's token
-    is dropped)."""
+    is dropped), with steps scheduled ahead too."""
     prompt = list(range(100, 160))
     off, _ = _engine("tiny", offload=None, num_gpu_blocks=64)
     (want,) = off.run_to_completion([GenerationRequest(prompt, 6, request_id="a")])
     backend = FailingCopies(fail=1)
     on, (conn,) = _engine(
         "tiny",
-        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop, fence_loads=fence),
+        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop.split("-")[0], fence_loads=fence),
         num_gpu_blocks=64,
         backend=backend,
+        ahead=loop.endswith("-ahead"),
     )
     on.run_to_completion([GenerationRequest(prompt, 6, request_id="a")])
     assert on.scheduler.reset_prefix_cache()  # the GPU cache only: the CPU copy stays
@@ -360,10 +382,11 @@ def test_failed_load_recovers_by_recompute_with_identical_output(loop: str, fenc
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("loop", ["thread", "inline"])
+@pytest.mark.parametrize("loop", ["thread", "inline", "inline-ahead"])
 async def test_async_frontend_serves_concurrent_requests_with_offload(loop: str) -> None:
     """Concurrent generate() streams over an offloading engine match a plain engine's tokens
-    (inline: the worker runtime's loop is stepped from the frontend's worker threads)."""
+    (inline: the worker runtime's loop is stepped from the frontend's worker threads; ahead:
+    each step's tokens come with the next)."""
     prompts = [[(11 * i + j) % 1000 for j in range(30)] for i in range(5)]
     off, _ = _engine("tiny", offload=None, num_gpu_blocks=200)
     want = [
@@ -371,7 +394,10 @@ async def test_async_frontend_serves_concurrent_requests_with_offload(loop: str)
         for r in off.run_to_completion([GenerationRequest(p, 5) for p in prompts])
     ]
     on, (conn,) = _engine(
-        "tiny", offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop), num_gpu_blocks=40
+        "tiny",
+        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop=loop.split("-")[0]),
+        num_gpu_blocks=40,
+        ahead=loop.endswith("-ahead"),
     )
     got: dict[int, list[int]] = {}
 

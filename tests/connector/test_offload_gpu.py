@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("fence", ["never", "always"])
-@pytest.mark.parametrize("loop", ["thread", "inline"])
+@pytest.mark.parametrize("loop", ["thread", "inline", "inline-ahead"])
 @pytest.mark.parametrize("policy", ["eager", "lazy"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
 def test_cuda_offload_outputs_identical_across_reloads(
@@ -33,7 +34,10 @@ def test_cuda_offload_outputs_identical_across_reloads(
     with the worker runtime's loop on its own thread or inline on the engine's (no launch or
     completion thread then: copies are launched and polled from the engine's calls), each load
     waited for by its request in the scheduler or fenced (the forward that reads it waits for
-    its copies on the device)."""
+    its copies on the device), and with the engine's steps scheduled ahead of the one in
+    flight."""
+    ahead = loop.endswith("-ahead")
+    loop = loop.split("-")[0]
     cfg = model_config(name)
     model = build_model(cfg, device="cuda", dtype=torch.float32)
     econf = EngineConfig(
@@ -74,7 +78,9 @@ def test_cuda_offload_outputs_identical_across_reloads(
         built.append(conn)
         return conn.scheduler, conn.worker
 
-    on = Engine(cfg, econf, model=model, connector_factory=factory)
+    on = Engine(
+        cfg, attrs.evolve(econf, async_scheduling=ahead), model=model, connector_factory=factory
+    )
     try:
         got = run_multi_round(on, work)
         (conn,) = built
@@ -86,6 +92,7 @@ def test_cuda_offload_outputs_identical_across_reloads(
         else:
             assert "kvflow-cuda-launch" in kvflow_threads
         assert got.outputs() == want
+        assert (on.stats.steps_ahead > 0) == ahead
         stats = conn.scheduler.stats().manager
         assert stats.blocks_stored > 0
         assert stats.blocks_loaded > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from kvflow.engine.kv_cache import (
     write_kv,
 )
 from kvflow.engine.model import model_config
+from kvflow.engine.scheduler import StepBatch
 from kvflow.errors import ConfigError
 from tests.engine.helpers import dense_greedy, make_engine, prompts, requests, shared_model
 
@@ -91,12 +94,14 @@ def test_paged_attention_matches_dense(window: int | None, first_ends: list[int]
     chunk=st.integers(1, 6),
     window=st.sampled_from([None, 3, 6]),
     seed=st.integers(0, 2**16),
+    varlen=st.booleans(),
 )
 def test_mixed_decode_and_prefill_batches_match_dense(
-    lengths: list[int], chunk: int, window: int | None, seed: int
+    lengths: list[int], chunk: int, window: int | None, seed: int, varlen: bool
 ) -> None:
     """Requests advancing by different chunk sizes in one batch (decodes and prefill chunks mixed,
-    some idle) each attend exactly like dense causal attention over their own keys."""
+    some idle), the chunks one by one or as one variable-length batch, each attend exactly like
+    dense causal attention over their own keys."""
     gen = torch.Generator().manual_seed(seed)
     cache = torch.full((2, 32, BS, KV_HEADS, DIM), float("nan"))
     cache[:, 0] = 0.0  # the null block is zeros; unwritten real slots stay NaN to catch leaks
@@ -112,7 +117,11 @@ def test_mixed_decode_and_prefill_batches_match_dense(
         if not any(ns):
             ns = [min(1, n - d) for n, d in zip(lengths, done, strict=True)]
         step += 1
-        meta = build_attention_metadata(tables, done, ns, BS, window, torch.device("cpu"))
+        meta = build_attention_metadata(
+            tables, done, ns, BS, window, torch.device("cpu"), varlen=varlen
+        )
+        chunks = [p for p in meta.prefills if p.mask is None]
+        assert (meta.varlen is not None) == (varlen and len(chunks) == len(meta.prefills) >= 2)
         parts = [
             [seq[j][d : d + n] for seq, d, n in zip(seqs, done, ns, strict=True)] for j in range(3)
         ]
@@ -199,3 +208,24 @@ def test_decode_rows_of_equal_length_need_no_mask() -> None:
     assert isinstance(ragged, DecodeSegment)
     assert ragged.mask is not None
     assert ragged.mask[1, 0, 0].tolist() == [True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
+def test_engine_with_prefill_chunks_as_one_batch_gives_the_same_tokens(name: str) -> None:
+    """Steps of several prompt chunks (beside decode rows) run as one variable-length batch per
+    layer, chunk by chunk on the host: the tokens do not change."""
+    ps = prompts([30, 26, 22, 18, 9], seed=4)
+    want = [r.output_token_ids for r in make_engine(name).run_to_completion(requests(ps, 6))]
+    engine = make_engine(name, max_num_batched_tokens=64)
+    engine.runner.varlen_prefill = True
+    built: list[int] = []
+    original = engine.runner._prepare
+
+    def spy(batch: StepBatch, patch: Any = None) -> Any:
+        built.append(sum(len(c.token_ids) > 1 for c in batch.chunks))
+        return original(batch, patch)
+
+    engine.runner._prepare = spy  # type: ignore[method-assign]
+    got = [r.output_token_ids for r in engine.run_to_completion(requests(ps, 6))]
+    assert got == want
+    assert max(built) >= 2  # some step batched several chunks

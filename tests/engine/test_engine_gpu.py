@@ -15,9 +15,11 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("name", ["tiny", "tiny-swa6"])
-def test_cuda_engine_matches_dense_reference(name: str) -> None:
-    """float32 on CUDA: chunked prefill, prefix hits and preemption give the dense tokens."""
+def test_cuda_engine_matches_dense_reference(name: str, ahead: bool) -> None:
+    """float32 on CUDA: chunked prefill, prefix hits and preemption give the dense tokens, with
+    steps scheduled ahead of the one in flight too (pending tokens taken on the device)."""
     cfg = model_config(name)
     model = build_model(cfg, device="cuda", dtype=torch.float32)
     engine = Engine(
@@ -28,6 +30,7 @@ def test_cuda_engine_matches_dense_reference(name: str) -> None:
             max_num_batched_tokens=48,
             device="cuda",
             dtype="float32",
+            async_scheduling=ahead,
         ),
         model=model,
     )
@@ -40,26 +43,30 @@ def test_cuda_engine_matches_dense_reference(name: str) -> None:
     assert graphs is not None
     assert graphs.captured
     assert graphs.steps_run > 0
+    assert (engine.stats.steps_ahead > 0) == ahead
 
 
 def test_decode_graphs_and_triton_attention_match_the_eager_torch_path() -> None:
     """llama-1b fp32, padded buckets: full and piecewise graphs, their pieces, Triton and torch
-    attention agree on tokens and KV."""
+    attention, with steps scheduled ahead or not, agree on tokens and KV."""
     cfg = model_config("llama-1b")
     model = build_model(cfg, device="cuda", dtype=torch.float32)
     ps = prompts([300, 77, 1000], seed=5, vocab=cfg.vocab_size)
     outputs, caches = [], []
-    # (decode_graphs, triton_decode); the first is the engine without either.
+    # (decode_graphs, triton_decode, async_scheduling); the first is the engine without any.
     modes = (
-        ("off", False),
-        ("off", True),
-        ("pieces", True),
-        ("piecewise", True),
-        ("piecewise", False),
-        ("full", True),
-        ("auto", True),
+        ("off", False, False),
+        ("off", True, False),
+        ("pieces", True, False),
+        ("piecewise", True, False),
+        ("piecewise", False, False),
+        ("full", True, False),
+        ("auto", True, False),
+        ("off", True, True),
+        ("piecewise", True, True),
+        ("full", True, True),
     )
-    for graphs_mode, triton in modes:
+    for graphs_mode, triton, ahead in modes:
         engine = Engine(
             cfg,
             EngineConfig(
@@ -71,6 +78,7 @@ def test_decode_graphs_and_triton_attention_match_the_eager_torch_path() -> None
                 dtype="float32",
                 decode_graphs=graphs_mode,
                 triton_decode=triton,
+                async_scheduling=ahead,
             ),
             model=model,
         )
@@ -86,6 +94,7 @@ def test_decode_graphs_and_triton_attention_match_the_eager_torch_path() -> None
             assert graphs.captured == (graphs_mode != "pieces")
             assert graphs.full == (graphs_mode in ("full", "auto"))
             assert graphs.steps_run > 0
+        assert (engine.stats.steps_ahead > 0) == ahead
         caches.append({n: t[:, 1:].clone() for n, t in engine.kv_caches.items()})
         engine.shutdown()
     assert all(o == outputs[0] for o in outputs[1:])
@@ -122,3 +131,35 @@ def test_a_half_precision_chunk_takes_flash_directly_and_agrees_with_sdpa(
         )
     assert got.shape == want.shape
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_chunks_in_one_flash_call_agree_with_one_call_each(dtype: torch.dtype) -> None:
+    """Three prefill chunks (one after cached keys) and two decode rows between them: the
+    chunks as one varlen flash call give what one flash call per chunk gives."""
+    from kvflow.engine import kv_cache
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    bs, blocks = 16, 64
+    cache = torch.randn(2, blocks, bs, 8, 64, device="cuda", dtype=dtype, generator=gen)
+    perm = torch.randperm(blocks - 1).add(1).tolist()
+    computed, scheduled = [0, 40, 130, 0, 7], [96, 1, 300, 1, 33]
+    tables = [
+        [perm.pop() for _ in range(-(-(c + n) // bs))]
+        for c, n in zip(computed, scheduled, strict=True)
+    ]
+    dev = torch.device("cuda")
+    q = torch.randn(sum(scheduled), 32, 64, device="cuda", dtype=dtype, generator=gen)
+    one = kv_cache.build_attention_metadata(tables, computed, scheduled, bs, None, dev)
+    batch = kv_cache.build_attention_metadata(
+        tables, computed, scheduled, bs, None, dev, varlen=True
+    )
+    assert one.varlen is None
+    assert batch.varlen is not None
+    assert isinstance(batch.varlen.queries, torch.Tensor)  # the decode rows split the chunks
+    torch.testing.assert_close(
+        kv_cache.paged_attention(q, cache, batch).float(),
+        kv_cache.paged_attention(q, cache, one).float(),
+        atol=2e-2,
+        rtol=2e-2,
+    )

@@ -45,15 +45,21 @@ def workloads(draw: st.DrawFn) -> tuple[str, list[tuple[tuple[int, ...], int]], 
     return name, reqs, blocks, budget, caching
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.booleans())
 def test_outputs_and_blocks_survive_any_cache_and_budget(
     case: tuple[str, list[tuple[tuple[int, ...], int]], int, int, bool],
+    ahead: bool,
 ) -> None:
-    """Tokens equal a roomy run's; afterwards every block but the null one is free."""
+    """Tokens equal a roomy run's, with steps scheduled ahead or not; afterwards every block
+    but the null one is free."""
     name, reqs, blocks, budget, caching = case
     engine = make_engine(
-        name, num_gpu_blocks=blocks, max_num_batched_tokens=budget, enable_prefix_caching=caching
+        name,
+        num_gpu_blocks=blocks,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        async_scheduling=ahead,
     )
     results = engine.run_to_completion([GenerationRequest(p, m) for p, m in reqs])
     for (p, m), r in zip(reqs, results, strict=True):
@@ -63,13 +69,14 @@ def test_outputs_and_blocks_survive_any_cache_and_budget(
     assert not engine.blocks.tables
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     workloads(),
     st.booleans(),
     st.integers(0, 2),
     st.integers(0, 3),
     st.integers(1, 3),
+    st.booleans(),
     st.booleans(),
 )
 def test_connector_paths_keep_outputs_and_blocks(
@@ -79,9 +86,11 @@ def test_connector_paths_keep_outputs_and_blocks(
     fail_index: int,
     load_delay: int,
     store_eagerly: bool,
+    ahead: bool,
 ) -> None:
-    """With external hits (sync or async, some failing) tokens still equal a roomy run's and
-    every block comes back once the connector reported its sends."""
+    """With external hits (sync or async, some failing) and steps scheduled ahead or not,
+    tokens still equal a roomy run's and every block comes back once the connector reported
+    its sends."""
     from kvflow.engine.engine import Engine, EngineConfig, make_kv_cache_config
     from kvflow.engine.model import model_config
     from tests.engine.fake_connector import FakeConnector
@@ -95,6 +104,7 @@ def test_connector_paths_keep_outputs_and_blocks(
         max_num_batched_tokens=budget,
         enable_prefix_caching=caching,
         max_idle_steps=200,  # a stuck engine fails fast instead of spinning
+        async_scheduling=ahead,
     )
     fake = FakeConnector(
         make_kv_cache_config(cfg, econf),

@@ -53,6 +53,8 @@ class BenchConfig:
     load_parts: int = LOAD_PARTS  # a fenced load lands in this many parts by layer
     backend: str = "auto"
     worker_loop: str = "inline"  # where the worker runtime's loop runs: inline or thread
+    # EngineConfig.async_scheduling: None, the engine's default (on for one CUDA device)
+    async_scheduling: bool | None = None
     max_batched_tokens: int = 2048
     seed: int = 0
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA

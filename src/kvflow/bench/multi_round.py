@@ -396,6 +396,7 @@ def run_bench(
         device=cfg.device,
         dtype=cfg.dtype,
         record_step_parts=True,
+        async_scheduling=cfg.async_scheduling,
     )
     kv = make_kv_cache_config(model_cfg, engine_cfg)
     block_bytes = block_bytes_per_group(model_cfg, kv, dtype)

@@ -96,6 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backend", choices=("auto", "host", "cuda"), default=d.backend, help="the copy backend"
     )
     p.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="schedule and launch each engine step before reading the tokens of the one in "
+        "flight (auto: the engine's default, on for one CUDA device)",
+    )
+    p.add_argument(
         "--worker-loop",
         choices=("thread", "inline"),
         default=d.worker_loop,
@@ -210,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             load_parts=args.load_parts,
             backend=args.backend,
             worker_loop=args.worker_loop,
+            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
             max_batched_tokens=args.max_batched_tokens,
             seed=args.seed,
             dtype=args.dtype,

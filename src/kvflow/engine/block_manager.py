@@ -157,12 +157,16 @@ class BlockManager:
         num_computed: int,
         num_new_tokens: int,
         prefix_hit: list[list[int]] | None = None,
+        *,
+        applied: int | None = None,
     ) -> GroupBlockIds | None:
         """Grow the request's tables to cover ``num_computed + num_new_tokens`` positions.
 
-        ``prefix_hit`` (at admission only) becomes the start of the tables. Returns the blocks
-        newly added per group (the whole tables at admission), or None, changing nothing, when a
-        group has too few free blocks.
+        ``prefix_hit`` (at admission only) becomes the start of the tables. ``applied``: the
+        tokens whose step output was applied, when fewer than ``num_computed`` (a step scheduled
+        ahead): sliding-window blocks are freed only behind them, once they were cached.
+        Returns the blocks newly added per group (the whole tables at admission), or None,
+        changing nothing, when a group has too few free blocks.
         """
         admitting = prefix_hit is not None
         if not admitting and self._full_attention:
@@ -177,7 +181,7 @@ class BlockManager:
             tables = [list(t) for t in prefix_hit]
         else:
             tables = self.tables[request_id]
-            self.free_skipped(request_id, num_computed)
+            self.free_skipped(request_id, num_computed if applied is None else applied)
         total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
         plans: list[tuple[int, int]] = []  # (nulls to append, new blocks to append) per group
         needed = 0  # free blocks this allocation takes from the shared pool, all groups

@@ -271,6 +271,9 @@ class DecodeGraphs:
         self.paged_decode = paged_decode
         self.flash_if_equal = flash_if_equal
         self.steps_run = 0
+        # Recorded after a step's copies from the pinned input buffers: a step scheduled ahead
+        # writes them while the step before it may not have run its copies yet.
+        self._staged: torch.cuda.Event | None = None
         pool = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[int, _Bucket] = {}
         self._mixed: dict[int, _Bucket] = {}
@@ -329,16 +332,19 @@ class DecodeGraphs:
         sample_at: Sequence[int],
         metadata: Sequence[AttentionMetadata],
         before_attention: Callable[[int], None] | None = None,
+        patch: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy tokens and float32 logits (rewritten by the bucket's next step) at the flat
         tokens ``sample_at`` of a step of any shape (prefill chunks
         and decode rows), from mixed bucket ``size`` (``mixed_bucket_for``): the pieces between
         the attention are replayed, the attention runs eagerly on ``metadata``, cache group
         ``g``'s tokens write to ``slot_mappings[g]`` (on the device); ``before_attention(i)``
-        is called before layer ``i`` writes or reads its cache. Padding tokens compute
+        is called before layer ``i`` writes or reads its cache; ``patch`` writes tokens an
+        earlier step samples into the token ids on the device. Padding tokens compute
         token 0 at position 0 into slot 0 of the null block, as padding decode rows do."""
         bucket = self._mixed[size]
         self.mixed_steps_run += 1
+        self._reuse_staging()
         t, rows = len(token_ids), bucket.rows
         pad = [0] * (rows - t)
         host = [*token_ids, *pad, *positions, *pad]
@@ -346,6 +352,9 @@ class DecodeGraphs:
         host += [*sample_at, *([0] * (bucket.samples - len(sample_at)))]
         bucket.small_np[:] = host
         bucket.small.copy_(bucket.small_host, non_blocking=bucket.small.is_cuda)
+        self._staging_copied()
+        if patch is not None:
+            patch(bucket.inputs[0])
         for g, slots in enumerate(slot_mappings):
             bucket.inputs[2 + g, :t].copy_(slots)
         caches, group_of = self.kv_caches, self.layer_group
@@ -366,16 +375,19 @@ class DecodeGraphs:
         token_ids: Sequence[int],
         num_computed: Sequence[int],
         block_tables: Sequence[Sequence[Sequence[int]]],
+        patch: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy tokens of one decode step, ``(rows,)`` on the device, not yet waited for, and
         their float32 logits (rewritten by the bucket's next step).
 
         Row ``b`` computes token ``token_ids[b]`` at position ``num_computed[b]`` with block
-        table ``block_tables[g][b]`` in cache group ``g``.
+        table ``block_tables[g][b]`` in cache group ``g``; ``patch`` writes tokens an earlier
+        step samples into the token ids on the device.
         """
         b = len(token_ids)
         bucket = self._buckets[self.bucket_for(b)]
         self.steps_run += 1
+        self._reuse_staging()
         pad = [0] * (bucket.rows - b)
         bs = self.kv_config.block_size
         host = [*token_ids, *pad, *num_computed, *pad]
@@ -384,6 +396,9 @@ class DecodeGraphs:
             host += pad
         if bucket.full:
             self._full_inputs(bucket, host, num_computed, block_tables)
+            self._staging_copied()
+            if patch is not None:
+                patch(bucket.inputs[0])
             bucket.pieces[0]()
             return bucket.tokens[:b], bucket.logits[:b]
         n = bucket.inputs.numel()
@@ -391,6 +406,9 @@ class DecodeGraphs:
         bucket.inputs.copy_(
             bucket.small_host[:n].view(bucket.inputs.shape), non_blocking=bucket.small.is_cuda
         )
+        self._staging_copied()
+        if patch is not None:
+            patch(bucket.inputs[0])
         segments = []
         for g, tables in enumerate(block_tables):
             segments.append(
@@ -413,6 +431,19 @@ class DecodeGraphs:
             pieces[-1]()
         return bucket.tokens[:b], bucket.logits[:b]
 
+    def _reuse_staging(self) -> None:
+        """Before a step writes the pinned input buffers: the last step's copies from them ran."""
+        if self._staged is not None:
+            self._staged.synchronize()
+
+    def _staging_copied(self) -> None:
+        """After a step's copies from the pinned input buffers are enqueued."""
+        if self.device.type != "cuda":
+            return  # host buffers, copied synchronously
+        if self._staged is None:
+            self._staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._staged.record()
+
     def _full_inputs(
         self,
         bucket: _Bucket,
@@ -420,8 +451,8 @@ class DecodeGraphs:
         num_computed: Sequence[int],
         block_tables: Sequence[Sequence[Sequence[int]]],
     ) -> None:
-        """A full bucket's inputs for this step, copied without waiting: the pinned buffers are
-        written again only after this step's tokens were read, so after its copies ran.
+        """A full bucket's inputs for this step, copied without waiting (``_reuse_staging``
+        keeps the next step from writing the pinned buffers before these copies ran).
         Padding rows attend to slot 0 of the null block, one key, as the padding writes it."""
         b, rows = len(num_computed), bucket.rows
         pad = rows - b

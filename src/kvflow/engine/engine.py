@@ -2,8 +2,10 @@
 
 ``Engine.step()`` is one iteration: schedule → ``build_connector_meta`` → the runner's step (the
 worker connector's calls around the forward) → ``update_from_output`` (sampled tokens, then the
-connector's worker output). ``run_to_completion`` drives it synchronously; ``kvflow.engine.frontend``
-drives it from an event loop.
+connector's worker output). With async scheduling (the default on a CUDA device) the step's
+output is applied in the next call, after that call has scheduled and launched its own step, so
+the host's work between steps overlaps the device's. ``run_to_completion`` drives it
+synchronously; ``kvflow.engine.frontend`` drives it from an event loop.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from attrs import define, field, frozen
 
 from kvflow.connector.api import (
     KVCacheConfig,
+    KVConnectorOutput,
     NullConnector,
     SchedulerConnector,
     WorkerConnector,
@@ -24,12 +27,13 @@ from kvflow.connector.api import (
 from kvflow.core.gpu_view import GpuCacheView
 from kvflow.core.hashing import ExtraKey
 from kvflow.core.logs import get_logger
+from kvflow.core.requests import SchedulerOutput
 from kvflow.engine.block_manager import BlockManager
 from kvflow.engine.kv_cache import kv_cache_groups
 from kvflow.engine.model import LlamaForCausalLM, ModelConfig, build_model
 from kvflow.engine.request import Request, RequestStats
-from kvflow.engine.runner import ModelRunner
-from kvflow.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from kvflow.engine.runner import LaunchedStep, ModelRunner
+from kvflow.engine.scheduler import Scheduler, SchedulerConfig, StepBatch, StepOutput
 from kvflow.engine.step_parts import StepParts, step_kind
 from kvflow.errors import ConfigError, KVFlowError
 
@@ -97,6 +101,14 @@ class EngineConfig:
     # Time each step's parts (``Engine.step_parts``, kvflow.engine.step_parts): what a step's
     # host work and its wait for the device cost, per kind of step.
     record_step_parts: bool = False
+    # Schedule and launch each step before reading the tokens of the one in flight (vLLM's
+    # async scheduling): the host's work between steps (scheduling, the connector's calls,
+    # building inputs) then overlaps the device's compute. A decode row whose input is the
+    # token the step in flight samples takes it on the device. Steps whose requests a load
+    # may still change are scheduled after that output, as without it. None: on for a CUDA
+    # device whose runner can take a step ahead (not tensor parallel), off on the host, where
+    # the forward runs as it is called and nothing would overlap.
+    async_scheduling: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.block_size <= 0:
@@ -196,6 +208,16 @@ class RequestTimeline:
 
 
 @frozen
+class _Launched:
+    """A launched step, its output not yet applied: what ``Engine._apply`` needs."""
+
+    out: SchedulerOutput
+    batch: StepBatch
+    run: LaunchedStep
+    kv_output: KVConnectorOutput  # as ``update_connector_output`` decided it
+
+
+@frozen
 class RequestResult:
     """A finished request: its tokens and what it cost."""
 
@@ -230,6 +252,7 @@ class EngineStats:
     recomputed_tokens: int = 0
     preemptions: int = 0
     requests_finished: int = 0
+    steps_ahead: int = 0  # async scheduling: steps scheduled before the last one's output
 
 
 class Engine:
@@ -298,6 +321,17 @@ class Engine:
             config.triton_decode,
             max_tokens=config.max_num_batched_tokens,
         )
+        if config.async_scheduling and not self.runner.can_run_ahead:
+            raise ConfigError(
+                f"async_scheduling: {type(self.runner).__name__} cannot launch a step ahead of "
+                "the one in flight"
+            )
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.device.type == "cuda" and self.runner.can_run_ahead
+        )
+        """Whether steps are scheduled ahead (``EngineConfig.async_scheduling`` resolved)."""
         if config.record_first_logits:
             self.runner.record_first_logits = True
         if isinstance(self.runner, ModelRunner):
@@ -312,6 +346,7 @@ class Engine:
         self._ids = itertools.count()
         self._finished: dict[str, Request] = {}
         self._idle_steps = 0
+        self._inflight: _Launched | None = None  # async scheduling: the step not applied yet
 
     @property
     def kv_caches(self) -> dict[str, torch.Tensor]:
@@ -355,21 +390,47 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        """Requests left, or transfers the connector still waits on (stores after the last
-        request): stepping on lets them report, so their blocks are committed, not lost."""
-        return self.scheduler.has_unfinished() or self.scheduler_connector.has_pending_push_work()
+        """Requests left, a step in flight, or transfers the connector still waits on (stores
+        after the last request): stepping on lets them report, so their blocks are committed,
+        not lost."""
+        return (
+            self._inflight is not None
+            or self.scheduler.has_unfinished()
+            or self.scheduler_connector.has_pending_push_work()
+        )
 
     # ---- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """One engine iteration; returns the tokens it produced."""
+        """One engine iteration; returns the tokens it produced. With
+        ``EngineConfig.async_scheduling`` the step launched here stays in flight: its tokens
+        come with the next call, which schedules and launches its own step first (ahead of
+        this one's output) unless a load could still change this one's requests."""
         sched = self.scheduler
         began = self.clock()
+        outputs: list[StepOutput] = []
+        waited = applied = 0.0
+        prev, self._inflight = self._inflight, None
+        if prev is not None and (
+            sched.loads_unsettled(prev.batch)
+            or prev.kv_output.finished_recving
+            or prev.kv_output.invalid_block_ids
+        ):
+            # What a load brings (loaded KV, a finished load, failed blocks to roll back) must
+            # reach the scheduler before it schedules again.
+            t0 = self.clock()
+            outputs, waited = self._apply(prev)
+            applied = self.clock() - t0 - waited
+            prev = None
+        t1 = self.clock()
+        before = t1 - began - waited - applied  # the step's own time before ``schedule``
         out, batch = sched.schedule()
         scheduled = self.clock()
         meta = self.scheduler_connector.build_connector_meta(out)
         built = self.clock()
-        run = self.runner.launch(out, batch, meta)
+        if prev is not None:
+            self.stats.steps_ahead += 1
+        run = self.runner.launch(out, batch, meta, after=None if prev is None else prev.run)
         launched = self.clock()
         if sched.loads_issued:
             loads_at = run.loads_launched_at or launched
@@ -378,30 +439,33 @@ class Engine:
         # While the device computes the step: the host would otherwise idle in tokens().
         kv_output = sched.update_connector_output(run.kv_connector_output)
         told = self.clock()
-        alive = {c.request_id: sched.requests[c.request_id] for c in batch.chunks}
+        requests = sched.requests
         for c in batch.chunks:
-            st = alive[c.request_id].stats
+            st = requests[c.request_id].stats
             if st.compute_start_time is None:
                 st.compute_start_time = scheduled
             if c.first_token:
                 st.first_token_step_time = scheduled
-        tokens = run.tokens()
-        sampled = self.clock()
-        outputs = sched.update_from_output(out, batch, tokens, kv_output)
-        updated = self.clock()
-        if self.config.record_first_logits:
-            self._first_logits.update(run.first_logits)
+        current = _Launched(out, batch, run, kv_output)
+        if prev is not None:
+            got, w = self._apply(prev)
+            outputs += got
+            waited += w
+            applied += self.clock() - told - w
+        t2 = self.clock()
+        if self.async_scheduling and batch.chunks:
+            self._inflight = current
+        else:
+            got, w = self._apply(current)
+            outputs += got
+            waited += w
+            applied += self.clock() - t2 - w
         self.stats.steps += 1
         self.stats.preemptions = sched.num_preemptions
-        if batch.chunks:
-            self.stats.forward_steps += 1
-            self.stats.tokens_computed += batch.num_tokens
-        for o in outputs:
-            if o.finished:
-                self._finished[o.request_id] = alive[o.request_id]
         # Waiting on the network is progress: every hand-off has its own deadlines.
         progressed = (
             bool(batch.chunks)
+            or bool(outputs)
             or not run.kv_connector_output.is_empty
             or not kv_output.is_empty
             or self.scheduler_connector.has_pending_push_work()
@@ -409,7 +473,8 @@ class Engine:
         news = (
             kv_output.finished_recving or kv_output.finished_sending or kv_output.invalid_block_ids
         )
-        if not batch.chunks and not news and self.has_unfinished():
+        idle_from = self.clock()
+        if not batch.chunks and not outputs and not news and self.has_unfinished():
             # Nothing to compute: everyone waits on a transfer (a load, or the stores left after
             # the last request). Block briefly for it rather than spin empty steps that starve
             # the copy threads of the GIL. Not when this step's output named finished
@@ -418,13 +483,20 @@ class Engine:
             # (Workers' reports alone are no news: a connector may pass them on every step.)
             self.worker_connector.wait_for_progress(IDLE_WAIT_S)
         if self.config.record_step_parts:
-            stamps = (began, scheduled, built, launched, told, sampled, updated, self.clock())
             self.step_parts.append(
                 StepParts(
                     step_kind(len(c.token_ids) for c in batch.chunks),
                     batch.num_tokens if batch.chunks else 0,
                     began,
-                    tuple(b - a for a, b in itertools.pairwise(stamps)),
+                    (
+                        scheduled - t1 + before,
+                        built - scheduled,
+                        launched - built,
+                        told - launched,
+                        waited,
+                        applied,
+                        self.clock() - idle_from,
+                    ),
                 )
             )
         self._idle_steps = 0 if progressed else self._idle_steps + 1
@@ -434,6 +506,30 @@ class Engine:
                 f"{len(sched.requests)} requests unfinished (a connector never reported?)"
             )
         return outputs
+
+    def _apply(self, launched: _Launched) -> tuple[list[StepOutput], float]:
+        """Wait for a launched step's tokens and apply its output; the outputs and the seconds
+        spent waiting for the tokens."""
+        sched = self.scheduler
+        t0 = self.clock()
+        tokens = launched.run.tokens()
+        waited = self.clock() - t0
+        batch = launched.batch
+        alive = {
+            c.request_id: req
+            for c in batch.chunks
+            if (req := sched.requests.get(c.request_id)) is not None
+        }
+        outputs = sched.update_from_output(launched.out, batch, tokens, launched.kv_output)
+        if self.config.record_first_logits:
+            self._first_logits.update(launched.run.first_logits)
+        if batch.chunks:
+            self.stats.forward_steps += 1
+            self.stats.tokens_computed += batch.num_tokens
+        for o in outputs:
+            if o.finished:
+                self._finished[o.request_id] = alive[o.request_id]
+        return outputs, waited
 
     def take_result(self, request_id: str) -> RequestResult:
         """The result of a finished request (each can be taken once)."""

@@ -13,6 +13,7 @@ flash kernel itself).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -155,6 +156,23 @@ class PrefillSegment:
 
 
 @frozen
+class VarlenPrefill:
+    """Every prefill chunk of a step as one variable-length batch, for one attention call per
+    layer instead of one per chunk: the chunks' queries are flat tokens ``queries`` (a slice
+    when they are contiguous in the step), their keys ``key_slots`` chunk after chunk; chunk
+    ``i`` has queries ``[cu_q[i], cu_q[i + 1])`` and keys ``[cu_k[i], cu_k[i + 1])`` of those
+    (``bounds`` holds the same on the host), causal to its last key."""
+
+    queries: slice | torch.Tensor
+    key_slots: torch.Tensor
+    cu_q: torch.Tensor  # int32, on the device
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    bounds: tuple[tuple[int, int, int, int], ...]  # (q start, q stop, k start, k stop)
+
+
+@frozen
 class AttentionMetadata:
     """One step's attention inputs for one KV cache group (shared by all its layers).
 
@@ -169,6 +187,7 @@ class AttentionMetadata:
     num_tokens: int
     decode: DecodeSegment | PagedDecode | None
     prefills: tuple[PrefillSegment, ...]
+    varlen: VarlenPrefill | None = None  # the prefills as one batch (``varlen_prefill``)
 
 
 def _key_start(computed: int, window: int | None) -> int:
@@ -183,11 +202,20 @@ def _slots(
     return result
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host wait: to a GPU through pinned memory, copied
+    asynchronously (a copy from pageable memory makes torch synchronize the stream, which would
+    wait for the step in flight when the engine schedules ahead)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def long_tensor(values: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
-    """``values`` as an int64 tensor (on ``device``; None: the host), through numpy: it takes a
-    list of ints several times faster than ``torch.tensor`` does."""
+    """``values`` as an int64 tensor (on ``device`` by ``to_device``; None: the host), through
+    numpy: it takes a list of ints several times faster than ``torch.tensor`` does."""
     host = torch.from_numpy(np.array(values, dtype=np.int64))
-    return host if device is None else host.to(device)
+    return host if device is None else to_device(host, device)
 
 
 def block_table_host(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -203,7 +231,7 @@ def block_table_host(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
 
 def block_table_tensor(block_tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """``block_table_host`` on ``device``, copied once."""
-    return block_table_host(block_tables).to(device)
+    return to_device(block_table_host(block_tables), device)
 
 
 def key_ranges(num_computed: Sequence[int], window: int | None) -> tuple[list[int], list[int]]:
@@ -223,13 +251,16 @@ def build_attention_metadata(
     *,
     paged_decode: bool = False,
     flash_if_equal: bool = False,
+    varlen: bool = False,
 ) -> AttentionMetadata:
     """Metadata for requests whose new tokens are contiguous and in order in the flat batch.
 
     Request ``b`` computes positions ``[num_computed[b], num_computed[b] + num_scheduled[b])``;
     its block table must cover them, and (sliding window) every block inside the window.
     ``paged_decode``: decode rows for the Triton kernel (``PagedDecode``), not gathered keys
-    (see ``decode_segment`` for ``flash_if_equal``).
+    (see ``decode_segment`` for ``flash_if_equal``); ``varlen``: two or more unmasked prefill
+    chunks also as one batch (``VarlenPrefill``), which ``paged_attention`` runs as one flash
+    call per layer where the flash kernel takes them.
     """
     b = len(block_tables)
     if not b == len(num_computed) == len(num_scheduled):
@@ -242,8 +273,8 @@ def build_attention_metadata(
             )
     tables = block_table_tensor(block_tables, device)
     # Sizes come from the Python lists: reading them off the device would sync every step.
-    c_all = torch.tensor(list(num_computed), dtype=torch.long, device=device)
-    n_all = torch.tensor(list(num_scheduled), dtype=torch.long, device=device)
+    c_all = long_tensor(num_computed, device)
+    n_all = long_tensor(num_scheduled, device)
     total = sum(num_scheduled)
     req = torch.repeat_interleave(torch.arange(b, device=device), n_all, output_size=total)
     starts = torch.cumsum(n_all, 0) - n_all
@@ -281,13 +312,13 @@ def build_attention_metadata(
         offset += n
     decode: DecodeSegment | PagedDecode | None = None
     if decode_rows:
-        rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        rows = long_tensor(decode_rows, device)
         decode = decode_segment(
             tables[rows],
             [num_computed[i] for i in decode_rows],
             window,
             block_size,
-            torch.tensor(decode_index, dtype=torch.long, device=device),
+            long_tensor(decode_index, device),
             paged=paged_decode,
             flash_if_equal=flash_if_equal,
         )
@@ -296,7 +327,65 @@ def build_attention_metadata(
         num_tokens=offset,
         decode=decode,
         prefills=tuple(prefills),
+        varlen=varlen_prefill(prefills, device) if varlen else None,
     )
+
+
+def varlen_prefill(
+    prefills: Sequence[PrefillSegment], device: torch.device
+) -> VarlenPrefill | None:
+    """The chunks as one batch, or None: fewer than two, or one with a mask (a sliding window
+    that cuts its keys), which the batch's causal mask cannot express."""
+    if len(prefills) < 2 or any(p.mask is not None for p in prefills):
+        return None
+    bounds: list[tuple[int, int, int, int]] = []
+    cu_q, cu_k = [0], [0]
+    for p in prefills:
+        q0, k0 = cu_q[-1], cu_k[-1]
+        cu_q.append(q0 + p.stop - p.start)
+        cu_k.append(k0 + p.key_slots.shape[-1])
+        bounds.append((q0, cu_q[-1], k0, cu_k[-1]))
+    contiguous = all(a.stop == b.start for a, b in itertools.pairwise(prefills))
+    queries: slice | torch.Tensor = (
+        slice(prefills[0].start, prefills[-1].stop)
+        if contiguous
+        else long_tensor([t for p in prefills for t in range(p.start, p.stop)], device)
+    )
+    cu = to_device(torch.tensor([cu_q, cu_k], dtype=torch.int32), device)
+    return VarlenPrefill(
+        queries=queries,
+        key_slots=torch.cat([p.key_slots[0] for p in prefills]),
+        cu_q=cu[0],
+        cu_k=cu[1],
+        max_q=max(b[1] - b[0] for b in bounds),
+        max_k=max(b[3] - b[2] for b in bounds),
+        bounds=tuple(bounds),
+    )
+
+
+def _varlen_attention(q: torch.Tensor, cache: torch.Tensor, v: VarlenPrefill) -> torch.Tensor:
+    """The batch's queries ``(total_q, heads, D)`` over their keys, as ``(total_q, heads, D)``:
+    one flash call where the kernel takes them (its causal mask aligned to each chunk's last
+    key, as for one chunk), else chunk by chunk as ``paged_attention`` runs them."""
+    kv_heads, head_dim = cache.shape[3], cache.shape[4]
+    both = cache.view(2, -1, kv_heads, head_dim)[:, v.key_slots]  # one gather for every chunk
+    keys, values = both[0], both[1]
+    if _flash_fits(q[None].transpose(1, 2), keys[None].transpose(1, 2)):
+        flash = torch.ops.aten._flash_attention_forward
+        out: torch.Tensor = flash(
+            q, keys, values, v.cu_q, v.cu_k, v.max_q, v.max_k, 0.0, True, False
+        )[0]
+        return out
+    parts = [
+        _prefill_attention(
+            q[q0:q1].transpose(0, 1)[None],
+            keys[k0:k1].transpose(0, 1)[None],
+            values[k0:k1].transpose(0, 1)[None],
+            None,
+        )[0].transpose(0, 1)
+        for q0, q1, k0, k1 in v.bounds
+    ]
+    return torch.cat(parts)
 
 
 def decode_segment(
@@ -317,10 +406,10 @@ def decode_segment(
     firsts, key_counts = key_ranges(num_computed, window)
     k_max = max(key_counts)
     if paged and not (flash_if_equal and min(key_counts) == k_max):
-        sizes = torch.tensor([firsts, key_counts], dtype=torch.int32).to(tables.device)
+        sizes = to_device(torch.tensor([firsts, key_counts], dtype=torch.int32), tables.device)
         return PagedDecode(query_index, tables, sizes, k_max)
     # One copy to the device for both columns: each copy is a launch and a host wait.
-    both = torch.tensor([*num_computed, *firsts], dtype=torch.long).to(tables.device)
+    both = long_tensor([*num_computed, *firsts], tables.device)
     ctx, first = both[:b], both[b:]
     k_pos = first[:, None] + torch.arange(k_max, device=tables.device)[None, :]
     k_valid = k_pos <= ctx[:, None]
@@ -418,6 +507,16 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
         out = _prefill_attention(q[None].transpose(1, 2), keys, values, seg.mask)
         only: torch.Tensor = out[0].transpose(0, 1)
         return only
+    v = meta.varlen
+    if v is not None:
+        out = _varlen_attention(q[v.queries], cache, v)
+        if d is None and isinstance(v.queries, slice) and out.shape[0] == q.shape[0]:
+            return out
+        result = torch.empty_like(q)
+        result[v.queries] = out
+        if d is not None:
+            result[d.query_index] = decode_attention(q[d.query_index], cache, d)
+        return result
     result = torch.empty_like(q)
     for seg in meta.prefills:
         keys, values = _gather(cache, seg.key_slots)
@@ -435,6 +534,7 @@ __all__ = [
     "DecodeSegment",
     "PagedDecode",
     "PrefillSegment",
+    "VarlenPrefill",
     "allocate_kv_caches",
     "block_table_host",
     "block_table_tensor",
@@ -446,5 +546,7 @@ __all__ = [
     "layer_name",
     "long_tensor",
     "paged_attention",
+    "to_device",
+    "varlen_prefill",
     "write_kv",
 ]

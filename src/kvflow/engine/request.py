@@ -128,6 +128,10 @@ class Request:
     load_target_tokens: int = 0
     pending_external_tokens: int = 0  # of those, loaded by the connector
     reset_after_load: bool = False  # a failed load left it unable to resume in place
+    # Scheduled ahead (``EngineConfig.async_scheduling``): tokens of launched steps whose
+    # output is not applied yet, and the tokens those steps sample, not yet read back.
+    num_inflight_tokens: int = 0
+    num_pending_outputs: int = 0
     kv_transfer_params: dict[str, object] | None = None
     _hasher: BlockHasher | None = None
 
@@ -142,14 +146,30 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Known tokens and those a launched step samples (their ids not read back yet)."""
+        return len(self.all_token_ids) + self.num_pending_outputs
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Computed tokens and those of launched steps: where its next chunk starts."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def finishing(self) -> bool:
+        """A launched step samples its last token: nothing more to schedule."""
+        return len(self.output_token_ids) + self.num_pending_outputs >= self.max_tokens
+
+    def drop_inflight(self) -> None:
+        """Forget launched steps' tokens (preempted, restarted or aborted: their output is
+        dropped when it arrives)."""
+        self.num_inflight_tokens = self.num_pending_outputs = 0
 
     @property
     def block_hashes(self) -> list[BlockHash]:
         """Chained hashes of every full block of known tokens."""
         hasher = self._hasher
         assert hasher is not None
-        if hasher.num_tokens < self.num_tokens:
+        if hasher.num_tokens < len(self.all_token_ids):
             hasher.extend(self.all_token_ids[hasher.num_tokens :])
         return hasher.hashes
 

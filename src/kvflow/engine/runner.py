@@ -29,8 +29,8 @@ from kvflow.engine.kv_cache import (
     poison_blocks,
 )
 from kvflow.engine.model import LlamaForCausalLM
-from kvflow.engine.scheduler import ScheduledChunk, StepBatch
-from kvflow.errors import ConfigError
+from kvflow.engine.scheduler import PENDING_TOKEN, ScheduledChunk, StepBatch
+from kvflow.errors import ConfigError, KVFlowError
 
 
 @frozen
@@ -58,6 +58,50 @@ class _Sampled:
 
 
 @frozen
+class _TokenPatch:
+    """Tokens of a step scheduled ahead that an earlier launched step samples: flat tokens
+    ``dst`` of this step take rows ``src`` of ``source``, that step's tokens on the device."""
+
+    source: torch.Tensor
+    dst: list[int]
+    src: list[int]
+
+    @classmethod
+    def of(cls, chunks: Sequence[ScheduledChunk], after: _Sampled | None) -> _TokenPatch | None:
+        """The patch of ``chunks`` (flat in order) over ``after``; None when no token pends."""
+        dst: list[int] = []
+        at = 0
+        for c in chunks:
+            at += len(c.token_ids)
+            if c.token_ids[-1] == PENDING_TOKEN:
+                dst.append(at - 1)
+        if not dst:
+            return None
+        if after is None or after.argmax is None:
+            raise KVFlowError("a step scheduled ahead has no launched step to take tokens from")
+        row = {rid: i for i, rid in enumerate(after.request_ids)}
+        pending = [c.request_id for c in chunks if c.token_ids[-1] == PENDING_TOKEN]
+        missing = [rid for rid in pending if rid not in row]
+        if missing:
+            raise KVFlowError(f"requests {missing[:3]} pend on tokens the launched step lacks")
+        return cls(after.argmax, dst, [row[rid] for rid in pending])
+
+    def apply(self, ids: torch.Tensor) -> None:
+        """Write the tokens into ``ids`` (this step's flat token ids, on the device), in stream
+        order after the copy of its host inputs and before the forward reads them."""
+        d0, s0, k = self.dst[0], self.src[0], len(self.dst)
+        if self.dst == list(range(d0, d0 + k)) and self.src == list(range(s0, s0 + k)):
+            ids[d0 : d0 + k].copy_(self.source[s0 : s0 + k])  # steady decode: rows line up
+            return
+        device = ids.device
+        ids.index_copy_(
+            0,
+            long_tensor(self.dst, device),
+            self.source.index_select(0, long_tensor(self.src, device)),
+        )
+
+
+@frozen
 class ModelRunnerOutput:
     sampled: dict[str, int]
     kv_connector_output: KVConnectorOutput
@@ -80,6 +124,12 @@ class LaunchedStep:
         found = None if self._sampled is None else self._sampled.first_logits
         return {} if found is None else {rid: t.cpu() for rid, t in found.items()}
 
+    @property
+    def sampled(self) -> _Sampled | None:
+        """The step's tokens on the device (a step scheduled ahead takes its pending ones
+        there)."""
+        return self._sampled
+
     @classmethod
     def finished(cls, output: ModelRunnerOutput) -> LaunchedStep:
         """A step that already has its tokens (a runner that cannot split a step)."""
@@ -93,6 +143,9 @@ class LaunchedStep:
 
 class ModelRunner:
     """Runs steps of one model over its paged KV cache on one device."""
+
+    can_run_ahead = True
+    """Whether ``launch`` takes ``after``: steps scheduled ahead of a launched one."""
 
     def __init__(
         self,
@@ -120,11 +173,17 @@ class ModelRunner:
         # (``kvflow bench``'s half-precision check) turns it on; a decode-shaped step sampling a
         # first token then runs eagerly (mixed buckets return their logits).
         self.record_first_logits = False
+        # A step's prefill chunks as one flash call per layer (``kv_cache.VarlenPrefill``): in
+        # half precision on a GPU, where the flash kernel runs them (the host runs the same
+        # batch chunk by chunk, which tests use).
+        self.varlen_prefill = self._half and device.type == "cuda"
         # The engine's clock, set by the engine: when this step's loads were launched.
         self.now: Callable[[], float] | None = None
-        # Reused every step: a step reads its tokens back before the next one starts.
-        self._readback_buf: torch.Tensor | None = None
-        self._readback_event: torch.cuda.Event | None = None
+        # Two, used in turn: a step launched ahead copies its tokens back while the host has
+        # yet to read the tokens of the step before it.
+        self._readback_bufs: list[torch.Tensor | None] = [None, None]
+        self._readback_events: list[torch.cuda.Event | None] = [None, None]
+        self._readback_turn = 0
         connector.register_kv_caches(dict(self.kv_caches))
 
     def poison(self, block_ids: Sequence[int]) -> None:
@@ -186,16 +245,26 @@ class ModelRunner:
         )
 
     def launch(
-        self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
+        self,
+        out: SchedulerOutput,
+        batch: StepBatch,
+        connector_meta: object,
+        after: LaunchedStep | None = None,
     ) -> LaunchedStep:
-        """Enqueue the step's forward and make its connector calls; its tokens are not read."""
+        """Enqueue the step's forward and make its connector calls; its tokens are not read.
+        ``after``: the launched step this one was scheduled ahead of, whose tokens on the
+        device fill this step's pending ones (``PENDING_TOKEN``)."""
         conn = self.connector
         conn.bind_connector_metadata(connector_meta)
         conn.handle_preemptions(connector_meta)
-        # The forward's inputs go to the device first: their copies from pageable memory wait
-        # for the compute stream, which a fenced load holds until its copies land; the kernels
-        # are then enqueued while the load's copies run.
-        forward, layerwise = self._prepare(batch) if batch.chunks else (None, False)
+        patch = (
+            _TokenPatch.of(batch.chunks, None if after is None else after.sampled)
+            if batch.chunks
+            else None
+        )
+        # The forward's inputs go to the device first; the kernels are then enqueued while a
+        # fenced load's copies run.
+        forward, layerwise = self._prepare(batch, patch) if batch.chunks else (None, False)
         # Read before the launch: a copy thread may land a small load before the call returns,
         # and a load's "landed" must not come before its "launched".
         loads_at = None if self.now is None else self.now()
@@ -231,20 +300,24 @@ class ModelRunner:
         if argmax is None or argmax.device.type != "cuda":
             return sampled
         n = argmax.numel()
-        buf = self._readback_buf
+        turn = self._readback_turn
+        self._readback_turn = 1 - turn
+        buf = self._readback_bufs[turn]
         if buf is None or buf.numel() < n or buf.dtype != argmax.dtype:
             buf = torch.empty(max(n, 256), dtype=argmax.dtype, pin_memory=True)
-            self._readback_buf = buf
-        if self._readback_event is None:
-            self._readback_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._readback_bufs[turn] = buf
+        event = self._readback_events[turn]
+        if event is None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._readback_events[turn] = event
         host = buf[:n]
         host.copy_(argmax.reshape(-1), non_blocking=True)
-        self._readback_event.record()
-        return _Sampled(
-            sampled.request_ids, argmax, host, self._readback_event, sampled.first_logits
-        )
+        event.record()
+        return _Sampled(sampled.request_ids, argmax, host, event, sampled.first_logits)
 
-    def _prepare(self, batch: StepBatch) -> tuple[Callable[[], _Sampled], bool]:
+    def _prepare(
+        self, batch: StepBatch, patch: _TokenPatch | None = None
+    ) -> tuple[Callable[[], _Sampled], bool]:
         """The step's forward, its inputs already on the device: call it to enqueue its
         kernels (after ``start_load_kv``); and whether it calls the connector's
         ``wait_for_layer_load`` before each layer writes or reads its KV cache (not from the
@@ -259,7 +332,7 @@ class ModelRunner:
             and graphs.tables_fit(c.block_ids for c in chunks)
         ):
             # Its inputs go through pinned buffers, copied without a host wait.
-            step = functools.partial(self._decode_from_graphs, graphs, chunks, recording)
+            step = functools.partial(self._decode_from_graphs, graphs, chunks, recording, patch)
             return step, False
         device = self.device
         ids: list[int] = []
@@ -280,6 +353,7 @@ class ModelRunner:
                 device,
                 paged_decode=self._paged_decode,
                 flash_if_equal=self._half,
+                varlen=self.varlen_prefill,
             )
             for g in self.kv_config.groups
         ]
@@ -304,6 +378,7 @@ class ModelRunner:
                     [ends[i] for i in sample_rows],
                     group_meta,
                     self._wait_for_layer,
+                    patch=None if patch is None else patch.apply,
                 )
                 return _Sampled(
                     ids_of_rows,
@@ -314,8 +389,10 @@ class ModelRunner:
                 )
 
             return mixed, True
-        logits_at = torch.tensor([ends[i] for i in sample_rows] or [ends[0]], device=device)
+        logits_at = long_tensor([ends[i] for i in sample_rows] or [ends[0]], device)
         ids_on = long_tensor(ids, device)
+        if patch is not None:
+            patch.apply(ids_on)
         positions_on = long_tensor(positions, device)
 
         def eager() -> _Sampled:
@@ -352,7 +429,11 @@ class ModelRunner:
         }
 
     def _decode_from_graphs(
-        self, graphs: DecodeGraphs, chunks: tuple[ScheduledChunk, ...], recording: bool
+        self,
+        graphs: DecodeGraphs,
+        chunks: tuple[ScheduledChunk, ...],
+        recording: bool,
+        patch: _TokenPatch | None,
     ) -> _Sampled:
         """One decode step replayed from the graphs; ``recording``: keep the logits of rows
         that sample a first token (a request whose prompt's last token runs as a decode row:
@@ -361,6 +442,7 @@ class ModelRunner:
             [c.token_ids[0] for c in chunks],
             [c.num_computed_tokens for c in chunks],
             [[c.block_ids[g.group_id] for c in chunks] for g in self.kv_config.groups],
+            patch=None if patch is None else patch.apply,
         )
         sample_rows = [i for i, c in enumerate(chunks) if c.sample]
         ids_of_rows = [chunks[i].request_id for i in sample_rows]
@@ -370,7 +452,7 @@ class ModelRunner:
             return _Sampled(ids_of_rows, tokens, first_logits=firsts)
         if not sample_rows:
             return _Sampled([], None)
-        rows = torch.tensor(sample_rows, device=self.device)
+        rows = long_tensor(sample_rows, self.device)
         return _Sampled(ids_of_rows, tokens[rows], first_logits=firsts)
 
 

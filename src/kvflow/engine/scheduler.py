@@ -32,6 +32,10 @@ RS = RequestStatus
 RI = RequestInput
 
 
+PENDING_TOKEN = -1
+"""A chunk's token that a launched step samples (scheduled ahead): the runner takes it from
+that step's output on the device."""
+
 RETRY_BLOCKED_STEPS = 8
 """A waiting head that found no GPU blocks is asked again after this many steps at the latest."""
 
@@ -139,6 +143,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         transition(req, RI.ABORT, cause="aborted")
+        req.drop_inflight()
         req.stats.finish_time = self.clock()
         self._finished_recving.discard(request_id)
         self._finished_since_last_step.add(request_id)
@@ -149,6 +154,20 @@ class Scheduler:
         """Requests left, or finished ids the workers have not been told yet (vLLM's
         ``has_requests``: one more step reports them to ``get_finished``)."""
         return bool(self.requests or self._finished_since_last_step)
+
+    def loads_unsettled(self, batch: StepBatch) -> bool:
+        """Whether a load may still change what ``batch``'s requests computed: ``batch`` loaded
+        KV into a request's blocks, or an async load is in flight or finished unseen. The next
+        step is then scheduled only after ``batch``'s output is applied (a failed load rolls
+        requests back there), not ahead of it."""
+        if self._finished_recving or self._preempted_since_last_step:
+            return True
+        requests = self.requests
+        for c in batch.chunks:
+            req = requests.get(c.request_id)
+            if req is not None and req.pending_external_tokens:
+                return True
+        return any(r.status is RS.WAITING_FOR_REMOTE_KVS for r in self.waiting)
 
     @property
     def num_waiting_for_remote(self) -> int:
@@ -176,22 +195,27 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            added = self.blocks.allocate(req.request_id, req.num_computed_tokens, n)
+            if req.finishing:  # scheduled ahead: a launched step samples its last token
+                i += 1
+                continue
+            c = req.num_scheduled_tokens
+            n = min(req.num_tokens - c, budget)
+            applied = req.num_computed_tokens
+            added = self.blocks.allocate(req.request_id, c, n, applied=applied)
             while added is None:
                 # Blocks held by loaded requests that are not running go first: otherwise a
                 # running request could preempt itself forever while they wait behind it.
                 released = self._release_one_loaded(exclude=None, cause="running_needs_blocks")
                 if released is not None:
                     preempted.add(released)
-                    added = self.blocks.allocate(req.request_id, req.num_computed_tokens, n)
+                    added = self.blocks.allocate(req.request_id, c, n, applied=applied)
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is req:
                     break
-                added = self.blocks.allocate(req.request_id, req.num_computed_tokens, n)
+                added = self.blocks.allocate(req.request_id, c, n, applied=applied)
             if added is None:
                 break
             chunks.append(self._chunk(req, n))
@@ -199,7 +223,7 @@ class Scheduler:
                 CachedRequest(
                     request_id=req.request_id,
                     new_block_ids=added,
-                    num_computed_tokens=req.num_computed_tokens,
+                    num_computed_tokens=c,
                     num_scheduled_tokens=n,
                 )
             )
@@ -353,19 +377,31 @@ class Scheduler:
             req.num_computed_tokens = 0
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
-        c = req.num_computed_tokens
+        """Request ``req``'s next ``n`` tokens, counted as in flight until their step's output
+        is applied."""
+        c = req.num_scheduled_tokens
+        token_ids = tuple(req.all_token_ids[c : c + n])
+        if len(token_ids) < n:
+            # Scheduled ahead: its last token is the one the launched step samples.
+            token_ids += (PENDING_TOKEN,)
+        sample = c + n == req.num_tokens
+        req.num_inflight_tokens += n
+        first = sample and not req.output_token_ids and not req.num_pending_outputs
+        if sample:
+            req.num_pending_outputs += 1
         return ScheduledChunk(
             request_id=req.request_id,
-            token_ids=tuple(req.all_token_ids[c : c + n]),
+            token_ids=token_ids,
             num_computed_tokens=c,
             block_ids=self.blocks.block_ids(req.request_id),
-            sample=c + n == req.num_tokens,
-            first_token=c + n == req.num_tokens and not req.output_token_ids,
+            sample=sample,
+            first_token=first,
         )
 
     def _preempt(self, req: Request) -> None:
         transition(req, RI.PREEMPT, cause="out_of_blocks")
         self.blocks.free(req.request_id)
+        req.drop_inflight()
         req.num_computed_tokens = 0
         req.pending_external_tokens = 0
         req.stats.num_preemptions += 1
@@ -378,6 +414,7 @@ class Scheduler:
         A running one counts as preempted (its id reaches ``handle_preemptions`` next step)."""
         log.info("kv_load_failed_restart", request_id=req.request_id, status=req.status.value)
         req.stats.restart_first_token_path()
+        req.drop_inflight()
         if req.status is RS.RUNNING:
             transition(req, RI.PREEMPT, cause="kv_load_failed")
             self.running.remove(req)
@@ -456,10 +493,17 @@ class Scheduler:
         now = self.clock()
         results: list[StepOutput] = []
         for chunk in batch.chunks:
-            req = self.requests[chunk.request_id]
-            if req.request_id in rolled_back or req.status is not RS.RUNNING:
+            req = self.requests.get(chunk.request_id)
+            # Preempted, restarted or aborted since the step was scheduled: its output is
+            # dropped (and its in-flight counts went with it).
+            if req is None or req.status is not RS.RUNNING:
                 continue
             n = len(chunk.token_ids)
+            req.num_inflight_tokens -= n
+            if chunk.sample:
+                req.num_pending_outputs -= 1
+            if req.request_id in rolled_back:
+                continue
             c = chunk.num_computed_tokens
             if n == 1 and c >= req.num_prompt_tokens:
                 req.stats.decode_tokens_computed += 1
@@ -576,6 +620,7 @@ class Scheduler:
 
 
 __all__ = [
+    "PENDING_TOKEN",
     "ScheduledChunk",
     "Scheduler",
     "SchedulerConfig",

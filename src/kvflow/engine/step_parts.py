@@ -4,8 +4,10 @@ A step runs, in order: the scheduler's ``schedule``, the connector's ``build_con
 the runner's ``launch`` (the worker connector's calls and the forward pass enqueued), the
 scheduler's ``update_connector_output``, the wait for the sampled tokens (on a GPU, the device's
 work left after the launch), ``update_from_output``, and, in a step with nothing to compute, the
-worker's ``wait_for_progress``. ``summarize`` adds them up per kind of step: decode (single
-tokens only), prefill (chunks only), mixed, idle (nothing to compute).
+worker's ``wait_for_progress``. With ``EngineConfig.async_scheduling`` the tokens waited for
+and the output applied are those of the step launched by the call before (the kind and tokens
+are the launched step's). ``summarize`` adds them up per kind of step: decode (single tokens
+only), prefill (chunks only), mixed, idle (nothing to compute).
 """
 
 from __future__ import annotations

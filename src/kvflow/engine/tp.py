@@ -163,6 +163,8 @@ def merge_outputs(outputs: Sequence[KVConnectorOutput]) -> KVConnectorOutput:
 class TPModelRunner(ModelRunner):
     """Rank 0's runner: every step runs on all ranks; their outputs are merged into one."""
 
+    can_run_ahead = False  # its followers run whole steps, tokens read back
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -190,8 +192,14 @@ class TPModelRunner(ModelRunner):
         return tuple(self._freed)
 
     def launch(
-        self, out: SchedulerOutput, batch: StepBatch, connector_meta: object
+        self,
+        out: SchedulerOutput,
+        batch: StepBatch,
+        connector_meta: object,
+        after: LaunchedStep | None = None,
     ) -> LaunchedStep:
+        if after is not None:
+            raise KVFlowError("tensor-parallel steps are not scheduled ahead")
         # The ranks' outputs are compared and merged only once every rank has its tokens.
         freed, self._freed = tuple(self._freed), []
         self.channel.broadcast(StepMessage(out, batch, connector_meta, freed))
