@@ -412,17 +412,11 @@ async def test_async_frontend_serves_concurrent_requests_with_offload(loop: str)
     _assert_nothing_leaked(on, conn)
 
 
-def test_bench_command_writes_the_json_fields(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`kvflow bench` runs at a tiny size and its JSON has every documented field; on CPU it
-    leaves one core to kvflow's threads; the host backend times every copy, so its table's
-    GB/s are the measured copy time (not the inline loop's lower bound)."""
-    out = tmp_path / "bench.json"
-    trace = tmp_path / "trace.jsonl"
+def _tiny_bench(*extra: str) -> int:
+    """``kvflow bench`` at a tiny size with ``extra`` arguments; its exit status."""
     threads, interval = torch.get_num_threads(), sys.getswitchinterval()
     try:
-        rc = main(
+        return main(
             [
                 "bench",
                 "--users", "2",
@@ -431,15 +425,24 @@ def test_bench_command_writes_the_json_fields(
                 "--first-question", "16",
                 "--question", "8",
                 "--answer", "4",
-                "--json", str(out),
-                "--trace", str(trace),
+                *extra,
             ]
         )  # fmt: skip
     finally:
         # The command sets both for its whole process: later tests' threads keep theirs.
         torch.set_num_threads(threads)
         sys.setswitchinterval(interval)
-    assert rc == 0
+
+
+def test_bench_command_writes_the_json_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow bench` runs at a tiny size and its JSON has every documented field; on CPU it
+    leaves one core to kvflow's threads; the host backend times every copy, so its table's
+    GB/s are the measured copy time (not the inline loop's lower bound)."""
+    out = tmp_path / "bench.json"
+    trace = tmp_path / "trace.jsonl"
+    assert _tiny_bench("--json", str(out), "--trace", str(trace)) == 0
     shown = " ".join(capsys.readouterr().out.split())
     assert "store GB/s (copy time measured)" in shown
     assert "lower bounds" not in shown
@@ -466,3 +469,16 @@ def test_bench_command_writes_the_json_fields(
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     assert any(e["event"] == "transfer_transition" for e in events)
     assert main(["trace", str(trace)]) == 0
+
+
+def test_bench_command_with_steps_scheduled_ahead_keeps_identical_outputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow bench --async-scheduling on` (off by default on the host) runs both engines with
+    steps scheduled ahead, says so in its JSON, and float32 outputs stay identical."""
+    out = tmp_path / "bench.json"
+    assert _tiny_bench("--async-scheduling", "on", "--json", str(out)) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["async_scheduling"] is True
+    assert data["outputs_identical"] is True
+    assert "identical" in capsys.readouterr().out

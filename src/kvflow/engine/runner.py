@@ -421,9 +421,11 @@ class ModelRunner:
     def _first_rows(
         chunks: tuple[ScheduledChunk, ...], sample_rows: list[int], logits: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """The logits rows of chunks that sample their request's first token."""
+        """The logits rows of chunks that sample their request's first token, copied on the
+        device: a mixed bucket's logits are rewritten by its next replay, which a step
+        scheduled ahead enqueues before this step's output is read."""
         return {
-            chunks[i].request_id: logits[row]
+            chunks[i].request_id: logits[row].clone()
             for row, i in enumerate(sample_rows)
             if chunks[i].first_token
         }
