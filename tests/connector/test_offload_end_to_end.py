@@ -482,3 +482,41 @@ def test_bench_command_with_steps_scheduled_ahead_keeps_identical_outputs(
     assert data["config"]["async_scheduling"] is True
     assert data["outputs_identical"] is True
     assert "identical" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_an_abort_mid_run_with_offload_leaks_nothing(ahead: bool) -> None:
+    """A request aborted while its step is in flight (scheduled ahead) or between steps, with
+    its stores launched, leaves the others' tokens unchanged and every GPU and CPU block and
+    transfer released."""
+    prompts = [[(13 * i + j) % 1000 for j in range(48)] for i in range(3)]
+    reqs = [GenerationRequest(p, 8, request_id=f"a{i}") for i, p in enumerate(prompts)]
+    off, _ = _engine("tiny", offload=None, num_gpu_blocks=200)
+    want = {r.request_id: r.output_token_ids for r in off.run_to_completion(reqs)}
+    on, (conn,) = _engine(
+        "tiny",
+        offload=OffloadConfig(cpu_bytes="16MiB", worker_loop="inline", eager_store_interval=1),
+        num_gpu_blocks=64,
+        budget=32,
+        ahead=ahead,
+    )
+    for r in reqs:
+        on.add_request(r.prompt_token_ids, r.max_tokens, request_id=r.request_id)
+    got: dict[str, list[int]] = {f"a{i}": [] for i in range(len(reqs))}
+    for _ in range(5):
+        for out in on.step():
+            got[out.request_id] += out.new_token_ids
+    in_flight = on._inflight is not None and any(
+        c.request_id == "a1" for c in on._inflight.batch.chunks
+    )
+    assert in_flight == ahead
+    assert on.abort_request("a1")
+    while on.has_unfinished():
+        for out in on.step():
+            got[out.request_id] += out.new_token_ids
+    assert tuple(got["a0"]) == want["a0"]
+    assert tuple(got["a2"]) == want["a2"]
+    assert tuple(got["a1"]) == want["a1"][: len(got["a1"])]
+    assert conn.scheduler.stats().manager.blocks_stored > 0
+    on.shutdown()
+    _assert_nothing_leaked(on, conn)

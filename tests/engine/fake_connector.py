@@ -169,13 +169,15 @@ class FakeConnector:
     ) -> tuple[bool, dict[str, Any] | None]:
         self.calls.append("request_finished")
         computed = len(request.all_token_ids) - 1  # the last sampled token was never computed
+        # An aborted request may not have computed that far (the engine's request says).
+        computed = min(computed, getattr(request, "num_computed_tokens", computed))
         full = computed // self.kv_config.block_size
         hashes = self._hashes(request)[:full]
         copies = tuple(
             (g, table[j], h)
             for g, table in enumerate(block_ids)
             for j, h in enumerate(hashes)
-            if table[j] != NULL_BLOCK_ID and (g, h) not in self.store
+            if j < len(table) and table[j] != NULL_BLOCK_ID and (g, h) not in self.store
         )
         if not copies:
             return False, None

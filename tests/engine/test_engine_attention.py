@@ -229,3 +229,50 @@ def test_engine_with_prefill_chunks_as_one_batch_gives_the_same_tokens(name: str
     got = [r.output_token_ids for r in engine.run_to_completion(requests(ps, 6))]
     assert got == want
     assert max(built) >= 2  # some step batched several chunks
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 20)), min_size=1, max_size=6),
+    window=st.sampled_from([None, 5, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_metadata_indices_are_each_tokens_slot_and_each_chunks_keys(
+    rows: list[tuple[int, int]], window: int | None, seed: int
+) -> None:
+    """Built on the host and copied in one piece, the metadata holds every token's cache slot,
+    every chunk's key slots from its window's first key, and the decode rows' tables and
+    flat indices, as the block tables give them."""
+    gen = torch.Generator().manual_seed(seed)
+    computed = [c for c, _ in rows]
+    scheduled = [n if n or i else 1 for i, (_, n) in enumerate(rows)]  # one token at least
+    free = torch.randperm(500, generator=gen).add(1).tolist()
+    tables = [
+        tuple(free.pop() for _ in range(-(-(c + n) // BS) + (i % 2)))
+        for i, (c, n) in enumerate(zip(computed, scheduled, strict=True))
+    ]
+    meta = build_attention_metadata(
+        tables, computed, scheduled, BS, window, torch.device("cpu"), varlen=True
+    )
+
+    def slot(i: int, pos: int) -> int:
+        return int(tables[i][pos // BS]) * BS + pos % BS
+
+    pairs = enumerate(zip(computed, scheduled, strict=True))
+    want = [slot(i, c + k) for i, (c, n) in pairs for k in range(n)]
+    assert meta.slot_mapping.tolist() == want
+    assert meta.num_tokens == len(want)
+    chunks = [i for i, n in enumerate(scheduled) if n > 1]
+    assert len(meta.prefills) == len(chunks)
+    for seg, i in zip(meta.prefills, chunks, strict=True):
+        c, n = computed[i], scheduled[i]
+        first = 0 if window is None else max(0, c - window + 1)
+        assert seg.key_slots.tolist() == [[slot(i, p) for p in range(first, c + n)]]
+        assert (seg.start, seg.stop) == (sum(scheduled[:i]), sum(scheduled[: i + 1]))
+    decodes = [i for i, n in enumerate(scheduled) if n == 1]
+    assert (meta.decode is None) == (not decodes)
+    if meta.decode is not None:
+        assert meta.decode.query_index.tolist() == [sum(scheduled[:i]) for i in decodes]
+    if meta.varlen is not None:
+        keys = torch.cat([seg.key_slots[0] for seg in meta.prefills])
+        assert meta.varlen.key_slots.tolist() == keys.tolist()

@@ -194,14 +194,6 @@ def _key_start(computed: int, window: int | None) -> int:
     return 0 if window is None else max(0, computed - window + 1)
 
 
-def _slots(
-    tables: torch.Tensor, rows: torch.Tensor | int, pos: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Flat cache slots of token positions ``pos`` of requests ``rows`` (their block tables)."""
-    result: torch.Tensor = tables[rows, pos // block_size] * block_size + pos % block_size
-    return result
-
-
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without a host wait: to a GPU through pinned memory, copied
     asynchronously (a copy from pageable memory makes torch synchronize the stream, which would
@@ -271,71 +263,74 @@ def build_attention_metadata(
                 f"request {i}: block table of {len(t)} blocks cannot hold "
                 f"{num_computed[i] + num_scheduled[i]} tokens"
             )
-    tables = block_table_tensor(block_tables, device)
-    # Sizes come from the Python lists: reading them off the device would sync every step.
-    c_all = long_tensor(num_computed, device)
-    n_all = long_tensor(num_scheduled, device)
-    total = sum(num_scheduled)
-    req = torch.repeat_interleave(torch.arange(b, device=device), n_all, output_size=total)
-    starts = torch.cumsum(n_all, 0) - n_all
-    positions = c_all[req] + torch.arange(total, device=device) - starts[req]
-    slot_mapping = _slots(tables, req, positions, block_size)
-    decode_rows: list[int] = []
-    decode_index: list[int] = []
-    prefills: list[PrefillSegment] = []
-    offset = 0
-    for i in range(b):
+    # Every index is computed on the host (numpy) and the lot goes to the device in one copy:
+    # built from torch ops, the same took some fifty small kernels a step, each a launch.
+    tables = block_table_host(block_tables).numpy()
+    c_all = np.asarray(num_computed, dtype=np.int64)
+    n_all = np.asarray(num_scheduled, dtype=np.int64)
+    total = int(n_all.sum())
+    starts = np.cumsum(n_all) - n_all
+    req = np.repeat(np.arange(b), n_all)
+    positions = c_all[req] + np.arange(total) - starts[req]
+    pieces = [tables[req, positions // block_size] * block_size + positions % block_size]
+    chunks: list[tuple[int, int, int, int]] = []  # (request, first key, key count, offset)
+    for i in np.flatnonzero(n_all > 1).tolist():
         c, n = num_computed[i], num_scheduled[i]
-        if n == 0:
-            continue
-        if n == 1:
-            decode_rows.append(i)
-            decode_index.append(offset)
-        else:
-            first = _key_start(c, window)
-            keys = c + n - first
-            mask: torch.Tensor | None = None
-            if window is not None and c + n > window:
-                q_pos = torch.arange(c, c + n, device=device)[:, None]
-                k_pos = torch.arange(first, c + n, device=device)[None, :]
-                mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
-            prefills.append(
-                PrefillSegment(
-                    start=offset,
-                    stop=offset + n,
-                    key_slots=_slots(
-                        tables, i, torch.arange(first, first + keys, device=device), block_size
-                    )[None],
-                    mask=mask,
-                )
+        first = _key_start(c, window)
+        k_pos = np.arange(first, c + n)
+        pieces.append(tables[i, k_pos // block_size] * block_size + k_pos % block_size)
+        chunks.append((i, first, c + n - first, int(starts[i])))
+    decode_rows = np.flatnonzero(n_all == 1)
+    if decode_rows.size:
+        pieces += [tables[decode_rows].ravel(), starts[decode_rows]]
+    flat = to_device(torch.from_numpy(np.concatenate(pieces)), device)
+    slot_mapping = flat[:total]
+    at = total
+    prefills: list[PrefillSegment] = []
+    for i, first, keys, offset in chunks:
+        c, n = num_computed[i], num_scheduled[i]
+        mask: torch.Tensor | None = None
+        if window is not None and c + n > window:
+            q_pos = torch.arange(c, c + n, device=device)[:, None]
+            k_pos_t = torch.arange(first, c + n, device=device)[None, :]
+            mask = ((k_pos_t <= q_pos) & (k_pos_t > q_pos - window))[None, None]
+        prefills.append(
+            PrefillSegment(
+                start=offset, stop=offset + n, key_slots=flat[at : at + keys][None], mask=mask
             )
-        offset += n
+        )
+        at += keys
+    prefill_keys = flat[total:at]
     decode: DecodeSegment | PagedDecode | None = None
-    if decode_rows:
-        rows = long_tensor(decode_rows, device)
+    if decode_rows.size:
+        rows, width = decode_rows.size, tables.shape[1]
         decode = decode_segment(
-            tables[rows],
-            [num_computed[i] for i in decode_rows],
+            flat[at : at + rows * width].view(rows, width),
+            c_all[decode_rows].tolist(),
             window,
             block_size,
-            long_tensor(decode_index, device),
+            flat[at + rows * width : at + rows * width + rows],
             paged=paged_decode,
             flash_if_equal=flash_if_equal,
         )
     return AttentionMetadata(
         slot_mapping=slot_mapping,
-        num_tokens=offset,
+        num_tokens=total,
         decode=decode,
         prefills=tuple(prefills),
-        varlen=varlen_prefill(prefills, device) if varlen else None,
+        varlen=varlen_prefill(prefills, device, key_slots=prefill_keys) if varlen else None,
     )
 
 
 def varlen_prefill(
-    prefills: Sequence[PrefillSegment], device: torch.device
+    prefills: Sequence[PrefillSegment],
+    device: torch.device,
+    *,
+    key_slots: torch.Tensor | None = None,
 ) -> VarlenPrefill | None:
     """The chunks as one batch, or None: fewer than two, or one with a mask (a sliding window
-    that cuts its keys), which the batch's causal mask cannot express."""
+    that cuts its keys), which the batch's causal mask cannot express. ``key_slots``: the
+    chunks' key slots already one after another on the device (else they are concatenated)."""
     if len(prefills) < 2 or any(p.mask is not None for p in prefills):
         return None
     bounds: list[tuple[int, int, int, int]] = []
@@ -354,7 +349,7 @@ def varlen_prefill(
     cu = to_device(torch.tensor([cu_q, cu_k], dtype=torch.int32), device)
     return VarlenPrefill(
         queries=queries,
-        key_slots=torch.cat([p.key_slots[0] for p in prefills]),
+        key_slots=torch.cat([p.key_slots[0] for p in prefills]) if key_slots is None else key_slots,
         cu_q=cu[0],
         cu_k=cu[1],
         max_q=max(b[1] - b[0] for b in bounds),
