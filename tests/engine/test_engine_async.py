@@ -44,8 +44,9 @@ def _loads_at_launch(engine: Engine) -> list[tuple[bool, bool]]:
     sched = engine.scheduler
 
     def spy(out: Any, batch: StepBatch, meta: object, after: Any = None) -> Any:
-        seen.append((after is not None, sched.loads_unsettled(batch)))
-        return launch(out, batch, meta, after=after)
+        launched = launch(out, batch, meta, after=after)
+        seen.append((after is not None, sched.loads_unsettled(batch, launched.kv_connector_output)))
+        return launched
 
     engine.runner.launch = spy  # type: ignore[method-assign,assignment]
     return seen

@@ -411,11 +411,7 @@ class Engine:
         outputs: list[StepOutput] = []
         waited = applied = 0.0
         prev, self._inflight = self._inflight, None
-        if prev is not None and (
-            sched.loads_unsettled(prev.batch)
-            or prev.kv_output.finished_recving
-            or prev.kv_output.invalid_block_ids
-        ):
+        if prev is not None and sched.loads_unsettled(prev.batch, prev.kv_output):
             # What a load brings (loaded KV, a finished load, failed blocks to roll back) must
             # reach the scheduler before it schedules again.
             t0 = self.clock()

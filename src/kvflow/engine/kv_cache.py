@@ -318,19 +318,16 @@ def build_attention_metadata(
         num_tokens=total,
         decode=decode,
         prefills=tuple(prefills),
-        varlen=varlen_prefill(prefills, device, key_slots=prefill_keys) if varlen else None,
+        varlen=varlen_prefill(prefills, prefill_keys, device) if varlen else None,
     )
 
 
 def varlen_prefill(
-    prefills: Sequence[PrefillSegment],
-    device: torch.device,
-    *,
-    key_slots: torch.Tensor | None = None,
+    prefills: Sequence[PrefillSegment], key_slots: torch.Tensor, device: torch.device
 ) -> VarlenPrefill | None:
     """The chunks as one batch, or None: fewer than two, or one with a mask (a sliding window
     that cuts its keys), which the batch's causal mask cannot express. ``key_slots``: the
-    chunks' key slots already one after another on the device (else they are concatenated)."""
+    chunks' key slots one after another on the device (each chunk's are a view of them)."""
     if len(prefills) < 2 or any(p.mask is not None for p in prefills):
         return None
     bounds: list[tuple[int, int, int, int]] = []
@@ -349,7 +346,7 @@ def varlen_prefill(
     cu = to_device(torch.tensor([cu_q, cu_k], dtype=torch.int32), device)
     return VarlenPrefill(
         queries=queries,
-        key_slots=torch.cat([p.key_slots[0] for p in prefills]) if key_slots is None else key_slots,
+        key_slots=key_slots,
         cu_q=cu[0],
         cu_k=cu[1],
         max_q=max(b[1] - b[0] for b in bounds),

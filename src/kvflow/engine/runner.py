@@ -70,17 +70,18 @@ class _TokenPatch:
     def of(cls, chunks: Sequence[ScheduledChunk], after: _Sampled | None) -> _TokenPatch | None:
         """The patch of ``chunks`` (flat in order) over ``after``; None when no token pends."""
         dst: list[int] = []
+        pending: list[str] = []
         at = 0
         for c in chunks:
             at += len(c.token_ids)
             if c.token_ids[-1] == PENDING_TOKEN:
                 dst.append(at - 1)
+                pending.append(c.request_id)
         if not dst:
             return None
         if after is None or after.argmax is None:
             raise KVFlowError("a step scheduled ahead has no launched step to take tokens from")
         row = {rid: i for i, rid in enumerate(after.request_ids)}
-        pending = [c.request_id for c in chunks if c.token_ids[-1] == PENDING_TOKEN]
         missing = [rid for rid in pending if rid not in row]
         if missing:
             raise KVFlowError(f"requests {missing[:3]} pend on tokens the launched step lacks")

@@ -155,11 +155,14 @@ class Scheduler:
         ``has_requests``: one more step reports them to ``get_finished``)."""
         return bool(self.requests or self._finished_since_last_step)
 
-    def loads_unsettled(self, batch: StepBatch) -> bool:
+    def loads_unsettled(self, batch: StepBatch, kv_output: KVConnectorOutput) -> bool:
         """Whether a load may still change what ``batch``'s requests computed: ``batch`` loaded
-        KV into a request's blocks, or an async load is in flight or finished unseen. The next
-        step is then scheduled only after ``batch``'s output is applied (a failed load rolls
-        requests back there), not ahead of it."""
+        KV into a request's blocks, its connector output ``kv_output`` names finished loads or
+        invalid blocks, or an async load is in flight or finished unseen. The next step is then
+        scheduled only after ``batch``'s output is applied (a failed load rolls requests back
+        there), not ahead of it."""
+        if kv_output.finished_recving or kv_output.invalid_block_ids:
+            return True
         if self._finished_recving or self._preempted_since_last_step:
             return True
         requests = self.requests
