@@ -352,9 +352,7 @@ class DecodeGraphs:
         host += [*sample_at, *([0] * (bucket.samples - len(sample_at)))]
         bucket.small_np[:] = host
         bucket.small.copy_(bucket.small_host, non_blocking=bucket.small.is_cuda)
-        self._staging_copied()
-        if patch is not None:
-            patch(bucket.inputs[0])
+        self._inputs_copied(bucket, patch)
         for g, slots in enumerate(slot_mappings):
             bucket.inputs[2 + g, :t].copy_(slots)
         caches, group_of = self.kv_caches, self.layer_group
@@ -396,9 +394,7 @@ class DecodeGraphs:
             host += pad
         if bucket.full:
             self._full_inputs(bucket, host, num_computed, block_tables)
-            self._staging_copied()
-            if patch is not None:
-                patch(bucket.inputs[0])
+            self._inputs_copied(bucket, patch)
             bucket.pieces[0]()
             return bucket.tokens[:b], bucket.logits[:b]
         n = bucket.inputs.numel()
@@ -406,9 +402,7 @@ class DecodeGraphs:
         bucket.inputs.copy_(
             bucket.small_host[:n].view(bucket.inputs.shape), non_blocking=bucket.small.is_cuda
         )
-        self._staging_copied()
-        if patch is not None:
-            patch(bucket.inputs[0])
+        self._inputs_copied(bucket, patch)
         segments = []
         for g, tables in enumerate(block_tables):
             segments.append(
@@ -436,13 +430,16 @@ class DecodeGraphs:
         if self._staged is not None:
             self._staged.synchronize()
 
-    def _staging_copied(self) -> None:
-        """After a step's copies from the pinned input buffers are enqueued."""
-        if self.device.type != "cuda":
-            return  # host buffers, copied synchronously
-        if self._staged is None:
-            self._staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._staged.record()
+    def _inputs_copied(self, bucket: _Bucket, patch: Callable[[torch.Tensor], None] | None) -> None:
+        """After a step's copies from the pinned input buffers are enqueued: mark them for
+        ``_reuse_staging``, then write the tokens an earlier step samples (``patch``) over the
+        copied token ids, in stream order before the pieces read them."""
+        if self.device.type == "cuda":  # host buffers are copied synchronously
+            if self._staged is None:
+                self._staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._staged.record()
+        if patch is not None:
+            patch(bucket.inputs[0])
 
     def _full_inputs(
         self,

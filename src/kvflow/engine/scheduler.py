@@ -170,7 +170,7 @@ class Scheduler:
             req = requests.get(c.request_id)
             if req is not None and req.pending_external_tokens:
                 return True
-        return any(r.status is RS.WAITING_FOR_REMOTE_KVS for r in self.waiting)
+        return self.num_waiting_for_remote > 0
 
     @property
     def num_waiting_for_remote(self) -> int:
