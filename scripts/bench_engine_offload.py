@@ -98,6 +98,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="offload on a backend whose copies finish at once and move nothing (no loads are "
         "checked: 0 %% reuse only): kvflow's own host work, on any machine",
     )
+    p.add_argument(
+        "--store-dma",
+        action="store_true",
+        help="CUDA: stores as 2D copies straight from the KV cache, no gather kernel "
+        "(CudaConfig.store_dma)",
+    )
     return p.parse_args(argv)
 
 
@@ -144,10 +150,26 @@ class Bench:
             ),
             block_bytes_per_group(self.cfg, kv, self.dtype),
             now=self.clock.now,
-            backend=NullCopies() if args.null_copies else None,
+            backend=self.backend(),
         )
         self.connectors.append(conn)
         return engine
+
+    def backend(self) -> Any:
+        """The offload engine's backend: the null one, the CUDA one with stores as 2D copies,
+        or None (the connector's default for the device)."""
+        args = self.args
+        if args.null_copies:
+            return NullCopies()
+        if not args.store_dma:
+            return None
+        from kvflow.backends.cuda import CudaBackend, CudaConfig
+
+        threads = args.worker_loop != "inline"  # the inline loop issues on the engine's thread
+        index = int(args.device.split(":", 1)[1]) if ":" in args.device else 0
+        return CudaBackend(
+            index, CudaConfig(launch_thread=threads, completion_threads=threads, store_dma=True)
+        )
 
     def prompt(self, n: int, seed: int) -> list[int]:
         gen = torch.Generator().manual_seed(seed)
@@ -382,6 +404,7 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         "blocks_stored_last_run": stats.blocks_stored,
         "step_parts": {"off": mean_parts(parts[False]), "on": mean_parts(parts[True])},
         "null_copies": args.null_copies,
+        "store_dma": args.store_dma,
         # Per public method of the connector, offload on: calls and ms per run, µs per call.
         "on_calls": {
             name: {
@@ -450,6 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.null_copies and args.scenario != "noreuse":
         print("bench_engine_offload: --null-copies moves no bytes: use it with --scenario noreuse")
+        return 2
+    if args.store_dma and (args.null_copies or not args.device.startswith("cuda")):
+        print("bench_engine_offload: --store-dma is the CUDA backend's, without --null-copies")
         return 2
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     sys.setswitchinterval(5e-4)  # as kvflow bench: keep the copy threads' GIL waits short

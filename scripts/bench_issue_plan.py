@@ -32,7 +32,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvflow.backends.cuda.plan import RegionTable, block_ids, group_work, ring_plan
+from kvflow.backends.cuda.plan import RegionTable, block_ids, group_work
+from kvflow.backends.cuda.ring_plan import ring_plan
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -14,7 +14,10 @@
 # noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
 # its own), noreuse-parts (0 % reuse, bf16, with --step-parts), noreuse-ahead / noreuse-ahead-fp32
 # (the same with async scheduling, bf16 / float32), step-ahead (the decode step synchronous and
-# scheduled ahead, bare and with the connector, at issue 25's four shapes), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
+# scheduled ahead, bare and with the connector, at issue 25's four shapes), store-compute (a
+# 4k-token step's GEMMs beside one store of its KV, issued staged, as 2D DMA copies and as one
+# copy), noreuse-store-dma (noreuse-ahead with CudaConfig.store_dma against without, AB_ROUNDS
+# each, alternating), multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), connector-ab (the same at 512 blocks, this
 # tree against the base tree unpacked at BASE_SRC, default .base/src, AB_ROUNDS processes each,
@@ -97,6 +100,20 @@ for step in $STEPS; do
       run noreuse_ahead_fp32 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat "${REPEAT:-9}" --dtype float32 --async-scheduling \
         --json "$OUT/noreuse_ahead_fp32.json" ;;
+    noreuse-store-dma)  # noreuse-ahead with stores as 2D copies (no gather kernel) against the
+      # staged default, AB_ROUNDS processes each, alternating
+      for r in $(seq "${AB_ROUNDS:-2}"); do
+        for how in staged dma; do
+          extra=()
+          [ "$how" = dma ] && extra=(--store-dma)
+          run "noreuse_store_$how$r" 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
+            --scenario noreuse --repeat "${REPEAT:-9}" --step-parts --async-scheduling \
+            "${extra[@]}" --json "$OUT/noreuse_store_$how$r.json"
+        done
+      done ;;
+    store-compute)  # a 4k-token step's GEMMs beside one store of its KV: staged, 2D DMA, one copy
+      run store_compute 200 python3 scripts/bench_store_beside_compute.py \
+        --json "$OUT/store_compute.json" ;;
     step-ahead)  # the decode step synchronous and scheduled ahead, bare and with the connector
       run decode_step_ahead 240 python3 scripts/bench_decode_step.py "${model[@]}" \
         --modes graphs graphs-ahead --offload --rounds "${AB_ROUNDS:-2}" \

@@ -26,8 +26,8 @@ from kvflow.backends.cuda.plan import (
     Pitched,
     direct_descriptors,
     part_plan,
-    ring_plan,
 )
+from kvflow.backends.cuda.ring_plan import ring_plan
 from kvflow.errors import BackendError, ConfigError
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,16 +22,12 @@ from tests.backends.plan_helpers import (
 
 from kvflow.backends.cuda import driver as drv
 from kvflow.backends.cuda.plan import (
-    FEW_RUNS,
-    CopyList,
-    Descriptors,
-    Pitched,
+    PITCHED_MIN_ROWS,
     RegionTable,
-    RingPlan,
     block_ids,
     direct_descriptors,
     group_work,
-    ring_plan,
+    pitched_direct,
     runs,
     staged_plan,
     subbatch_bounds,
@@ -420,237 +415,6 @@ def test_pinned_tier_rejects_bad_sizes() -> None:
         pinned.PinnedTier(ctx, [1], [10], chunk_bytes=0, register="now")
 
 
-@settings(max_examples=120, deadline=None)
-@given(
-    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6),
-    blocks_per_slot=st.integers(1, 40),
-    chunk_blocks=st.integers(0, 17),
-    ramp_blocks=st.integers(0, 9),
-    store=st.booleans(),
-)
-def test_few_runs_plan_equals_the_array_plan(
-    pieces: list[tuple[int, int]],
-    blocks_per_slot: int,
-    chunk_blocks: int,
-    ramp_blocks: int,
-    store: bool,
-) -> None:
-    """CPU ids in a few ascending runs (however they meet sub-batch and chunk boundaries) get
-    exactly the descriptors and bounds of the numpy path."""
-    from kvflow.backends.cuda import plan as p
-
-    ids = ids_in_runs(pieces)
-    cpu = np.array(ids, dtype=np.int64)
-    table = flash_table(1, 4, 16)
-    base = 1 << 30
-    bounds = subbatch_bounds(len(cpu), blocks_per_slot, ramp_blocks, store=store)
-    starts = (np.flatnonzero(np.diff(cpu) != 1) + 1).tolist()
-    fast = p._staged_plan_runs(table, cpu, base, bounds, starts, chunk_blocks, store)
-    slow = p._staged_plan_arrays(table, cpu, base, bounds, chunk_blocks, store)
-    chosen = staged_plan(
-        table,
-        cpu,
-        base,
-        blocks_per_slot=blocks_per_slot,
-        chunk_blocks=chunk_blocks,
-        store=store,
-        ramp_blocks=ramp_blocks,
-    )
-    assert chosen.dma.size.tolist() == slow.dma.size.tolist()
-    assert fast.bounds.tolist() == slow.bounds.tolist()
-    assert fast.desc_bounds.tolist() == slow.desc_bounds.tolist()
-    for a, b in ((fast.dma.dst, slow.dma.dst), (fast.dma.src, slow.dma.src)):
-        assert a.tolist() == b.tolist()
-    assert fast.dma.size.tolist() == slow.dma.size.tolist()
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=8),
-    slot_blocks=st.integers(1, 40),
-    max_blocks=st.integers(1, 64),
-    chunk_blocks=st.integers(0, 17),
-    ramp_blocks=st.integers(0, 9),
-    first=st.integers(0, 3),
-    store=st.booleans(),
-)
-def test_ring_plan_in_plain_python_places_the_same_copies_as_the_arrays(
-    pieces: list[tuple[int, int]],
-    slot_blocks: int,
-    max_blocks: int,
-    chunk_blocks: int,
-    ramp_blocks: int,
-    first: int,
-    store: bool,
-) -> None:
-    """A batch's CPU ids as a tuple of ascending runs (what the issue path passes) get the
-    same sub-batches, slots and absolute copies from the plain-Python plan as the same ids as
-    an array get from the numpy plan, whichever of the two the tuple's runs choose."""
-    ids = ids_in_runs(pieces)
-    table = flash_table(1, 4, 16)
-    bb = table.block_bytes
-
-    def place(cpu: Sequence[int] | np.ndarray) -> RingPlan:
-        return ring_plan(
-            table,
-            cpu,
-            1 << 30,
-            regions=None,
-            ring=(1 << 40, slot_blocks * bb, first, 4),
-            max_blocks=max_blocks,
-            chunk_blocks=chunk_blocks,
-            ramp_bytes=ramp_blocks * bb,
-            store=store,
-        )
-
-    mine, theirs = place(tuple(ids)), place(np.array(ids, dtype=np.int64))
-    assert isinstance(theirs.dma, Descriptors)
-    pieces_cut = len(ascending_runs_of(ids)) + len(ids) // min(slot_blocks, max_blocks)
-    if chunk_blocks:
-        pieces_cut += len(ids) // chunk_blocks
-    assert isinstance(mine.dma, CopyList) == (pieces_cut < FEW_RUNS)
-    assert_same_placement(mine, theirs)
-    assert not isinstance(mine.dma, Pitched)
-    assert mine.dma.lists() == theirs.dma.lists()
-    assert mine.dma.total_bytes == theirs.dma.total_bytes == len(ids) * bb
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=6),
-    regions=st.tuples(st.integers(0, 3), st.integers(1, 4)),
-    slot_parts=st.integers(1, 40),
-    chunk_blocks=st.integers(0, 17),
-    ramp_blocks=st.integers(0, 9),
-    first=st.integers(0, 3),
-    store=st.booleans(),
-)
-def test_a_parts_2d_copies_in_plain_python_are_the_arrays_ones(
-    pieces: list[tuple[int, int]],
-    regions: tuple[int, int],
-    slot_parts: int,
-    chunk_blocks: int,
-    ramp_blocks: int,
-    first: int,
-    store: bool,
-) -> None:
-    """A load's part (some regions of each block) over CPU ids in ascending runs: where the
-    plain-Python plan makes it, its 2D copies, sub-batches and slots are exactly those of the
-    numpy plan of the same ids as an array, and ``ring_plan`` of the tuple gives the same."""
-    from kvflow.backends.cuda import plan as p
-
-    ids = ids_in_runs(pieces)
-    table = flash_table(2, 4, 16)  # four regions
-    lo, hi = regions[0], min(4, regions[0] + regions[1])
-    part = table.span_bytes(lo, hi)
-    ring = (1 << 40, slot_parts * part, first, 4)
-
-    def place(cpu: Sequence[int] | np.ndarray) -> RingPlan:
-        return ring_plan(
-            table,
-            cpu,
-            1 << 30,
-            regions=(lo, hi),
-            ring=ring,
-            max_blocks=512,
-            chunk_blocks=chunk_blocks,
-            ramp_bytes=ramp_blocks * part,
-            store=store,
-        )
-
-    theirs = place(np.array(ids, dtype=np.int64))
-    ramp = max(1, ramp_blocks) if ramp_blocks else 0
-    base = (1 << 30) + table.span_offset(lo)
-    fast = p._ring_runs(
-        tuple(ids), part, base, ring, slot_parts, ramp, chunk_blocks, store, table.block_bytes
-    )
-    for mine in (place(tuple(ids)), *([] if fast is None else [fast])):
-        assert_same_placement(mine, theirs)
-        assert type(mine.dma) is type(theirs.dma)
-        if isinstance(mine.dma, Pitched):
-            assert isinstance(theirs.dma, Pitched)
-            for a, b in ((mine.dma.dst, theirs.dma.dst), (mine.dma.src, theirs.dma.src)):
-                assert a.dtype == b.dtype == np.uint64
-                assert a.tolist() == b.tolist()
-            assert mine.dma.rows.tolist() == theirs.dma.rows.tolist()
-            assert (mine.dma.width, mine.dma.cpu_pitch, mine.dma.store) == (
-                part,
-                table.block_bytes,
-                store,
-            )
-    if fast is not None:
-        assert isinstance(theirs.dma, Pitched)
-
-
-@pytest.mark.parametrize("regions", [None, (1, 3)])
-def test_a_slot_smaller_than_a_block_is_a_config_error_either_way(
-    regions: tuple[int, int] | None,
-) -> None:
-    """A staging slot that cannot hold one block (or one part of it) is a ConfigError naming the
-    slot's capacity, whether the ids come as a tuple of runs or as an array."""
-    table = flash_table(2, 4, 16)
-    for cpu in ((1, 2, 3), np.array([1, 2, 3])):
-        with pytest.raises(ConfigError, match="blocks_per_slot must be positive"):
-            ring_plan(
-                table,
-                cpu,
-                0,
-                regions=regions,
-                ring=(1 << 40, 8, 0, 2),
-                max_blocks=512,
-                chunk_blocks=0,
-                ramp_bytes=0,
-                store=True,
-            )
-
-
-def test_a_parts_few_long_runs_are_planned_in_plain_python() -> None:
-    """Two long runs of CPU ids (what a load of one request's history has) take the
-    plain-Python part plan: 2D copies, one per run and sub-batch."""
-    from kvflow.backends.cuda import plan as p
-
-    table = flash_table(2, 4, 16)
-    ids = (*range(10, 40), *range(50, 90))
-    part = table.span_bytes(1, 3)
-    fast = p._ring_runs(ids, part, 1 << 30, (1 << 40, 64 * part, 0, 2), 64, 0, 0, False, 64)
-    assert fast is not None
-    assert isinstance(fast.dma, Pitched)
-    assert fast.dma.rows.tolist() == [30, 34, 6]
-    assert fast.bounds == [0, 64, 70]
-
-
-def ids_in_runs(pieces: list[tuple[int, int]]) -> list[int]:
-    """Ascending ids: per ``(gap, length)``, ``gap`` ids skipped, then a run of ``length``."""
-    ids: list[int] = []
-    at = 0
-    for gap, length in pieces:
-        at += gap
-        ids += range(at, at + length)
-        at += length
-    return ids
-
-
-def assert_same_placement(mine: RingPlan, theirs: RingPlan) -> None:
-    """The two plans cut the same sub-batches onto the same slots."""
-    assert (mine.bounds, mine.desc_bounds) == (theirs.bounds, theirs.desc_bounds)
-    assert (mine.slots, mine.slot_ptrs, mine.block_bytes) == (
-        theirs.slots,
-        theirs.slot_ptrs,
-        theirs.block_bytes,
-    )
-
-
-def ascending_runs_of(ids: list[int]) -> list[list[int]]:
-    """``ids`` cut where consecutive ids stop stepping by one."""
-    out: list[list[int]] = []
-    for b in ids:
-        if out and out[-1][-1] + 1 == b:
-            out[-1].append(b)
-        else:
-            out.append([b])
-    return out
-
-
 @pytest.mark.parametrize("page", [16, 1000, 4096, 70_000, 2 << 20])
 def test_device_rows_cut_large_pages_into_pieces_of_the_same_block(page: int) -> None:
     """The kernel's rows cover each page exactly once, in pieces of at most about the limit
@@ -802,3 +566,84 @@ def test_group_work_checks_the_whole_batch_and_skips_empty_groups() -> None:
         group_work(tables, [4, 4], ((), (1,)), ((), (4,)))
     with pytest.raises(ConfigError, match="group 0: 2 GPU blocks but 1 CPU blocks"):
         group_work(tables, [4, 4], ((1, 2), ()), ((0,), ()))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    gpu_runs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 9)), min_size=1, max_size=4),
+    cpu_start=st.integers(0, 6),
+    cpu_gap=st.integers(0, 2),
+    chunk_blocks=st.integers(0, 7),
+    store=st.booleans(),
+    padded=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_pitched_direct_copies_are_the_per_page_copies(
+    gpu_runs: list[tuple[int, int]],
+    cpu_start: int,
+    cpu_gap: int,
+    chunk_blocks: int,
+    store: bool,
+    padded: bool,
+    seed: int,
+) -> None:
+    """A batch whose blocks come in runs on both sides is planned as one 2D copy per region per
+    run (cut at pinned chunks), moving exactly the bytes of the one-copy-per-page plan, each
+    copy inside one chunk; runs averaging fewer than PITCHED_MIN_ROWS blocks get no plan."""
+    gpu_ids: list[int] = []
+    for gap, length in gpu_runs:  # runs of GPU ids with gaps, as a step's requests' blocks
+        start = (gpu_ids[-1] + 1 if gpu_ids else 0) + gap
+        gpu_ids += range(start, start + length)
+    n = gpu_ids[-1] + 1
+    # 16-byte pages, a page apart on the GPU (FlashAttention's K and V regions) or two.
+    table = padded_table(3, n, 16) if padded else flash_table(3, n, 16)
+    cpu_ids: list[int] = []
+    for k, (_, length) in enumerate(gpu_runs):  # the CPU pool's ascending runs, some gaps
+        start = (cpu_ids[-1] + 1 if cpu_ids else cpu_start) + (cpu_gap if k else 0)
+        cpu_ids += range(start, start + length)
+    gpu, cpu = np.array(gpu_ids, dtype=np.int64), np.array(cpu_ids, dtype=np.int64)
+    memory, cpu_base, cpu_blocks, _ = simulated_memory(table, 1)
+    if cpu_ids[-1] >= cpu_blocks:
+        return
+    pitched = pitched_direct(table, gpu, cpu, cpu_base, store=store, chunk_blocks=chunk_blocks)
+    starts, _ = runs(gpu, cpu, chunk_blocks)
+    if len(starts) * PITCHED_MIN_ROWS > len(gpu):
+        assert pitched is None
+        return
+    assert pitched is not None
+    assert len(pitched) == len(starts) * table.num_regions
+    assert pitched.total_bytes == len(gpu) * table.block_bytes
+    rows = pitched.row_copies()
+    host = rows.dst if store else rows.src
+    assert_within_chunks(host, rows.size, cpu_base, table.block_bytes, chunk_blocks)
+    rng = np.random.default_rng(seed)
+    memory[:] = rng.integers(0, 256, len(memory), dtype=np.uint8)
+    want = memory.copy()
+    apply(memory, pitched)
+    apply(want, direct_descriptors(table, gpu, cpu, cpu_base, store=store))
+    assert np.array_equal(memory, want)
+
+
+def padded_table(num_layers: int, num_blocks: int, page: int) -> RegionTable:
+    """Per layer one (N, page) tensor whose blocks are two pages apart (a view of every other
+    page of its buffer, as a padded page would be): the GPU pitch is not the page."""
+    tensors = {
+        f"layer{i}": tdesc(
+            f"layer{i}", (num_blocks, page), (2 * page, 1), 1, GPU_BASE + i * 2 * num_blocks * page
+        )
+        for i in range(num_layers)
+    }
+    table = RegionTable.from_group(derive_layout(tensors, num_blocks).groups[0])
+    assert (table.stride == 2 * page).all()
+    return table
+
+
+def test_pitched_direct_needs_one_page_shape() -> None:
+    """Regions of different page sizes cannot share one 2D shape: no plan (the usual path)."""
+    tensors = {
+        "a": tdesc("a", (2, 8, 16), (128, 16, 1), 1, GPU_BASE),
+        "b": tdesc("b", (2, 8, 32), (256, 32, 1), 1, GPU_BASE + 256),
+    }
+    table = RegionTable.from_group(derive_layout(tensors, 8).groups[0])
+    ids = np.arange(8, dtype=np.int64)
+    assert pitched_direct(table, ids, ids, 1 << 30, store=True) is None

@@ -19,6 +19,7 @@ from scripts import (
     bench_logging,
     bench_pd_control,
     bench_pd_transfer,
+    bench_store_beside_compute,
     bench_transfer,
     connector_rig,
     time_offload_parts,
@@ -132,6 +133,12 @@ def test_noreuse_bench_on_null_copies_times_each_connector_method(tmp_path: Path
     mean_on_ms = sum(r["connector_calls_s"] for r in n["runs_on"]) * 1e3 / 2
     assert total_ms == pytest.approx(mean_on_ms, rel=0.05)
     assert bench_engine_offload.main(["--scenario", "reload", "--null-copies"]) == 2
+
+
+def test_engine_offload_bench_refuses_store_dma_off_cuda() -> None:
+    """Stores as 2D copies are the CUDA backend's: asked for on the host, the bench exits with
+    status 2 before building anything."""
+    assert bench_engine_offload.main(["--scenario", "noreuse", "--store-dma"]) == 2
 
 
 def test_copy_contention_bench_says_it_needs_cuda() -> None:
@@ -280,6 +287,39 @@ def test_driver_calls_bench_times_every_call_both_ways(tmp_path: Path) -> None:
     for row in rows:
         assert row["bindings_us"][1] > 0
         assert row["raw_us"][1] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_store_beside_compute_bench_says_it_needs_cuda() -> None:
+    """Without a GPU the store-beside-compute benchmark exits with status 2 instead of failing."""
+    assert bench_store_beside_compute.main(["--rounds", "1"]) == 2
+
+
+def test_store_beside_compute_bench_refuses_more_runs_than_blocks() -> None:
+    """A store cut into more runs than it has blocks is a usage error (exit 2), found first."""
+    with pytest.raises(SystemExit) as exc:
+        bench_store_beside_compute.main(["--blocks", "4", "--runs", "8"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_store_beside_compute_bench_times_every_variant(tmp_path: Path) -> None:
+    """On a GPU each way of issuing the store is timed beside the GEMMs, its copy timed by
+    events (the 2D copies' bytes are checked before any timing)."""
+    out = tmp_path / "store_compute.json"
+    rc = bench_store_beside_compute.main(
+        [
+            "--blocks", "32", "--runs", "2", "--rounds", "1", "--reps", "4",
+            "--gather-ctas", "64,8", "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    variants = json.loads(out.read_text())["variants"]
+    assert set(variants) == set(bench_store_beside_compute.variants([64, 8]))
+    for name, f in variants.items():
+        assert f["gemm_ms"] > 0
+        assert (f["store_ms"] > 0) == (name != "none")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")

@@ -55,6 +55,15 @@ class CudaConfig:
     ``cuMemcpy2DAsync`` (the part's pages are a block apart in the CPU tier) where runs average
     ``plan.PITCHED_MIN_ROWS`` blocks or more; False: always one descriptor per block (it made
     the fenced step's issue the host's pace: docs/benchmarks.md, thirty-second session)."""
+    store_dma: bool = False
+    """A store's copies go as 2D copies straight from the KV cache (``plan.pitched_direct``: one
+    ``cuMemcpy2DAsync`` per region per run of blocks consecutive on both sides), with no gather
+    kernel, where the runs average ``plan.PITCHED_MIN_ROWS`` blocks or more (otherwise the
+    group's usual path). The store then takes no SM time from the compute it runs beside, where
+    the staged gather cost the GEMMs beside it 2–5 % while it ran; its copies ran at about 30
+    GB/s against the staged path's 49 at 16 KiB pages on an H100
+    (``scripts/bench_store_beside_compute.py``, docs/benchmarks.md, thirty-sixth session). Off
+    by default: not yet measured in an engine. Loads keep their path (their copies are awaited)."""
     completion_threads: bool = True
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,

@@ -414,7 +414,8 @@ _MEMORYTYPE_UNIFIED = 4  # CU_MEMORYTYPE_UNIFIED: a UVA address, host or device
 
 class Memcpy2D:
     """``cuMemcpy2DAsync`` through ctypes on one reused parameter struct (the driver reads it
-    before the call returns): a part's run of CPU blocks is one call, where cuda-python would
+    before the call returns): a part's run of CPU blocks (or a region's run of blocks, for a
+    store without staging) is one call, where cuda-python would
     build a struct object per call. Addresses go as unified (UVA) addresses: the pinned tier's
     and the staging ring's alike."""
 
@@ -433,8 +434,9 @@ class Memcpy2D:
         p = self._params
         width = copies.width
         p.WidthInBytes = width
+        gpu_pitch = copies.gpu_pitch or width
         p.srcPitch, p.dstPitch = (
-            (width, copies.cpu_pitch) if copies.store else (copies.cpu_pitch, width)
+            (gpu_pitch, copies.cpu_pitch) if copies.store else (copies.cpu_pitch, gpu_pitch)
         )
         handle = int(stream)
         rows = copies.rows[lo:hi].tolist()

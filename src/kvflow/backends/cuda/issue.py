@@ -28,8 +28,9 @@ from kvflow.backends.cuda.plan import (
     RegionTable,
     as_i64,
     direct_descriptors,
-    ring_plan,
+    pitched_direct,
 )
+from kvflow.backends.cuda.ring_plan import ring_plan
 from kvflow.backends.cuda.streams import CudaFence, Lane, enter_stream, join_streams
 from kvflow.backends.cuda.timing import IssueStats, Timing
 from kvflow.core.logs import get_logger
@@ -179,7 +180,17 @@ class BatchIssue:
     ) -> None:
         """Queue one group's copies of a batch (``regions``: only those of each block)."""
         g, table, gpu, cpu = item
-        if self._staged[g]:
+        desc: Copies | None = None
+        if store and regions is None and self.config.store_dma:
+            desc = pitched_direct(
+                table,
+                as_i64(gpu),
+                as_i64(cpu),
+                tier.ptr(g),
+                store=True,
+                chunk_blocks=tier.chunk_blocks(g),
+            )
+        if desc is None and self._staged[g]:
             self._staged_copy(
                 lane,
                 g,
@@ -195,15 +206,15 @@ class BatchIssue:
                 mine=mine,
             )
             return
-        part = table if regions is None else table.subset(*regions)
-        desc = direct_descriptors(
-            part,
-            as_i64(gpu),
-            as_i64(cpu),
-            tier.ptr(g),
-            store=store,
-            chunk_blocks=tier.chunk_blocks(g),
-        )
+        if desc is None:
+            desc = direct_descriptors(
+                table if regions is None else table.subset(*regions),
+                as_i64(gpu),
+                as_i64(cpu),
+                tier.ptr(g),
+                store=store,
+                chunk_blocks=tier.chunk_blocks(g),
+            )
         enter_stream(used, lane.dma, waits, timing, mine)
         self._copy(desc, lane, lane.dma)
 

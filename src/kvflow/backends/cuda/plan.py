@@ -18,7 +18,6 @@ import numpy as np
 import numpy.typing as npt
 from attrs import Factory, evolve, field, frozen
 
-from kvflow.core.idruns import EVERY_CAP, ascending_runs, every
 from kvflow.core.layout import GroupLayout
 from kvflow.errors import ConfigError
 
@@ -337,7 +336,7 @@ dozen array calls (what a CPU pool that hands out ascending runs gives); more co
 (``scripts/bench_transfer.py --plan-only``)."""
 
 
-def _pieces(
+def run_pieces(
     cpu_ids: Sequence[int] | I64,
     run_starts: Iterable[int],
     cuts: list[int],
@@ -401,7 +400,7 @@ def _staged_plan_runs(
     staging side relative to each slot."""
     bb = table.block_bytes
     cuts = bounds.tolist()
-    dst, src, blocks, desc_bounds = _pieces(
+    dst, src, blocks, desc_bounds = run_pieces(
         cpu_ids,
         run_starts,
         cuts,
@@ -497,10 +496,12 @@ one batched call costs the host less than a driver call per run."""
 
 @frozen
 class Pitched:
-    """2D copies between CPU blocks and a staging slot: copy ``i`` moves ``rows[i]`` rows of
-    ``width`` bytes from ``src[i]`` to ``dst[i]``, the rows ``cpu_pitch`` apart on the CPU side
-    and back to back on the staging side (a part's pages of a run of consecutive CPU blocks:
-    contiguous inside each block, a block apart from one block to the next)."""
+    """2D copies between CPU blocks and the GPU: copy ``i`` moves ``rows[i]`` rows of ``width``
+    bytes from ``src[i]`` to ``dst[i]``, the rows ``cpu_pitch`` apart on the CPU side and
+    ``gpu_pitch`` apart on the GPU side, where 0 means back to back (a staging slot's rows: a
+    part's pages of a run of consecutive CPU blocks, contiguous inside each block, a block apart
+    from one block to the next; or a region's pages of a run of blocks straight from the KV
+    cache, ``pitched_direct``)."""
 
     dst: U64
     src: U64
@@ -508,13 +509,14 @@ class Pitched:
     width: int
     cpu_pitch: int
     store: bool
+    gpu_pitch: int = 0
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @property
     def size(self) -> U64:
-        """Bytes of each copy (contiguous on the staging side)."""
+        """Bytes of each copy (its rows' bytes, however far apart the rows lie)."""
         return self.rows * np.uint64(self.width)
 
     @property
@@ -529,7 +531,7 @@ class Pitched:
         rows = self.rows.astype(np.int64)
         first = np.repeat(np.cumsum(rows) - rows, rows)
         row = np.arange(int(rows.sum()), dtype=np.int64) - first
-        cpu_step, slot_step = row * self.cpu_pitch, row * self.width
+        cpu_step, slot_step = row * self.cpu_pitch, row * (self.gpu_pitch or self.width)
         dst_step, src_step = (cpu_step, slot_step) if self.store else (slot_step, cpu_step)
         dst = np.repeat(self.dst.view(np.int64), rows) + dst_step
         src = np.repeat(self.src.view(np.int64), rows) + src_step
@@ -596,150 +598,43 @@ def part_plan(
     )
 
 
-@frozen
-class RingPlan:
-    """A group's staged plan placed on a staging ring: sub-batch ``k`` holds blocks
-    ``bounds[k]:bounds[k + 1]`` in slot ``slots[k]`` at ``slot_ptrs[k]``, its DMA copies
-    ``dma.slice(desc_bounds[k], desc_bounds[k + 1])``, every staging-side address absolute;
-    ``block_bytes`` of one block in a slot (the whole block's, or a part's)."""
-
-    bounds: list[int]
-    desc_bounds: list[int]
-    slots: list[int]
-    slot_ptrs: list[int]
-    dma: Copies
-    block_bytes: int
-
-    @property
-    def num_subbatches(self) -> int:
-        return len(self.bounds) - 1
-
-
-def ring_plan(
+def pitched_direct(
     table: RegionTable,
-    cpu_ids: Sequence[int] | I64,
+    gpu_ids: I64,
+    cpu_ids: I64,
     cpu_base: int,
     *,
-    regions: tuple[int, int] | None,
-    ring: tuple[int, int, int, int],
-    max_blocks: int,
-    chunk_blocks: int,
-    ramp_bytes: int,
     store: bool,
-    pitched: bool = True,
-) -> RingPlan:
-    """``staged_plan`` (or ``part_plan`` for ``regions``, with ``pitched``) over a ring of
-    ``(base, slot bytes, next slot, slots)``: sub-batches of at most a slot's worth of blocks
-    and ``max_blocks`` (the kernel's ids per launch), placed on the slots in turn from the next
-    one. Whole blocks whose CPU ids come in a few ascending runs are planned in plain Python
-    (``_ring_runs``), the same copies."""
-    base, slot_bytes, first, nslots = ring
-    bb = table.block_bytes if regions is None else table.span_bytes(*regions)
-    per_slot = min(max_blocks, slot_bytes // bb)
-    ramp = max(1, ramp_bytes // bb) if ramp_bytes else 0
-    if type(cpu_ids) is tuple and (regions is None or pitched):
-        placed = _ring_runs(
-            cpu_ids,
-            bb,
-            cpu_base if regions is None else cpu_base + table.span_offset(regions[0]),
-            ring,
-            per_slot,
-            ramp,
-            chunk_blocks,
-            store,
-            None if regions is None else table.block_bytes,
-        )
-        if placed is not None:
-            return placed
-    ids = cpu_ids if isinstance(cpu_ids, np.ndarray) else as_i64(cpu_ids)
-    plan = (
-        staged_plan(
-            table,
-            ids,
-            cpu_base,
-            blocks_per_slot=per_slot,
-            chunk_blocks=chunk_blocks,
-            store=store,
-            ramp_blocks=ramp,
-        )
-        if regions is None
-        else part_plan(
-            table,
-            *regions,
-            ids,
-            cpu_base,
-            blocks_per_slot=per_slot,
-            store=store,
-            ramp_blocks=ramp,
-            chunk_blocks=chunk_blocks,
-            pitched=pitched,
-        )
-    )
-    slots = (first + np.arange(plan.num_subbatches)) % nslots
-    slot_ptrs = (base + slots * slot_bytes).astype(np.uint64)
-    # Every staging-side address at once: each descriptor's slot base plus its offset in it.
-    staging = plan.dma.src if store else plan.dma.dst
-    staging = staging + np.repeat(slot_ptrs, np.diff(plan.desc_bounds))
-    dma = evolve(plan.dma, src=staging) if store else evolve(plan.dma, dst=staging)
-    return RingPlan(
-        plan.bounds.tolist(), plan.desc_bounds.tolist(), slots.tolist(), slot_ptrs.tolist(), dma, bb
-    )
-
-
-def _ring_runs(
-    cpu_ids: tuple[int, ...],
-    bb: int,
-    cpu_base: int,
-    ring: tuple[int, int, int, int],
-    per_slot: int,
-    ramp: int,
-    chunk_blocks: int,
-    store: bool,
-    cpu_pitch: int | None = None,
-) -> RingPlan | None:
-    """``ring_plan`` in plain Python, or None unless the CPU ids are ascending runs that cut
-    into fewer than ``FEW_RUNS`` pieces (then the arrays are cheaper). ``bb`` bytes of each
-    block go to a slot: whole blocks (``cpu_pitch`` None), or a part's pages, ``cpu_pitch``
-    (a whole CPU block) apart on the CPU side from ``cpu_base`` (the tier's base plus the
-    part's offset in a block), each piece one 2D copy (``Pitched``) as ``part_plan`` makes them
-    where its pieces average ``PITCHED_MIN_ROWS`` blocks or more (else None)."""
-    n = len(cpu_ids)
-    if not n or cpu_ids[-1] >= EVERY_CAP or per_slot <= 0:
-        return None  # per_slot: the arrays' plan names a slot too small for a block
-    runs = ascending_runs(cpu_ids, every(cpu_ids[-1] + 1), cpu_ids[-1] + 1)
-    if (
-        runs is None
-        or len(runs) + n // per_slot + (n // chunk_blocks if chunk_blocks > 0 else 0) >= FEW_RUNS
-    ):
+    chunk_blocks: int = 0,
+) -> Pitched | None:
+    """A batch's copies with no staging and no kernel: per run of blocks consecutive on both
+    sides (cut where the CPU ids enter a new pinned chunk) and per region, one 2D copy of the
+    run's pages, a GPU block's stride apart on the GPU and a CPU block apart on the CPU. None
+    where the regions' pages or strides differ (one row shape per call) or the runs average
+    fewer than ``PITCHED_MIN_ROWS`` blocks (then a driver call per run costs the host more
+    than the staged path's few calls)."""
+    n = len(gpu_ids)
+    page, stride = table.page, table.stride
+    if not n or bool((page != page[0]).any()) or bool((stride != stride[0]).any()):
         return None
-    cuts = subbatch_cuts(n, per_slot, ramp, store=store)
-    if cpu_pitch is not None and (len(runs) + len(cuts)) * PITCHED_MIN_ROWS > n:
-        return None  # maybe too many pieces for 2D copies: part_plan decides
-    base, slot_bytes, first, nslots = ring
-    slots = [(first + k) % nslots for k in range(len(cuts) - 1)]
-    slot_ptrs = [base + s * slot_bytes for s in slots]
-    pitch = bb if cpu_pitch is None else cpu_pitch
-    dst, src, blocks, desc_bounds = _pieces(
-        cpu_ids,
-        (r[2] for r in runs),
-        cuts,
-        chunk_blocks,
-        slots=slot_ptrs,
-        bb=bb,
-        cpu_base=cpu_base,
-        pitch=pitch,
+    starts, lengths = runs(gpu_ids, cpu_ids, chunk_blocks)
+    if len(starts) * PITCHED_MIN_ROWS > n:
+        return None
+    gpu = (table.base[None, :] + gpu_ids[starts][:, None] * stride[None, :]).reshape(-1)
+    cpu = (
+        cpu_base + cpu_ids[starts][:, None] * table.block_bytes + table.cpu_offset[None, :]
+    ).reshape(-1)
+    rows = np.repeat(lengths, table.num_regions)
+    dst, src = (cpu, gpu) if store else (gpu, cpu)
+    return Pitched(
+        _as_u64(dst),
+        _as_u64(src),
+        _as_u64(rows),
+        width=int(page[0]),
+        cpu_pitch=table.block_bytes,
         store=store,
+        gpu_pitch=int(stride[0]),
     )
-    dma: Copies
-    if cpu_pitch is None:
-        dma = CopyList(dst, src, [b * bb for b in blocks])
-    else:
-        if len(blocks) * PITCHED_MIN_ROWS > n:
-            return None  # part_plan: one copy per block
-        u64 = np.uint64
-        rows = np.array(blocks, dtype=u64)
-        dma = Pitched(np.array(dst, dtype=u64), np.array(src, dtype=u64), rows, bb, pitch, store)
-    return RingPlan(cuts, desc_bounds, slots, slot_ptrs, dma, bb)
 
 
 __all__ = [
@@ -749,7 +644,6 @@ __all__ = [
     "Descriptors",
     "Pitched",
     "RegionTable",
-    "RingPlan",
     "StagedPlan",
     "as_i64",
     "block_ids",
@@ -757,7 +651,8 @@ __all__ = [
     "group_work",
     "id_tuple",
     "part_plan",
-    "ring_plan",
+    "pitched_direct",
+    "run_pieces",
     "runs",
     "staged_plan",
     "subbatch_bounds",

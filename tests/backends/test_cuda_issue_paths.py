@@ -1,0 +1,126 @@
+"""CPU-side tests of which path the CUDA backend's issue takes for one group of a batch: the
+staged ring, direct descriptors, or (``CudaConfig.store_dma``) a store's 2D copies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from tests.backends.plan_helpers import flash_table
+
+from kvflow.backends.cuda import issue
+from kvflow.backends.cuda.config import CudaConfig
+from kvflow.backends.cuda.plan import Descriptors, Pitched, direct_descriptors, pitched_direct
+
+CPU_BASE = 1 << 30
+
+
+class _Tier:
+    """The pinned tier as the issue path reads it: a base address and a chunk size."""
+
+    def ptr(self, group: int) -> int:
+        return CPU_BASE
+
+    def chunk_blocks(self, group: int) -> int:
+        return 0
+
+
+class _Lane:
+    dma = "dma-stream"
+
+
+def issued(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    store_dma: bool,
+    staged: bool,
+    store: bool,
+    gpu: tuple[int, ...],
+    cpu: tuple[int, ...],
+    regions: tuple[int, int] | None = None,
+) -> list[tuple[str, Any]]:
+    """Run ``_copy_group`` for one group on a stand-in backend; what it queued, in order."""
+    calls: list[tuple[str, Any]] = []
+    backend: Any = issue.BatchIssue.__new__(issue.BatchIssue)
+    backend.config = CudaConfig(store_dma=store_dma)
+    backend._staged = [staged]
+    backend._staged_copy = lambda *a, **k: calls.append(("staged", k["regions"]))
+    backend._copy = lambda desc, lane, stream: calls.append(("copy", desc))
+    monkeypatch.setattr(issue, "enter_stream", lambda *a: calls.append(("enter", a[1])))
+    table = flash_table(2, 64, 16)
+    item = (0, table, gpu, cpu)
+    backend._copy_group(_Lane(), item, _Tier(), [], [], None, store, regions, [])
+    return calls
+
+
+RUNS = (tuple(range(4, 20)), tuple(range(30, 46)))  # one run of 16 blocks on both sides
+SCATTERED = ((9, 3, 40, 17), (1, 8, 2, 30))
+
+
+def test_a_store_in_runs_with_store_dma_goes_as_the_2d_copies_on_the_dma_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``store_dma`` a store whose blocks come in runs is the 2D copies of
+    ``pitched_direct``, queued on the direction's DMA stream, never the staged ring."""
+    calls = issued(monkeypatch, store_dma=True, staged=True, store=True, gpu=RUNS[0], cpu=RUNS[1])
+    assert [c[0] for c in calls] == ["enter", "copy"]
+    assert calls[0][1] == _Lane.dma
+    copies = calls[1][1]
+    assert isinstance(copies, Pitched)
+    gpu, cpu = (np.array(ids, dtype=np.int64) for ids in RUNS)
+    want = pitched_direct(flash_table(2, 64, 16), gpu, cpu, CPU_BASE, store=True)
+    assert want is not None
+    assert copies.dst.tolist() == want.dst.tolist()
+    assert copies.src.tolist() == want.src.tolist()
+    assert copies.gpu_pitch == 16
+    assert copies.cpu_pitch == want.cpu_pitch
+
+
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize(
+    ("store_dma", "store", "ids", "regions"),
+    [
+        (False, True, RUNS, None),  # the option off
+        (True, True, SCATTERED, None),  # runs too short for 2D copies
+        (True, False, RUNS, None),  # a load
+        (True, False, RUNS, (1, 3)),  # a load's part
+    ],
+)
+def test_anything_else_keeps_the_groups_own_path(
+    monkeypatch: pytest.MonkeyPatch,
+    staged: bool,
+    store_dma: bool,
+    store: bool,
+    ids: tuple[tuple[int, ...], tuple[int, ...]],
+    regions: tuple[int, int] | None,
+) -> None:
+    """Without the option, for scattered blocks, and for every load (whole or a part), the
+    group's own path runs: the staged ring, or one batch of direct descriptors."""
+    gpu, cpu = ids
+    calls = issued(
+        monkeypatch,
+        store_dma=store_dma,
+        staged=staged,
+        store=store,
+        gpu=gpu,
+        cpu=cpu,
+        regions=regions,
+    )
+    if staged:
+        assert calls == [("staged", regions)]
+        return
+    assert [c[0] for c in calls] == ["enter", "copy"]
+    desc = calls[1][1]
+    assert isinstance(desc, Descriptors)
+    table = flash_table(2, 64, 16)
+    part = table if regions is None else table.subset(*regions)
+    want = direct_descriptors(
+        part,
+        np.array(gpu, dtype=np.int64),
+        np.array(cpu, dtype=np.int64),
+        CPU_BASE,
+        store=store,
+    )
+    assert desc.dst.tolist() == want.dst.tolist()
+    assert desc.src.tolist() == want.src.tolist()
