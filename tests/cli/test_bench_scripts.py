@@ -295,6 +295,18 @@ def test_store_beside_compute_bench_says_it_needs_cuda() -> None:
     assert bench_store_beside_compute.main(["--rounds", "1"]) == 2
 
 
+def test_store_beside_compute_bench_takes_the_suites_gather_widths() -> None:
+    """The device suite's gather widths parse into one staged variant each, beside the DMA-only
+    ones; a width of zero is a usage error (exit 2)."""
+    args = bench_store_beside_compute.parse_args(["--gather-ctas", "64,132,264"])
+    assert bench_store_beside_compute.variants(args.gather_ctas) == [
+        "none", "staged/64", "staged/132", "staged/264", "2d", "2d-split", "contiguous",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        bench_store_beside_compute.parse_args(["--gather-ctas", "64,0"])
+    assert exc.value.code == 2
+
+
 def test_store_beside_compute_bench_refuses_more_runs_than_blocks() -> None:
     """A store cut into more runs than it has blocks is a usage error (exit 2), found first."""
     with pytest.raises(SystemExit) as exc:
