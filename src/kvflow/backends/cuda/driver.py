@@ -415,9 +415,9 @@ _MEMORYTYPE_UNIFIED = 4  # CU_MEMORYTYPE_UNIFIED: a UVA address, host or device
 class Memcpy2D:
     """``cuMemcpy2DAsync`` through ctypes on one reused parameter struct (the driver reads it
     before the call returns): a part's run of CPU blocks (or a region's run of blocks, for a
-    store without staging) is one call, where cuda-python would
-    build a struct object per call. Addresses go as unified (UVA) addresses: the pinned tier's
-    and the staging ring's alike."""
+    store without staging) is one call, where cuda-python would build a struct object per call.
+    Addresses go as unified (UVA) addresses: the pinned tier's, the staging ring's and the KV
+    cache's alike."""
 
     def __init__(self) -> None:
         fn = ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2

@@ -1,8 +1,9 @@
 """Copy descriptors for the CUDA backend, built with numpy: no per-chunk Python loops.
 
 Pure functions from block ids and a group's region table to the pointer/size arrays that
-``cuMemcpyBatchAsync`` takes (and the 2D copies of a load's part), and to the run structure of
-the staged path. Nothing here touches a device, so it is tested on any machine.
+``cuMemcpyBatchAsync`` takes (and the 2D copies of a load's part, or of a store straight from
+the KV cache), and to the run structure of the staged path. Nothing here touches a device, so
+it is tested on any machine; ``ring_plan`` places the staged plans on the staging ring.
 
 A step's common case (a whole-block staged batch whose CPU ids come in a few ascending runs, as
 the CPU tier hands them out) is planned in plain Python instead: the batch is issued on the
