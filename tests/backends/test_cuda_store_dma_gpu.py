@@ -39,19 +39,19 @@ def test_a_store_in_runs_goes_as_2d_copies_and_round_trips(
     make_backend: Any, monkeypatch: pytest.MonkeyPatch, style: str, chunk: int, runs: bool
 ) -> None:
     """With ``store_dma`` a store whose blocks come in runs on both sides (crossing pinned
-    chunks of four blocks) is issued as 2D copies, scattered blocks take the usual path; either
+    chunks of eight blocks) is issued as 2D copies, scattered blocks take the usual path; either
     way every CPU block holds its GPU block's pages in block-major order, and a load brings
     them back byte-exact."""
     n = 48
     kv = make_kv(style, torch.bfloat16, chunk, n)
     per_block = block_bytes(kv, style, 0).numel()
-    backend = make_backend(store_dma=True, register_chunk_bytes=4 * per_block)
+    backend = make_backend(store_dma=True, register_chunk_bytes=8 * per_block)
     backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([40])
-    assert backend.cpu_tier.chunk_blocks(0) == 4
+    assert backend.cpu_tier.chunk_blocks(0) == 8
     calls = counting_2d_copies(backend, monkeypatch)
     rng = np.random.default_rng(chunk)
-    if runs:  # two requests' blocks, as a prefill step stores them
+    if runs:  # two requests' blocks, as a prefill step stores them: 5 runs once cut at chunks
         src, cpu = [*range(2, 14), *range(20, 32)], list(range(5, 29))
     else:
         src, cpu = rng.permutation(n)[:20].tolist(), rng.permutation(40)[:20].tolist()
