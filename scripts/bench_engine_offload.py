@@ -384,6 +384,10 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         # Each repeat's on/off pair ran back to back: their ratio cancels drift between repeats.
         "wall_overhead_paired_median": statistics.median(paired_wall),
         "wall_overhead_paired_iqr": quartiles(paired_wall),
+        # The host's own spread over runs that are alike: a paired figure smaller than this is
+        # not resolved on this host.
+        "off_wall_spread": (max(w for w, _ in runs[False]) - min(w for w, _ in runs[False]))
+        / off_wall,
         "ttft_overhead_paired_median": statistics.median(paired_ttft),
         "ttft_overhead_paired_iqr": quartiles(paired_ttft),
         # The connector's calls on the engine's thread: a floor of what offload costs there.
@@ -535,6 +539,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         table.add_row(
             "  … paired runs: median (interquartile range)",
             f"{n['wall_overhead_paired_median']:+.1%} ({q1:+.1%} … {q3:+.1%})",
+            "",
+        )
+        table.add_row(
+            "  … the host's own spread: offload off, (slowest − fastest) / median",
+            f"{n['off_wall_spread']:.1%}",
             "",
         )
         table.add_row(

@@ -62,7 +62,8 @@ def test_decode_step_bench_with_offload_times_each_mode_with_the_connector(
 
 
 def test_noreuse_bench_reports_paired_overheads(tmp_path: Path) -> None:
-    """The 0 % reuse scenario pairs each on run with an off run and reports their quartiles."""
+    """The 0 % reuse scenario pairs each on run with an off run and reports their quartiles,
+    and the off runs' own spread (what the host can resolve)."""
     out = tmp_path / "noreuse.json"
     bench_engine_offload.main(
         [
@@ -74,6 +75,8 @@ def test_noreuse_bench_reports_paired_overheads(tmp_path: Path) -> None:
     assert len(n["runs_off"]) == len(n["runs_on"]) == 3
     q1, q3 = n["wall_overhead_paired_iqr"]
     assert q1 <= n["wall_overhead_paired_median"] <= q3
+    walls = [r["wall_s"] for r in n["runs_off"]]
+    assert n["off_wall_spread"] == pytest.approx((max(walls) - min(walls)) / n["off_wall_s"])
     assert n["blocks_stored_last_run"] > 0
     assert n["off_connector_calls_s"] > 0
     assert n["on_connector_calls_s"] > n["off_connector_calls_s"], "storing costs the engine"
