@@ -3,7 +3,7 @@
 At 0 % reuse every block an engine computes is stored: a 4,096-token prefill step of llama-1b
 leaves 128 MiB (256 blocks of 16 layers' K and V pages of 16 KiB) to copy while the next step's
 GEMMs run. This times such a step's GEMM chain alone and beside one store of its size, issued
-each of four ways on the same GPU, round by round so clock drift hits every variant alike:
+each way below on the same GPU, round by round so clock drift hits every variant alike:
 
 - ``staged/N``: kvflow's CUDA backend as the engine's inline worker loop drives it (a gather
   kernel of ``N`` CTAs, ``CudaConfig.gather_ctas``, packs the pages into a staging slot, one DMA
@@ -19,6 +19,9 @@ each of four ways on the same GPU, round by round so clock drift hits every vari
 Per variant: the GEMM step's median time and its excess over ``none`` in the same rounds, the
 store's own copy time (CUDA events) and GB/s, the host time to issue it, and, where
 ``nvidia-smi`` is on the PATH, the median SM clock and board power while the variant ran.
+
+``--kv-heads`` sets the page size (2 KiB a head): 2 gives 4 KiB pages, where a 2D copy's rows
+are shortest.
 
     PYTHONPATH=src python scripts/bench_store_beside_compute.py [--rounds 6] [--json FILE]
 """
@@ -56,7 +59,7 @@ def variants(gather_ctas: Sequence[int]) -> list[str]:
     return ["none", *(f"staged/{c}" for c in gather_ctas), *DMA_VARIANTS]
 
 
-LAYERS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 16, 8, 64  # llama-1b's KV cache
+LAYERS, BLOCK_TOKENS, HEAD_DIM = 16, 16, 64  # llama-1b's KV cache, with --kv-heads 8
 GPU_BLOCKS, CPU_BLOCKS = 4096, 1024
 
 
@@ -64,6 +67,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=256, help="blocks a store copies (≤ 1,024)")
     p.add_argument("--runs", type=int, default=4, help="runs of consecutive GPU blocks")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=8,
+        help="KV heads a layer: a page is 2 KiB a head (8: llama-1b's 16 KiB pages)",
+    )
     p.add_argument("--rounds", type=int, default=6, help="rounds over every variant")
     p.add_argument("--reps", type=int, default=15, help="steps of each variant a round")
     p.add_argument(
@@ -78,6 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--gather-ctas takes positive CTA counts")
     if not 1 <= args.runs <= args.blocks <= CPU_BLOCKS // 2:
         p.error(f"need 1 <= --runs <= --blocks <= {CPU_BLOCKS // 2}")
+    if not 1 <= args.kv_heads <= 64:
+        p.error("--kv-heads takes 1 to 64")
     if args.rounds < 1 or args.reps < 4:
         p.error("need --rounds >= 1 and --reps >= 4 (the first three steps of a round are warm-up)")
     return args
@@ -138,14 +149,16 @@ class ClockSampler:
 class Rig:
     """A llama-1b-shaped KV cache, the GEMM chain of a 4k-token step, and one store, four ways."""
 
-    def __init__(self, blocks: int, runs: int, gather_ctas: Sequence[int]) -> None:
+    def __init__(
+        self, blocks: int, runs: int, gather_ctas: Sequence[int], kv_heads: int = 8
+    ) -> None:
         dev = torch.device("cuda")
-        shape = (2, GPU_BLOCKS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
+        shape = (2, GPU_BLOCKS, BLOCK_TOKENS, kv_heads, HEAD_DIM)
         self.kv = {
             f"model.layers.{i}.self_attn": torch.randn(shape, dtype=torch.bfloat16, device=dev)
             for i in range(LAYERS)
         }
-        self.page = BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2
+        self.page = BLOCK_TOKENS * kv_heads * HEAD_DIM * 2
         self.block_bytes = 2 * LAYERS * self.page
         # Runs far apart in the GPU cache, as a step's requests' blocks are; CPU ids ascending,
         # as kvflow's CPU pool hands them out.
@@ -314,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         console.print("bench_store_beside_compute: needs a CUDA device")
         return 2
-    rig = Rig(args.blocks, args.runs, args.gather_ctas)
+    rig = Rig(args.blocks, args.runs, args.gather_ctas, args.kv_heads)
     rig.check_2d()
     clocks = ClockSampler()
     device = torch.cuda.get_device_name()
@@ -329,8 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         clocks.close()
         rig.close()
     table = Table(
-        title=f"a {rig.bytes / 2**20:.0f} MiB store ({args.blocks} blocks in {args.runs} runs) "
-        f"beside a 4k-token step's GEMMs, {device}"
+        title=f"a {rig.bytes / 2**20:.0f} MiB store ({args.blocks} blocks in {args.runs} runs, "
+        f"{rig.page // 1024} KiB pages) beside a 4k-token step's GEMMs, {device}"
     )
     for col in (
         "store",
@@ -357,7 +370,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     console.print(table)
     if args.json is not None:
         args.json.write_text(
-            json.dumps({"device": device, "bytes": rig.bytes, **vars_json(args), "variants": out})
+            json.dumps(
+                {
+                    "device": device,
+                    "bytes": rig.bytes,
+                    "page_bytes": rig.page,
+                    **vars_json(args),
+                    "variants": out,
+                }
+            )
         )
         console.print(f"wrote {args.json}")
     return 0

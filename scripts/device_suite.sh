@@ -16,7 +16,8 @@
 # (the same with async scheduling, bf16 / float32), step-ahead (the decode step synchronous and
 # scheduled ahead, bare and with the connector, at issue 25's four shapes), store-compute (a
 # 4k-token step's GEMMs beside one store of its KV, issued staged with the gather widths of
-# GATHER_CTAS (default 64,132,264), as 2D DMA copies and as one copy), noreuse-store-dma
+# GATHER_CTAS (default 64,132,264), as 2D DMA copies and as one copy; KV_HEADS sets the
+# page, 2 KiB a head, default 8), noreuse-store-dma
 # (noreuse-ahead with CudaConfig.store_dma against without, AB_ROUNDS each, alternating),
 # multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
@@ -114,7 +115,8 @@ for step in $STEPS; do
       done ;;
     store-compute)  # a 4k-token step's GEMMs beside one store of its KV: staged, 2D DMA, one copy
       run store_compute 200 python3 scripts/bench_store_beside_compute.py \
-        --gather-ctas "${GATHER_CTAS:-64,132,264}" --json "$OUT/store_compute.json" ;;
+        --gather-ctas "${GATHER_CTAS:-64,132,264}" --kv-heads "${KV_HEADS:-8}" \
+        --json "$OUT/store_compute.json" ;;
     step-ahead)  # the decode step synchronous and scheduled ahead, bare and with the connector
       run decode_step_ahead 240 python3 scripts/bench_decode_step.py "${model[@]}" \
         --modes graphs graphs-ahead --offload --rounds "${AB_ROUNDS:-2}" \

@@ -308,6 +308,9 @@ def test_store_beside_compute_bench_takes_the_suites_gather_widths() -> None:
     with pytest.raises(SystemExit) as exc:
         bench_store_beside_compute.parse_args(["--gather-ctas", "64,0"])
     assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        bench_store_beside_compute.parse_args(["--kv-heads", "0"])
+    assert exc.value.code == 2
 
 
 def test_store_beside_compute_bench_refuses_more_runs_than_blocks() -> None:
@@ -326,7 +329,7 @@ def test_store_beside_compute_bench_times_every_variant(tmp_path: Path) -> None:
     rc = bench_store_beside_compute.main(
         [
             "--blocks", "32", "--runs", "2", "--rounds", "1", "--reps", "4",
-            "--gather-ctas", "64,8", "--json", str(out),
+            "--gather-ctas", "64,8", "--kv-heads", "2", "--json", str(out),
         ]
     )  # fmt: skip
     assert rc == 0
