@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvflow.backends.select import make_backend
 from kvflow.bench.multi_round import block_bytes_per_group, offload_engine
 from kvflow.cli.bench_report import STEP_PART_LABELS
 from kvflow.connector.config import OffloadConfig
@@ -163,12 +164,11 @@ class Bench:
             return NullCopies()
         if not args.store_dma:
             return None
-        from kvflow.backends.cuda import CudaBackend, CudaConfig
-
-        threads = args.worker_loop != "inline"  # the inline loop issues on the engine's thread
-        index = int(args.device.split(":", 1)[1]) if ":" in args.device else 0
-        return CudaBackend(
-            index, CudaConfig(launch_thread=threads, completion_threads=threads, store_dma=True)
+        return make_backend(
+            "cuda",
+            args.device,
+            inline=args.worker_loop == "inline",
+            cuda_options={"store_dma": True},
         )
 
     def prompt(self, n: int, seed: int) -> list[int]:

@@ -18,6 +18,7 @@ import torch
 from attrs import define, field, frozen
 
 from kvflow.backends.base import CopyBatch, FenceStatus
+from kvflow.backends.select import make_backend
 from kvflow.backends.torch_layout import layout_of
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec, KVConnectorOutput
 from kvflow.connector.config import OffloadConfig
@@ -268,13 +269,11 @@ def build_connector(
         fence_loads="never",
     )
     if backend is None and device.startswith("cuda") and args.method != "auto":
-        from kvflow.backends.cuda import CudaBackend, CudaConfig
-
-        # As make_backend builds it for this worker loop, with the path forced.
-        threads = args.worker_loop == "thread"
-        backend = CudaBackend(
-            int(device.split(":", 1)[1]) if ":" in device else 0,
-            CudaConfig(method=args.method, launch_thread=threads, completion_threads=threads),
+        backend = make_backend(
+            "cuda",
+            device,
+            inline=args.worker_loop == "inline",
+            cuda_options={"method": args.method},
         )
     conn = OffloadConnector.build(config, kv, [block_bytes], now=time.perf_counter, backend=backend)
     conn.worker.register_kv_caches(tensors)
