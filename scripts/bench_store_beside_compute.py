@@ -9,7 +9,9 @@ each way below on the same GPU, round by round so clock drift hits every variant
   kernel of ``N`` CTAs, ``CudaConfig.gather_ctas``, packs the pages into a staging slot, one DMA
   copies the slot to the pinned CPU tier), for each ``N`` of ``--gather-ctas``;
 - ``2d``: no kernel at all, one ``cuMemcpy2DAsync`` per region per run of consecutive blocks
-  (the GPU pages a page apart, the CPU pages a CPU block apart): the copy engines alone;
+  (the GPU pages a page apart, the CPU pages a CPU block apart): the copy engines alone, the
+  copies exactly as ``CudaConfig.store_dma`` issues them (``plan.pitched_direct`` and the
+  backend's ``driver.Memcpy2D``);
 - ``2d-split``: the same 2D copies, every other region on a second stream, so that two copy
   engines can serve them;
 - ``contiguous``: one ``cudaMemcpyAsync`` of the same bytes from one contiguous GPU buffer, the
@@ -29,7 +31,6 @@ are shortest.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import shutil
 import statistics
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from attrs import evolve
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -49,6 +51,8 @@ from rich.table import Table
 from kvflow.backends.base import CopyBatch, FenceStatus
 from kvflow.backends.cuda import CudaBackend, CudaConfig
 from kvflow.backends.cuda import driver as drv
+from kvflow.backends.cuda.plan import PITCHED_MIN_ROWS, RegionTable, as_i64, pitched_direct
+from kvflow.backends.torch_layout import layout_of
 from kvflow.core.transfer import Direction
 
 DMA_VARIANTS = ("2d", "2d-split", "contiguous")
@@ -66,7 +70,9 @@ GPU_BLOCKS, CPU_BLOCKS = 4096, 1024
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=256, help="blocks a store copies (≤ 1,024)")
-    p.add_argument("--runs", type=int, default=4, help="runs of consecutive GPU blocks")
+    p.add_argument(
+        "--runs", type=int, default=4, help="runs of consecutive GPU blocks (each 4 or more)"
+    )
     p.add_argument(
         "--kv-heads",
         type=int,
@@ -85,8 +91,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if any(c <= 0 for c in args.gather_ctas):
         p.error("--gather-ctas takes positive CTA counts")
-    if not 1 <= args.runs <= args.blocks <= CPU_BLOCKS // 2:
-        p.error(f"need 1 <= --runs <= --blocks <= {CPU_BLOCKS // 2}")
+    if not 1 <= args.runs * PITCHED_MIN_ROWS <= args.blocks <= CPU_BLOCKS // 2:
+        p.error(
+            f"need 1 <= --runs, --runs x {PITCHED_MIN_ROWS} <= --blocks <= {CPU_BLOCKS // 2} "
+            "(runs shorter than that get no 2D copies)"
+        )
     if not 1 <= args.kv_heads <= 64:
         p.error("--kv-heads takes 1 to 64")
     if args.rounds < 1 or args.reps < 4:
@@ -181,18 +190,15 @@ class Rig:
         self.flat_host = torch.empty(self.bytes, dtype=torch.uint8, pin_memory=True)
         self.side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self.side2 = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        self.regions = [
-            (self.kv[f"model.layers.{i}.self_attn"][k].data_ptr(), (2 * i + k) * self.page)
-            for i in range(LAYERS)
-            for k in range(2)
-        ]
-        fn = ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        self._memcpy2d = fn
-        # The backend's own parameter struct for cuMemcpy2DAsync, filled here with two pitches.
-        self._params = drv._Memcpy2D()
-        self._params.srcMemoryType = self._params.dstMemoryType = 4  # unified addresses
+        # The 2D copies exactly as ``CudaConfig.store_dma`` issues them: the backend's plan and
+        # driver call, into this script's own pinned buffer.
+        table = RegionTable.from_group(layout_of(self.kv, GPU_BLOCKS).groups[0])
+        copies = pitched_direct(
+            table, as_i64(gpu_ids), as_i64(cpu_ids), self.cpu.data_ptr(), store=True
+        )
+        assert copies is not None, "parse_args keeps the runs long enough for 2D copies"
+        self.copies_2d = copies
+        self._memcpy2d = drv.Memcpy2D()
         w1 = torch.randn(2048, 8192, dtype=torch.bfloat16, device=dev)
         w2 = torch.randn(8192, 2048, dtype=torch.bfloat16, device=dev)
         x = torch.randn(4096, 2048, dtype=torch.bfloat16, device=dev)
@@ -205,19 +211,14 @@ class Rig:
         self.gemms = gemms
 
     def store_2d(self, streams: Sequence[torch.cuda.Stream]) -> None:
-        """The store as DMA only: one 2D copy per region per run, rows a block apart, region
-        ``r`` on ``streams[r % len(streams)]``."""
-        p, page = self._params, self.page
-        p.WidthInBytes, p.srcPitch, p.dstPitch = page, page, self.block_bytes
-        ptr, handles = ctypes.addressof(p), [s.cuda_stream for s in streams]
-        cpu = self.cpu.data_ptr() + self.cpu_first * self.block_bytes
-        for start, n in self.gpu_runs:
-            for r, (base, offset) in enumerate(self.regions):
-                p.srcDevice, p.dstDevice, p.Height = base + start * page, cpu + offset, n
-                err = self._memcpy2d(ptr, handles[r % len(handles)])
-                if err:
-                    raise RuntimeError(f"cuMemcpy2DAsync failed with CUresult {err}")
-            cpu += n * self.block_bytes
+        """The store as DMA only: one 2D copy per region per run (run by run, the regions in
+        order), copy ``i`` on ``streams[i % len(streams)]``."""
+        copies, k = self.copies_2d, len(streams)
+        for j, stream in enumerate(streams):
+            part = evolve(
+                copies, dst=copies.dst[j::k], src=copies.src[j::k], rows=copies.rows[j::k]
+            )
+            self._memcpy2d(part, stream.cuda_stream)
 
     def check_2d(self) -> None:
         """The 2D store, on one stream and on two, puts every page where the CPU tier's
@@ -234,8 +235,9 @@ class Rig:
         cpu_id = self.cpu_first
         for start, n in self.gpu_runs:
             for g in range(start, start + n):
-                for r, (_, offset) in enumerate(self.regions):
+                for r in range(2 * LAYERS):  # block-major: each layer's K page, then its V
                     layer, k = divmod(r, 2)
+                    offset = r * self.page
                     page = self.kv[f"model.layers.{layer}.self_attn"][k, g]
                     at = cpu_id * self.block_bytes + offset
                     got = self.cpu[at : at + self.page]

@@ -313,10 +313,14 @@ def test_store_beside_compute_bench_takes_the_suites_gather_widths() -> None:
     assert exc.value.code == 2
 
 
-def test_store_beside_compute_bench_refuses_more_runs_than_blocks() -> None:
-    """A store cut into more runs than it has blocks is a usage error (exit 2), found first."""
+@pytest.mark.parametrize(("blocks", "runs"), [("4", "8"), ("8", "4")])
+def test_store_beside_compute_bench_refuses_runs_too_short_for_2d_copies(
+    blocks: str, runs: str
+) -> None:
+    """A store cut into more runs than it has blocks, or into runs too short for 2D copies, is
+    a usage error (exit 2), found before any GPU work."""
     with pytest.raises(SystemExit) as exc:
-        bench_store_beside_compute.main(["--blocks", "4", "--runs", "8"])
+        bench_store_beside_compute.main(["--blocks", blocks, "--runs", runs])
     assert exc.value.code == 2
 
 
