@@ -404,23 +404,59 @@ def test_lazy_invariants_hold_with_decode_steps(script: list[Event]) -> None:
     run("lazy", script, decode_steps=True)
 
 
+def quiet_and_told(script: list[Event]) -> tuple[Engine, Engine]:
+    """The script after one admit per base, lazy over a keyed view, run twice: steady steps
+    given to ``quiet_step`` by number, and given whole; their plans must be equal."""
+    script = [("admit", base, 30, "ok") for base in range(len(BASES))] + script
+    quiet = run("lazy", script, keyed=True, quiet_steps=True)
+    told = run("lazy", script, keyed=True, decode_steps=True)
+    assert quiet.sim.workers.plans == told.sim.workers.plans
+    return quiet, told
+
+
 def test_a_block_stored_freed_again_and_taken_untold_leaves_the_quiet_walks_prefix() -> None:
     """Blocks a preemption frees are picked for a store, come back behind the cursor and are
     walked again; once the engine takes one of them untold, the quiet walk drops it from the
     covered prefix as the told one does, and both store the same blocks in the same step (a
     stale walk-order entry kept such a block covered: the store came a step late)."""
-    steps = [("step", 0, 12, "ok")] * 5 + [("step", 0, 5, "ok")] * 2
-    script = [("admit", base, 30, "ok") for base in range(len(BASES))] + [
-        *steps,
-        ("preempt", 0, 12, "ok"),
-        ("report", 0, 12, "ok"),
-        *[("step", 0, 12, "ok")] * 6,
-        ("step", 0, 5, "ok"),
-    ]
-    quiet = run("lazy", script, keyed=True, quiet_steps=True)
-    told = run("lazy", script, keyed=True, decode_steps=True)
-    assert quiet.sim.workers.plans == told.sim.workers.plans
+    steps: list[Event] = [("step", 0, 12, "ok")] * 5 + [("step", 0, 5, "ok")] * 2
+    _, told = quiet_and_told(
+        [
+            *steps,
+            ("preempt", 0, 12, "ok"),
+            ("report", 0, 12, "ok"),
+            *[("step", 0, 12, "ok")] * 6,
+            ("step", 0, 5, "ok"),
+        ]
+    )
     assert any(len(plan.stores) for plan in told.sim.workers.plans[14:])
+
+
+def test_blocks_taken_untold_while_a_reset_is_pending_lose_their_pre_reset_mark() -> None:
+    """Once a pending cache reset settles, the quiet walk stores a block that the engine took
+    untold while the reset waited and refilled with the same tokens, as the told walk does."""
+    script: list[Event] = [
+        *[("step", 0, 12, "ok")] * 4,
+        *[("step", 0, 30, "ok")] * 2,
+        ("finish", 0, 12, "ok"),
+        ("reset", 0, 12, "ok"),
+        *[("step", 0, 12, "ok")] * 3,
+        ("preempt", 0, 12, "ok"),
+        ("step", 0, 5, "ok"),
+        ("preempt", 0, 12, "ok"),
+        ("report", 1, 12, "ok"),
+        ("admit", 0, 12, "ok"),
+        *[("step", 0, 12, "ok")] * 4,
+        ("admit", 0, 12, "ok"),
+        ("reset", 0, 12, "ok"),
+        *[("step", 0, 12, "ok")] * 3,
+        ("step", 0, 5, "ok"),
+        ("step", 0, 30, "ok"),
+        ("step", 0, 12, "ok"),
+    ]
+    _, told = quiet_and_told(script)
+    stored_after_reset = [p for p in told.sim.workers.plans[20:] if p.stores]
+    assert stored_after_reset, "the scenario no longer stores a block after the second reset"
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -429,8 +465,5 @@ def test_quiet_steps_plan_what_steps_with_the_running_news_plan(script: list[Eve
     """Lazy over a keyed view with steady decode steps given to ``quiet_step`` by their number
     alone (the running requests' new blocks never told, as vLLM's adapter passes them): every
     plan equals that of the same steps passed whole, and the invariants hold."""
-    script = [("admit", base, 30, "ok") for base in range(len(BASES))] + script
-    quiet = run("lazy", script, keyed=True, quiet_steps=True)
-    told = run("lazy", script, keyed=True, decode_steps=True)
-    assert quiet.sim.workers.plans == told.sim.workers.plans
+    quiet, told = quiet_and_told(script)
     assert quiet.sim.outcomes == told.sim.outcomes

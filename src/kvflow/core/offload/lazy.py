@@ -61,6 +61,9 @@ class LazyCursor:
         )
         # Keyed: blocks whose content predates the last reset (block → its key then).
         self._stale: dict[int, BlockKey] = {}
+        # Keyed: the covered prefix was last extended by ``follow`` (a reset pending), so the
+        # next walk starts from the queue head again.
+        self._following = False
 
     @property
     def keyed(self) -> bool:
@@ -269,11 +272,39 @@ class LazyCursor:
         kept.reverse()
         return kept
 
+    def follow(self) -> None:
+        """A step while a cache reset is pending (no walk picks a block then), over a keyed
+        view: the covered prefix still follows the free queue's head, so that a block the
+        engine takes there untold (a keyed view's engine passes no steady-decode allocations)
+        is known taken, as ``taken`` knows a told one, and its pre-reset key stops marking what
+        it holds next. Nothing is picked; the next ``walk`` starts from the head again. Without
+        this, a block taken during the pending reset and refilled with the same tokens stayed
+        stale, and its post-reset content was never stored."""
+        keyed = self._keyed
+        if keyed is None:
+            return  # every take is told: ``taken`` keeps the records and the prefix exact
+        cursor = self._valid_cursor()
+        budget = self._prune() if self._ahead else self._watermark
+        self._following = True
+        if budget <= 0:
+            return
+        ids, _ = keyed.scan_free(cursor, budget)
+        if ids:
+            self._ahead.update(ids)
+            self._order.extend(ids)
+            self._cursor, self._cursor_hash = ids[-1], keyed.block_hash(ids[-1])
+
     def _walk_keyed(self, keyed: KeyedGpuCacheView) -> StoreBatch | None:
         """``walk`` over a keyed view: up to the budget of free blocks past the cursor, read
         from the engine in one ``scan_free`` (the blocks, and the keys of those holding one).
         In steady decode every step lands here, and most scans find no key: that case builds
         nothing."""
+        if self._following:
+            # The blocks ``follow`` covered were passed over without being picked.
+            self._following = False
+            if self._ahead:
+                self._prune()  # the last takes of the pending reset's steps, before forgetting
+            self.reset("reset_settled")
         cursor = self._valid_cursor()
         ahead = self._ahead
         # Only a keyed view's engine takes blocks without telling (``taken`` is exact else):

@@ -431,10 +431,8 @@ class OffloadManager(DecodeSteps, ManagerQueries):
                 # other here, so advancing after every table grew is the same as advancing each
                 # in turn).
                 self._advance(advancing, STEP_STORE_ID)
-            if lazy is not None and not self._reset_pending:
-                batch = lazy.walk()
-                if batch is not None:
-                    self._plan_store(batch, LAZY_REQUEST_ID)
+            if lazy is not None:
+                self._lazy_walk(lazy)
         if not ledger.pending and not ledger.abandoned:
             return StepPlan(so.step, (), (), flush, ())  # most eager steps: nothing to launch
         return ledger.launch(so.step, flush)
@@ -470,13 +468,20 @@ class OffloadManager(DecodeSteps, ManagerQueries):
     def _walk_step(self, step: int, lazy: LazyCursor) -> StepPlan | None:
         """The walk, and whatever it or an earlier call left to launch; None if nothing."""
         ledger = self._ledger
-        if not self._reset_pending:
-            batch = lazy.walk()
-            if batch is not None:
-                self._plan_store(batch, LAZY_REQUEST_ID)
+        self._lazy_walk(lazy)
         if not ledger.pending and not ledger.abandoned:
             return None
         return ledger.launch(step, False)
+
+    def _lazy_walk(self, lazy: LazyCursor) -> None:
+        """The lazy walk's store, planned; while a reset is pending, no store: the walk only
+        follows the blocks the engine takes."""
+        if self._reset_pending:
+            lazy.follow()
+            return
+        batch = lazy.walk()
+        if batch is not None:
+            self._plan_store(batch, LAZY_REQUEST_ID)
 
     def _advance(self, sts: Sequence[RequestState], request_id: str) -> None:
         """Hand the blocks the requests completed since their last call to the store policy;
