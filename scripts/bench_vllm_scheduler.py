@@ -44,6 +44,8 @@ from tests.integrations.vllm_harness import (
 )
 
 Echo = Callable[[Any], Any]
+EACH_STEP = "kvflow eager, a store each step"
+TWIN = f"{EACH_STEP} (twin)"
 HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -308,6 +310,14 @@ def main() -> None:
         "their own cost, so the hooks figures of such a run are not the benchmark's)",
     )
     parser.add_argument(
+        "--cold-split",
+        action="store_true",
+        help="also run a twin of 'kvflow eager, a store each step' right after it in every round "
+        "(its own scheduler and objects): after the round's collection the first runs with "
+        "kvflow's code and data cold, the twin with the code warm and its data cold, so the "
+        "difference is what the cold code and shared state cost (a table of its own)",
+    )
+    parser.add_argument(
         "--logging",
         choices=("structlog-warning", "unconfigured"),
         default="structlog-warning",
@@ -362,6 +372,12 @@ def main() -> None:
     if args.only:
         always = ("no connector", "SimpleCPUOffload eager")
         configs = [c for c in configs if c[0] in always or any(t in c[0] for t in args.only)]
+    if args.cold_split:
+        each = next((c for c in configs if c[0] == EACH_STEP), None)
+        if each is None:
+            print(f"--cold-split needs the '{EACH_STEP}' configuration", file=sys.stderr)
+            sys.exit(2)
+        configs.insert(configs.index(each) + 1, (TWIN, *each[1:]))
     if args.calls and kvflow_ready:
         time_calls()
     rigs: dict[str, Rig] = {}
@@ -375,15 +391,18 @@ def main() -> None:
         if args.no_collect:
             gc.collect()
             gc.disable()
-        order = list(rigs.values())
+        # Rotation units: the twin of ``--cold-split`` always runs right after its original.
+        units = [[rig] for name, rig in rigs.items() if name != TWIN]
+        if TWIN in rigs:
+            next(u for u in units if u[0] is rigs[EACH_STEP]).append(rigs[TWIN])
         for n in range(args.warmup + args.decode):
             if not args.no_collect:
                 gc.collect()
             # The first configuration of a round runs right after the collection, with the CPU
             # caches cold from its walk over every object: rotate, so that each one is first as
             # often as the others (a fixed order made "no connector" about 0.2 ms slower a step).
-            k = n % len(order)
-            for rig in order[k:] + order[:k]:
+            k = n % len(units)
+            for rig in [r for unit in units[k:] + units[:k] for r in unit]:
                 before, before_manager = rig.hook_ns[0], rig.manager_ns[0]
                 _calls_sink[0] = rig.calls if n >= args.warmup else None
                 t = rig.step()
@@ -457,6 +476,17 @@ def main() -> None:
             )
     if split.row_count:
         console.print(split)
+    if TWIN in rigs:
+        first, twin = hooks[EACH_STEP] / 1e3, hooks[TWIN] / 1e3
+        cold = Table(
+            title=f"'{EACH_STEP}': its hooks with kvflow's code cold and warm (µs a step, mean)"
+        )
+        for col in ("rig", "kvflow's code", "its data", "hooks µs"):
+            cold.add_column(col, justify="right" if col == "hooks µs" else "left")
+        cold.add_row("the first of the two", "cold", "cold", f"{first:.1f}")
+        cold.add_row("its twin, right after it", "warm", "cold", f"{twin:.1f}")
+        cold.add_row("difference", "", "", f"{first - twin:+.1f}")
+        console.print(cold)
     timed = {name: rig for name, rig in rigs.items() if rig.calls}
     if timed:
         calls = Table(

@@ -15,24 +15,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_scheduler_benchmark_prints_every_configuration_and_kvflow_s_calls() -> None:
-    """A small run prints the side-by-side table with both connectors' rows, the manager vs
-    adapter split, and with ``--calls`` a per-call table whose store rows are non-zero for the
-    configuration that stores every step."""
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """The benchmark script run with ``args`` on this checkout's ``src``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_vllm_scheduler.py"),
-            *("--requests", "16", "--prompt", "64", "--decode", "24", "--warmup", "2"),
-            "--calls",
-        ],
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_vllm_scheduler.py"), *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
-        check=True,
-    ).stdout
+    )
+
+
+def test_the_scheduler_benchmark_prints_every_configuration_and_kvflow_s_calls() -> None:
+    """A small run prints the side-by-side table with both connectors' rows, the manager vs
+    adapter split, and with ``--calls`` a per-call table whose store rows are non-zero for the
+    configuration that stores every step."""
+    ran = bench("--requests", "16", "--prompt", "64", "--decode", "24", "--warmup", "2", "--calls")
+    assert ran.returncode == 0, ran.stderr
+    out = ran.stdout
     for row in (
         "SimpleCPUOffload eager",
         "SimpleCPUOffload lazy",
@@ -45,3 +46,20 @@ def test_the_scheduler_benchmark_prints_every_configuration_and_kvflow_s_calls()
     store_row = next(line for line in out.splitlines() if "ledger: launch_store" in line)
     cells = [c.strip() for c in store_row.split("│") if c.strip()]
     assert float(cells[2]) > 0, "a store every step plans a store in the timed steps"
+
+
+def test_the_cold_split_runs_a_twin_right_after_the_store_each_step_rig() -> None:
+    """``--cold-split`` prints the twin's row and the cold / warm table, and without the
+    store-each-step configuration it stops with a one-line error and exit 2."""
+    small = ("--requests", "16", "--prompt", "64", "--decode", "16", "--warmup", "2")
+    ran = bench(*small, "--only", "each", "--cold-split")
+    assert ran.returncode == 0, ran.stderr
+    out = ran.stdout
+    assert "(twin)" in out
+    assert "its twin, right after it" in out
+    diff = next(line for line in out.splitlines() if "difference" in line)
+    float([c.strip() for c in diff.split("│") if c.strip()][-1])
+    bad = bench(*small, "--only", "lazy", "--cold-split")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0
+    assert "--cold-split" in bad.stderr
