@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Hashable, Iterable
 
+import pytest
 from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
@@ -301,3 +302,53 @@ def test_keyed_walk_covers_the_watermark_after_untold_takes() -> None:
     assert second.blocks == [{b"h6": 6}], "block 6 is 4th from the head"
     view.touch([6])
     assert cursor.walk() is None, "the window is covered"
+
+
+def _gpu_hit_after_reset(make_sim: MakeSim, *, keyed: bool) -> None:
+    """a computes four blocks and finishes; the connector's cache is reset before any walk (the
+    engine's GPU prefix cache stays); b hits a's first three blocks on the GPU, computes two more
+    and finishes; the walks after must store none of the pre-reset blocks."""
+    sim = make_sim(ONE_GROUP, store_policy="lazy", lazy_watermark=16, gpu_blocks=16, keyed=keyed)
+    a = sim.add("a", range(16))
+    sim.match(a)
+    sim.step(new=[(a, 16)])
+    hit = list(sim.tables["a"][0][:3])
+    sim.finish(a)
+    sim.reset_cache()
+    b = sim.add("b", [*range(12), *range(200, 208)])
+    sim.gpu.touch(hit)  # the engine's GPU prefix hit on a's first three blocks
+    sim.tables["b"] = [list(hit)]
+    sim.computed["b"] = 12
+    assert sim.match(b, gpu_computed=12) == (0, False)
+    sim.step(new=[(b, 8)])
+    sim.finish(b)
+    for _ in range(3):
+        plan = sim.step()
+        sim.complete()
+        for spec in plan.stores:
+            for blk in spec.gpu_block_ids[0]:
+                assert sim.epoch[blk] == sim.resets, f"GPU block {blk}: pre-reset content stored"
+    assert not any(sim.on_cpu(b)[:3])
+    assert all(sim.on_cpu(b)[3:]), "b's own blocks, computed after the reset, are stored"
+
+
+def test_a_gpu_prefix_hit_on_a_pre_reset_block_keeps_it_out_of_the_cpu_tier(
+    make_sim: MakeSim,
+) -> None:
+    """Over a keyed view, blocks a request hit in the engine's GPU prefix cache after a
+    connector reset keep their pre-reset mark: freed again, they are never stored."""
+    _gpu_hit_after_reset(make_sim, keyed=True)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: over a recorded (not keyed) view the hit blocks are recorded again "
+    "under the new request's hashes and stored after the reset; kvflow's own engine resets "
+    "its GPU prefix cache first, so only other engines can reach it (see CHANGELOG)",
+)
+def test_a_gpu_prefix_hit_on_a_pre_reset_block_is_not_stored_over_a_recorded_view(
+    make_sim: MakeSim,
+) -> None:
+    """Over a recorded view the same: blocks hit on the GPU after a connector reset are never
+    stored."""
+    _gpu_hit_after_reset(make_sim, keyed=False)

@@ -9,7 +9,7 @@ walk reads each free block's key from the engine, so the policy's work per step 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
 
 from kvflow.core.gpu_view import BlockKey, GpuCacheView, KeyedGpuCacheView
 from kvflow.core.hashing import BlockHash
@@ -148,9 +148,15 @@ class LazyCursor:
         self._ahead.clear()
         self._order.clear()
 
-    def taken(self, ids: Sequence[int]) -> None:
+    @property
+    def has_stale(self) -> bool:
+        """Whether blocks whose content predates the last reset are marked (keyed view only)."""
+        return bool(self._stale)
+
+    def taken(self, ids: Sequence[int], keep: Container[int] = ()) -> None:
         """The engine took these GPU blocks (allocation or prefix hit): they left the free queue,
-        and what was recorded of their content no longer holds."""
+        and what was recorded of their content no longer holds. ``keep``: the GPU prefix hits
+        among them, whose content stays what it was (a pre-reset mark stays on them)."""
         record = self._record
         if record:
             # A block handed to a request may be refilled (a fresh allocation, a load) before
@@ -161,7 +167,8 @@ class LazyCursor:
         stale = self._stale
         if stale:
             for b in ids:
-                stale.pop(b, None)  # its next content is computed after the reset
+                if b not in keep:
+                    stale.pop(b, None)  # its next content is computed after the reset
         ahead = self._ahead
         if not ahead:
             return
@@ -172,7 +179,7 @@ class LazyCursor:
                     self.reset("cursor_block_taken")
                     return
 
-    def taken_tables(self, tables: Iterable[GroupBlockIds]) -> None:
+    def taken_tables(self, tables: Iterable[GroupBlockIds], keep: Container[int] = ()) -> None:
         """``taken`` for every group of every table in ``tables``, in one call (a plan hands
         over a step's new blocks of all requests at once)."""
         pop = self._record.pop
@@ -182,7 +189,9 @@ class LazyCursor:
             for ids in tables:
                 for group_ids in ids:
                     for b in group_ids:
-                        self._stale.pop(b, None)  # its next content is computed after the reset
+                        if b not in keep:
+                            # Its next content is computed after the reset.
+                            self._stale.pop(b, None)
         for ids in tables:
             for group_ids in ids:
                 for b in group_ids:

@@ -142,6 +142,7 @@ class OffloadManager(DecodeSteps, ManagerQueries):
                 # waiting queue): hash from it, and an engine's hashes live on the new object.
                 st.set_request(request, self._hashers(request))
             self._drop_match(st)
+        st.gpu_hit = num_computed_tokens
         # A request that must not read cached KV (vLLM: prompt logprobs) gets no hit and takes
         # no pin; it is still known here, so its blocks are stored.
         if self._reset_pending or getattr(request, "skip_reading_prefix_cache", False):
@@ -260,8 +261,9 @@ class OffloadManager(DecodeSteps, ManagerQueries):
         st.checked_table = tuple(map(tuple, table))
         m.load = (tuple(gpu), tuple(cpu))
         if self._lazy is not None:
+            keep = self._gpu_hits(st, table) if self._lazy.has_stale else ()
             for ids in table:
-                self._lazy.taken(ids)
+                self._lazy.taken(ids, keep)
         self._allocated[rid] = st
 
     # ---- planning -----------------------------------------------------------------------------
@@ -400,7 +402,12 @@ class OffloadManager(DecodeSteps, ManagerQueries):
             if lazy is not None and dirty:
                 # Nothing below reads the cursor before ``_advance``: every take first is the
                 # same.
-                lazy.taken_tables([entry[2] for entry in dirty])
+                keep: set[int] = set()
+                if lazy.has_stale:
+                    for st, _, ids, replace in dirty:
+                        if replace:
+                            keep.update(self._gpu_hits(st, ids))
+                lazy.taken_tables([entry[2] for entry in dirty], keep)
             for st, confirmed, ids, replace in dirty:
                 if replace:
                     replaced = True
@@ -482,6 +489,15 @@ class OffloadManager(DecodeSteps, ManagerQueries):
         batch = lazy.walk()
         if batch is not None:
             self._plan_store(batch, LAZY_REQUEST_ID)
+
+    def _gpu_hits(self, st: RequestState, table: Sequence[Sequence[int]]) -> list[int]:
+        """The blocks of a table handed over whole (a new or resumed request) that its GPU
+        prefix hit covers: their content is the engine's, kept from before."""
+        return [
+            b
+            for (_, bs), ids in zip(self._geo.group_sizes, table, strict=True)
+            for b in ids[: st.gpu_hit // bs]
+        ]
 
     def _advance(self, sts: Sequence[RequestState], request_id: str) -> None:
         """Hand the blocks the requests completed since their last call to the store policy;

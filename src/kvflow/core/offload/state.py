@@ -69,6 +69,9 @@ class RequestState:
     confirmed: int = 0  # tokens whose KV is computed and not speculative
     next_boundary: int = 0  # confirmed-token count at which some group completes a block
     match: PinnedHit | None = None
+    # Tokens the engine's own prefix cache held at the last match: their blocks are GPU hits,
+    # whose content the engine keeps (it may predate a cache reset).
+    gpu_hit: int = 0
     # Live (not yet released) transfers, but for step stores (``LiveTransfer.shared``):
     # registering the request in each would touch every storing request's state twice per store.
     transfers: dict[int, LiveTransfer] = field(factory=dict)
