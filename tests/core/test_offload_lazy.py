@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Container, Hashable, Iterable
 
-import pytest
 from structlog.testing import capture_logs
 
 from kvflow.core.gpu_view import GpuCacheView
@@ -340,12 +339,6 @@ def test_a_gpu_prefix_hit_on_a_pre_reset_block_keeps_it_out_of_the_cpu_tier(
     _gpu_hit_after_reset(make_sim, keyed=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: over a recorded (not keyed) view the hit blocks are recorded again "
-    "under the new request's hashes and stored after the reset; kvflow's own engine resets "
-    "its GPU prefix cache first, so only other engines can reach it (see CHANGELOG)",
-)
 def test_a_gpu_prefix_hit_on_a_pre_reset_block_is_not_stored_over_a_recorded_view(
     make_sim: MakeSim,
 ) -> None:

@@ -43,8 +43,10 @@ class LazyCursor:
         *,
         null_block_id: int | None,
         watermark: int,
+        num_gpu_blocks: int | None = None,
     ) -> None:
         self._geo = geometry
+        self._num_gpu_blocks = num_gpu_blocks
         self._cpu = cpu
         self._storing = storing
         self._view = view
@@ -61,6 +63,8 @@ class LazyCursor:
         )
         # Keyed: blocks whose content predates the last reset (block → its key then).
         self._stale: dict[int, BlockKey] = {}
+        # Recorded: the same blocks, never recorded until the engine takes them fresh.
+        self._stale_ids: set[int] = set()
         # Keyed: the covered prefix was last extended by ``follow`` (a reset pending), so the
         # next walk starts from the queue head again.
         self._following = False
@@ -87,6 +91,7 @@ class LazyCursor:
         view = self._view
         record = self._record
         null = self._null
+        stale = self._stale_ids  # a GPU prefix hit on a block computed before the last reset
         for st in sts:
             if st.hashing:
                 st.hash_confirmed()
@@ -103,7 +108,7 @@ class LazyCursor:
                 hs = st.hash_lists[geo.slot[g]]
                 for i in range(cur, done):
                     b = ids[i]
-                    if b != null:
+                    if b != null and not (stale and b in stale):
                         record[b] = (g, hs[i], view.block_hash(b))
 
     def _record_one(self, sts: Sequence[RequestState]) -> None:
@@ -115,6 +120,7 @@ class LazyCursor:
         block_hash = self._view.block_hash
         record = self._record
         null = self._null
+        stale = self._stale_ids  # a GPU prefix hit on a block computed before the last reset
         for st in sts:
             if st.hashing:
                 st.hash_confirmed()
@@ -129,7 +135,7 @@ class LazyCursor:
             hs = st.hash_lists[slot]
             for i in range(cur, done):
                 b = ids[i]
-                if b != null:
+                if b != null and not (stale and b in stale):
                     record[b] = (0, hs[i], block_hash(b))
 
     def forget(self) -> None:
@@ -138,6 +144,13 @@ class LazyCursor:
         if self._keyed is not None:
             # Rare (a reset): one pass over the engine's hashed blocks.
             self._stale = dict(self._keyed.keyed_blocks())
+        elif self._num_gpu_blocks is not None:
+            # The engine's prefix cache may keep them (vLLM's GPU reset fails while requests
+            # run): a request that hits one there must not have it recorded under its hashes.
+            block_hash, null = self._view.block_hash, self._null
+            self._stale_ids = {
+                b for b in range(self._num_gpu_blocks) if b != null and block_hash(b) is not None
+            }
 
     def reset(self, cause: str) -> None:
         """Nothing is covered any more: the next walk starts from the queue head."""
@@ -150,8 +163,8 @@ class LazyCursor:
 
     @property
     def has_stale(self) -> bool:
-        """Whether blocks whose content predates the last reset are marked (keyed view only)."""
-        return bool(self._stale)
+        """Whether blocks whose content predates the last reset are marked."""
+        return bool(self._stale) or bool(self._stale_ids)
 
     def taken(self, ids: Sequence[int], keep: Container[int] = ()) -> None:
         """The engine took these GPU blocks (allocation or prefix hit): they left the free queue,
@@ -169,6 +182,9 @@ class LazyCursor:
             for b in ids:
                 if b not in keep:
                     stale.pop(b, None)  # its next content is computed after the reset
+        stale_ids = self._stale_ids
+        if stale_ids:
+            stale_ids.difference_update(b for b in ids if b not in keep)
         ahead = self._ahead
         if not ahead:
             return
@@ -184,14 +200,16 @@ class LazyCursor:
         over a step's new blocks of all requests at once)."""
         pop = self._record.pop
         ahead = self._ahead
-        if self._stale:
+        if self._stale or self._stale_ids:
             tables = list(tables)
+            stale_ids = self._stale_ids
             for ids in tables:
                 for group_ids in ids:
                     for b in group_ids:
                         if b not in keep:
                             # Its next content is computed after the reset.
                             self._stale.pop(b, None)
+                            stale_ids.discard(b)
         for ids in tables:
             for group_ids in ids:
                 for b in group_ids:

@@ -98,6 +98,7 @@ class OffloadManager(DecodeSteps, ManagerQueries):
                 gpu_view,
                 null_block_id=self._null,
                 watermark=config.lazy_watermark,
+                num_gpu_blocks=config.num_gpu_blocks,
             )
         # ``quiet_step``'s walk: the lazy policy over a keyed view only.
         self._quiet_lazy = self._lazy if self._lazy is not None and self._lazy.keyed else None
