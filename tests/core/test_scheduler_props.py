@@ -13,6 +13,7 @@ from attrs import evolve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvflow.core.hashing import hash_block
 from kvflow.core.offload import LAZY_REQUEST_ID, GroupSpec, ResetStatus
 from kvflow.core.protocol import GroupBlockIds, StepPlan
 from kvflow.core.requests import KVRequest, SchedulerOutput
@@ -50,7 +51,11 @@ class Engine:
         quiet_steps: bool = False,
         world_size: int = 2,
         fence: str = "never",
+        gpu_hits: bool = False,
     ) -> None:
+        # ``gpu_hits``: an admitted request first takes the longest prefix the engine's own GPU
+        # cache holds (kept across connector resets, as when vLLM's GPU reset fails).
+        self.gpu_hits = gpu_hits
         self.sim = Sim(
             [GroupSpec(block_size=BS, num_cpu_blocks=12)],
             world_size=world_size,
@@ -84,18 +89,29 @@ class Engine:
             sim.mgr.update_state_after_alloc(req, [[]], 0)
             self.preempted.append(req)
             return
-        got, is_async = sim.match(req)
+        local = 0
+        if self.gpu_hits:
+            # At least one token left to compute, as an engine leaves one for its logits.
+            hashes = sim.hashes(req, 0)[: (len(req.all_token_ids) - 1) // BS]
+            hit = sim.gpu.find_longest_prefix([hash_block(h, [0]) for h in hashes])
+            if hit:
+                sim.gpu.touch(hit)
+                sim.tables[req.request_id] = [list(hit)]
+                local = len(hit) * BS
+        got, is_async = sim.match(req, local)
         if got is None:
+            if local:
+                sim._free(req.request_id)
             self.preempted.append(req)
             return
         if got:
-            sim.alloc(req, got, got)
+            sim.alloc(req, local + got, got)
             if is_async:
                 self.waiting.add(req.request_id)
             else:  # fenced: its next step computes the rest, its forward reading the load
                 self.ready.append(req)
         else:
-            sim.alloc(req, 0, 0)
+            sim.alloc(req, local, 0)
             self.ready.append(req)
 
     def step(self, chunk: int) -> None:
@@ -222,9 +238,18 @@ def run(
     quiet_steps: bool = False,
     world_size: int = 2,
     fence: str = "never",
+    gpu_hits: bool = False,
 ) -> Engine:
     eng = Engine(
-        policy, decode_columns, interval, keyed, decode_steps, quiet_steps, world_size, fence
+        policy,
+        decode_columns,
+        interval,
+        keyed,
+        decode_steps,
+        quiet_steps,
+        world_size,
+        fence,
+        gpu_hits,
     )
     if general:
         eng.sim.mgr._fused = False  # decode steps: their news as columns, to the wrapper below
@@ -289,6 +314,15 @@ def test_invariants_hold_with_fenced_loads_on_one_rank(
 def test_lazy_invariants_hold_over_random_events(script: list[Event]) -> None:
     """Lazy policy: the same invariants hold while stores come from the GPU free queue."""
     run("lazy", script)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events, st.sampled_from(["eager", "lazy", "lazy-keyed"]))
+def test_invariants_hold_with_gpu_prefix_hits(script: list[Event], policy: str) -> None:
+    """Requests that first take the engine's GPU prefix hits (kept across connector resets)
+    leave the invariants intact, and no lazy store ever carries a block computed before the
+    last reset."""
+    run(policy.removesuffix("-keyed"), script, keyed=policy.endswith("-keyed"), gpu_hits=True)
 
 
 def _loads(plan: StepPlan) -> list[tuple[str, GroupBlockIds, GroupBlockIds]]:
