@@ -16,7 +16,14 @@ from vllm.v1.request import RequestStatus
 
 from kvflow.backends.pd.fake import FakeLink
 from kvflow.errors import ConfigError
-from tests.integrations.vllm_pd_rig import BS, Instance, PDRig, expected_kv, waiting_for_kv
+from tests.integrations.vllm_pd_rig import (
+    BS,
+    RELEASE_GUARD_S,
+    Instance,
+    PDRig,
+    expected_kv,
+    waiting_for_kv,
+)
 from tests.pd_leaks import no_leaks  # noqa: F401 - the fixture, used by pytestmark
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -122,7 +129,7 @@ def test_d_rejecting_before_admission_releases_p_at_once(rig: PDRig) -> None:
     rig.d.add(PROMPT, params, request_id="r1")
     rig.d.h.scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
     assert rig.d.pd.pd.stats["released_unadmitted"] == 1
-    rig.run(lambda: "r1" not in rig.p.h.scheduler.requests, max_steps=20)
+    rig.run(lambda: "r1" not in rig.p.h.scheduler.requests, max_steps=20, guard_s=RELEASE_GUARD_S)
     rig.settle()
 
 

@@ -66,8 +66,26 @@ PROXY_PARAMS: Mapping[str, Any] = {
 """What vLLM's example proxy (``toy_proxy_server.py``) sends to P, with ``max_tokens=1``."""
 
 TIMEOUTS: Mapping[str, float] = {"pd_lease_s": 5.0, "pd_claim_s": 5.0, "pd_timeout_s": 5.0}
+# How long a release of P may take in real time when 20 steps outran the control plane's thread:
+# well under P's lease, so a release that only the lease's end made still fails.
+RELEASE_GUARD_S = 1.0
 
 _ids = itertools.count(1)
+
+
+def step_until(
+    until: Callable[[], bool], step: Callable[[], None], max_steps: int, guard_s: float
+) -> None:
+    """``step()`` until ``until()``; fail only past both ``max_steps`` steps and ``guard_s``
+    of real time (the rigs' workers and control plane run on threads, in real time)."""
+    clock = SystemClock()
+    deadline = clock.now() + guard_s
+    steps = 0
+    while not until():
+        if steps >= max_steps and clock.now() >= deadline:
+            raise AssertionError(f"not reached in {steps} steps and {guard_s} s")
+        step()
+        steps += 1
 
 
 class LinkPool:
@@ -346,18 +364,15 @@ class Fleet:
         on threads, in real time: on a loaded box a fast loop of 300 steps outran them. After a
         step in which a worker still builds a pair, the loop waits for that thread (it then gets
         the interpreter) instead of stepping on."""
-        clock = SystemClock()
-        deadline = clock.now() + guard_s
-        steps = 0
-        while not until():
-            if steps >= max_steps and clock.now() >= deadline:
-                raise AssertionError(f"not reached in {steps} steps and {guard_s} s")
+
+        def step() -> None:
             for i in self.instances.values():
                 i.step()
-            steps += 1
             for side in (i.pd_worker for i in self.instances.values()):
                 if side is not None:
                     side.wait_pairs(0.05)
+
+        step_until(until, step, max_steps, guard_s)
 
     def prefill(self, p: str, prompt: list[int], rid: str, d: str | None) -> dict[str, Any]:
         """``p`` prefills for D ``d`` (named by the proxy's params; None: P's configured one)."""
@@ -437,24 +452,27 @@ class PDRig:
         self.p.step()
         self.d.step()
 
-    def run(self, until: Any, max_steps: int = 200) -> None:
-        for _ in range(max_steps):
-            if until():
-                return
-            self.step()
-        raise AssertionError(f"not reached in {max_steps} steps")
+    def run(self, until: Any, max_steps: int = 200, guard_s: float = 0.0) -> None:
+        """Step both until ``until()``; fail past ``max_steps`` steps once ``guard_s`` of real
+        time has passed too (a wait that crosses the control plane's thread: on a loaded box a
+        fast loop of steps outruns it)."""
+        step_until(until, self.step, max_steps, guard_s)
 
     def serve_without_pulling(
         self, prompt: list[int], d_prompt: list[int] | None = None, request_id: str = "r1"
     ) -> int:
         """P prefills ``prompt``, D gets P's params with ``d_prompt`` (default the same) and
-        pulls nothing: it is never parked, P is released within a few steps, the request
-        finishes. The prompt tokens D computed."""
+        pulls nothing: it is never parked, P is released within a few steps (or, on a loaded
+        box, well within P's lease), the request finishes. The prompt tokens D computed."""
         _, params = self.prefill(prompt, request_id)
         req = self.d.add(d_prompt or prompt, params, max_tokens=2, request_id=request_id)
         self.d.step()
         assert not waiting_for_kv(req)
-        self.run(lambda: request_id not in self.p.h.scheduler.requests, max_steps=20)
+        self.run(
+            lambda: request_id not in self.p.h.scheduler.requests,
+            max_steps=20,
+            guard_s=RELEASE_GUARD_S,
+        )
         self.run(lambda: request_id in self.d.outputs)
         assert self.d.outputs[request_id].finish_reason == FinishReason.LENGTH
         return self.d.computed[request_id]
