@@ -105,6 +105,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="CUDA: stores as 2D copies straight from the KV cache, no gather kernel "
         "(CudaConfig.store_dma)",
     )
+    p.add_argument(
+        "--pitched-batch",
+        action="store_true",
+        help="CUDA: a call's 2D copies in one cuMemcpy3DBatchAsync (CudaConfig.pitched_batch)",
+    )
     return p.parse_args(argv)
 
 
@@ -162,13 +167,13 @@ class Bench:
         args = self.args
         if args.null_copies:
             return NullCopies()
-        if not args.store_dma:
+        if not (args.store_dma or args.pitched_batch):
             return None
         return make_backend(
             "cuda",
             args.device,
             inline=args.worker_loop == "inline",
-            cuda_options={"store_dma": True},
+            cuda_options={"store_dma": args.store_dma, "pitched_batch": args.pitched_batch},
         )
 
     def prompt(self, n: int, seed: int) -> list[int]:
@@ -409,6 +414,7 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         "step_parts": {"off": mean_parts(parts[False]), "on": mean_parts(parts[True])},
         "null_copies": args.null_copies,
         "store_dma": args.store_dma,
+        "pitched_batch": args.pitched_batch,
         # Per public method of the connector, offload on: calls and ms per run, µs per call.
         "on_calls": {
             name: {
@@ -478,9 +484,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.null_copies and args.scenario != "noreuse":
         print("bench_engine_offload: --null-copies moves no bytes: use it with --scenario noreuse")
         return 2
-    if args.store_dma and (args.null_copies or not args.device.startswith("cuda")):
-        print("bench_engine_offload: --store-dma is the CUDA backend's, without --null-copies")
-        return 2
+    for flag, on in (("--store-dma", args.store_dma), ("--pitched-batch", args.pitched_batch)):
+        if on and (args.null_copies or not args.device.startswith("cuda")):
+            print(f"bench_engine_offload: {flag} is the CUDA backend's, without --null-copies")
+            return 2
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     sys.setswitchinterval(5e-4)  # as kvflow bench: keep the copy threads' GIL waits short
     console = Console()

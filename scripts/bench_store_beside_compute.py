@@ -11,7 +11,9 @@ each way below on the same GPU, round by round so clock drift hits every variant
 - ``2d``: no kernel at all, one ``cuMemcpy2DAsync`` per region per run of consecutive blocks
   (the GPU pages a page apart, the CPU pages a CPU block apart): the copy engines alone, the
   copies exactly as ``CudaConfig.store_dma`` issues them (``plan.pitched_direct`` and the
-  backend's ``driver.Memcpy2D``);
+  backend's ``pitched_copy.Memcpy2D``);
+- ``2d-batch``: the same 2D copies in one ``cuMemcpy3DBatchAsync`` (``pitched_copy.Memcpy3DBatch``,
+  what the backend issues with ``CudaConfig.pitched_batch``): one driver call;
 - ``2d-split``: the same 2D copies, every other region on a second stream, so that two copy
   engines can serve them;
 - ``contiguous``: one ``cudaMemcpyAsync`` of the same bytes from one contiguous GPU buffer, the
@@ -51,11 +53,12 @@ from rich.table import Table
 from kvflow.backends.base import CopyBatch, FenceStatus
 from kvflow.backends.cuda import CudaBackend, CudaConfig
 from kvflow.backends.cuda import driver as drv
+from kvflow.backends.cuda.pitched_copy import Memcpy2D, Memcpy3DBatch
 from kvflow.backends.cuda.plan import PITCHED_MIN_ROWS, RegionTable, as_i64, pitched_direct
 from kvflow.backends.torch_layout import layout_of
 from kvflow.core.transfer import Direction
 
-DMA_VARIANTS = ("2d", "2d-split", "contiguous")
+DMA_VARIANTS = ("2d", "2d-batch", "2d-split", "contiguous")
 
 
 def variants(gather_ctas: Sequence[int]) -> list[str]:
@@ -198,7 +201,9 @@ class Rig:
         )
         assert copies is not None, "parse_args keeps the runs long enough for 2D copies"
         self.copies_2d = copies
-        self._memcpy2d = drv.Memcpy2D()
+        self._memcpy2d = Memcpy2D()
+        version = int(drv.check(drv.cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+        self._batch3d = Memcpy3DBatch.resolve(version, 0)
         w1 = torch.randn(2048, 8192, dtype=torch.bfloat16, device=dev)
         w2 = torch.randn(8192, 2048, dtype=torch.bfloat16, device=dev)
         x = torch.randn(4096, 2048, dtype=torch.bfloat16, device=dev)
@@ -210,24 +215,30 @@ class Rig:
 
         self.gemms = gemms
 
-    def store_2d(self, streams: Sequence[torch.cuda.Stream]) -> None:
+    def store_2d(self, streams: Sequence[torch.cuda.Stream], *, batch: bool = False) -> None:
         """The store as DMA only: one 2D copy per region per run (run by run, the regions in
-        order), copy ``i`` on ``streams[i % len(streams)]``."""
+        order), copy ``i`` on ``streams[i % len(streams)]``; ``batch``: all of a stream's
+        copies in one ``cuMemcpy3DBatchAsync``, else one ``cuMemcpy2DAsync`` each."""
         copies, k = self.copies_2d, len(streams)
+        call = self._batch3d if batch else self._memcpy2d
         for j, stream in enumerate(streams):
             part = evolve(
                 copies, dst=copies.dst[j::k], src=copies.src[j::k], rows=copies.rows[j::k]
             )
-            self._memcpy2d(part, stream.cuda_stream)
+            call(part, stream.cuda_stream)
 
     def check_2d(self) -> None:
-        """The 2D store, on one stream and on two, puts every page where the CPU tier's
-        block-major layout puts it."""
-        for streams in ([self.side], [self.side, self.side2]):
+        """The 2D store, on one stream and on two, one call per copy and batched, puts every
+        page where the CPU tier's block-major layout puts it."""
+        for streams, batch in (
+            ([self.side], False),
+            ([self.side, self.side2], False),
+            ([self.side], True),
+        ):
             self.cpu.zero_()
             for s in streams:
                 s.wait_stream(torch.cuda.current_stream())
-            self.store_2d(streams)
+            self.store_2d(streams, batch=batch)
             torch.cuda.synchronize()
             self._check_placed()
 
@@ -258,8 +269,8 @@ class Rig:
         elif variant != "none":
             self.side.wait_event(begin)
             s0.record(self.side)
-            if variant == "2d":
-                self.store_2d([self.side])
+            if variant in ("2d", "2d-batch"):
+                self.store_2d([self.side], batch=variant == "2d-batch")
             elif variant == "2d-split":
                 self.side2.wait_stream(self.side)  # starts at s0 too
                 self.store_2d([self.side, self.side2])

@@ -18,7 +18,8 @@
 # 4k-token step's GEMMs beside one store of its KV, issued staged with the gather widths of
 # GATHER_CTAS (default 64,132,264), as 2D DMA copies and as one copy; KV_HEADS sets the
 # page, 2 KiB a head, default 8), noreuse-store-dma
-# (noreuse-ahead with CudaConfig.store_dma against without, AB_ROUNDS each, alternating),
+# (noreuse-ahead with CudaConfig.store_dma against without, AB_ROUNDS each, alternating; DMA_ARMS
+# picks among staged, dma and dma-batch, default "staged dma"),
 # multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), connector-ab (the same at 512 blocks, this
@@ -105,9 +106,10 @@ for step in $STEPS; do
     noreuse-store-dma)  # noreuse-ahead with stores as 2D copies (no gather kernel) against the
       # staged default, AB_ROUNDS processes each, alternating
       for r in $(seq "${AB_ROUNDS:-2}"); do
-        for how in staged dma; do
+        for how in ${DMA_ARMS:-staged dma}; do
           extra=()
           [ "$how" = dma ] && extra=(--store-dma)
+          [ "$how" = dma-batch ] && extra=(--store-dma --pitched-batch)
           run "noreuse_store_$how$r" 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
             --scenario noreuse --repeat "${REPEAT:-9}" --step-parts --async-scheduling \
             "${extra[@]}" --json "$OUT/noreuse_store_$how$r.json"

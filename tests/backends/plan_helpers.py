@@ -69,3 +69,14 @@ def assert_within_chunks(
         first = (at - cpu_base) // block_bytes
         last = (at + n - 1 - cpu_base) // block_bytes
         assert first // chunk_blocks == last // chunk_blocks, (at, n, chunk_blocks)
+
+
+def run_ids(lengths: list[int], gaps: list[int]) -> np.ndarray:
+    """CPU ids in ascending runs of ``lengths`` blocks, ``gaps[i]`` ids skipped before run i."""
+    ids: list[int] = []
+    at = 0
+    for n, gap in zip(lengths, gaps, strict=True):
+        at += gap
+        ids += range(at, at + n)
+        at += n
+    return np.array(ids, dtype=np.int64)

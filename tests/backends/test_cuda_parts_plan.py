@@ -3,7 +3,6 @@ or one 2D copy per run of CPU blocks, on a simulated address space, and their st
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,10 +14,10 @@ from tests.backends.plan_helpers import (
     apply,
     flash_table,
     reference_block,
+    run_ids,
     simulated_memory,
 )
 
-from kvflow.backends.cuda import driver as drv
 from kvflow.backends.cuda.plan import (
     PITCHED_MIN_ROWS,
     CopyList,
@@ -28,7 +27,7 @@ from kvflow.backends.cuda.plan import (
     part_plan,
 )
 from kvflow.backends.cuda.ring_plan import ring_plan
-from kvflow.errors import BackendError, ConfigError
+from kvflow.errors import ConfigError
 
 
 @settings(max_examples=60, deadline=None)
@@ -183,17 +182,6 @@ def test_ring_plan_places_sub_batches_on_the_slots_in_turn(
     assert isinstance(dma, CopyList) == (ids == "ascending tuple" and regions is None)
 
 
-def run_ids(lengths: list[int], gaps: list[int]) -> np.ndarray:
-    """CPU ids in ascending runs of ``lengths`` blocks, ``gaps[i]`` ids skipped before run i."""
-    ids: list[int] = []
-    at = 0
-    for n, gap in zip(lengths, gaps, strict=True):
-        at += gap
-        ids += range(at, at + n)
-        at += n
-    return np.array(ids, dtype=np.int64)
-
-
 @settings(max_examples=150, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 12), min_size=1, max_size=6),
@@ -272,109 +260,3 @@ def test_short_runs_keep_one_copy_per_block() -> None:
     assert plan.dma.rows.tolist() == [8, 8]
     assert plan.dma.cpu_pitch == table.block_bytes
     assert plan.dma.width == table.span_bytes(0, 2)
-
-
-def test_the_2d_copy_parameters_have_cuda_h_layout() -> None:
-    """The ctypes ``CUDA_MEMCPY2D`` is the 128-byte struct of ``cuda.h``, each field at its
-    offset (the driver reads it raw)."""
-    s = drv._Memcpy2D
-    assert ctypes.sizeof(s) == 128
-    offsets = {field[0]: getattr(s, field[0]).offset for field in s._fields_}
-    assert offsets == {
-        "srcXInBytes": 0,
-        "srcY": 8,
-        "srcMemoryType": 16,
-        "srcHost": 24,
-        "srcDevice": 32,
-        "srcArray": 40,
-        "srcPitch": 48,
-        "dstXInBytes": 56,
-        "dstY": 64,
-        "dstMemoryType": 72,
-        "dstHost": 80,
-        "dstDevice": 88,
-        "dstArray": 96,
-        "dstPitch": 104,
-        "WidthInBytes": 112,
-        "Height": 120,
-    }
-
-
-class EmulatedDriver:
-    """``libcuda``'s ``cuMemcpy2DAsync_v2`` emulated on host memory: it reads the parameter
-    struct as the driver does (unified addresses, pitches, offsets) and copies row by row."""
-
-    def __init__(self, fail_with: int = 0) -> None:
-        self.calls: list[tuple[int, int, int]] = []
-        self.fail_with = fail_with
-        proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-        self.cuMemcpy2DAsync_v2 = proto(self._copy)
-
-    def _copy(self, params: int, stream: int | None) -> int:
-        p = drv._Memcpy2D.from_address(params)
-        self.calls.append((int(stream or 0), p.Height, p.WidthInBytes))
-        unified = p.srcMemoryType == p.dstMemoryType == 4  # CU_MEMORYTYPE_UNIFIED
-        # An exception would not leave a ctypes callback: a bad struct is the driver's error.
-        if self.fail_with or not unified or min(p.srcPitch, p.dstPitch) < p.WidthInBytes:
-            return self.fail_with or 1  # CUDA_ERROR_INVALID_VALUE
-        for r in range(p.Height):
-            ctypes.memmove(
-                p.dstDevice + p.dstXInBytes + (p.dstY + r) * p.dstPitch,
-                p.srcDevice + p.srcXInBytes + (p.srcY + r) * p.srcPitch,
-                p.WidthInBytes,
-            )
-        return 0
-
-
-@pytest.mark.parametrize("store", [True, False])
-def test_the_2d_copy_call_gives_the_driver_the_plans_rows(
-    monkeypatch: pytest.MonkeyPatch, store: bool
-) -> None:
-    """``Memcpy2D`` fills ``CUDA_MEMCPY2D`` so that a driver reading it (emulated here on host
-    memory) copies exactly the plan's rows, sub-batch by sub-batch on a ring of real addresses,
-    the CPU block as the pitch on the CPU side and the part's bytes on the staging side."""
-    fake = EmulatedDriver()
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
-    table = flash_table(3, 64, 16)  # 96-byte blocks; regions 2..6: 64 bytes of them
-    cpu_blocks, slot_bytes, nslots = 80, 64 * 16, 3
-    rng = np.random.default_rng(5)
-    memory = rng.integers(0, 256, cpu_blocks * table.block_bytes + nslots * slot_bytes, np.uint8)
-    base = memory.ctypes.data
-    reference, original = memory.copy(), memory.copy()
-    cpu = run_ids([9, 6, 12], [2, 5, 1])
-    placed = ring_plan(
-        table,
-        cpu,
-        base,
-        regions=(2, 6),
-        ring=(base + cpu_blocks * table.block_bytes, slot_bytes, 1, nslots),
-        max_blocks=512,
-        chunk_blocks=32,
-        ramp_bytes=0,
-        store=store,
-    )
-    assert isinstance(placed.dma, Pitched)
-    copy = drv.Memcpy2D()
-    for k in range(placed.num_subbatches):
-        lo, hi = placed.desc_bounds[k], placed.desc_bounds[k + 1]
-        copy(placed.dma, 7, lo, hi)
-        apply(reference, placed.dma.slice(lo, hi), -base, -base)
-    assert [c[1] for c in fake.calls] == placed.dma.rows.tolist()
-    assert {(c[0], c[2]) for c in fake.calls} == {(7, table.span_bytes(2, 6))}
-    assert np.array_equal(memory, reference)
-    assert not np.array_equal(memory, original)
-
-
-def test_a_failed_2d_copy_is_a_backend_error_naming_its_rows(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A 2D copy the driver refuses raises ``BackendError`` naming the call, its rows and width,
-    and issues nothing after it."""
-    fake = EmulatedDriver(fail_with=1)  # CUDA_ERROR_INVALID_VALUE
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
-    table = flash_table(2, 64, 16)
-    plan = part_plan(table, 0, 2, run_ids([8, 8], [1, 1]), 1 << 20, blocks_per_slot=64, store=False)
-    assert isinstance(plan.dma, Pitched)
-    with pytest.raises(BackendError, match=r"cuMemcpy2DAsync \(8 rows of 32 bytes\) failed"):
-        drv.Memcpy2D()(plan.dma, 0)
-    assert len(fake.calls) == 1

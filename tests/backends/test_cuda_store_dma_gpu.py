@@ -32,20 +32,30 @@ def counting_2d_copies(backend: Any, monkeypatch: pytest.MonkeyPatch) -> list[in
     return calls
 
 
+@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("runs", [True, False])
 @pytest.mark.parametrize("chunk", [4 * KiB, 16 * KiB])
 @pytest.mark.parametrize("style", ["flash", "mla", "cross"])
 def test_a_store_in_runs_goes_as_2d_copies_and_round_trips(
-    make_backend: Any, monkeypatch: pytest.MonkeyPatch, style: str, chunk: int, runs: bool
+    make_backend: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    style: str,
+    chunk: int,
+    runs: bool,
+    batched: bool,
 ) -> None:
     """With ``store_dma`` a store whose blocks come in runs on both sides (crossing pinned
-    chunks of eight blocks) is issued as 2D copies, scattered blocks take the usual path; either
-    way every CPU block holds its GPU block's pages in block-major order, and a load brings
-    them back byte-exact."""
+    chunks of eight blocks) is issued as 2D copies, in one ``cuMemcpy3DBatchAsync`` or one
+    ``cuMemcpy2DAsync`` each, scattered blocks take the usual path; either way every CPU block
+    holds its GPU block's pages in block-major order, and a load brings them back byte-exact."""
     n = 48
     kv = make_kv(style, torch.bfloat16, chunk, n)
     per_block = block_bytes(kv, style, 0).numel()
-    backend = make_backend(store_dma=True, register_chunk_bytes=8 * per_block)
+    backend = make_backend(
+        store_dma=True, register_chunk_bytes=8 * per_block, pitched_batch=batched
+    )
+    # A CUDA 12.8+ driver resolves the batched call; without it the backend copies one by one.
+    assert (backend._memcpy2d.batch is not None) == batched, backend.batch_3d_error
     backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([40])
     assert backend.cpu_tier.chunk_blocks(0) == 8

@@ -138,10 +138,17 @@ def test_noreuse_bench_on_null_copies_times_each_connector_method(tmp_path: Path
     assert bench_engine_offload.main(["--scenario", "reload", "--null-copies"]) == 2
 
 
-def test_engine_offload_bench_refuses_store_dma_off_cuda() -> None:
-    """Stores as 2D copies are the CUDA backend's: asked for on the host, the bench exits with
-    status 2 before building anything."""
-    assert bench_engine_offload.main(["--scenario", "noreuse", "--store-dma"]) == 2
+@pytest.mark.parametrize("flag", ["--store-dma", "--pitched-batch"])
+def test_engine_offload_bench_refuses_cuda_copy_options_off_cuda(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stores as 2D copies and batched 2D copies are the CUDA backend's: asked for on the host,
+    the bench exits with status 2 and a one-line error naming the option, before building
+    anything."""
+    assert bench_engine_offload.main(["--scenario", "noreuse", flag]) == 2
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"bench_engine_offload: {flag} is the CUDA backend's, without --null-copies"
+    ]
 
 
 def test_copy_contention_bench_says_it_needs_cuda() -> None:
@@ -303,7 +310,7 @@ def test_store_beside_compute_bench_takes_the_suites_gather_widths() -> None:
     ones; a width of zero is a usage error (exit 2)."""
     args = bench_store_beside_compute.parse_args(["--gather-ctas", "64,132,264"])
     assert bench_store_beside_compute.variants(args.gather_ctas) == [
-        "none", "staged/64", "staged/132", "staged/264", "2d", "2d-split", "contiguous",
+        "none", "staged/64", "staged/132", "staged/264", "2d", "2d-batch", "2d-split", "contiguous",
     ]  # fmt: skip
     with pytest.raises(SystemExit) as exc:
         bench_store_beside_compute.parse_args(["--gather-ctas", "64,0"])

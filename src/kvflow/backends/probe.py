@@ -44,13 +44,15 @@ def _check(result: Any) -> Any:
 
 
 def resolve_batch_memcpy(
-    driver: Any, abis: tuple[int, ...] = BATCH_MEMCPY_ABIS
+    driver: Any, abis: tuple[int, ...] = BATCH_MEMCPY_ABIS, name: bytes = b"cuMemcpyBatchAsync"
 ) -> tuple[int | None, int | None]:
-    """(ABI version, function address) of ``cuMemcpyBatchAsync``, first of ``abis`` that resolves."""
+    """(ABI version, function address) of the driver function ``name`` (``cuMemcpyBatchAsync``
+    or ``cuMemcpy3DBatchAsync``, whose ABIs changed alike in 13.0), first of ``abis`` that
+    resolves."""
     for abi in abis:
         try:
             result = driver.cuGetProcAddress(
-                b"cuMemcpyBatchAsync", abi, driver.CUflags(0) if hasattr(driver, "CUflags") else 0
+                name, abi, driver.CUflags(0) if hasattr(driver, "CUflags") else 0
             )
         except Exception:
             continue

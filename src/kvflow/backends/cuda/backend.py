@@ -36,6 +36,7 @@ from kvflow.backends.cuda.issue import BatchIssue
 from kvflow.backends.cuda.jobs import JobThread
 from kvflow.backends.cuda.kernels import PIECE_BYTES, StageKernel
 from kvflow.backends.cuda.pinned import PinnedTier
+from kvflow.backends.cuda.pitched_copy import Memcpy3DBatch, PitchedCopier
 from kvflow.backends.cuda.plan import (
     RegionTable,
     group_work,
@@ -87,7 +88,18 @@ class CudaBackend(BatchIssue):
                 )
         else:
             self.batch_error = "disabled by CudaConfig.use_batch_memcpy"
-        self._memcpy2d = drv.Memcpy2D()
+        batch_3d: Memcpy3DBatch | None = None
+        self.batch_3d_error: str | None = "disabled by CudaConfig.pitched_batch"
+        if self.config.pitched_batch:
+            try:
+                batch_3d = Memcpy3DBatch.resolve(self._ctx.driver_version, device)
+                self.batch_3d_error = None
+            except BackendError as exc:
+                self.batch_3d_error = str(exc)
+                log.warning(
+                    "cuda_batch_3d_unavailable", reason=str(exc), fallback="cuMemcpy2DAsync"
+                )
+        self._memcpy2d = PitchedCopier(batch_3d, self.config.batch_min_copies)
         self._lanes = {
             d: Lane(
                 dma=drv.lowest_priority_stream(),

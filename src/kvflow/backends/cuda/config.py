@@ -64,6 +64,13 @@ class CudaConfig:
     GB/s against the staged path's 49 at 16 KiB pages on an H100
     (``scripts/bench_store_beside_compute.py``, docs/benchmarks.md, thirty-sixth session). Off
     by default: not yet measured in an engine. Loads keep their path (their copies are awaited)."""
+    pitched_batch: bool = False
+    """The 2D copies of one call (a staged load's part, a ``store_dma`` store) go as one
+    ``cuMemcpy3DBatchAsync`` where the driver has it (CUDA 12.8+) and the call holds at least
+    ``batch_min_copies`` of them, instead of one ``cuMemcpy2DAsync`` each (what False, or an
+    older driver, gets): a 256-block ``store_dma`` store is 128 such calls, about 520 µs of
+    the host's time on an H100 (docs/benchmarks.md, thirty-eighth session). Off by default
+    until it has run on a GPU."""
     completion_threads: bool = True
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,

@@ -1,5 +1,5 @@
 """Thin helpers over cuda-python's driver bindings: error checks, context, streams, events, and
-the raw ``cuMemcpyBatchAsync`` and ``cuMemcpy2DAsync`` calls.
+the raw ``cuMemcpyBatchAsync`` call (2D copies: ``pitched_copy``).
 
 cuda-python's own ``cuMemcpyBatchAsync`` wrapper takes Python lists of pointer objects, far too
 slow for tens of thousands of descriptors per step. So the function pointer is resolved through
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.backends.cuda.plan import CopyList, Descriptors, Pitched
+from kvflow.backends.cuda.plan import CopyList, Descriptors
 from kvflow.backends.probe import BATCH_MEMCPY_ABIS, resolve_batch_memcpy
 from kvflow.errors import BackendError
 
@@ -203,7 +203,7 @@ def wait(stream: Any, event: Any) -> None:
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
-def _failed(what: str, err: int) -> BackendError:
+def failed(what: str, err: int) -> BackendError:
     name = str(err)
     if cu is not None:
         with contextlib.suppress(ValueError):
@@ -234,14 +234,14 @@ class RawCalls:
     def record(self, event: int, stream: int) -> None:
         err = self._record(event, stream)
         if err:
-            raise _failed("cuEventRecord", err)
+            raise failed("cuEventRecord", err)
 
     def wait(self, stream: int, event: int) -> None:
         """``stream`` waits for the most recent record of ``event`` (once this returns, the
         event may be recorded again without changing what the stream waits for)."""
         err = self._wait(stream, event, 0)
         if err:
-            raise _failed("cuStreamWaitEvent", err)
+            raise failed("cuStreamWaitEvent", err)
 
     def query(self, event: int) -> bool:
         """Has ``event``'s most recent record completed (True for one never recorded)?"""
@@ -250,14 +250,14 @@ class RawCalls:
             return True
         if err == _NOT_READY:
             return False
-        raise _failed("cuEventQuery", err)
+        raise failed("cuEventQuery", err)
 
     def launch(self, function: int, grid: int, block: int, stream: int, params: int) -> None:
         """Launch ``function`` on a 1-D grid; ``params`` is the address of its array of
         parameter pointers (the driver copies the parameters before this returns)."""
         err = self._launch(function, grid, 1, 1, block, 1, 1, 0, stream, params, None)
         if err:
-            raise _failed("cuLaunchKernel", err)
+            raise failed("cuLaunchKernel", err)
 
 
 _raw_calls: RawCalls | None = None
@@ -386,69 +386,6 @@ class BatchMemcpy:
             )
 
 
-class _Memcpy2D(ctypes.Structure):
-    """``CUDA_MEMCPY2D`` (``cuda.h``); ctypes pads after the two memory-type enums as C does."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t),
-        ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t),
-        ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-    ]
-
-
-_MEMORYTYPE_UNIFIED = 4  # CU_MEMORYTYPE_UNIFIED: a UVA address, host or device
-
-
-class Memcpy2D:
-    """``cuMemcpy2DAsync`` through ctypes on one reused parameter struct (the driver reads it
-    before the call returns): a part's run of CPU blocks (or a region's run of blocks, for a
-    store without staging) is one call, where cuda-python would build a struct object per call.
-    Addresses go as unified (UVA) addresses: the pinned tier's, the staging ring's and the KV
-    cache's alike."""
-
-    def __init__(self) -> None:
-        fn = ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        self._fn = fn
-        self._params = _Memcpy2D()
-        self._params.srcMemoryType = self._params.dstMemoryType = _MEMORYTYPE_UNIFIED
-        self._ptr = ctypes.addressof(self._params)
-
-    def __call__(self, copies: Pitched, stream: Any, lo: int = 0, hi: int = -1) -> None:
-        """Copies ``lo:hi`` of ``copies`` on ``stream``, one driver call each."""
-        hi = len(copies) if hi < 0 else hi
-        p = self._params
-        width = copies.width
-        p.WidthInBytes = width
-        gpu_pitch = copies.gpu_pitch or width
-        p.srcPitch, p.dstPitch = (
-            (gpu_pitch, copies.cpu_pitch) if copies.store else (copies.cpu_pitch, gpu_pitch)
-        )
-        handle = int(stream)
-        rows = copies.rows[lo:hi].tolist()
-        for d, s, h in zip(
-            copies.dst[lo:hi].tolist(), copies.src[lo:hi].tolist(), rows, strict=True
-        ):
-            p.dstDevice, p.srcDevice, p.Height = d, s, h
-            err = self._fn(self._ptr, handle)
-            if err:
-                raise _failed(f"cuMemcpy2DAsync ({h} rows of {width} bytes)", err)
-
-
 def memcpy_each(desc: Descriptors | CopyList, stream: Any) -> None:
     """The fallback without ``cuMemcpyBatchAsync``: one ``cuMemcpyAsync`` per descriptor."""
     for d, s, n in zip(*desc.lists(), strict=True):
@@ -461,7 +398,6 @@ __all__ = [
     "Context",
     "CopyAttributes",
     "EventPool",
-    "Memcpy2D",
     "RawCalls",
     "check",
     "choose_abi",
@@ -469,6 +405,7 @@ __all__ = [
     "elapsed_s",
     "event_query",
     "event_synchronize",
+    "failed",
     "lowest_priority_stream",
     "memcpy_each",
     "new_event",

@@ -21,6 +21,7 @@ from kvflow.backends.cuda.config import CudaConfig
 from kvflow.backends.cuda.jobs import JobThread
 from kvflow.backends.cuda.kernels import MAX_IDS, PIECE_BYTES, StageKernel
 from kvflow.backends.cuda.pinned import PinnedTier
+from kvflow.backends.cuda.pitched_copy import PitchedCopier
 from kvflow.backends.cuda.plan import (
     Copies,
     CopyList,
@@ -58,7 +59,7 @@ class BatchIssue:
     _waiters: dict[Direction, JobThread]
     _wakeup: Callable[[], None] | None
     _batch: drv.BatchMemcpy | None
-    _memcpy2d: drv.Memcpy2D
+    _memcpy2d: PitchedCopier
     _kernel: StageKernel | None
     _table_dev: list[Any]
     _kernel_rows: list[int]
@@ -225,7 +226,7 @@ class BatchIssue:
             waiter.put(functools.partial(self._await, fence))
 
     def _copy(self, desc: Copies, lane: Lane, stream: Any, lo: int = 0, hi: int = -1) -> None:
-        """Copy ``lo:hi`` of ``desc`` on ``stream``: 2D copies one driver call each; plain
+        """Copy ``lo:hi`` of ``desc`` on ``stream``: 2D copies through ``PitchedCopier``; plain
         descriptors in one batched driver call, or for a few copies (or without
         ``cuMemcpyBatchAsync``) one ``cuMemcpyAsync`` each."""
         hi = len(desc) if hi < 0 else hi
