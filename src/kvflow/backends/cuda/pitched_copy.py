@@ -65,10 +65,7 @@ class Memcpy2D:
         p = self._params
         width = copies.width
         p.WidthInBytes = width
-        gpu_pitch = copies.gpu_pitch or width
-        p.srcPitch, p.dstPitch = (
-            (gpu_pitch, copies.cpu_pitch) if copies.store else (copies.cpu_pitch, gpu_pitch)
-        )
+        p.srcPitch, p.dstPitch = copies.pitches
         handle = int(stream)
         rows = copies.rows[lo:hi].tolist()
         for d, s, h in zip(
@@ -127,10 +124,7 @@ def batch_ops(copies: Pitched, device: int, lo: int = 0, hi: int = -1) -> np.nda
     hi = len(copies) if hi < 0 else hi
     rows = copies.rows[lo:hi]
     ops = np.zeros(len(rows), dtype=BATCH_OP)
-    gpu_pitch = copies.gpu_pitch or copies.width
-    src_pitch, dst_pitch = (
-        (gpu_pitch, copies.cpu_pitch) if copies.store else (copies.cpu_pitch, gpu_pitch)
-    )
+    src_pitch, dst_pitch = copies.pitches
     src_loc, dst_loc = (
         (_LOCATION_DEVICE, _LOCATION_HOST) if copies.store else (_LOCATION_HOST, _LOCATION_DEVICE)
     )

@@ -524,6 +524,12 @@ class Pitched:
     def total_bytes(self) -> int:
         return int(self.rows.sum()) * self.width
 
+    @property
+    def pitches(self) -> tuple[int, int]:
+        """(source pitch, destination pitch) in bytes: a store reads the GPU side."""
+        gpu_pitch = self.gpu_pitch or self.width
+        return (gpu_pitch, self.cpu_pitch) if self.store else (self.cpu_pitch, gpu_pitch)
+
     def slice(self, lo: int, hi: int) -> Pitched:
         return evolve(self, dst=self.dst[lo:hi], src=self.src[lo:hi], rows=self.rows[lo:hi])
 
