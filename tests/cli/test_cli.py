@@ -23,7 +23,8 @@ def test_version_flag_prints_the_version(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_doctor_reports_every_check_as_a_table() -> None:
-    """`kvflow doctor` prints Python, torch, CUDA, batched-copy support and the backend it picks."""
+    """`kvflow doctor` prints Python, torch, CUDA, batched-copy support (1D and 2D) and the
+    backend it picks."""
     console = Console(record=True, width=200)
     assert run_doctor(console) == 0
     text = console.export_text()
@@ -33,6 +34,7 @@ def test_doctor_reports_every_check_as_a_table() -> None:
         "torch",
         "CUDA driver",
         "cuMemcpyBatchAsync",
+        "cuMemcpy3DBatchAsync",
         "default backend",
         "vllm",
         "matplotlib",
@@ -51,6 +53,23 @@ def test_doctor_without_a_gpu_picks_the_host_backend() -> None:
         pytest.skip("this machine has CUDA")
     rows = {name: value for name, value, _ in doctor_rows()}
     assert rows["default backend"].startswith("host")
+
+
+@pytest.mark.parametrize("abi_3d", [13000, None])
+def test_doctor_says_whether_the_driver_batches_2d_copies(
+    monkeypatch: pytest.MonkeyPatch, abi_3d: int | None
+) -> None:
+    """With a GPU the doctor reports ``cuMemcpy3DBatchAsync`` (what ``CudaConfig.pitched_batch``
+    needs) by its ABI, or says that 2D copies then go one call each."""
+    from kvflow.backends.probe import CudaProbe
+    from kvflow.cli import doctor
+
+    gpu = CudaProbe(True, 13000, 1, "Test GPU", 13000, None, abi_3d)
+    monkeypatch.setattr(doctor, "probe_cuda", lambda: gpu)
+    rows = {name: (value, level) for name, value, level in doctor_rows()}
+    want = ("yes (ABI 13000)", "ok") if abi_3d else ("no: 2D copies one call each", "info")
+    assert rows["cuMemcpy3DBatchAsync"] == want
+    assert rows["cuMemcpyBatchAsync"] == ("yes (ABI 13000)", "ok")
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,6 +23,7 @@ class CudaProbe:
     device_name: str | None
     batch_memcpy_abi: int | None  # the newest ABI in BATCH_MEMCPY_ABIS the driver resolves
     error: str | None
+    batch_3d_abi: int | None = None  # the same for ``cuMemcpy3DBatchAsync``
 
     @property
     def available(self) -> bool:
@@ -82,7 +83,8 @@ def probe_cuda() -> CudaProbe:
             raw = _check(driver.cuDeviceGetName(256, dev))
             name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
         abi, _ = resolve_batch_memcpy(driver)
-        return CudaProbe(True, version, count, name, abi, None)
+        abi_3d, _ = resolve_batch_memcpy(driver, name=b"cuMemcpy3DBatchAsync")
+        return CudaProbe(True, version, count, name, abi, None, abi_3d)
     except Exception as exc:
         return CudaProbe(True, None, 0, None, None, f"CUDA driver query failed: {exc}")
 

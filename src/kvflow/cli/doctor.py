@@ -117,10 +117,15 @@ def doctor_rows() -> list[tuple[str, str, str]]:
             rows.append(("cuMemcpyBatchAsync", f"yes (ABI {probe.batch_memcpy_abi})", "ok"))
         else:
             rows.append(("cuMemcpyBatchAsync", "no: per-chunk cudaMemcpyAsync fallback", "warn"))
+        if probe.batch_3d_abi is not None:
+            rows.append(("cuMemcpy3DBatchAsync", f"yes (ABI {probe.batch_3d_abi})", "ok"))
+        else:
+            rows.append(("cuMemcpy3DBatchAsync", "no: 2D copies one call each", "info"))
         rows.append(("default backend", "cuda", "ok"))
     else:
         rows.append(("CUDA driver", probe.error or "not found", "info"))
         rows.append(("cuMemcpyBatchAsync", "no GPU", "info"))
+        rows.append(("cuMemcpy3DBatchAsync", "no GPU", "info"))
         rows.append(("default backend", "host (CPU copies on a thread)", "ok"))
     rows.extend(optional_rows())
     rows.extend(pd_rows())
