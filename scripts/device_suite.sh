@@ -8,7 +8,8 @@
 #   scripts/device_suite.sh                 # everything: longer than one device call, so split it
 #   STEPS="tests reload" scripts/device_suite.sh   # with STEPS (a call: at most 10 minutes)
 #
-# Steps: tests, tests-engine (the engine's GPU tests and the offload connector's through it),
+# Steps: tests, tests-backends (the backends' GPU tests only), tests-engine (the engine's GPU
+# tests and the offload connector's through it),
 # step (one decode step, eager vs CUDA graphs), step-shapes (the decode step with
 # the offload connector at 1x1024, 2x6400, 8x2048 and 8x8192), reload (16k reload and 0 % reuse),
 # noreuse-lazy / noreuse-thread (0 % reuse with the lazy policy / the worker loop on a thread of
@@ -73,6 +74,8 @@ multi=(--users 8 --rounds 4 --system 2048 --first-question 4096 --question 256 -
 for step in $STEPS; do
   case $step in
     tests) run gpu_tests 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider ;;
+    tests-backends)  # the backends' GPU tests only: a short call for a change to a backend
+      run gpu_tests_backends 200 python3 -m pytest -m gpu tests/backends -q -p no:cacheprovider ;;
     tests-engine)  # the engine's GPU tests and the offload connector's through it
       run gpu_tests_engine 240 python3 -m pytest -m gpu tests/engine \
         tests/connector/test_offload_gpu.py -q -x -p no:cacheprovider ;;
