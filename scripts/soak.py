@@ -233,11 +233,18 @@ class Soak:
                 self.tally.violation("a round did not finish in 20000 steps")
                 return
         for rid, (prompt, _) in zip(got_ids, batch, strict=True):
-            out = self.engine.take_result(rid).output_token_ids
+            result = self.engine.take_result(rid)
+            out = result.output_token_ids
             self.history = [*self.history[-31:], [*prompt, *out]]
             self.tally.outputs_checked += 1
             if out != want[rid]:
-                self.tally.violation(f"{rid}: output {out} differs from no-offload {want[rid]}")
+                # What the request went through, to tell a bad load from a bad store or resume.
+                self.tally.violation(
+                    f"{rid}: output {out} differs from no-offload {want[rid]} (prompt "
+                    f"{result.prompt_len} tokens, GPU hit {result.gpu_cached_tokens}, loaded "
+                    f"{result.external_loaded_tokens}, recomputed {result.recomputed_tokens}, "
+                    f"preempted {result.num_preemptions} times)"
+                )
         self._check_idle()
         self.tally.rounds += 1
 
