@@ -475,3 +475,22 @@ def test_a_step_where_nothing_settled_gets_the_one_empty_outcome(make_sim: MakeS
     assert out is not NO_OUTCOME
     assert len(out.committed) == 1
     assert sim.mgr.update_from_reports([StepReport(0)]) is NO_OUTCOME
+
+
+def test_a_planned_load_names_the_gpu_blocks_it_writes_and_its_first_token(
+    make_sim: MakeSim,
+) -> None:
+    """The debug event of a planned load says which GPU blocks it writes and from which
+    computed token, the load's own ids: what a trace needs to find a load that wrote where
+    another request read."""
+    sim = make_sim(ONE_GROUP, fence_loads="never")
+    sim.stored("a", range(10))
+    b = sim.add("b", [*range(10), 99])
+    with capture_logs() as logs:
+        assert sim.match(b) == (8, True)
+        sim.alloc(b, 8, 8)
+        (load,) = sim.step(new=[(b, 0)]).loads
+    (planned,) = [e for e in logs if e["event"] == "offload_load_planned"]
+    assert planned["gpu_block_ids"] == load.gpu_block_ids
+    assert planned["num_computed_tokens"] == 0
+    assert planned["transfer_id"] == load.transfer_id

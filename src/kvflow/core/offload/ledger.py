@@ -170,6 +170,10 @@ class TransferLedger:
                 request_id=st.request.request_id,
                 transfer_id=xfer.transfer.transfer_id,
                 num_blocks=xfer.spec.num_blocks,
+                # Which GPU blocks it writes, from which token: what a trace needs to find a
+                # load that wrote where another request read.
+                num_computed_tokens=m.num_computed_tokens,
+                gpu_block_ids=gpu,
             )
 
     # ---- creating and launching ---------------------------------------------------------------
