@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvflow.backends.cuda.config import CudaConfig
 from kvflow.backends.select import make_backend
 from kvflow.bench.multi_round import block_bytes_per_group, offload_engine
 from kvflow.cli.bench_report import STEP_PART_LABELS
@@ -50,6 +51,11 @@ try:  # imported as part of the scripts package (tests), or run as a file
     from scripts.connector_rig import NullCopies
 except ImportError:
     from connector_rig import NullCopies  # type: ignore[import-not-found,no-redef]
+
+
+def store_dma(args: argparse.Namespace) -> bool:
+    """Whether the offload engine's CUDA stores go as 2D copies (``--store``, else the default)."""
+    return CudaConfig().store_dma if args.store is None else args.store == "dma"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -100,10 +106,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "checked: 0 %% reuse only): kvflow's own host work, on any machine",
     )
     p.add_argument(
-        "--store-dma",
-        action="store_true",
-        help="CUDA: stores as 2D copies straight from the KV cache, no gather kernel "
-        "(CudaConfig.store_dma)",
+        "--store",
+        choices=("staged", "dma"),
+        help="CUDA: stores through the staging ring's gather kernel, or as 2D copies straight "
+        "from the KV cache (CudaConfig.store_dma); default: the backend's default",
     )
     p.add_argument(
         "--pitched-batch",
@@ -167,13 +173,13 @@ class Bench:
         args = self.args
         if args.null_copies:
             return NullCopies()
-        if not (args.store_dma or args.pitched_batch):
+        if args.store is None and not args.pitched_batch:
             return None
         return make_backend(
             "cuda",
             args.device,
             inline=args.worker_loop == "inline",
-            cuda_options={"store_dma": args.store_dma, "pitched_batch": args.pitched_batch},
+            cuda_options={"store_dma": store_dma(args), "pitched_batch": args.pitched_batch},
         )
 
     def prompt(self, n: int, seed: int) -> list[int]:
@@ -413,7 +419,7 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         "blocks_stored_last_run": stats.blocks_stored,
         "step_parts": {"off": mean_parts(parts[False]), "on": mean_parts(parts[True])},
         "null_copies": args.null_copies,
-        "store_dma": args.store_dma,
+        "store_dma": store_dma(args),
         "pitched_batch": args.pitched_batch,
         # Per public method of the connector, offload on: calls and ms per run, µs per call.
         "on_calls": {
@@ -484,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.null_copies and args.scenario != "noreuse":
         print("bench_engine_offload: --null-copies moves no bytes: use it with --scenario noreuse")
         return 2
-    for flag, on in (("--store-dma", args.store_dma), ("--pitched-batch", args.pitched_batch)):
+    for flag, on in (("--store", args.store is not None), ("--pitched-batch", args.pitched_batch)):
         if on and (args.null_copies or not args.device.startswith("cuda")):
             print(f"bench_engine_offload: {flag} is the CUDA backend's, without --null-copies")
             return 2

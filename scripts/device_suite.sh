@@ -29,7 +29,8 @@
 # kvflow bench's bf16 workload with --step-parts, this tree against BASE_SRC, AB_ROUNDS each,
 # default 2, alternating), multiround-trees (that workload on each tree of TREES, "name=src-dir"
 # pairs, AB_ROUNDS each, alternating), multiround-issue (the same over this tree as it is, with
-# CudaConfig.pitched_parts off, and with defer_parts on), multiround-fence (that workload with --fence-loads never and idle,
+# CudaConfig.pitched_parts off, and with defer_parts on), multiround-store (the same, stores as 2D
+# copies against staged), multiround-fence (that workload with --fence-loads never and idle,
 # AB_ROUNDS each, alternating), multiround-parts (that workload's fenced loads whole and in
 # LOAD_PARTS parts by layer, default 4 (a list: each), AB_ROUNDS each, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
@@ -106,13 +107,12 @@ for step in $STEPS; do
       run noreuse_ahead_fp32 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
         --scenario noreuse --repeat "${REPEAT:-9}" --dtype float32 --async-scheduling \
         --json "$OUT/noreuse_ahead_fp32.json" ;;
-    noreuse-store-dma)  # noreuse-ahead with stores as 2D copies (no gather kernel) against the
-      # staged default, AB_ROUNDS processes each, alternating
+    noreuse-store-dma)  # noreuse-ahead with stores as 2D copies (no gather kernel) against
+      # stores staged (the default), AB_ROUNDS processes each, alternating
       for r in $(seq "${AB_ROUNDS:-2}"); do
         for how in ${DMA_ARMS:-staged dma}; do
-          extra=()
-          [ "$how" = dma ] && extra=(--store-dma)
-          [ "$how" = dma-batch ] && extra=(--store-dma --pitched-batch)
+          extra=(--store "${how%-batch}")
+          [ "$how" = dma-batch ] && extra+=(--pitched-batch)
           run "noreuse_store_$how$r" 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
             --scenario noreuse --repeat "${REPEAT:-9}" --step-parts --async-scheduling \
             "${extra[@]}" --json "$OUT/noreuse_store_$how$r.json"
@@ -168,11 +168,20 @@ for step in $STEPS; do
           fi
         done
       done ;;
-    multiround-issue | multiround-trees)
+    multiround-issue | multiround-trees | multiround-store)
       # multiround-issue: this tree's CUDA issue of a load's parts as it is, with
       # CudaConfig.pitched_parts off (one descriptor per block), and with defer_parts on (copies
-      # of src/ with those defaults flipped); multiround-trees: each tree of TREES.
+      # of src/ with those defaults flipped); multiround-trees: each tree of TREES;
+      # multiround-store: this tree with stores as 2D copies (store_dma on) against as it is.
       trees=${TREES:-new=src}
+      if [ "$step" = multiround-store ]; then
+        cfg=kvflow/backends/cuda/config.py
+        rm -rf /tmp/kvflow-dma && mkdir -p /tmp/kvflow-dma && cp -r src /tmp/kvflow-dma/
+        sed -i 's/^    store_dma: bool = False$/    store_dma: bool = True/' "/tmp/kvflow-dma/src/$cfg"
+        grep -q "store_dma: bool = True" "/tmp/kvflow-dma/src/$cfg" \
+          || { echo "!! multiround-store: could not flip CudaConfig.store_dma"; status=1; continue; }
+        trees="dma=/tmp/kvflow-dma/src staged=src"
+      fi
       if [ "$step" = multiround-issue ]; then
         cfg=kvflow/backends/cuda/config.py
         for v in per-block deferred; do

@@ -138,14 +138,15 @@ def test_noreuse_bench_on_null_copies_times_each_connector_method(tmp_path: Path
     assert bench_engine_offload.main(["--scenario", "reload", "--null-copies"]) == 2
 
 
-@pytest.mark.parametrize("flag", ["--store-dma", "--pitched-batch"])
+@pytest.mark.parametrize("flags", [["--store", "dma"], ["--store", "staged"], ["--pitched-batch"]])
 def test_engine_offload_bench_refuses_cuda_copy_options_off_cuda(
-    flag: str, capsys: pytest.CaptureFixture[str]
+    flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Stores as 2D copies and batched 2D copies are the CUDA backend's: asked for on the host,
-    the bench exits with status 2 and a one-line error naming the option, before building
+    """The store path and batched 2D copies are the CUDA backend's: asked for on the host, the
+    bench exits with status 2 and a one-line error naming the option, before building
     anything."""
-    assert bench_engine_offload.main(["--scenario", "noreuse", flag]) == 2
+    flag = flags[0]
+    assert bench_engine_offload.main(["--scenario", "noreuse", *flags]) == 2
     assert capsys.readouterr().out.strip().splitlines() == [
         f"bench_engine_offload: {flag} is the CUDA backend's, without --null-copies"
     ]

@@ -59,18 +59,22 @@ class CudaConfig:
     """A store's copies go as 2D copies straight from the KV cache (``plan.pitched_direct``: one
     ``cuMemcpy2DAsync`` per region per run of blocks consecutive on both sides), with no gather
     kernel, where the runs average ``plan.PITCHED_MIN_ROWS`` blocks or more (otherwise the
-    group's usual path). The store then takes no SM time from the compute it runs beside, where
-    the staged gather cost the GEMMs beside it 2–5 % while it ran; its copies ran at about 30
-    GB/s against the staged path's 49 at 16 KiB pages on an H100
-    (``scripts/bench_store_beside_compute.py``, docs/benchmarks.md, thirty-sixth session). Off
-    by default: not yet measured in an engine. Loads keep their path (their copies are awaited)."""
+    group's usual path). The store then takes no SM time from the compute it runs beside (the
+    staged gather cost the GEMMs beside it 1–3 %), but its copies run at about 31 GB/s against
+    the staged path's 49 at 16 KiB pages on an H100, and issuing them costs the caller about
+    2.7 µs a copy (a 256-block store of llama-1b: 128 copies) against a staged store's few
+    calls. Off by default, because which costs more depends on the engine: on an H100 with
+    llama-1b in bf16 it took 0 % reuse from +1.6 % to +0.2 % (device-bound steps), but the
+    multi-round workload's TTFT p50 with offload on from 81 to 85 ms (host-bound steps)
+    (docs/benchmarks.md, thirty-ninth session). Loads keep their path (their copies are
+    awaited)."""
     pitched_batch: bool = False
     """The 2D copies of one call (a staged load's part, a ``store_dma`` store) go as one
     ``cuMemcpy3DBatchAsync`` where the driver has it (CUDA 12.8+) and the call holds at least
     ``batch_min_copies`` of them, instead of one ``cuMemcpy2DAsync`` each (what False, or an
-    older driver, gets): a 256-block ``store_dma`` store is 128 such calls, about 520 µs of
-    the host's time on an H100 (docs/benchmarks.md, thirty-eighth session). Off by default
-    until it has run on a GPU."""
+    older driver, gets). Off by default: on an H100 it cut issuing a 128-copy store from 356 to
+    284 µs, but not the connector's time on the engine's thread at 0 % reuse (docs/benchmarks.md,
+    thirty-ninth session)."""
     completion_threads: bool = True
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
