@@ -112,6 +112,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "from the KV cache (CudaConfig.store_dma); default: the backend's default",
     )
     p.add_argument(
+        "--store-min-run",
+        type=int,
+        help="CUDA, with --store dma: the fewest blocks a store's runs may average and still go "
+        "as 2D copies (CudaConfig.store_dma_min_run)",
+    )
+    p.add_argument(
         "--pitched-batch",
         action="store_true",
         help="CUDA: a call's 2D copies in one cuMemcpy3DBatchAsync (CudaConfig.pitched_batch)",
@@ -173,13 +179,16 @@ class Bench:
         args = self.args
         if args.null_copies:
             return NullCopies()
-        if args.store is None and not args.pitched_batch:
+        if args.store is None and not args.pitched_batch and args.store_min_run is None:
             return None
+        options: dict[str, Any] = {
+            "store_dma": store_dma(args),
+            "pitched_batch": args.pitched_batch,
+        }
+        if args.store_min_run is not None:
+            options["store_dma_min_run"] = args.store_min_run
         return make_backend(
-            "cuda",
-            args.device,
-            inline=args.worker_loop == "inline",
-            cuda_options={"store_dma": store_dma(args), "pitched_batch": args.pitched_batch},
+            "cuda", args.device, inline=args.worker_loop == "inline", cuda_options=options
         )
 
     def prompt(self, n: int, seed: int) -> list[int]:
@@ -420,6 +429,9 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         "step_parts": {"off": mean_parts(parts[False]), "on": mean_parts(parts[True])},
         "null_copies": args.null_copies,
         "store_dma": store_dma(args),
+        "store_dma_min_run": (
+            CudaConfig().store_dma_min_run if args.store_min_run is None else args.store_min_run
+        ),
         "pitched_batch": args.pitched_batch,
         # Per public method of the connector, offload on: calls and ms per run, µs per call.
         "on_calls": {
@@ -490,7 +502,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.null_copies and args.scenario != "noreuse":
         print("bench_engine_offload: --null-copies moves no bytes: use it with --scenario noreuse")
         return 2
-    for flag, on in (("--store", args.store is not None), ("--pitched-batch", args.pitched_batch)):
+    if args.store_min_run is not None and args.store_min_run <= 0:
+        print("bench_engine_offload: --store-min-run must be positive")
+        return 2
+    for flag, on in (
+        ("--store", args.store is not None),
+        ("--store-min-run", args.store_min_run is not None),
+        ("--pitched-batch", args.pitched_batch),
+    ):
         if on and (args.null_copies or not args.device.startswith("cuda")):
             print(f"bench_engine_offload: {flag} is the CUDA backend's, without --null-copies")
             return 2

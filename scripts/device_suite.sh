@@ -20,7 +20,8 @@
 # GATHER_CTAS (default 64,132,264), as 2D DMA copies and as one copy; KV_HEADS sets the
 # page, 2 KiB a head, default 8), noreuse-store-dma
 # (noreuse-ahead with CudaConfig.store_dma against without, AB_ROUNDS each, alternating; DMA_ARMS
-# picks among staged, dma and dma-batch, default "staged dma"),
+# picks among staged, dma and dma-batch, default "staged dma"; DMA_MIN_RUN sets
+# CudaConfig.store_dma_min_run of the 2D-copy arms, here and in multiround-store),
 # multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), connector-ab (the same at 512 blocks, this
@@ -113,6 +114,7 @@ for step in $STEPS; do
         for how in ${DMA_ARMS:-staged dma}; do
           extra=(--store "${how%-batch}")
           [ "$how" = dma-batch ] && extra+=(--pitched-batch)
+          [ "$how" != staged ] && [ -n "${DMA_MIN_RUN:-}" ] && extra+=(--store-min-run "$DMA_MIN_RUN")
           run "noreuse_store_$how$r" 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
             --scenario noreuse --repeat "${REPEAT:-9}" --step-parts --async-scheduling \
             "${extra[@]}" --json "$OUT/noreuse_store_$how$r.json"
@@ -178,6 +180,7 @@ for step in $STEPS; do
         cfg=kvflow/backends/cuda/config.py
         rm -rf /tmp/kvflow-dma && mkdir -p /tmp/kvflow-dma && cp -r src /tmp/kvflow-dma/
         sed -i 's/^    store_dma: bool = False$/    store_dma: bool = True/' "/tmp/kvflow-dma/src/$cfg"
+        [ -n "${DMA_MIN_RUN:-}" ] && sed -i "s/^    store_dma_min_run: int = [0-9]*$/    store_dma_min_run: int = $DMA_MIN_RUN/" "/tmp/kvflow-dma/src/$cfg"
         grep -q "store_dma: bool = True" "/tmp/kvflow-dma/src/$cfg" \
           || { echo "!! multiround-store: could not flip CudaConfig.store_dma"; status=1; continue; }
         trees="dma=/tmp/kvflow-dma/src staged=src"

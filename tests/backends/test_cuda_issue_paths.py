@@ -39,11 +39,12 @@ def issued(
     gpu: tuple[int, ...],
     cpu: tuple[int, ...],
     regions: tuple[int, int] | None = None,
+    min_run: int = 4,
 ) -> list[tuple[str, Any]]:
     """Run ``_copy_group`` for one group on a stand-in backend; what it queued, in order."""
     calls: list[tuple[str, Any]] = []
     backend: Any = issue.BatchIssue.__new__(issue.BatchIssue)
-    backend.config = CudaConfig(store_dma=store_dma)
+    backend.config = CudaConfig(store_dma=store_dma, store_dma_min_run=min_run)
     backend._staged = [staged]
     backend._staged_copy = lambda *a, **k: calls.append(("staged", k["regions"]))
     backend._copy = lambda desc, lane, stream: calls.append(("copy", desc))
@@ -75,6 +76,24 @@ def test_a_store_in_runs_with_store_dma_goes_as_the_2d_copies_on_the_dma_stream(
     assert copies.src.tolist() == want.src.tolist()
     assert copies.gpu_pitch == 16
     assert copies.cpu_pitch == want.cpu_pitch
+
+
+@pytest.mark.parametrize(("min_run", "dma"), [(16, True), (17, False)])
+def test_a_store_goes_as_2d_copies_only_where_its_runs_average_store_dma_min_run(
+    monkeypatch: pytest.MonkeyPatch, min_run: int, dma: bool
+) -> None:
+    """A store of one 16-block run is 2D copies with ``store_dma_min_run`` 16 and takes the
+    staged ring with 17: runs shorter on average than the minimum keep the group's path."""
+    calls = issued(
+        monkeypatch,
+        store_dma=True,
+        staged=True,
+        store=True,
+        gpu=RUNS[0],
+        cpu=RUNS[1],
+        min_run=min_run,
+    )
+    assert [c[0] for c in calls] == (["enter", "copy"] if dma else ["staged"])
 
 
 @pytest.mark.parametrize("staged", [True, False])

@@ -438,7 +438,9 @@ def test_device_rows_cut_large_pages_into_pieces_of_the_same_block(page: int) ->
         assert np.array_equal(block, reference_block(gpu, table, b))
 
 
-@pytest.mark.parametrize("field", ["batch_min_copies", "slot_bytes", "ramp_bytes"])
+@pytest.mark.parametrize(
+    "field", ["batch_min_copies", "slot_bytes", "ramp_bytes", "store_dma_min_run"]
+)
 def test_cuda_config_rejects_bad_sizes(field: str) -> None:
     """A count or size that cannot work is a ConfigError at construction, naming the field."""
     from kvflow.backends.cuda import CudaConfig

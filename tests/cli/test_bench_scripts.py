@@ -447,3 +447,13 @@ def test_offload_parts_times_the_connectors_functions_on_the_engine_thread(tmp_p
         assert functions[name]["calls"] >= 2
         assert functions[name]["seconds"] > 0
     assert time_offload_parts.main([*bench, "--parts-json"]) == 2
+
+
+def test_engine_offload_bench_refuses_a_store_min_run_below_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A minimum run of blocks below one is a one-line error and exit status 2."""
+    assert bench_engine_offload.main(["--scenario", "noreuse", "--store-min-run", "0"]) == 2
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "bench_engine_offload: --store-min-run must be positive"
+    ]

@@ -58,16 +58,18 @@ class CudaConfig:
     store_dma: bool = False
     """A store's copies go as 2D copies straight from the KV cache (``plan.pitched_direct``: one
     ``cuMemcpy2DAsync`` per region per run of blocks consecutive on both sides), with no gather
-    kernel, where the runs average ``plan.PITCHED_MIN_ROWS`` blocks or more (otherwise the
-    group's usual path). The store then takes no SM time from the compute it runs beside (the
-    staged gather cost the GEMMs beside it 1–3 %), but its copies run at about 31 GB/s against
-    the staged path's 49 at 16 KiB pages on an H100, and issuing them costs the caller about
-    2.7 µs a copy (a 256-block store of llama-1b: 128 copies) against a staged store's few
-    calls. Off by default, because which costs more depends on the engine: on an H100 with
-    llama-1b in bf16 it took 0 % reuse from +1.6 % to +0.2 % (device-bound steps), but the
-    multi-round workload's TTFT p50 with offload on from 81 to 85 ms (host-bound steps)
-    (docs/benchmarks.md, thirty-ninth session). Loads keep their path (their copies are
-    awaited)."""
+    kernel, where the runs average ``store_dma_min_run`` blocks or more (otherwise the group's
+    usual path). The store then takes no SM time from the compute it runs beside (the staged
+    gather cost the GEMMs beside it 1–3 %), but its copies run at about 31 GB/s against the
+    staged path's 49 at 16 KiB pages on an H100, and issuing them costs the caller about 2.7 µs
+    a copy against a staged store's few calls. Off by default: with runs of 4 blocks or more it
+    took llama-1b's 0 % reuse in bf16 on an H100 from +1.6 % to +0.2 % (device-bound steps),
+    but the multi-round workload's TTFT p50 with offload on from 81 to 85 ms (host-bound steps,
+    its stores averaging 18 blocks a run) (docs/benchmarks.md, thirty-ninth session). Loads
+    keep their path (their copies are awaited)."""
+    store_dma_min_run: int = 4
+    """With ``store_dma``: the fewest blocks a store's runs may average and still go as 2D
+    copies (one driver call per region per run, so short runs cost the host the most)."""
     pitched_batch: bool = False
     """The 2D copies of one call (a staged load's part, a ``store_dma`` store) go as one
     ``cuMemcpy3DBatchAsync`` where the driver has it (CUDA 12.8+) and the call holds at least
@@ -94,6 +96,7 @@ class CudaConfig:
             "gather_ctas",
             "register_chunk_bytes",
             "batch_min_copies",
+            "store_dma_min_run",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"CudaConfig.{name} must be positive")

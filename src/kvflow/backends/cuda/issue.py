@@ -190,6 +190,7 @@ class BatchIssue:
                 tier.ptr(g),
                 store=True,
                 chunk_blocks=tier.chunk_blocks(g),
+                min_rows=self.config.store_dma_min_run,
             )
         if desc is None and self._staged[g]:
             self._staged_copy(

@@ -613,19 +613,20 @@ def pitched_direct(
     *,
     store: bool,
     chunk_blocks: int = 0,
+    min_rows: int = PITCHED_MIN_ROWS,
 ) -> Pitched | None:
     """A batch's copies with no staging and no kernel: per run of blocks consecutive on both
     sides (cut where the CPU ids enter a new pinned chunk) and per region, one 2D copy of the
     run's pages, a GPU block's stride apart on the GPU and a CPU block apart on the CPU. None
     where the regions' pages or strides differ (one row shape per call) or the runs average
-    fewer than ``PITCHED_MIN_ROWS`` blocks (then a driver call per run costs the host more
-    than the staged path's few calls)."""
+    fewer than ``min_rows`` blocks (then a driver call per run costs the host more than the
+    staged path's few calls)."""
     n = len(gpu_ids)
     page, stride = table.page, table.stride
     if not n or bool((page != page[0]).any()) or bool((stride != stride[0]).any()):
         return None
     starts, lengths = runs(gpu_ids, cpu_ids, chunk_blocks)
-    if len(starts) * PITCHED_MIN_ROWS > n:
+    if len(starts) * min_rows > n:
         return None
     gpu = (table.base[None, :] + gpu_ids[starts][:, None] * stride[None, :]).reshape(-1)
     cpu = (
