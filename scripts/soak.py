@@ -22,12 +22,19 @@ pools' counts after every step; when idle, no reference is left and both pools a
 request's greedy output equals the same round's on an engine without offload. Any violation
 makes the exit status 1.
 
+The engine's float32 matmuls on the CPU round differently with a batch's shape (logits move by
+about 2e-5), and the two engines batch a request differently once offload changes what is
+computed when; so two outputs that first differ where the model's own float64 logits of the two
+tokens are within ``NEAR_TIE`` are a near tie, counted and listed but not a violation. A bad KV
+block shows as an output that differs where the model had a clear answer, and as a reload check.
+
     PYTHONPATH=src python scripts/soak.py --duration 600 --json soak.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import random
@@ -56,7 +63,7 @@ from kvflow.core.requests import (
     SchedulerOutput,
 )
 from kvflow.core.transfer import Direction
-from kvflow.engine.engine import Engine, EngineConfig, block_bytes_per_group
+from kvflow.engine.engine import Engine, EngineConfig, RequestResult, block_bytes_per_group
 from kvflow.engine.model import LlamaForCausalLM, build_model, model_config
 from kvflow.errors import KVFlowError
 
@@ -107,6 +114,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
     return p.parse_args(argv)
+
+
+NEAR_TIE = 1e-3
+"""Largest float64 logit gap between two tokens that the batch's rounding may swap (about 50
+times how far float32 logits move with the batch's shape)."""
+
+
+class TieJudge:
+    """The model in float64 with a batch of one: how far apart the logits of two outputs' first
+    differing tokens are, computed from the tokens both share."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.engine = Engine(
+            model.config,
+            EngineConfig(
+                block_size=4,
+                num_gpu_blocks=64,
+                max_num_batched_tokens=256,
+                record_first_logits=True,
+            ),
+            model=copy.deepcopy(model).double(),
+        )
+
+    def margin(
+        self, prompt: Sequence[int], want: Sequence[int], got: Sequence[int]
+    ) -> tuple[int, float] | None:
+        """The first token where ``got`` differs from ``want`` and the float64 logit gap between
+        the two tokens there; None when neither differs before the shorter ends."""
+        k = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+        if k is None:
+            return None
+        rid = self.engine.add_request([*prompt, *want[:k]], 1)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        logits = self.engine.take_result(rid).first_logits
+        assert logits is not None
+        return k, abs(float(logits[want[k]]) - float(logits[got[k]]))
 
 
 class Soak:
@@ -163,6 +207,7 @@ class Soak:
             for _ in range(10)
         ]
         self.history: list[list[int]] = []  # finished conversations, continued later
+        self.judge: TieJudge | None = None  # built at the first output that differs
 
     def _connector(self, kv: KVCacheConfig, view: GpuCacheView) -> tuple[Any, Any]:
         dtype = next(self.reference.model.parameters()).dtype
@@ -238,15 +283,34 @@ class Soak:
             self.history = [*self.history[-31:], [*prompt, *out]]
             self.tally.outputs_checked += 1
             if out != want[rid]:
-                # What the request went through, to tell a bad load from a bad store or resume.
-                self.tally.violation(
-                    f"{rid}: output {out} differs from no-offload {want[rid]} (prompt "
-                    f"{result.prompt_len} tokens, GPU hit {result.gpu_cached_tokens}, loaded "
-                    f"{result.external_loaded_tokens}, recomputed {result.recomputed_tokens}, "
-                    f"preempted {result.num_preemptions} times)"
-                )
+                self._output_differs(rid, prompt, want[rid], result)
         self._check_idle()
         self.tally.rounds += 1
+
+    def _output_differs(
+        self, rid: str, prompt: Sequence[int], want: Sequence[int], result: RequestResult
+    ) -> None:
+        """A near tie if the first differing token's float64 logits are within ``NEAR_TIE`` of
+        the reference's token, else a violation; either way what the request went through (to
+        tell a bad load from a bad store or resume)."""
+        out = result.output_token_ids
+        what = (
+            f"{rid}: output {out} differs from no-offload {want} (prompt "
+            f"{result.prompt_len} tokens, GPU hit {result.gpu_cached_tokens}, loaded "
+            f"{result.external_loaded_tokens}, recomputed {result.recomputed_tokens}, "
+            f"preempted {result.num_preemptions} times"
+        )
+        if self.judge is None:
+            self.judge = TieJudge(self.reference.model)
+        gap = self.judge.margin(prompt, want, out)
+        if gap is None:
+            self.tally.violation(f"{what})")
+        elif gap[1] <= NEAR_TIE:
+            self.tally.near_ties.append(
+                f"{what}; token {gap[0]}: float64 logits {gap[1]:.1e} apart)"
+            )
+        else:
+            self.tally.violation(f"{what}; token {gap[0]}: float64 logits {gap[1]:.3g} apart)")
 
     def _reset(self) -> None:
         assert self.conn is not None
@@ -426,10 +490,18 @@ def report(tally: Tally, args: argparse.Namespace, wall_s: float, console: Conso
     rows += [(f"fault: {k}", v) for k, v in sorted(tally.faults.items())]
     rows += [(f"bad input rejected: {k}", v) for k, v in sorted(tally.rejected.items())]
     rows += [(f"check: {k}", v) for k, v in sorted(tally.checks.items())]
+    rows.append(
+        (
+            f"outputs differing at a near tie (float64 logits ≤ {NEAR_TIE:g} apart)",
+            len(tally.near_ties),
+        )
+    )
     rows.append(("violations", len(tally.violations)))
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)
+    for v in tally.near_ties[:20]:
+        console.print(f"[yellow]near tie[/yellow]: {v}")
     for v in tally.violations[:20]:
         console.print(f"[red]violation[/red]: {v}")
     return table
@@ -458,6 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rejected": dict(tally.rejected),
             "checks": dict(tally.checks),
             "segments": dict(tally.segments),
+            "near_tie": NEAR_TIE,
+            "near_ties": tally.near_ties,
             "violations": tally.violations,
         }
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

@@ -44,6 +44,7 @@ class Tally:
     checks: Counter[str] = field(factory=Counter)
     segments: Counter[str] = field(factory=Counter)  # rounds per (policy, worker loop, ranks)
     violations: list[str] = field(factory=list)
+    near_ties: list[str] = field(factory=list)  # outputs that differ only at a float near tie
 
     segment: str = ""  # the segment running: named in its violations
 

@@ -7,7 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from attrs import evolve
 from scripts import soak
+from scripts.soak_faults import Tally
+
+from kvflow.engine.engine import RequestResult
+from kvflow.engine.model import build_model, model_config
 
 
 @pytest.mark.slow
@@ -58,3 +64,59 @@ def test_soak_catches_a_corrupted_cpu_block_and_exits_1(tmp_path: Path) -> None:
     assert code == 1
     violations = json.loads(out.read_text())["violations"]
     assert any("not as its store wrote it" in v for v in violations)
+
+
+def _soak_with_a_tie() -> tuple[soak.Soak, list[int], RequestResult, int]:
+    """A soak whose model's LM head has two identical rows, the reference's second output token
+    one of them: its prompt, the reference's result and the tied twin of that token."""
+    model = build_model(model_config("tiny"), seed=5)
+    prompt = [3, 14, 15, 92, 65, 35]
+    probe = soak.Soak(soak.parse_args([]), model, Tally(), "eager", "inline", seed=1)
+    rid = probe.reference.add_request(prompt, 3)
+    while probe.reference.has_unfinished():
+        probe.reference.step()
+    top = probe.reference.take_result(rid).output_token_ids[1]
+    twin = (top + 1) % model.config.vocab_size
+    with torch.no_grad():
+        model.lm_head.weight[twin] = model.lm_head.weight[top]
+    tied = soak.Soak(soak.parse_args([]), model, Tally(), "eager", "inline", seed=1)
+    rid = tied.reference.add_request(prompt, 3)
+    while tied.reference.has_unfinished():
+        tied.reference.step()
+    result = tied.reference.take_result(rid)
+    assert result.output_token_ids[1] in (top, twin)
+    other = twin if result.output_token_ids[1] == top else top
+    tied.close()
+    probe.close()
+    return tied, prompt, result, other
+
+
+def test_an_output_differing_first_at_an_exact_tie_is_a_near_tie_not_a_violation() -> None:
+    """Two outputs that first differ where the model's float64 logits of both tokens are equal
+    are counted as a near tie, naming the token and the gap, and are not a violation."""
+    tied, prompt, want, other = _soak_with_a_tie()
+    got = evolve(want, output_token_ids=(want.output_token_ids[0], other, 7))
+    tied._output_differs("req-9", prompt, want.output_token_ids, got)
+    assert tied.tally.violations == []
+    [note] = tied.tally.near_ties
+    assert note.startswith("req-9: output ")
+    assert "token 1: float64 logits 0.0e+00 apart" in note
+
+
+def test_an_output_differing_where_the_model_had_a_clear_answer_is_a_violation() -> None:
+    """An output whose first differing token is far below the reference's in float64 (what a
+    bad KV block gives) is a violation stating the gap; one that only ends early is too."""
+    tied, prompt, want, _ = _soak_with_a_tie()
+    first = want.output_token_ids[0]
+    worst = (first + 512) % 1024
+    got = evolve(want, output_token_ids=(worst, *want.output_token_ids[1:]))
+    tied._output_differs("req-9", prompt, want.output_token_ids, got)
+    short = evolve(want, output_token_ids=want.output_token_ids[:2])
+    tied._output_differs("req-10", prompt, want.output_token_ids, short)
+    assert tied.tally.near_ties == []
+    gap, ended = tied.tally.violations
+    assert gap.startswith("req-9: output ")
+    assert "token 0: float64 logits" in gap
+    assert float(gap.rsplit("logits ", 1)[1].split(" apart")[0]) > soak.NEAR_TIE
+    assert ended.startswith("req-10: output ")
+    assert "float64" not in ended
