@@ -53,9 +53,16 @@ except ImportError:
     from connector_rig import NullCopies  # type: ignore[import-not-found,no-redef]
 
 
-def store_dma(args: argparse.Namespace) -> bool:
-    """Whether the offload engine's CUDA stores go as 2D copies (``--store``, else the default)."""
-    return CudaConfig().store_dma if args.store is None else args.store == "dma"
+def store_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The CUDA backend's store options this run asks for, the backend's defaults elsewhere."""
+    default = CudaConfig()
+    return {
+        "store_dma": default.store_dma if args.store is None else args.store == "dma",
+        "store_dma_min_run": (
+            default.store_dma_min_run if args.store_min_run is None else args.store_min_run
+        ),
+        "pitched_batch": args.pitched_batch,
+    }
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -181,14 +188,11 @@ class Bench:
             return NullCopies()
         if args.store is None and not args.pitched_batch and args.store_min_run is None:
             return None
-        options: dict[str, Any] = {
-            "store_dma": store_dma(args),
-            "pitched_batch": args.pitched_batch,
-        }
-        if args.store_min_run is not None:
-            options["store_dma_min_run"] = args.store_min_run
         return make_backend(
-            "cuda", args.device, inline=args.worker_loop == "inline", cuda_options=options
+            "cuda",
+            args.device,
+            inline=args.worker_loop == "inline",
+            cuda_options=store_options(args),
         )
 
     def prompt(self, n: int, seed: int) -> list[int]:
@@ -428,11 +432,7 @@ def noreuse_scenario(b: Bench, progress: Progress) -> dict[str, Any]:
         "blocks_stored_last_run": stats.blocks_stored,
         "step_parts": {"off": mean_parts(parts[False]), "on": mean_parts(parts[True])},
         "null_copies": args.null_copies,
-        "store_dma": store_dma(args),
-        "store_dma_min_run": (
-            CudaConfig().store_dma_min_run if args.store_min_run is None else args.store_min_run
-        ),
-        "pitched_batch": args.pitched_batch,
+        **store_options(args),
         # Per public method of the connector, offload on: calls and ms per run, µs per call.
         "on_calls": {
             name: {

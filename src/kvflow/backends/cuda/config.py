@@ -59,24 +59,23 @@ class CudaConfig:
     """A store's copies go as 2D copies straight from the KV cache (``plan.pitched_direct``: one
     ``cuMemcpy2DAsync`` per region per run of blocks consecutive on both sides), with no gather
     kernel, where the runs average ``store_dma_min_run`` blocks or more (otherwise the group's
-    usual path). The store then takes no SM time from the compute it runs beside (the staged
-    gather cost the GEMMs beside it 1–3 %), but its copies run at about 31 GB/s against the
-    staged path's 49 at 16 KiB pages on an H100, and issuing them costs the caller about 2.7 µs
-    a copy against a staged store's few calls. Off by default: with runs of 4 blocks or more it
-    took llama-1b's 0 % reuse in bf16 on an H100 from +1.6 % to +0.2 % (device-bound steps),
-    but the multi-round workload's TTFT p50 with offload on from 81 to 85 ms (host-bound steps,
-    its stores averaging 18 blocks a run) (docs/benchmarks.md, thirty-ninth session). Loads
-    keep their path (their copies are awaited)."""
+    usual path). The store then takes no SM time from the compute it runs beside, but its
+    copies run slower than the staged path's at small pages and each costs the caller a driver
+    call, where a staged store is a few. Off by default: it lowered the offload's cost beside
+    device-bound steps (0 % reuse) and raised it beside host-bound ones (the multi-round
+    workload, whose stores come in shorter runs) (docs/benchmarks.md, thirty-ninth session).
+    Loads keep their path (their copies are awaited)."""
     store_dma_min_run: int = 4
     """With ``store_dma``: the fewest blocks a store's runs may average and still go as 2D
-    copies (one driver call per region per run, so short runs cost the host the most)."""
+    copies (one driver call per region per run, so short runs cost the host the most); 4 is
+    ``plan.PITCHED_MIN_ROWS``, the staged loads' threshold."""
     pitched_batch: bool = False
     """The 2D copies of one call (a staged load's part, a ``store_dma`` store) go as one
     ``cuMemcpy3DBatchAsync`` where the driver has it (CUDA 12.8+) and the call holds at least
     ``batch_min_copies`` of them, instead of one ``cuMemcpy2DAsync`` each (what False, or an
-    older driver, gets). Off by default: on an H100 it cut issuing a 128-copy store from 356 to
-    284 µs, but not the connector's time on the engine's thread at 0 % reuse (docs/benchmarks.md,
-    thirty-ninth session)."""
+    older driver, gets). Off by default: the driver's time per copy stays about the same inside
+    the batch, so it shortened a store's issue a little and the connector's time on the
+    engine's thread not at all (docs/benchmarks.md, thirty-ninth session)."""
     completion_threads: bool = True
     """Wait for each batch's fence on a thread of its direction that wakes the reactor; False
     leaves finished batches to the reactor's polls (a loop driven from the engine's thread,
