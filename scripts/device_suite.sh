@@ -70,6 +70,19 @@ run() {  # run NAME LIMIT_S COMMAND...: one step, its log under OUT/logs
   [ "$rc" -eq 0 ] || { echo "!! $name exited $rc"; status=1; }
 }
 
+config_tree() {  # config_tree NAME FIELD=VALUE...: src/ copied to /tmp/kvflow-NAME/src with
+  # those CudaConfig defaults set, each checked; fails naming a field it could not set
+  local dir=/tmp/kvflow-$1 kv
+  local cfg=$dir/src/kvflow/backends/cuda/config.py
+  shift
+  rm -rf "$dir" && mkdir -p "$dir" && cp -r src "$dir/" || return 1
+  for kv in "$@"; do
+    sed -i -E "s/^    (${kv%%=*}: [a-z]+) = .*$/    \1 = ${kv#*=}/" "$cfg"
+    grep -qE "^    ${kv%%=*}: [a-z]+ = ${kv#*=}$" "$cfg" \
+      || { echo "!! could not set CudaConfig.${kv%%=*} in $dir"; return 1; }
+  done
+}
+
 model=(--model llama-1b --device cuda)
 multi=(--users 8 --rounds 4 --system 2048 --first-question 4096 --question 256 --answer 16
   --cache-fraction 0.3 --max-batched-tokens 8192)
@@ -177,24 +190,14 @@ for step in $STEPS; do
       # multiround-store: this tree with stores as 2D copies (store_dma on) against as it is.
       trees=${TREES:-new=src}
       if [ "$step" = multiround-store ]; then
-        cfg=kvflow/backends/cuda/config.py
-        rm -rf /tmp/kvflow-dma && mkdir -p /tmp/kvflow-dma && cp -r src /tmp/kvflow-dma/
-        sed -i 's/^    store_dma: bool = False$/    store_dma: bool = True/' "/tmp/kvflow-dma/src/$cfg"
-        [ -n "${DMA_MIN_RUN:-}" ] && sed -i "s/^    store_dma_min_run: int = [0-9]*$/    store_dma_min_run: int = $DMA_MIN_RUN/" "/tmp/kvflow-dma/src/$cfg"
-        grep -q "store_dma: bool = True" "/tmp/kvflow-dma/src/$cfg" \
-          || { echo "!! multiround-store: could not flip CudaConfig.store_dma"; status=1; continue; }
+        set_fields=(store_dma=True)
+        [ -n "${DMA_MIN_RUN:-}" ] && set_fields+=("store_dma_min_run=$DMA_MIN_RUN")
+        config_tree dma "${set_fields[@]}" || { status=1; continue; }
         trees="dma=/tmp/kvflow-dma/src staged=src"
       fi
       if [ "$step" = multiround-issue ]; then
-        cfg=kvflow/backends/cuda/config.py
-        for v in per-block deferred; do
-          rm -rf "/tmp/kvflow-$v" && mkdir -p "/tmp/kvflow-$v" && cp -r src "/tmp/kvflow-$v/"
-        done
-        sed -i 's/^    pitched_parts: bool = True$/    pitched_parts: bool = False/' "/tmp/kvflow-per-block/src/$cfg"
-        sed -i 's/^    defer_parts: bool = False$/    defer_parts: bool = True/' "/tmp/kvflow-deferred/src/$cfg"
-        grep -q "pitched_parts: bool = False" "/tmp/kvflow-per-block/src/$cfg" \
-          && grep -q "defer_parts: bool = True" "/tmp/kvflow-deferred/src/$cfg" \
-          || { echo "!! multiround-issue: could not flip the CudaConfig defaults"; status=1; continue; }
+        config_tree per-block pitched_parts=False && config_tree deferred defer_parts=True \
+          || { status=1; continue; }
         trees="as-is=src per-block=/tmp/kvflow-per-block/src deferred=/tmp/kvflow-deferred/src"
       fi
       for r in $(seq "${AB_ROUNDS:-2}"); do
