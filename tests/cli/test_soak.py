@@ -4,6 +4,7 @@ kind thrown at the connector, and finds no violation of kvflow's guarantees."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from attrs import evolve
 from scripts import soak
 from scripts.soak_faults import Tally
 
-from kvflow.engine.engine import RequestResult
+from kvflow.engine.engine import Engine, EngineConfig, RequestResult
 from kvflow.engine.model import build_model, model_config
 
 
@@ -66,35 +67,41 @@ def test_soak_catches_a_corrupted_cpu_block_and_exits_1(tmp_path: Path) -> None:
     assert any("not as its store wrote it" in v for v in violations)
 
 
-def _soak_with_a_tie() -> tuple[soak.Soak, list[int], RequestResult, int]:
+Tie = tuple[soak.Soak, list[int], RequestResult, int]
+
+
+def _greedy(engine: Engine, prompt: list[int]) -> RequestResult:
+    rid = engine.add_request(prompt, 3)
+    while engine.has_unfinished():
+        engine.step()
+    return engine.take_result(rid)
+
+
+@pytest.fixture
+def tie() -> Iterator[Tie]:
     """A soak whose model's LM head has two identical rows, the reference's second output token
-    one of them: its prompt, the reference's result and the tied twin of that token."""
+    one of them: the soak, its prompt, the reference's result and the tied twin of that token."""
     model = build_model(model_config("tiny"), seed=5)
     prompt = [3, 14, 15, 92, 65, 35]
-    probe = soak.Soak(soak.parse_args([]), model, Tally(), "eager", "inline", seed=1)
-    rid = probe.reference.add_request(prompt, 3)
-    while probe.reference.has_unfinished():
-        probe.reference.step()
-    top = probe.reference.take_result(rid).output_token_ids[1]
+    args = soak.parse_args([])
+    config = EngineConfig(block_size=4, num_gpu_blocks=args.gpu_blocks, max_num_batched_tokens=48)
+    top = _greedy(Engine(model.config, config, model=model), prompt).output_token_ids[1]
     twin = (top + 1) % model.config.vocab_size
     with torch.no_grad():
         model.lm_head.weight[twin] = model.lm_head.weight[top]
-    tied = soak.Soak(soak.parse_args([]), model, Tally(), "eager", "inline", seed=1)
-    rid = tied.reference.add_request(prompt, 3)
-    while tied.reference.has_unfinished():
-        tied.reference.step()
-    result = tied.reference.take_result(rid)
-    assert result.output_token_ids[1] in (top, twin)
-    other = twin if result.output_token_ids[1] == top else top
-    tied.close()
-    probe.close()
-    return tied, prompt, result, other
+    tied = soak.Soak(args, model, Tally(), "eager", "inline", seed=1)
+    try:
+        result = _greedy(tied.reference, prompt)
+        assert result.output_token_ids[1] in (top, twin)
+        yield tied, prompt, result, twin if result.output_token_ids[1] == top else top
+    finally:
+        tied.close()
 
 
-def test_an_output_differing_first_at_an_exact_tie_is_a_near_tie_not_a_violation() -> None:
+def test_an_output_differing_first_at_an_exact_tie_is_a_near_tie_not_a_violation(tie: Tie) -> None:
     """Two outputs that first differ where the model's float64 logits of both tokens are equal
     are counted as a near tie, naming the token and the gap, and are not a violation."""
-    tied, prompt, want, other = _soak_with_a_tie()
+    tied, prompt, want, other = tie
     got = evolve(want, output_token_ids=(want.output_token_ids[0], other, 7))
     tied._output_differs("req-9", prompt, want.output_token_ids, got)
     assert tied.tally.violations == []
@@ -103,10 +110,10 @@ def test_an_output_differing_first_at_an_exact_tie_is_a_near_tie_not_a_violation
     assert "token 1: float64 logits 0.0e+00 apart" in note
 
 
-def test_an_output_differing_where_the_model_had_a_clear_answer_is_a_violation() -> None:
+def test_an_output_differing_where_the_model_had_a_clear_answer_is_a_violation(tie: Tie) -> None:
     """An output whose first differing token is far below the reference's in float64 (what a
     bad KV block gives) is a violation stating the gap; one that only ends early is too."""
-    tied, prompt, want, _ = _soak_with_a_tie()
+    tied, prompt, want, _ = tie
     first = want.output_token_ids[0]
     worst = (first + 512) % 1024
     got = evolve(want, output_token_ids=(worst, *want.output_token_ids[1:]))
