@@ -54,7 +54,8 @@ except ImportError:
 
 
 def store_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The CUDA backend's store options this run asks for, the backend's defaults elsewhere."""
+    """The CUDA backend's store and gather options this run asks for, the backend's defaults
+    elsewhere."""
     default = CudaConfig()
     return {
         "store_dma": default.store_dma if args.store is None else args.store == "dma",
@@ -62,6 +63,7 @@ def store_options(args: argparse.Namespace) -> dict[str, Any]:
             default.store_dma_min_run if args.store_min_run is None else args.store_min_run
         ),
         "pitched_batch": args.pitched_batch,
+        "gather_ctas": default.gather_ctas if args.gather_ctas is None else args.gather_ctas,
     }
 
 
@@ -129,6 +131,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="CUDA: a call's 2D copies in one cuMemcpy3DBatchAsync (CudaConfig.pitched_batch)",
     )
+    p.add_argument(
+        "--gather-ctas",
+        type=int,
+        help="CUDA: CTAs of one staged gather or scatter launch (CudaConfig.gather_ctas)",
+    )
     return p.parse_args(argv)
 
 
@@ -186,7 +193,12 @@ class Bench:
         args = self.args
         if args.null_copies:
             return NullCopies()
-        if args.store is None and not args.pitched_batch and args.store_min_run is None:
+        if (
+            args.store is None
+            and not args.pitched_batch
+            and args.store_min_run is None
+            and args.gather_ctas is None
+        ):
             return None
         return make_backend(
             "cuda",
@@ -502,13 +514,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.null_copies and args.scenario != "noreuse":
         print("bench_engine_offload: --null-copies moves no bytes: use it with --scenario noreuse")
         return 2
-    if args.store_min_run is not None and args.store_min_run <= 0:
-        print("bench_engine_offload: --store-min-run must be positive")
-        return 2
+    for flag, value in (
+        ("--store-min-run", args.store_min_run),
+        ("--gather-ctas", args.gather_ctas),
+    ):
+        if value is not None and value <= 0:
+            print(f"bench_engine_offload: {flag} must be positive")
+            return 2
     for flag, on in (
         ("--store", args.store is not None),
         ("--store-min-run", args.store_min_run is not None),
         ("--pitched-batch", args.pitched_batch),
+        ("--gather-ctas", args.gather_ctas is not None),
     ):
         if on and (args.null_copies or not args.device.startswith("cuda")):
             print(f"bench_engine_offload: {flag} is the CUDA backend's, without --null-copies")

@@ -20,8 +20,8 @@
 # GATHER_CTAS (default 64,132,264), as 2D DMA copies and as one copy; KV_HEADS sets the
 # page, 2 KiB a head, default 8), noreuse-store-dma
 # (noreuse-ahead with CudaConfig.store_dma against without, AB_ROUNDS each, alternating; DMA_ARMS
-# picks among staged, dma and dma-batch, default "staged dma"; DMA_MIN_RUN sets
-# CudaConfig.store_dma_min_run of the 2D-copy arms, here and in multiround-store),
+# picks among staged, staged-N (a gather of N CTAs), dma and dma-batch, default "staged dma";
+# DMA_MIN_RUN sets CudaConfig.store_dma_min_run of the 2D-copy arms, here and in multiround-store),
 # multiround (kvflow bench, llama-1b), decode (decode attention kernels), contention (a store's copy
 # against the engine's own copies and kernels), connector (block transfers through the connector,
 # every layout; cross-layer again on the staged path), connector-ab (the same at 512 blocks, this
@@ -31,7 +31,8 @@
 # default 2, alternating), multiround-trees (that workload on each tree of TREES, "name=src-dir"
 # pairs, AB_ROUNDS each, alternating), multiround-issue (the same over this tree as it is, with
 # CudaConfig.pitched_parts off, and with defer_parts on), multiround-store (the same, stores as 2D
-# copies against staged), multiround-fence (that workload with --fence-loads never and idle,
+# copies against staged), multiround-config (the same, this tree as it is against a copy of it
+# per entry of CONFIGS, "NAME:FIELD=VALUE,FIELD=VALUE" setting CudaConfig defaults), multiround-fence (that workload with --fence-loads never and idle,
 # AB_ROUNDS each, alternating), multiround-parts (that workload's fenced loads whole and in
 # LOAD_PARTS parts by layer, default 4 (a list: each), AB_ROUNDS each, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
@@ -125,9 +126,10 @@ for step in $STEPS; do
       # stores staged (the default), AB_ROUNDS processes each, alternating
       for r in $(seq "${AB_ROUNDS:-2}"); do
         for how in ${DMA_ARMS:-staged dma}; do
-          extra=(--store "${how%-batch}")
+          extra=(--store "${how%%-*}")
           [ "$how" = dma-batch ] && extra+=(--pitched-batch)
-          [ "$how" != staged ] && [ -n "${DMA_MIN_RUN:-}" ] && extra+=(--store-min-run "$DMA_MIN_RUN")
+          case $how in staged-[0-9]*) extra+=(--gather-ctas "${how#staged-}") ;; esac
+          [ "${how%%-*}" = dma ] && [ -n "${DMA_MIN_RUN:-}" ] && extra+=(--store-min-run "$DMA_MIN_RUN")
           run "noreuse_store_$how$r" 200 python3 scripts/bench_engine_offload.py "${model[@]}" \
             --scenario noreuse --repeat "${REPEAT:-9}" --step-parts --async-scheduling \
             "${extra[@]}" --json "$OUT/noreuse_store_$how$r.json"
@@ -183,7 +185,7 @@ for step in $STEPS; do
           fi
         done
       done ;;
-    multiround-issue | multiround-trees | multiround-store)
+    multiround-issue | multiround-trees | multiround-store | multiround-config)
       # multiround-issue: this tree's CUDA issue of a load's parts as it is, with
       # CudaConfig.pitched_parts off (one descriptor per block), and with defer_parts on (copies
       # of src/ with those defaults flipped); multiround-trees: each tree of TREES;
@@ -194,6 +196,14 @@ for step in $STEPS; do
         [ -n "${DMA_MIN_RUN:-}" ] && set_fields+=("store_dma_min_run=$DMA_MIN_RUN")
         config_tree dma "${set_fields[@]}" || { status=1; continue; }
         trees="dma=/tmp/kvflow-dma/src staged=src"
+      fi
+      if [ "$step" = multiround-config ]; then
+        trees="as-is=src"
+        for spec in ${CONFIGS:-}; do  # NAME:FIELD=VALUE,FIELD=VALUE
+          IFS=, read -ra set_fields <<<"${spec#*:}"
+          config_tree "${spec%%:*}" "${set_fields[@]}" || { status=1; continue 2; }
+          trees+=" ${spec%%:*}=/tmp/kvflow-${spec%%:*}/src"
+        done
       fi
       if [ "$step" = multiround-issue ]; then
         config_tree per-block pitched_parts=False && config_tree deferred defer_parts=True \

@@ -138,13 +138,16 @@ def test_noreuse_bench_on_null_copies_times_each_connector_method(tmp_path: Path
     assert bench_engine_offload.main(["--scenario", "reload", "--null-copies"]) == 2
 
 
-@pytest.mark.parametrize("flags", [["--store", "dma"], ["--store", "staged"], ["--pitched-batch"]])
+@pytest.mark.parametrize(
+    "flags",
+    [["--store", "dma"], ["--store", "staged"], ["--pitched-batch"], ["--gather-ctas", "264"]],
+)
 def test_engine_offload_bench_refuses_cuda_copy_options_off_cuda(
     flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The store path and batched 2D copies are the CUDA backend's: asked for on the host, the
-    bench exits with status 2 and a one-line error naming the option, before building
-    anything."""
+    """The store path, batched 2D copies and the gather width are the CUDA backend's: asked
+    for on the host, the bench exits with status 2 and a one-line error naming the option,
+    before building anything."""
     flag = flags[0]
     assert bench_engine_offload.main(["--scenario", "noreuse", *flags]) == 2
     assert capsys.readouterr().out.strip().splitlines() == [
@@ -449,11 +452,13 @@ def test_offload_parts_times_the_connectors_functions_on_the_engine_thread(tmp_p
     assert time_offload_parts.main([*bench, "--parts-json"]) == 2
 
 
-def test_engine_offload_bench_refuses_a_store_min_run_below_one(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("flag", ["--store-min-run", "--gather-ctas"])
+def test_engine_offload_bench_refuses_a_count_below_one(
+    flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A minimum run of blocks below one is a one-line error and exit status 2."""
-    assert bench_engine_offload.main(["--scenario", "noreuse", "--store-min-run", "0"]) == 2
+    """A minimum run of blocks or a gather of fewer than one CTA is a one-line error naming the
+    option and exit status 2."""
+    assert bench_engine_offload.main(["--scenario", "noreuse", flag, "0"]) == 2
     assert capsys.readouterr().out.strip().splitlines() == [
-        "bench_engine_offload: --store-min-run must be positive"
+        f"bench_engine_offload: {flag} must be positive"
     ]
