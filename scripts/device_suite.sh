@@ -31,8 +31,9 @@
 # default 2, alternating), multiround-trees (that workload on each tree of TREES, "name=src-dir"
 # pairs, AB_ROUNDS each, alternating), multiround-issue (the same over this tree as it is, with
 # CudaConfig.pitched_parts off, and with defer_parts on), multiround-store (the same, stores as 2D
-# copies against staged), multiround-config (the same, this tree as it is against a copy of it
-# per entry of CONFIGS, "NAME:FIELD=VALUE,FIELD=VALUE" setting CudaConfig defaults), multiround-fence (that workload with --fence-loads never and idle,
+# copies against staged, each set in a copy of this tree), multiround-config (the same, this
+# tree as it is against a copy of it per entry of CONFIGS, "NAME:FIELD=VALUE,FIELD=VALUE"
+# setting CudaConfig defaults), multiround-fence (that workload with --fence-loads never and idle,
 # AB_ROUNDS each, alternating), multiround-parts (that workload's fenced loads whole and in
 # LOAD_PARTS parts by layer, default 4 (a list: each), AB_ROUNDS each, alternating), calls (each driver call of the issue path, cuda-python against ctypes), pdx (PD's CUDA IPC transport, scattered
 # pages; 256 MiB and 1 GiB hand-offs), nixl (NIXL's device-memory path beside CUDA IPC, the NIXL
@@ -189,13 +190,15 @@ for step in $STEPS; do
       # multiround-issue: this tree's CUDA issue of a load's parts as it is, with
       # CudaConfig.pitched_parts off (one descriptor per block), and with defer_parts on (copies
       # of src/ with those defaults flipped); multiround-trees: each tree of TREES;
-      # multiround-store: this tree with stores as 2D copies (store_dma on) against as it is.
+      # multiround-store: this tree with stores as 2D copies (store_dma on, DMA_MIN_RUN) against
+      # staged (store_dma off), whatever the defaults.
       trees=${TREES:-new=src}
       if [ "$step" = multiround-store ]; then
         set_fields=(store_dma=True)
         [ -n "${DMA_MIN_RUN:-}" ] && set_fields+=("store_dma_min_run=$DMA_MIN_RUN")
-        config_tree dma "${set_fields[@]}" || { status=1; continue; }
-        trees="dma=/tmp/kvflow-dma/src staged=src"
+        config_tree dma "${set_fields[@]}" && config_tree staged store_dma=False \
+          || { status=1; continue; }
+        trees="dma=/tmp/kvflow-dma/src staged=/tmp/kvflow-staged/src"
       fi
       if [ "$step" = multiround-config ]; then
         trees="as-is=src"

@@ -40,11 +40,15 @@ def issued(
     cpu: tuple[int, ...],
     regions: tuple[int, int] | None = None,
     min_run: int = 4,
+    config: CudaConfig | None = None,
 ) -> list[tuple[str, Any]]:
-    """Run ``_copy_group`` for one group on a stand-in backend; what it queued, in order."""
+    """Run ``_copy_group`` for one group on a stand-in backend (``config`` instead of the
+    options before it where given); what it queued, in order."""
     calls: list[tuple[str, Any]] = []
     backend: Any = issue.BatchIssue.__new__(issue.BatchIssue)
-    backend.config = CudaConfig(store_dma=store_dma, store_dma_min_run=min_run)
+    if config is None:
+        config = CudaConfig(store_dma=store_dma, store_dma_min_run=min_run)
+    backend.config = config
     backend._staged = [staged]
     backend._staged_copy = lambda *a, **k: calls.append(("staged", k["regions"]))
     backend._copy = lambda desc, lane, stream: calls.append(("copy", desc))
@@ -92,6 +96,31 @@ def test_a_store_goes_as_2d_copies_only_where_its_runs_average_store_dma_min_run
         gpu=RUNS[0],
         cpu=RUNS[1],
         min_run=min_run,
+    )
+    assert [c[0] for c in calls] == (["enter", "copy"] if dma else ["staged"])
+
+
+@pytest.mark.parametrize(
+    ("gpu", "cpu", "dma"),
+    [
+        (tuple(range(8, 56)), tuple(range(100, 148)), True),  # one run of 48 blocks
+        ((*range(16), *range(30, 46)), tuple(range(200, 232)), False),  # runs of 16
+    ],
+)
+def test_by_default_a_long_prefills_store_is_2d_copies_and_a_short_run_store_is_staged(
+    monkeypatch: pytest.MonkeyPatch, gpu: tuple[int, ...], cpu: tuple[int, ...], dma: bool
+) -> None:
+    """With the default ``CudaConfig`` a store whose runs average 32 blocks or more (a long
+    prefill's) goes as 2D copies, and one whose runs average fewer (a multi-turn workload's
+    short runs) through the staged ring."""
+    calls = issued(
+        monkeypatch,
+        store_dma=False,
+        staged=True,
+        store=True,
+        gpu=gpu,
+        cpu=cpu,
+        config=CudaConfig(),
     )
     assert [c[0] for c in calls] == (["enter", "copy"] if dma else ["staged"])
 

@@ -649,12 +649,3 @@ def test_pitched_direct_needs_one_page_shape() -> None:
     table = RegionTable.from_group(derive_layout(tensors, 8).groups[0])
     ids = np.arange(8, dtype=np.int64)
     assert pitched_direct(table, ids, ids, 1 << 30, store=True) is None
-
-
-def test_store_dma_min_run_defaults_to_the_loads_pitched_threshold() -> None:
-    """Stores as 2D copies need, by default, the runs a staged load's part needs for its 2D
-    copies (``PITCHED_MIN_ROWS``), so the two paths switch at the same run length."""
-    from kvflow.backends.cuda import CudaConfig
-    from kvflow.backends.cuda.plan import PITCHED_MIN_ROWS
-
-    assert CudaConfig().store_dma_min_run == PITCHED_MIN_ROWS

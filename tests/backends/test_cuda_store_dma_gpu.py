@@ -10,6 +10,7 @@ import pytest
 from tests.backends.cuda_gpu_helpers import KiB, block_bytes, load, make_kv, store
 
 from kvflow.backends.base import FenceStatus
+from kvflow.backends.cuda.plan import PITCHED_MIN_ROWS
 
 torch = pytest.importorskip("torch")
 
@@ -52,7 +53,10 @@ def test_a_store_in_runs_goes_as_2d_copies_and_round_trips(
     kv = make_kv(style, torch.bfloat16, chunk, n)
     per_block = block_bytes(kv, style, 0).numel()
     backend = make_backend(
-        store_dma=True, register_chunk_bytes=8 * per_block, pitched_batch=batched
+        store_dma=True,
+        store_dma_min_run=PITCHED_MIN_ROWS,  # these runs are short: 5 blocks once cut
+        register_chunk_bytes=8 * per_block,
+        pitched_batch=batched,
     )
     # A CUDA 12.8+ driver resolves the batched call; without it the backend copies one by one.
     assert (backend._memcpy2d.batch is not None) == batched, backend.batch_3d_error
@@ -89,7 +93,7 @@ def test_a_store_as_2d_copies_waits_for_the_compute_before_it(
     compute wrote, not what was there before."""
     n = 32
     kv = make_kv("flash", torch.bfloat16, 16 * KiB, n)
-    backend = make_backend(store_dma=True)
+    backend = make_backend(store_dma=True, store_dma_min_run=PITCHED_MIN_ROWS)
     backend.register_kv_caches(kv, n)
     backend.allocate_cpu_tier([32])
     calls = counting_2d_copies(backend, monkeypatch)

@@ -55,20 +55,23 @@ class CudaConfig:
     ``cuMemcpy2DAsync`` (the part's pages are a block apart in the CPU tier) where runs average
     ``plan.PITCHED_MIN_ROWS`` blocks or more; False: always one descriptor per block (it made
     the fenced step's issue the host's pace: docs/benchmarks.md, thirty-second session)."""
-    store_dma: bool = False
+    store_dma: bool = True
     """A store's copies go as 2D copies straight from the KV cache (``plan.pitched_direct``: one
     ``cuMemcpy2DAsync`` per region per run of blocks consecutive on both sides), with no gather
     kernel, where the runs average ``store_dma_min_run`` blocks or more (otherwise the group's
     usual path). The store then takes no SM time from the compute it runs beside, but its
     copies run slower than the staged path's at small pages and each costs the caller a driver
-    call, where a staged store is a few. Off by default: it lowered the offload's cost beside
-    device-bound steps (0 % reuse) and raised it beside host-bound ones (the multi-round
-    workload, whose stores come in shorter runs) (docs/benchmarks.md, thirty-ninth session).
-    Loads keep their path (their copies are awaited)."""
-    store_dma_min_run: int = 4
+    call, where a staged store is a few. On by default since the fortieth session: with the
+    minimum run below it cut the offload's cost beside device-bound steps (0 % reuse) and left
+    the host-bound multi-round workload's TTFT ratio where the staged path had it
+    (docs/benchmarks.md, thirty-ninth and fortieth sessions). Loads keep their path (their
+    copies are awaited)."""
+    store_dma_min_run: int = 32
     """With ``store_dma``: the fewest blocks a store's runs may average and still go as 2D
-    copies (one driver call per region per run, so short runs cost the host the most); 4 is
-    ``plan.PITCHED_MIN_ROWS``, the staged loads' threshold."""
+    copies (one driver call per region per run, so short runs cost the host the most). 32
+    keeps a long prefill's stores (runs of about 64 blocks) as 2D copies and sends short-run
+    stores, most of a multi-turn workload's, through the staged path, whose few calls the
+    host-bound steps of such a workload can afford (docs/benchmarks.md, fortieth session)."""
     pitched_batch: bool = False
     """The 2D copies of one call (a staged load's part, a ``store_dma`` store) go as one
     ``cuMemcpy3DBatchAsync`` where the driver has it (CUDA 12.8+) and the call holds at least
