@@ -188,8 +188,8 @@ class Bench:
         return engine
 
     def backend(self) -> Any:
-        """The offload engine's backend: the null one, the CUDA one with stores as 2D copies,
-        or None (the connector's default for the device)."""
+        """The offload engine's backend: the null one, the CUDA one with this run's store and
+        gather options, or None (the connector's default for the device)."""
         args = self.args
         if args.null_copies:
             return NullCopies()

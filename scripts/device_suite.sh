@@ -124,7 +124,7 @@ for step in $STEPS; do
         --scenario noreuse --repeat "${REPEAT:-9}" --dtype float32 --async-scheduling \
         --json "$OUT/noreuse_ahead_fp32.json" ;;
     noreuse-store-dma)  # noreuse-ahead with stores as 2D copies (no gather kernel) against
-      # stores staged (the default), AB_ROUNDS processes each, alternating
+      # stores staged, each arm asked for explicitly, AB_ROUNDS processes each, alternating
       for r in $(seq "${AB_ROUNDS:-2}"); do
         for how in ${DMA_ARMS:-staged dma}; do
           extra=(--store "${how%%-*}")
