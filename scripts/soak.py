@@ -121,17 +121,31 @@ NEAR_TIE = 1e-3
 times how far float32 logits move with the batch's shape)."""
 
 
+# The traffic's bounds (``Soak._batch``): a prompt is a shared prefix or the last
+# ``HISTORY_TOKENS`` of a finished conversation, plus a fresh tail; then an output.
+PREFIX_TOKENS = (8, 24)
+HISTORY_TOKENS = 40
+TAIL_TOKENS = (1, 10)
+OUTPUT_TOKENS = (1, 12)
+MAX_SEQUENCE = max(PREFIX_TOKENS[1], HISTORY_TOKENS) + TAIL_TOKENS[1] + OUTPUT_TOKENS[1]
+"""The longest prompt plus output the traffic makes: what the judge's engine must hold."""
+
+
 class TieJudge:
     """The model in float64 with a batch of one: how far apart the logits of two outputs' first
     differing tokens are, computed from the tokens both share."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    BLOCK_SIZE = 4
+
+    def __init__(self, model: LlamaForCausalLM, max_sequence: int = MAX_SEQUENCE) -> None:
+        self.max_sequence = max_sequence
         self.engine = Engine(
             model.config,
             EngineConfig(
-                block_size=4,
-                num_gpu_blocks=64,
-                max_num_batched_tokens=256,
+                block_size=self.BLOCK_SIZE,
+                # One request at a time, the whole sequence in one step, and the null block.
+                num_gpu_blocks=-(-max_sequence // self.BLOCK_SIZE) + 2,
+                max_num_batched_tokens=max_sequence,
                 record_first_logits=True,
             ),
             model=copy.deepcopy(model).double(),
@@ -145,7 +159,12 @@ class TieJudge:
         k = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
         if k is None:
             return None
-        rid = self.engine.add_request([*prompt, *want[:k]], 1)
+        tokens = [*prompt, *want[:k]]
+        if len(tokens) + 1 > self.max_sequence:
+            raise ValueError(
+                f"tie judge: {len(tokens)} tokens and one more exceed its {self.max_sequence}"
+            )
+        rid = self.engine.add_request(tokens, 1)
         while self.engine.has_unfinished():
             self.engine.step()
         logits = self.engine.take_result(rid).first_logits
@@ -203,7 +222,7 @@ class Soak:
         assert view is not None
         self.backend.gpu_held = lambda b: not view.is_free(b)
         self.prefixes: list[list[int]] = [
-            [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(8, 24))]
+            [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(*PREFIX_TOKENS))]
             for _ in range(10)
         ]
         self.history: list[list[int]] = []  # finished conversations, continued later
@@ -244,11 +263,11 @@ class Soak:
         out = []
         for _ in range(self.rng.randint(2, 7)):
             if self.history and self.rng.random() < 0.4:
-                prefix = self.rng.choice(self.history)[-40:]
+                prefix = self.rng.choice(self.history)[-HISTORY_TOKENS:]
             else:
                 prefix = self.rng.choice(self.prefixes)
-            tail = [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(1, 10))]
-            out.append((prefix + tail, self.rng.randint(1, 12)))
+            tail = [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(*TAIL_TOKENS))]
+            out.append((prefix + tail, self.rng.randint(*OUTPUT_TOKENS)))
         return out
 
     def round(self) -> None:

@@ -127,3 +127,21 @@ def test_an_output_differing_where_the_model_had_a_clear_answer_is_a_violation(t
     assert float(gap.rsplit("logits ", 1)[1].split(" apart")[0]) > soak.NEAR_TIE
     assert ended.startswith("req-10: output ")
     assert "float64" not in ended
+
+
+def test_the_tie_judge_holds_the_longest_traffic_sequence_and_names_a_longer_one() -> None:
+    """The judge's engine is sized from the traffic's bounds: a prompt and output of
+    ``MAX_SEQUENCE`` tokens differing at their last token is judged, and one past it is a
+    ValueError naming both lengths rather than an engine error mid-soak."""
+    model = build_model(model_config("tiny"), seed=5)
+    judge = soak.TieJudge(model)
+    n = soak.MAX_SEQUENCE
+    assert n == 40 + 10 + 12  # a finished conversation's last 40 tokens, a tail of 10, 12 out
+    prompt = [(7 * i) % 100 + 1 for i in range(n - soak.OUTPUT_TOKENS[1])]
+    want = [5] * soak.OUTPUT_TOKENS[1]
+    got = [*want[:-1], 6]
+    verdict = judge.margin(prompt, want, got)
+    assert verdict is not None
+    assert verdict[0] == len(want) - 1
+    with pytest.raises(ValueError, match=f"exceed its {n}"):
+        judge.margin([1, *prompt], want, got)
