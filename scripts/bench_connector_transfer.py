@@ -16,6 +16,8 @@ real KV cache, and per measured step the engine's own calls, in its order.
   the request is in ``finished_recving``.
 
 Wall time runs from the step's first timed engine call until the scheduler sees the result;
+"from launch" from the step's first launch call (``start_load_kv``, after the plan and the bind)
+until then, the span issue 25 defines (an engine plans and binds before the forward pass);
 copy time is what the backend measured of the copies (CUDA events around each batch, the host
 backend's copy thread: ``OffloadWorker.copy_stats``); launch is the time the engine's thread
 spends in ``wait_for_save`` (store) or ``start_load_kv`` (load); issue is the CUDA backend's
@@ -294,7 +296,14 @@ def measure(
     device = args.device
     drv = Driver(conn, num_gpu, args.seed)
     rows: dict[str, dict[str, list[float]]] = {
-        d: {"wall": [], "launch": [], "copy": [], "issue": [], **{TL + p: [] for p in PHASES}}
+        d: {
+            "wall": [],
+            "from_launch": [],
+            "launch": [],
+            "copy": [],
+            "issue": [],
+            **{TL + p: [] for p in PHASES},
+        }
         for d in DIRECTIONS
     }
     verified: bool | None = None
@@ -311,6 +320,7 @@ def measure(
         settle(device)
         copies0, issued0 = conn.worker.copy_stats(), issued_s(conn)
         wall, launch = drv.store(store_req, src)
+        span = drv.from_launch()
         copies1, issued1 = conn.worker.copy_stats(), issued_s(conn)
         phases = {"store": timeline(drv, Direction.STORE)}
         drv.finish(store_req, src)
@@ -319,6 +329,7 @@ def measure(
         settle(device)
         copies_l, issued_l = conn.worker.copy_stats(), issued_s(conn)
         wall_l, launch_l = drv.load(load_req, dst)
+        span_l = drv.from_launch()
         copies2, issued2 = conn.worker.copy_stats(), issued_s(conn)
         phases["load"] = timeline(drv, Direction.LOAD)
         if check:
@@ -327,11 +338,22 @@ def measure(
             verified = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
         drv.finish(load_req, dst)
         if measured:
-            for d, direction, w, la, c0, c1, i0, i1 in (
-                ("store", Direction.STORE, wall, launch, copies0, copies1, issued0, issued1),
-                ("load", Direction.LOAD, wall_l, launch_l, copies_l, copies2, issued_l, issued2),
+            for d, direction, w, sp, la, c0, c1, i0, i1 in (
+                ("store", Direction.STORE, wall, span, launch, copies0, copies1, issued0, issued1),
+                (
+                    "load",
+                    Direction.LOAD,
+                    wall_l,
+                    span_l,
+                    launch_l,
+                    copies_l,
+                    copies2,
+                    issued_l,
+                    issued2,
+                ),
             ):
                 rows[d]["wall"].append(w)
+                rows[d]["from_launch"].append(sp)
                 rows[d]["launch"].append(la)
                 rows[d]["copy"].append(c1[direction].copy_s - c0[direction].copy_s)
                 rows[d]["issue"].append(i1[direction] - i0[direction])
@@ -389,8 +411,8 @@ def bench_layout(
     }
     for d in DIRECTIONS:
         r = rows[d]
-        wall, copy, launch, issue = (
-            statistics.median(r[k]) for k in ("wall", "copy", "launch", "issue")
+        wall, span, copy, launch, issue = (
+            statistics.median(r[k]) for k in ("wall", "from_launch", "copy", "launch", "issue")
         )
         ceil = ceiling[d]
         result[d] = {
@@ -403,6 +425,10 @@ def bench_layout(
             "fraction_of_ceiling": step_bytes / wall / 1e9 / ceil,
             "copy_fraction_of_ceiling": (step_bytes / copy / 1e9 / ceil) if copy > 0 else 0.0,
             "fixed_ms": (wall - step_bytes / (ceil * 1e9)) * 1e3,
+            "from_launch_ms": span * 1e3,
+            "from_launch_fraction": step_bytes / span / 1e9 / ceil,
+            "from_launch_fixed_ms": (span - step_bytes / (ceil * 1e9)) * 1e3,
+            "from_launch_ms_all": [s * 1e3 for s in r["from_launch"]],
             "launch_us": launch * 1e6,
             "launch_us_max": max(r["launch"]) * 1e6,
             "issue_us": issue * 1e6,
@@ -447,7 +473,7 @@ def bench_floor(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=160)
+    console = Console(width=200)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         console.print(
             "bench_connector_transfer: --device cuda needs a CUDA device (or --device cpu)"

@@ -154,6 +154,12 @@ class Driver:
         t = self.stamps["seen"] = time.perf_counter()
         return float(t - self.stamps["t0"])
 
+    def from_launch(self) -> float:
+        """The last measured step's seconds from its first launch call (``start_load_kv``,
+        after the bind) until the scheduler saw the result: the span issue 25 names, without
+        the plan and the bind, which an engine makes before the step's forward pass."""
+        return float(self.stamps["seen"] - self.stamps["bind"])
+
     def next_step(self) -> int:
         self.step_no += 1
         return self.step_no

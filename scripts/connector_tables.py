@@ -102,6 +102,8 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
         "copy GB/s (events)",
         "wall ms",
         "fixed ms",
+        "from launch: of ceiling",
+        "from launch: fixed ms",
         "launch µs",
         "issue µs",
     ]
@@ -124,6 +126,8 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
                 f"{f['copy_gbps']:.1f}",
                 f"{f['wall_ms']:.2f}",
                 f"{f['fixed_ms']:.2f}",
+                f"{f['from_launch_fraction']:.0%}",
+                f"{f['from_launch_fixed_ms']:.2f}",
                 f"{f['launch_us']:.0f}",
                 f"{f['issue_us']:.0f}" if f["issue_us"] else "—",
             ]
@@ -133,12 +137,15 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, console: Con
             table.add_row(*row)
     console.print(table)
     console.print(
-        "fixed = wall − bytes / ceiling; launch = the engine thread's time in wait_for_save "
+        "fixed = wall − bytes / ceiling; from launch: the same from the step's first launch "
+        "call (start_load_kv, after the plan and the bind) until the scheduler saw the result, "
+        "the span issue 25 defines; launch = the engine thread's time in wait_for_save "
         "(store) / start_load_kv (load); issue = the CUDA backend's planning and driver calls; "
         "floor = the same steps with copies that finish at once (kvflow's own cost)"
     )
     console.print(
-        "goals (issue 25): wall ≥ 90 % of the ceiling, fixed ≤ ~0.25 ms per step, launch ≤ 200 µs"
+        "goals (issue 25): ≥ 90 % of the ceiling and fixed ≤ ~0.25 ms per step from the launch "
+        "call (the wall's figures, with the plan and the bind, are stricter), launch ≤ 200 µs"
     )
     render_timeline(results, args, console)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,16 @@ def test_connector_transfer_bench_drives_every_layout_through_the_connector(
             )
             bytes_at_ceiling_ms = r["step_bytes"] / (fig["ceiling_gbps"] * 1e9) * 1e3
             assert fig["fixed_ms"] == pytest.approx(fig["wall_ms"] - bytes_at_ceiling_ms)
+            # From the launch call: within each step's wall, without its plan and bind.
+            spans = fig["from_launch_ms_all"]
+            assert all(0 < s < w for s, w in zip(spans, fig["walls_ms"], strict=True))
+            assert fig["from_launch_ms"] == pytest.approx(statistics.median(spans))
+            assert fig["from_launch_fixed_ms"] == pytest.approx(
+                fig["from_launch_ms"] - bytes_at_ceiling_ms
+            )
+            assert fig["from_launch_fraction"] == pytest.approx(
+                r["step_bytes"] / (fig["from_launch_ms"] * 1e-3) / 1e9 / fig["ceiling_gbps"]
+            )
 
 
 def test_connector_floor_only_reports_quartiles_and_a_profile(tmp_path: Path) -> None:
