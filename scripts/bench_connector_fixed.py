@@ -11,7 +11,8 @@ ranges, with the machine's load average before and after.
 - ``--device cpu`` (the default): ``--floor-only``, kvflow's host work per step (the floor: a
   step's wall on copies that finish at once) and its launch;
 - ``--device cuda``: the real copies (no floor run), each step's fraction of its process's
-  ceiling, the launch on the engine's thread and the CUDA backend's issue time.
+  ceiling (from the step's plan, and from its first launch call: the span issue 25 defines),
+  the launch on the engine's thread and the CUDA backend's issue time.
 
     PYTHONPATH=src python scripts/bench_connector_fixed.py --base 2621fd2 --rounds 6 \\
         --json docs/data/connector_fixed_devbox.json
@@ -80,6 +81,7 @@ METRICS: dict[str, dict[str, tuple[str, int]]] = {
     "cpu": {"floors_ms": ("floor ms", 3), "floor_launches_us": ("launch µs", 0)},
     "cuda": {
         "fractions": ("of ceiling", 3),
+        "from_launch_fractions": ("of ceiling from launch", 3),
         "launches_us": ("launch µs", 0),
         "issues_us": ("issue µs", 0),
     },
@@ -141,7 +143,7 @@ def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=150)
+    console = Console(width=190)
     revs = {"base": args.base, "branch": str(args.branch_src)}
     metrics = METRICS[args.device]
     pooled: dict[tuple[str, str, str], dict[str, list[float]]] = {}

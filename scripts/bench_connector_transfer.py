@@ -429,6 +429,7 @@ def bench_layout(
             "from_launch_fraction": step_bytes / span / 1e9 / ceil,
             "from_launch_fixed_ms": (span - step_bytes / (ceil * 1e9)) * 1e3,
             "from_launch_ms_all": [s * 1e3 for s in r["from_launch"]],
+            "from_launch_fractions": [step_bytes / s / 1e9 / ceil for s in r["from_launch"]],
             "launch_us": launch * 1e6,
             "launch_us_max": max(r["launch"]) * 1e6,
             "issue_us": issue * 1e6,

@@ -244,6 +244,9 @@ def test_connector_transfer_bench_drives_every_layout_through_the_connector(
             assert fig["from_launch_fraction"] == pytest.approx(
                 r["step_bytes"] / (fig["from_launch_ms"] * 1e-3) / 1e9 / fig["ceiling_gbps"]
             )
+            assert fig["from_launch_fractions"] == pytest.approx(
+                [r["step_bytes"] / (s * 1e-3) / 1e9 / fig["ceiling_gbps"] for s in spans]
+            )
 
 
 def test_connector_floor_only_reports_quartiles_and_a_profile(tmp_path: Path) -> None:
@@ -379,8 +382,9 @@ def test_connector_transfer_bench_on_cuda_is_byte_exact_and_timed_by_events(
     tmp_path: Path, method: str
 ) -> None:
     """On the CUDA backend every layout's round trip through the connector is byte-exact, every
-    copy is timed by CUDA events, the copy time is within the step's wall time, and the
-    timeline's phases add up to it."""
+    copy is timed by CUDA events, the copy time is within the step's wall time, the
+    timeline's phases add up to it, and its span from the launch call is that wall less the
+    plan and the bind."""
     out = tmp_path / "connector_transfer_cuda.json"
     rc = bench_connector_transfer.main(
         [
@@ -399,7 +403,13 @@ def test_connector_transfer_bench_on_cuda_is_byte_exact_and_timed_by_events(
             assert r[d]["issue_us"] > 0
             assert r[d]["ceiling_gbps"] > 1
             steps = r[d]["timelines"]
+            spans = r[d]["from_launch_ms_all"]
+            assert len(r[d]["from_launch_fractions"]) == len(spans) == len(r[d]["walls_ms"])
             for i, wall_ms in enumerate(r[d]["walls_ms"]):
+                # From the launch call: the wall without the step's plan and bind.
+                assert spans[i] == pytest.approx(
+                    wall_ms - (steps["plan"][i] + steps["bind"][i]) / 1e3, rel=1e-6
+                )
                 pre, copy, post = (steps[k][i] for k in ("pre", "copy", "post"))
                 assert min(pre, copy, post) > 0
                 assert pre + copy + post == pytest.approx(wall_ms * 1e3, rel=1e-6)
