@@ -415,6 +415,11 @@ def bench_layout(
             statistics.median(r[k]) for k in ("wall", "from_launch", "copy", "launch", "issue")
         )
         ceil = ceiling[d]
+        at_ceiling = step_bytes / (ceil * 1e9)  # seconds the step's bytes take at the ceiling
+
+        def of_ceiling(seconds: float, at: float = at_ceiling) -> float:
+            return at / seconds
+
         result[d] = {
             "ceiling_gbps": ceil,
             "wall_ms": wall * 1e3,
@@ -422,21 +427,21 @@ def bench_layout(
             "copy_ms": copy * 1e3,
             "wall_gbps": step_bytes / wall / 1e9,
             "copy_gbps": step_bytes / copy / 1e9 if copy > 0 else 0.0,
-            "fraction_of_ceiling": step_bytes / wall / 1e9 / ceil,
-            "copy_fraction_of_ceiling": (step_bytes / copy / 1e9 / ceil) if copy > 0 else 0.0,
-            "fixed_ms": (wall - step_bytes / (ceil * 1e9)) * 1e3,
+            "fraction_of_ceiling": of_ceiling(wall),
+            "copy_fraction_of_ceiling": of_ceiling(copy) if copy > 0 else 0.0,
+            "fixed_ms": (wall - at_ceiling) * 1e3,
             "from_launch_ms": span * 1e3,
-            "from_launch_fraction": step_bytes / span / 1e9 / ceil,
-            "from_launch_fixed_ms": (span - step_bytes / (ceil * 1e9)) * 1e3,
+            "from_launch_fraction": of_ceiling(span),
+            "from_launch_fixed_ms": (span - at_ceiling) * 1e3,
             "from_launch_ms_all": [s * 1e3 for s in r["from_launch"]],
-            "from_launch_fractions": [step_bytes / s / 1e9 / ceil for s in r["from_launch"]],
+            "from_launch_fractions": [of_ceiling(s) for s in r["from_launch"]],
             "launch_us": launch * 1e6,
             "launch_us_max": max(r["launch"]) * 1e6,
             "issue_us": issue * 1e6,
             "walls_ms": [w * 1e3 for w in r["wall"]],
             "launches_us": [la * 1e6 for la in r["launch"]],
             "issues_us": [i * 1e6 for i in r["issue"]],
-            "fractions": [step_bytes / w / 1e9 / ceil for w in r["wall"]],
+            "fractions": [of_ceiling(w) for w in r["wall"]],
         }
         if r[TL + "pre"]:  # the device's copy span on the host clock (a CUDA backend)
             result[d]["timeline"] = {p: statistics.median(r[TL + p]) for p in PHASES}
