@@ -96,6 +96,24 @@ def time_hooks(connector: Any, sink: list[int], names: tuple[str, ...] = HOOKS) 
 
 CALLS = (
     (
+        "connector: build_connector_meta",
+        "kvflow.integrations.vllm.connector",
+        "KVFlowConnector",
+        "build_connector_meta",
+    ),
+    (
+        "connector: update_connector_output",
+        "kvflow.integrations.vllm.connector",
+        "KVFlowConnector",
+        "update_connector_output",
+    ),
+    (
+        "connector: take_events",
+        "kvflow.integrations.vllm.connector",
+        "KVFlowConnector",
+        "take_events",
+    ),
+    (
         "adapter: translate_scheduler_output",
         "kvflow.integrations.vllm.connector",
         None,

@@ -236,18 +236,22 @@ def test_finishing_with_load_in_flight_cleans_up_after_transfer(make_sim: MakeSi
 
 
 def test_finishing_with_store_in_flight_cleans_up_after_transfer(make_sim: MakeSim) -> None:
-    """A request finishing mid-store keeps its GPU blocks until the store commits."""
+    """A request finishing mid-store keeps its GPU blocks until the store commits; the manager
+    has work (``has_work``) until then, and none after."""
     sim = make_sim(ONE_GROUP)
+    assert not sim.mgr.has_work()
     a = sim.add("a", range(8))
     sim.match(a)
     (store,) = sim.step(new=[(a, 8)]).stores
     assert sim.finish(a) is True
     assert sim.mgr.has_request("a")
+    assert sim.mgr.has_work()
     assert sim.complete(ranks=[]).finished_sending == frozenset()
     out = sim.complete()
     assert out.committed == (store.transfer_id,)
     assert out.finished_sending == {"a"}
     assert not sim.mgr.has_request("a")
+    assert not sim.mgr.has_work()
     assert sim.on_cpu(a) == [True, True]
 
 

@@ -28,8 +28,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from kvflow.core.transfer import Direction
 from kvflow.integrations.vllm import KV_EVENT_MEDIUM, KVFlowConnector, KVFlowConnectorStats
-from tests.integrations.vllm_fakes import PROMPT, ManagerRig
+from kvflow.runtime.clock import FakeClock
+from tests.integrations.vllm_fakes import PROMPT, ClockedConnector, ManagerRig
 
 BS = 16
 
@@ -138,6 +140,85 @@ def test_stats_reach_vllms_log_line_aggregated_over_the_interval() -> None:
     assert summary["transfers_in_flight"] == "0"
     assert float(summary["load_latency_ms_mean"]) >= 0
     assert float(summary["hit_rate"]) == pytest.approx(0.5)
+
+
+def _held_stores(extra: dict[str, Any]) -> Observed:
+    """An observed rig on a FakeClock (``ClockedConnector.CLOCK``) whose stores stay in flight
+    until the test releases them."""
+    ClockedConnector.CLOCK = FakeClock()
+    rig = Observed(connector="ClockedConnector", extra=extra)
+    rig.runtime.hold_directions.add(Direction.STORE)
+    return rig
+
+
+def _counted(rig: Observed, name: str) -> float:
+    return sum(KVFlowConnectorStats(data=p).counters.get(name, 0) for p in rig.payloads)
+
+
+def test_stats_while_stores_are_in_flight_wait_for_the_interval_and_lose_nothing() -> None:
+    """With transfers in flight the scheduler role reports at most once a ``stats_interval_s``
+    (1 s by default) of its clock, and at once when the last transfer settles: a lookup made
+    meanwhile is reported late but counted once, and the payloads sum to the manager's totals."""
+    rig = _held_stores({"eager_store_interval": 1})
+    clock = ClockedConnector.CLOCK
+    assert clock is not None
+    rig.h.add(PROMPT, max_tokens=4)
+    rig.step()
+    assert len(rig.payloads) == 1  # the first change is reported at once
+    assert KVFlowConnectorStats(data=rig.payloads[0]).gauges["transfers_in_flight"] >= 1
+    rig.h.add([t + 1 for t in PROMPT], max_tokens=4)
+    rig.step()
+    rig.step()
+    assert rig.manager.counters.lookups == 2
+    assert len(rig.payloads) == 1, "a change while stores are in flight waits for the interval"
+    clock.jump(0.999)
+    rig.step()
+    assert len(rig.payloads) == 1
+    clock.jump(0.001)
+    rig.step()
+    assert len(rig.payloads) == 2
+    assert KVFlowConnectorStats(data=rig.payloads[1]).counters["lookups"] == 1
+    rig.runtime.hold_directions.clear()
+    rig.run()
+    last = KVFlowConnectorStats(data=rig.payloads[-1])
+    assert last.gauges["transfers_in_flight"] == 0, "the last transfer's settling is reported"
+    assert _counted(rig, "lookups") == 2
+    assert _counted(rig, "blocks_stored") == rig.manager.counters.blocks_stored == 8
+    store_latencies = [
+        s for p in rig.payloads for s in KVFlowConnectorStats(data=p).latencies.get("store", [])
+    ]
+    assert len(store_latencies) == sum(len(plan.stores) for plan in rig.runtime.plans) >= 2
+
+
+def test_stats_while_requests_run_wait_for_the_interval_and_flush_when_idle() -> None:
+    """Stores that complete in their own step: a lookup while a request still runs waits for
+    the interval too, and the step after which the engine may idle (no request, no transfer)
+    reports it; every lookup and stored block is counted once."""
+    rig = _held_stores({"eager_store_interval": 1})
+    rig.runtime.hold_directions.clear()
+    rig.h.add(PROMPT, max_tokens=8)
+    rig.step()
+    assert len(rig.payloads) == 1
+    rig.h.add([t + 1 for t in PROMPT], max_tokens=8)
+    rig.step()
+    assert len(rig.payloads) == 1, "held: requests still run"
+    rig.run()
+    assert len(rig.payloads) == 2
+    assert rig.manager.has_work() is False
+    assert _counted(rig, "lookups") == 2
+    assert _counted(rig, "blocks_stored") == rig.manager.counters.blocks_stored == 8
+
+
+def test_stats_interval_zero_reports_every_step_that_changed() -> None:
+    """``stats_interval_s: 0``: a change is reported in its own step, transfers in flight or
+    not (the payload of every step, as before the interval)."""
+    rig = _held_stores({"eager_store_interval": 1, "stats_interval_s": 0})
+    rig.h.add(PROMPT, max_tokens=4)
+    rig.step()
+    rig.h.add([t + 1 for t in PROMPT], max_tokens=4)
+    rig.step()
+    assert len(rig.payloads) == 2
+    assert KVFlowConnectorStats(data=rig.payloads[1]).counters["lookups"] == 1
 
 
 def test_stats_of_workers_aggregate_into_copy_throughput() -> None:

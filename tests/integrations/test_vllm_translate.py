@@ -25,6 +25,7 @@ from kvflow.integrations.vllm import (
     steady_decode,
     translate_scheduler_output,
 )
+from kvflow.integrations.vllm.config import STATS_INTERVAL_S, stats_interval, valid_keys
 from kvflow.integrations.vllm.relay import IDLE_METADATA
 from tests.integrations.vllm_harness import (
     LAYERS,
@@ -213,6 +214,19 @@ def test_options_are_validated_by_name() -> None:
         offload_config({"cpu_bytes_to_use": True}, 1)
     with pytest.raises(ConfigError, match="worker_loop"):
         offload_config({"worker_loop": "fiber"}, 1)
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), "1s", True, None])
+def test_a_bad_stats_interval_is_refused_by_name(bad: object) -> None:
+    """``stats_interval_s`` is the adapter's option: a finite number of seconds, 0 or more,
+    1 s by default; anything else is a ConfigError naming the key and the value."""
+    assert stats_interval(None) == STATS_INTERVAL_S == 1.0
+    assert stats_interval({"stats_interval_s": 0}) == 0.0
+    assert stats_interval({"stats_interval_s": 2.5}) == 2.5
+    assert "stats_interval_s" in valid_keys()
+    assert offload_config({"stats_interval_s": 0.25}, 1) == offload_config(None, 1)
+    with pytest.raises(ConfigError, match=r"'stats_interval_s'\] must be a finite number"):
+        stats_interval({"stats_interval_s": bad})
 
 
 def test_gpu_cache_view_walks_vllms_free_queue_in_eviction_order() -> None:

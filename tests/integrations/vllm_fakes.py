@@ -30,6 +30,7 @@ from kvflow.integrations.vllm import (
     VLLMGpuCacheView,
     WorkerRole,
 )
+from kvflow.runtime.clock import FakeClock
 from tests.integrations.vllm_harness import VLLMHarness
 
 FAKES_MODULE = "tests.integrations.vllm_fakes"
@@ -259,6 +260,17 @@ class RealManagerConnector(KVFlowConnector):
 
     def make_worker_role(self) -> WorkerRole:
         return ScriptedRuntime(self.kvflow_cache_config(), list(self.cpu_blocks))
+
+
+class ClockedConnector(RealManagerConnector):
+    """``RealManagerConnector`` on the ``FakeClock`` a test sets in ``CLOCK`` first."""
+
+    CLOCK: FakeClock | None = None
+
+    @staticmethod
+    def clock() -> FakeClock:
+        assert ClockedConnector.CLOCK is not None, "set ClockedConnector.CLOCK first"
+        return ClockedConnector.CLOCK
 
 
 class ManagerRig:

@@ -54,6 +54,11 @@ class ManagerQueries:
         x = self._ledger.xfers.get(transfer_id)
         return None if x is None else (x.transfer.state, frozenset(x.reported))
 
+    def has_work(self) -> bool:
+        """Whether the manager keeps state for a request (finished ones until their transfers
+        settle) or has a transfer in flight: an engine steps again while this holds."""
+        return bool(self._requests or self._ledger.xfers)
+
     def has_request(self, request_id: str) -> bool:
         """Whether the manager still keeps state for the request (finished ones: until their
         transfers settle)."""

@@ -12,6 +12,7 @@ at start-up, by name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,15 @@ DEFAULT_CPU_BYTES = 4 << 30
 VLLM_SIZE_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank")
 """vLLM's offload connectors' names for the CPU tier's size (kvflow's ``cpu_bytes``)."""
 
+STATS_INTERVAL_KEY = "stats_interval_s"
+"""The adapter's own option: seconds between the scheduler role's stats while transfers are in
+flight (``stats_interval``)."""
+
+STATS_INTERVAL_S = 1.0
+"""``stats_interval_s`` when the extra config names none: vLLM logs its stats every 10 s and a
+Prometheus scrape is rarer still, so a second's lag costs a reader nothing, while a payload built
+at every store-each-step step is a measurable share of the connector's per-step cost."""
+
 VLLM_DEFAULTS: Mapping[str, object] = {"worker_loop": WorkerLoop.THREAD.value, "load_parts": 1}
 """Defaults that differ in vLLM: its workers make their own threads and process layout, and the
 scheduler's calls live in another process, so the runtime's loop gets a thread of its own; a
@@ -59,7 +69,19 @@ def _passthrough_keys() -> frozenset[str]:
 
 def valid_keys() -> list[str]:
     """Every key ``kv_connector_extra_config`` may hold."""
-    return sorted(_passthrough_keys() | set(VLLM_SIZE_KEYS))
+    return sorted(_passthrough_keys() | set(VLLM_SIZE_KEYS) | {STATS_INTERVAL_KEY})
+
+
+def stats_interval(extra: Mapping[str, Any] | None) -> float:
+    """``stats_interval_s`` of ``kv_connector_extra_config``: a finite number of seconds, 0 or
+    more (0: a payload at every step that changed something); ``ConfigError`` naming the value."""
+    value = (extra or {}).get(STATS_INTERVAL_KEY, STATS_INTERVAL_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(
+            f"kv_connector_extra_config[{STATS_INTERVAL_KEY!r}] must be a finite number of "
+            f"seconds, 0 or more, got {value!r}"
+        )
+    return float(value)
 
 
 def _size_option(extra: Mapping[str, Any], key: str) -> int:
@@ -86,6 +108,7 @@ def offload_config(extra: Mapping[str, Any] | None, world_size: int) -> OffloadC
             f"kv_connector_extra_config{engine_only}: an option of kvflow's own engine; under "
             "vLLM a fenced load lands whole (vLLM's full CUDA graphs capture the attention)"
         )
+    extra.pop(STATS_INTERVAL_KEY, None)  # the adapter's (``stats_interval``), not kvflow's
     unknown = sorted(set(extra) - _passthrough_keys() - set(VLLM_SIZE_KEYS))
     if unknown:
         raise ConfigError(
@@ -229,6 +252,8 @@ __all__ = [
     "DEFAULT_CPU_BYTES",
     "OFFLOADED_SPECS",
     "PD_DEVICES",
+    "STATS_INTERVAL_KEY",
+    "STATS_INTERVAL_S",
     "VLLM_DEFAULTS",
     "VLLM_SIZE_KEYS",
     "GroupGeometry",
@@ -236,5 +261,6 @@ __all__ = [
     "check_pd_transport",
     "kv_cache_geometry",
     "offload_config",
+    "stats_interval",
     "valid_keys",
 ]

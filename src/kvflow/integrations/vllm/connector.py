@@ -41,6 +41,7 @@ from kvflow.integrations.vllm.config import (
     check_pd_transport,
     kv_cache_geometry,
     offload_config,
+    stats_interval,
 )
 from kvflow.integrations.vllm.gpu_view import VLLMGpuCacheView, VLLMKeyedGpuCacheView
 from kvflow.integrations.vllm.pd import PD_ROLES, PDRequestViews, PDSchedulerRole, vllm_compat
@@ -146,9 +147,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("KVFlowConnector needs vLLM's KVCacheConfig (vLLM >= 0.11)")
         parallel = vllm_config.parallel_config
         self.world_size = int(parallel.world_size)
-        self.config: OffloadConfig = offload_config(
-            self._kv_transfer_config.kv_connector_extra_config, self.world_size
-        )
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.config: OffloadConfig = offload_config(extra, self.world_size)
+        self._interval = stats_interval(extra)  # the scheduler role's stats, while in flight
         self.pd_role: str | None = PD_ROLES.get(str(kv_role))
         device_type = str(vllm_config.device_config.device_type)
         if self.pd_role == "both":
@@ -385,7 +386,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 self._pd_pending = True
             elif self.pd_role is not None:
                 self._start_pd()
-            self._stats = StatsDelta(self._scheduler.manager, sum(self.cpu_blocks))
+            self._stats = StatsDelta(
+                self._scheduler.manager, sum(self.cpu_blocks), self.clock().now, self._interval
+            )
 
     def _start_pd(self) -> None:
         from kvflow.connector.offload import OffloadScheduler
@@ -533,7 +536,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         worker's copy bytes and seconds; None when nothing changed (most steps)."""
         if self._scheduler is not None:
             pd = self._pd.take_stats() if self._pd is not None else None
-            if not self._stats_dirty or self._stats is None:
+            if not self._stats_dirty or self._stats is None or not self._stats.due():
                 return pd
             self._stats_dirty = False
             stats = self._stats.take(self._scheduler.take_latencies())

@@ -10,7 +10,8 @@ observations); ``KVFlowPromMetrics`` records it into Prometheus through vLLM's c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -219,7 +220,10 @@ class KVFlowConnectorStats(KVConnectorStats):
 
 class StatsDelta:
     """The scheduler role's counters since the previous interval, read cheaply each step from the
-    manager's live counters: a payload only when something moved (vLLM asks every step).
+    manager's live counters: a payload only when something moved (vLLM asks every step), and
+    while requests run or transfers are in flight at most one each ``interval`` seconds of
+    ``now`` (``due``): counters sum and latencies accumulate meanwhile, so nothing is lost, only
+    reported up to an interval later.
 
     With a store every step something moves every step, so this runs once a step; after vLLM's
     own scheduling every object and function it touches is out of the CPU caches, so it touches
@@ -227,16 +231,56 @@ class StatsDelta:
     pools' sizes are constants, and the payload is built without its class's ``__init__``.
     """
 
-    __slots__ = ("_counters", "_last", "_last_gauges", "_live", "_pools", "_total_blocks", "_used")
+    __slots__ = (
+        "_busy",
+        "_counters",
+        "_emitted",
+        "_interval",
+        "_last",
+        "_last_gauges",
+        "_live",
+        "_now",
+        "_pools",
+        "_total_blocks",
+        "_used",
+    )
 
-    def __init__(self, manager: OffloadManager, total_cpu_blocks: int) -> None:
+    def __init__(
+        self,
+        manager: OffloadManager,
+        total_cpu_blocks: int,
+        now: Callable[[], float] | None = None,
+        interval: float = 0.0,
+    ) -> None:
+        if interval and now is None:
+            raise ValueError("StatsDelta: an interval needs a clock (now)")
+        self._now = now
+        self._interval = interval
+        self._emitted = -math.inf
         self._counters = manager.counters
         self._live = manager.num_live_transfers
+        self._busy = manager.has_work
         self._pools = manager.cpu_pools
         self._used = sum(pool.num_blocks for pool in self._pools)  # minus the free ones
         self._last: tuple[int, ...] = (0,) * len(MANAGER_COUNTERS)
         self._last_gauges: tuple[int, int, int] | None = None
         self._total_blocks = total_cpu_blocks
+
+    def due(self) -> bool:
+        """Whether a payload is due now: always with no interval, else once the interval has
+        passed since the last one, or when the manager holds no request and no transfer (the
+        engine may go idle after this step: vLLM steps while it has requests, and while
+        transfers settle through ``has_pending_push_work``, so its last change is never held
+        back). A True answer starts the next interval."""
+        interval = self._interval
+        if not interval:
+            return True
+        assert self._now is not None
+        now = self._now()
+        if now - self._emitted < interval and self._busy():
+            return False
+        self._emitted = now
+        return True
 
     def take(self, latencies: Sequence[tuple[Direction, float]]) -> KVFlowConnectorStats | None:
         now: tuple[int, ...] = _read_counters(self._counters)
