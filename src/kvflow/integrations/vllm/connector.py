@@ -34,7 +34,6 @@ from kvflow.connector.config import OffloadConfig
 from kvflow.core.logs import follow_host_logging, get_logger
 from kvflow.core.protocol import GroupBlockIds, StepReport
 from kvflow.core.requests import RequestLike
-from kvflow.core.transfer import Direction
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.config import (
     KVGeometry,
@@ -66,6 +65,7 @@ from kvflow.integrations.vllm.requests import (
 )
 from kvflow.integrations.vllm.roles import SchedulerRole, WorkerRole
 from kvflow.integrations.vllm.telemetry import (
+    CopyDelta,
     KVFlowConnectorStats,
     KVFlowPromMetrics,
     StatsDelta,
@@ -209,7 +209,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats: StatsDelta | None = None
         self._stats_dirty = False
         self._report: StepReport | None = None
-        self._copies: dict[Direction, tuple[int, float]] = {}
+        self._copies = CopyDelta()
         self._copies_dirty = False
         self._echo: frozenset[int] = frozenset()
         self._echo_failed: frozenset[str] = frozenset()
@@ -546,14 +546,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None or not self._copies_dirty:
             return None
         self._copies_dirty = False
-        now = self._worker.copy_throughput()
-        stats = KVFlowConnectorStats()
-        for direction, (moved, busy) in now.items():
-            last_moved, last_busy = self._copies.get(direction, (0, 0.0))
-            stats.add(f"copy_bytes_{direction.value}", moved - last_moved)
-            stats.add(f"copy_seconds_{direction.value}", busy - last_busy)
-        self._copies = dict(now)
-        return None if stats.is_empty() else stats
+        return self._copies.take(self._worker.copy_throughput())
 
     @classmethod
     def build_kv_connector_stats(

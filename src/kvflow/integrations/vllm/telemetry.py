@@ -218,6 +218,26 @@ class KVFlowConnectorStats(KVConnectorStats):
         return not (data[_COUNTERS_KEY] or data[_GAUGES_KEY] or any(data[_LATENCY_KEY].values()))
 
 
+class CopyDelta:
+    """A worker's copy bytes and seconds since its previous payload, from the worker role's
+    running totals (``copy_throughput``)."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[Direction, tuple[int, float]] = {}
+
+    def take(self, now: dict[Direction, tuple[int, float]]) -> KVFlowConnectorStats | None:
+        """The payload of what moved since the last call; None when nothing did."""
+        stats = KVFlowConnectorStats()
+        for direction, (moved, busy) in now.items():
+            last_moved, last_busy = self._last.get(direction, (0, 0.0))
+            stats.add(f"copy_bytes_{direction.value}", moved - last_moved)
+            stats.add(f"copy_seconds_{direction.value}", busy - last_busy)
+        self._last = dict(now)
+        return None if stats.is_empty() else stats
+
+
 class StatsDelta:
     """The scheduler role's counters since the previous interval, read cheaply each step from the
     manager's live counters: a payload only when something moved (vLLM asks every step), and
@@ -429,6 +449,7 @@ __all__ = [
     "KV_EVENT_MEDIUM",
     "PD_COUNTERS",
     "PD_LATENCY",
+    "CopyDelta",
     "KVFlowConnectorStats",
     "KVFlowPromMetrics",
     "StatsDelta",
