@@ -14,6 +14,8 @@ pytest.importorskip("vllm")
 
 from typing import Any
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -184,10 +186,7 @@ def test_stats_while_stores_are_in_flight_wait_for_the_interval_and_lose_nothing
     assert last.gauges["transfers_in_flight"] == 0, "the last transfer's settling is reported"
     assert _counted(rig, "lookups") == 2
     assert _counted(rig, "blocks_stored") == rig.manager.counters.blocks_stored == 8
-    store_latencies = [
-        s for p in rig.payloads for s in KVFlowConnectorStats(data=p).latencies.get("store", [])
-    ]
-    assert len(store_latencies) == sum(len(plan.stores) for plan in rig.runtime.plans) >= 2
+    assert len(_latencies(rig, "store")) == sum(len(plan.stores) for plan in rig.runtime.plans) >= 2
 
 
 def test_stats_while_requests_run_wait_for_the_interval_and_flush_when_idle() -> None:
@@ -207,6 +206,71 @@ def test_stats_while_requests_run_wait_for_the_interval_and_flush_when_idle() ->
     assert rig.manager.has_work() is False
     assert _counted(rig, "lookups") == 2
     assert _counted(rig, "blocks_stored") == rig.manager.counters.blocks_stored == 8
+
+
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "step", "step", "jump", "hold", "release"]), st.floats(0, 0.7)
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ACTIONS)
+def test_stats_payloads_are_an_interval_apart_while_busy_and_sum_to_the_totals(
+    actions: list[tuple[str, float]],
+) -> None:
+    """Over any run of new requests, steps, clock jumps and stores held or let through: while the
+    manager has work, two payloads are at least the interval apart on its clock; once it has
+    none, the payloads sum to its counters and hold one latency per committed store."""
+    rig = _held_stores({"eager_store_interval": 1})
+    rig.runtime.hold_directions.clear()
+    clock = ClockedConnector.CLOCK
+    assert clock is not None
+    last: float | None = None
+    added = 0
+
+    def step() -> None:
+        nonlocal last
+        before = len(rig.payloads)
+        rig.step()
+        assert len(rig.payloads) <= before + 1
+        if len(rig.payloads) > before:
+            if last is not None and rig.manager.has_work():
+                assert clock.now() - last >= 1.0, "a payload inside the interval while busy"
+            last = clock.now()
+
+    for action, dt in actions:
+        if action == "add" and added < 6:
+            rig.h.add([t + 7 * added for t in PROMPT], max_tokens=4)
+            added += 1
+        elif action == "step":
+            step()
+        elif action == "jump":
+            clock.jump(dt)
+        elif action == "hold":
+            rig.runtime.hold_directions.add(Direction.STORE)
+        elif action == "release":
+            rig.runtime.hold_directions.clear()
+    rig.runtime.hold_directions.clear()
+    for _ in range(60):
+        if not rig.h.scheduler.requests and not rig.manager.has_work():
+            break
+        step()
+    assert not rig.manager.has_work()
+    counters = rig.manager.counters
+    for name in ("lookups", "hits", "hit_tokens", "blocks_stored", "bytes_stored"):
+        assert _counted(rig, name) == getattr(counters, name), name
+    stores = sum(len(plan.stores) for plan in rig.runtime.plans)
+    assert len(_latencies(rig, "store")) == stores
+
+
+def _latencies(rig: Observed, direction: str) -> list[float]:
+    return [
+        s for p in rig.payloads for s in KVFlowConnectorStats(data=p).latencies.get(direction, [])
+    ]
 
 
 def test_stats_interval_zero_reports_every_step_that_changed() -> None:
