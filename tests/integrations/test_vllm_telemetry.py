@@ -144,12 +144,13 @@ def test_stats_reach_vllms_log_line_aggregated_over_the_interval() -> None:
     assert float(summary["hit_rate"]) == pytest.approx(0.5)
 
 
-def _held_stores(extra: dict[str, Any]) -> Observed:
-    """An observed rig on a FakeClock (``ClockedConnector.CLOCK``) whose stores stay in flight
-    until the test releases them."""
+def _clocked(extra: dict[str, Any], *, hold_stores: bool) -> Observed:
+    """An observed rig on a FakeClock (``ClockedConnector.CLOCK``); with ``hold_stores`` its
+    stores stay in flight until the test releases them."""
     ClockedConnector.CLOCK = FakeClock()
     rig = Observed(connector="ClockedConnector", extra=extra)
-    rig.runtime.hold_directions.add(Direction.STORE)
+    if hold_stores:
+        rig.runtime.hold_directions.add(Direction.STORE)
     return rig
 
 
@@ -161,7 +162,7 @@ def test_stats_while_stores_are_in_flight_wait_for_the_interval_and_lose_nothing
     """With transfers in flight the scheduler role reports at most once a ``stats_interval_s``
     (1 s by default) of its clock, and at once when the last transfer settles: a lookup made
     meanwhile is reported late but counted once, and the payloads sum to the manager's totals."""
-    rig = _held_stores({"eager_store_interval": 1})
+    rig = _clocked({"eager_store_interval": 1}, hold_stores=True)
     clock = ClockedConnector.CLOCK
     assert clock is not None
     rig.h.add(PROMPT, max_tokens=4)
@@ -193,8 +194,7 @@ def test_stats_while_requests_run_wait_for_the_interval_and_flush_when_idle() ->
     """Stores that complete in their own step: a lookup while a request still runs waits for
     the interval too, and the step after which the engine may idle (no request, no transfer)
     reports it; every lookup and stored block is counted once."""
-    rig = _held_stores({"eager_store_interval": 1})
-    rig.runtime.hold_directions.clear()
+    rig = _clocked({"eager_store_interval": 1}, hold_stores=False)
     rig.h.add(PROMPT, max_tokens=8)
     rig.step()
     assert len(rig.payloads) == 1
@@ -225,8 +225,7 @@ def test_stats_payloads_are_an_interval_apart_while_busy_and_sum_to_the_totals(
     """Over any run of new requests, steps, clock jumps and stores held or let through: while the
     manager has work, two payloads are at least the interval apart on its clock; once it has
     none, the payloads sum to its counters and hold one latency per committed store."""
-    rig = _held_stores({"eager_store_interval": 1})
-    rig.runtime.hold_directions.clear()
+    rig = _clocked({"eager_store_interval": 1}, hold_stores=False)
     clock = ClockedConnector.CLOCK
     assert clock is not None
     last: float | None = None
@@ -276,7 +275,7 @@ def _latencies(rig: Observed, direction: str) -> list[float]:
 def test_stats_interval_zero_reports_every_step_that_changed() -> None:
     """``stats_interval_s: 0``: a change is reported in its own step, transfers in flight or
     not (the payload of every step, as before the interval)."""
-    rig = _held_stores({"eager_store_interval": 1, "stats_interval_s": 0})
+    rig = _clocked({"eager_store_interval": 1, "stats_interval_s": 0}, hold_stores=True)
     rig.h.add(PROMPT, max_tokens=4)
     rig.step()
     rig.h.add([t + 1 for t in PROMPT], max_tokens=4)

@@ -39,8 +39,8 @@ VLLM_SIZE_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank")
 """vLLM's offload connectors' names for the CPU tier's size (kvflow's ``cpu_bytes``)."""
 
 STATS_INTERVAL_KEY = "stats_interval_s"
-"""The adapter's own option: seconds between the scheduler role's stats while transfers are in
-flight (``stats_interval``)."""
+"""The adapter's own option: seconds between the scheduler role's stats while requests run or
+transfers are in flight (``stats_interval``)."""
 
 STATS_INTERVAL_S = 1.0
 """``stats_interval_s`` when the extra config names none: vLLM logs its stats every 10 s and a

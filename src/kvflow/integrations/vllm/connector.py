@@ -149,7 +149,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.world_size = int(parallel.world_size)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config: OffloadConfig = offload_config(extra, self.world_size)
-        self._interval = stats_interval(extra)  # the scheduler role's stats, while in flight
+        self._interval = stats_interval(extra)  # the scheduler role's stats, while it has work
         self.pd_role: str | None = PD_ROLES.get(str(kv_role))
         device_type = str(vllm_config.device_config.device_type)
         if self.pd_role == "both":

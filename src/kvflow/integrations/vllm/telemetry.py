@@ -35,6 +35,7 @@ from kvflow.connector.offload import LATENCY_BUCKETS_S
 from kvflow.core import block_pool
 from kvflow.core.offload import OffloadManager
 from kvflow.core.transfer import Direction
+from kvflow.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -273,7 +274,7 @@ class StatsDelta:
         interval: float = 0.0,
     ) -> None:
         if interval and now is None:
-            raise ValueError("StatsDelta: an interval needs a clock (now)")
+            raise ConfigError("StatsDelta: an interval needs a clock (now)")
         self._now = now
         self._interval = interval
         self._emitted = -math.inf
