@@ -12,7 +12,6 @@ at start-up, by name.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvflow.connector.api import KVCacheConfig, KVCacheGroupSpec
 from kvflow.connector.config import OffloadConfig, PDConfig, WorkerLoop, parse_size
+from kvflow.core.validate import timeout_s
 from kvflow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -76,12 +76,7 @@ def stats_interval(extra: Mapping[str, Any] | None) -> float:
     """``stats_interval_s`` of ``kv_connector_extra_config``: a finite number of seconds, 0 or
     more (0: a payload at every step that changed something); ``ConfigError`` naming the value."""
     value = (extra or {}).get(STATS_INTERVAL_KEY, STATS_INTERVAL_S)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-        raise ConfigError(
-            f"kv_connector_extra_config[{STATS_INTERVAL_KEY!r}] must be a finite number of "
-            f"seconds, 0 or more, got {value!r}"
-        )
-    return float(value)
+    return timeout_s(f"kv_connector_extra_config[{STATS_INTERVAL_KEY!r}]", value)
 
 
 def _size_option(extra: Mapping[str, Any], key: str) -> int:
