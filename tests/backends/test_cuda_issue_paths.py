@@ -125,6 +125,28 @@ def test_by_default_a_long_prefills_store_is_2d_copies_and_a_short_run_store_is_
     assert [c[0] for c in calls] == (["enter", "copy"] if dma else ["staged"])
 
 
+def test_a_store_of_scattered_blocks_is_staged_without_planning_2d_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store whose GPU ids are scattered (a multi-turn step's) goes to the staged ring
+    without ``pitched_direct`` building its arrays first: a cheap scan of the ids rules the 2D
+    copies out before any copy is queued."""
+    planned: list[int] = []
+    monkeypatch.setattr(issue, "pitched_direct", lambda *a, **k: planned.append(1))
+    gpu = tuple(int(i) for i in np.random.default_rng(7).permutation(np.arange(1, 64))[:48])
+    calls = issued(
+        monkeypatch,
+        store_dma=True,
+        staged=True,
+        store=True,
+        gpu=gpu,
+        cpu=tuple(range(100, 148)),
+        config=CudaConfig(),
+    )
+    assert [c[0] for c in calls] == ["staged"]
+    assert planned == []
+
+
 @pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize(
     ("store_dma", "store", "ids", "regions"),

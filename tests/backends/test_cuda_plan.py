@@ -29,6 +29,7 @@ from kvflow.backends.cuda.plan import (
     group_work,
     pitched_direct,
     runs,
+    runs_too_short,
     staged_plan,
     subbatch_bounds,
 )
@@ -624,6 +625,34 @@ def test_pitched_direct_copies_are_the_per_page_copies(
     apply(memory, pitched)
     apply(want, direct_descriptors(table, gpu, cpu, cpu_base, store=store))
     assert np.array_equal(memory, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=8),
+    min_rows=st.integers(1, 40),
+    chunk_blocks=st.integers(0, 7),
+)
+def test_runs_too_short_is_exactly_the_gpu_runs_average_and_rules_out_2d_copies(
+    pieces: list[tuple[int, int]], min_rows: int, chunk_blocks: int
+) -> None:
+    """``runs_too_short`` answers whether the GPU ids' own runs average fewer than
+    ``min_rows`` blocks, and where it says so ``pitched_direct`` has no plan for any CPU ids."""
+    gpu_ids: list[int] = []
+    for start, length in pieces:  # runs anywhere, in any order, overlapping ids allowed
+        gpu_ids += range(start, start + length)
+    gpu = np.array(gpu_ids, dtype=np.int64)
+    n = len(gpu)
+    starts, _ = runs(gpu, np.arange(n, dtype=np.int64))
+    short = runs_too_short(tuple(gpu_ids), min_rows)
+    assert short == (len(starts) * min_rows > n)
+    if short:
+        table = flash_table(2, max(gpu_ids) + 1, 16)
+        cpu = np.arange(n, dtype=np.int64)
+        plan = pitched_direct(
+            table, gpu, cpu, 1 << 30, store=True, chunk_blocks=chunk_blocks, min_rows=min_rows
+        )
+        assert plan is None
 
 
 def padded_table(num_layers: int, num_blocks: int, page: int) -> RegionTable:

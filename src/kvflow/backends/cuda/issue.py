@@ -30,6 +30,7 @@ from kvflow.backends.cuda.plan import (
     as_i64,
     direct_descriptors,
     pitched_direct,
+    runs_too_short,
 )
 from kvflow.backends.cuda.ring_plan import ring_plan
 from kvflow.backends.cuda.streams import CudaFence, Lane, enter_stream, join_streams
@@ -182,7 +183,8 @@ class BatchIssue:
         """Queue one group's copies of a batch (``regions``: only those of each block)."""
         g, table, gpu, cpu = item
         desc: Copies | None = None
-        if store and regions is None and self.config.store_dma:
+        min_run = self.config.store_dma_min_run
+        if store and regions is None and self.config.store_dma and not runs_too_short(gpu, min_run):
             desc = pitched_direct(
                 table,
                 as_i64(gpu),
@@ -190,7 +192,7 @@ class BatchIssue:
                 tier.ptr(g),
                 store=True,
                 chunk_blocks=tier.chunk_blocks(g),
-                min_rows=self.config.store_dma_min_run,
+                min_rows=min_run,
             )
         if desc is None and self._staged[g]:
             self._staged_copy(

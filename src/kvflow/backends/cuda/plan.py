@@ -13,6 +13,7 @@ call costs many times its warm price (docs/benchmarks.md, thirty-third session).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -280,6 +281,26 @@ def runs(a: I64, b: I64, chunk_blocks: int = 0) -> tuple[I64, I64]:
     starts = np.concatenate(([0], np.flatnonzero(brk) + 1)).astype(np.int64)
     lengths = np.diff(np.concatenate((starts, [n]))).astype(np.int64)
     return starts, lengths
+
+
+def runs_too_short(ids: Sequence[int], min_rows: int) -> bool:
+    """Whether ``ids`` (a batch's GPU ids) step by +1 so rarely that their runs average fewer
+    than ``min_rows`` blocks. ``pitched_direct`` then has no plan (its runs also break on the
+    CPU side), so True spares a store of scattered blocks its arrays: the scan stops at the
+    first break too many, a few comparisons for such a store."""
+    n = len(ids)
+    allowed = n // min_rows - 1  # breaks a batch may have: runs <= n / min_rows
+    if allowed < 0:
+        return True
+    breaks = 0
+    prev = ids[0]
+    for x in itertools.islice(ids, 1, None):
+        if x != prev + 1:
+            breaks += 1
+            if breaks > allowed:
+                return True
+        prev = x
+    return False
 
 
 @frozen
@@ -662,6 +683,7 @@ __all__ = [
     "pitched_direct",
     "run_pieces",
     "runs",
+    "runs_too_short",
     "staged_plan",
     "subbatch_bounds",
     "subbatch_cuts",
