@@ -307,6 +307,11 @@ def _rank(rank: int, name: str, ports: tuple[int, int], cfg: dict[str, Any]) -> 
                     )
             out["sizes"][str(bs >> 10)] = fig
         out["stats"] = getattr(t, "stats", {})
+        out["done_at"] = clock.now()  # perf_counter: CLOCK_MONOTONIC on Linux, one for both
+        # D's checks and ceilings above read P's tensors through its mappings, and P's close
+        # waits (bounded) for D to drop them: P closes only once D is through with them.
+        barrier()
+        out["close_at"] = clock.now()
     finally:
         t.close()
         if spin is not None:
@@ -482,7 +487,11 @@ def _merge(res: list[dict[str, Any]]) -> dict[str, Any]:
             fig["vs_index_gather"] = fig["index_gather_s"] / fig["seconds"]
         sizes[kib] = fig
     d_initiates = any(f["initiator"] for f in res[1]["sizes"].values())
-    return {"sizes": sizes, "stats": res[1 if d_initiates else 0]["stats"]}
+    return {
+        "sizes": sizes,
+        "stats": res[1 if d_initiates else 0]["stats"],
+        "p_closed_after_d_done": res[0]["close_at"] >= res[1]["done_at"],
+    }
 
 
 if __name__ == "__main__":

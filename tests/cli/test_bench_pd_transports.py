@@ -18,7 +18,7 @@ def test_transport_bench_reports_speed_ceiling_and_descriptors_per_transport(
 ) -> None:
     """Each transport's row has its GB/s (one hand-off, and several in flight), the contiguous
     and memcpy references, the copies it issued and its launch cost; D's blocks match P's; NIXL
-    names its UCX backend."""
+    names its UCX backend; P closes its transport only after D is through with its checks."""
     names = ["gloo"] + (["nixl"] if load_nixl()[0] is not None else [])
     out = tmp_path / "transports.json"
     code = bench_pd_transports.main(
@@ -29,6 +29,7 @@ def test_transport_bench_reports_speed_ceiling_and_descriptors_per_transport(
     data = json.loads(out.read_text())["transports"]
     assert set(data) == set(names)
     for name in names:
+        assert data[name]["p_closed_after_d_done"]
         f = data[name]["sizes"]["32"]
         assert f["bytes_match"]
         assert f["blocks"] == 32
