@@ -637,7 +637,8 @@ def test_runs_too_short_is_exactly_the_gpu_runs_average_and_rules_out_2d_copies(
     pieces: list[tuple[int, int]], min_rows: int, chunk_blocks: int
 ) -> None:
     """``runs_too_short`` answers whether the GPU ids' own runs average fewer than
-    ``min_rows`` blocks, and where it says so ``pitched_direct`` has no plan for any CPU ids."""
+    ``min_rows`` blocks, and where it says so ``pitched_direct`` has no plan even with
+    consecutive CPU ids (the CPU ids that add no breaks of their own)."""
     gpu_ids: list[int] = []
     for start, length in pieces:  # runs anywhere, in any order, overlapping ids allowed
         gpu_ids += range(start, start + length)
