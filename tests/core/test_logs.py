@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,45 @@ def test_capture_logs_sees_debug_events_with_stdlib_quiet(unconfigured: logging.
     with capture_logs() as captured:
         _transition()
     assert [e["event"] for e in captured] == ["transfer_transition"]
+
+
+def test_debug_enabled_follows_every_configuration(unconfigured: logging.Logger) -> None:
+    """The hot paths' guard answers as the public calls do (``structlog.is_configured`` and the
+    stdlib logger's ``isEnabledFor``), through level changes, ``logging.disable`` and structlog
+    being configured and reset."""
+    log = logs.get_logger("kvflow.transfer")
+    stdlib = logging.getLogger("kvflow.transfer")
+
+    def public() -> bool:
+        if not structlog.is_configured():
+            return stdlib.isEnabledFor(logging.DEBUG)
+        return logs._structlog_debug_enabled()
+
+    changes: list[Callable[[], object]] = [
+        lambda: None,
+        lambda: unconfigured.setLevel(logging.DEBUG),
+        lambda: stdlib.setLevel(logging.INFO),
+        lambda: stdlib.setLevel(logging.NOTSET),
+        lambda: logging.disable(logging.DEBUG),
+        lambda: logging.disable(logging.NOTSET),
+        lambda: structlog.configure(
+            wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG)
+        ),
+        lambda: structlog.configure(
+            wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING)
+        ),
+        structlog.reset_defaults,
+        lambda: unconfigured.setLevel(logging.WARNING),
+    ]
+    seen: list[bool] = []
+    for change in changes:
+        change()
+        assert log.debug_enabled() == public()
+        log.debug_enabled()  # a second answer, from the cache
+        assert log.debug_enabled() == public()
+        seen.append(public())
+    assert True in seen, "an enabled answer was exercised"
+    assert False in seen, "a disabled answer was exercised"
 
 
 def test_follow_host_logging_lends_the_hosts_handlers_once(unconfigured: logging.Logger) -> None:

@@ -8,8 +8,8 @@ kvflow's transfer state machine and the reference engine's request state machine
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Generic, NoReturn, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 from kvflow.core.logs import get_logger
 from kvflow.errors import TransitionError
@@ -18,12 +18,23 @@ S = TypeVar("S", bound=enum.Enum)
 I = TypeVar("I", bound=enum.Enum)  # noqa: E741 - the conventional name for an input type
 
 
+class Stateful(Protocol[S]):
+    """An entity whose state a ``Machine`` keeps: ``fire`` reads and writes ``state``."""
+
+    state: S
+
+
 class Machine(Generic[S, I]):
     """A named transition table and the one function that applies it.
 
     ``apply`` logs ``<name>_transition`` at debug level with the entity's id field, the fields
     given, ``input``, ``cause``, ``from`` and ``to``; an illegal pair logs
     ``<name>_transition_rejected`` at warning level and raises ``TransitionError``.
+
+    ``fire`` and ``fire_seq`` do the same on an entity that holds its state, for machines built
+    with ``fields`` (the entity's id and logged fields, read only when an event is built): a
+    transfer passes here several times a step, so the hot path is one call that builds nothing
+    for a filtered event.
     """
 
     def __init__(
@@ -35,8 +46,10 @@ class Machine(Generic[S, I]):
         initial: S,
         terminal: Iterable[S],
         logger: str,
+        fields: Callable[[Any], tuple[object, dict[str, Any]]] | None = None,
     ) -> None:
         self.name = name
+        self._fields = fields
         self.transitions = transitions
         self.id_field = id_field
         self.initial = initial
@@ -51,11 +64,47 @@ class Machine(Generic[S, I]):
         """The new state for ``event`` in ``state``; the caller stores it. Illegal: raises."""
         new = self.transitions.get((state, event))
         if new is None:
-            self._reject(entity_id, state, event, cause, fields)
+            self._reject(entity_id, fields, state, event, cause)
         # Transfers pass here several times a step: skip building an event that is filtered.
         if self._log.debug_enabled():
-            self._logged(entity_id, state, event, new, cause, fields)
+            self._logged(entity_id, fields, state, event, new, cause)
         return new
+
+    def fire(self, entity: Stateful[S], event: I, *, cause: str) -> S:
+        """``apply`` to ``entity``'s own state, stored back; its id and fields come from the
+        machine's ``fields``. Illegal: raises, the entity unchanged."""
+        state = entity.state
+        new = self.transitions.get((state, event))
+        if new is None:
+            self._reject(*self._described(entity), state, event, cause)
+        if self._log.debug_enabled():
+            self._logged(*self._described(entity), state, event, new, cause)
+        entity.state = new
+        return new
+
+    def fire_seq(self, entity: Stateful[S], steps: Sequence[tuple[I, str]]) -> S:
+        """``apply_seq`` to ``entity``'s own state, stored back (nothing stored if a pair is
+        illegal)."""
+        transitions = self.transitions
+        state = new = entity.state
+        for event, cause in steps:
+            after = transitions.get((new, event))
+            if after is None:
+                self._reject(*self._described(entity), new, event, cause)
+            new = after
+        if self._log.debug_enabled():
+            entity_id, fields = self._described(entity)
+            for event, cause in steps:
+                after = transitions[(state, event)]
+                self._logged(entity_id, fields, state, event, after, cause)
+                state = after
+        entity.state = new
+        return new
+
+    def _described(self, entity: object) -> tuple[object, dict[str, Any]]:
+        if self._fields is None:
+            raise TypeError(f"{self.name}: fire needs a machine built with fields")
+        return self._fields(entity)
 
     def apply_seq(
         self, entity_id: object, state: S, steps: Sequence[tuple[I, str]], **fields: Any
@@ -68,18 +117,18 @@ class Machine(Generic[S, I]):
         for event, cause in steps:
             after = transitions.get((new, event))
             if after is None:
-                self._reject(entity_id, new, event, cause, fields)
+                self._reject(entity_id, fields, new, event, cause)
             new = after
         if self._log.debug_enabled():
             before = state
             for event, cause in steps:
                 after = transitions[(before, event)]
-                self._logged(entity_id, before, event, after, cause, fields)
+                self._logged(entity_id, fields, before, event, after, cause)
                 before = after
         return new
 
     def _reject(
-        self, entity_id: object, state: S, event: I, cause: str, fields: dict[str, Any]
+        self, entity_id: object, fields: dict[str, Any], state: S, event: I, cause: str
     ) -> NoReturn:
         self._log.warning(
             f"{self.name}_transition_rejected",
@@ -92,7 +141,13 @@ class Machine(Generic[S, I]):
         raise TransitionError(self.name, entity_id, str(state.value), str(event.value))
 
     def _logged(
-        self, entity_id: object, state: S, event: I, new: S, cause: str, fields: dict[str, Any]
+        self,
+        entity_id: object,
+        fields: dict[str, Any],
+        state: S,
+        event: I,
+        new: S,
+        cause: str,
     ) -> None:
         self._log.debug(
             f"{self.name}_transition",
@@ -128,4 +183,4 @@ class Machine(Generic[S, I]):
         return "\n".join(rows) + "\n"
 
 
-__all__ = ["Machine"]
+__all__ = ["Machine", "Stateful"]

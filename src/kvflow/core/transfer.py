@@ -8,7 +8,7 @@ table, on the scheduler side and on each worker.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from attrs import define
 
@@ -73,6 +73,17 @@ class Transfer:
         return self.state in TERMINAL_STATES
 
 
+_DIRECTION_NAMES = {d: d.value for d in Direction}
+"""``Direction.value`` is a Python-level property: a dict lookup is cheaper."""
+
+
+def _fields(transfer: Transfer) -> tuple[object, dict[str, object]]:
+    return transfer.transfer_id, {
+        "request_id": transfer.request_id,
+        "direction": _DIRECTION_NAMES[transfer.direction],
+    }
+
+
 TRANSFER_MACHINE: Machine[TransferState, TransferInput] = Machine(
     "transfer",
     TRANSITIONS,
@@ -80,40 +91,18 @@ TRANSFER_MACHINE: Machine[TransferState, TransferInput] = Machine(
     initial=TransferState.PENDING,
     terminal=TERMINAL_STATES,
     logger="kvflow.transfer",
+    fields=_fields,
 )
 
+apply = TRANSFER_MACHINE.fire
+"""``apply(transfer, input, cause=...)``: apply one input to ``transfer`` by the table; log it;
+store and return the new state. An illegal pair raises ``TransitionError`` and leaves the
+transfer unchanged."""
 
-_DIRECTION_NAMES = {d: d.value for d in Direction}
-"""``Direction.value`` is a Python-level property: a dict lookup is cheaper on every transition."""
-
-
-def apply(transfer: Transfer, event: TransferInput, *, cause: str) -> TransferState:
-    """Apply one input to ``transfer`` by the table; log it; return the new state.
-
-    An illegal pair raises ``TransitionError`` and leaves the transfer unchanged.
-    """
-    transfer.state = TRANSFER_MACHINE.apply(
-        transfer.transfer_id,
-        transfer.state,
-        event,
-        cause=cause,
-        request_id=transfer.request_id,
-        direction=_DIRECTION_NAMES[transfer.direction],
-    )
-    return transfer.state
-
-
-def apply_seq(transfer: Transfer, steps: Sequence[tuple[TransferInput, str]]) -> TransferState:
-    """``apply`` of each ``(input, cause)`` in turn (a transfer that settles: complete, then
-    release), each transition logged; if any is illegal, raises before any is applied."""
-    transfer.state = TRANSFER_MACHINE.apply_seq(
-        transfer.transfer_id,
-        transfer.state,
-        steps,
-        request_id=transfer.request_id,
-        direction=_DIRECTION_NAMES[transfer.direction],
-    )
-    return transfer.state
+apply_seq = TRANSFER_MACHINE.fire_seq
+"""``apply_seq(transfer, ((input, cause), ...))``: ``apply`` of each in turn (a transfer that
+settles: complete, then release), each transition logged; if any is illegal, raises before any
+is applied."""
 
 
 def render_mermaid() -> str:

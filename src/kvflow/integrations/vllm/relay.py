@@ -152,8 +152,8 @@ class OutcomeRelay:
     def metadata(self, plan: StepPlan | None) -> KVFlowConnectorMetadata:
         """This step's metadata: ``plan`` and the echo, or with neither the one shared idle
         metadata (most lazy steps: nothing is made for them)."""
-        if plan is None and not (self._echo or self._echo_requests):
-            return IDLE_METADATA
+        if not (self._echo or self._echo_requests):
+            return IDLE_METADATA if plan is None else KVFlowConnectorMetadata(plan)
         return KVFlowConnectorMetadata(plan, *self.take_echo())
 
     def take_echo(self) -> tuple[frozenset[int], frozenset[str]]:
