@@ -23,7 +23,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from time import perf_counter_ns
+from time import perf_counter, perf_counter_ns
 from typing import Any
 
 import structlog
@@ -230,6 +230,26 @@ def kvflow_echo(scheduler_output: Any) -> Any:
     )
 
 
+class EngineClock:
+    """The clock kvflow's connector reads here: the time of the rig stepping now, which runs only
+    while that rig steps. In a server an engine's connector sees only its own steps' time pass;
+    here the other configurations' steps and the collection before each round pass too (several
+    times a rig's own step), and the scheduler role's stats, due once a second, would be built
+    every few steps instead of once in hundreds. A server's steps also run the forward pass, so
+    its second comes sooner in steps than here: this clock errs on the side of fewer payloads
+    than a GPU server builds, the wall clock on the side of far more."""
+
+    def __init__(self) -> None:
+        self.rig: Rig | None = None
+
+    def now(self) -> float:
+        rig = self.rig
+        return 0.0 if rig is None else rig.engine_s + (perf_counter() - rig.started)
+
+
+ENGINE_CLOCK = EngineClock()
+
+
 class Rig:
     """One configuration: its own scheduler, prefilled, stepped by ``step``."""
 
@@ -253,7 +273,11 @@ class Rig:
             max_num_batched_tokens=args.batch_tokens,
             max_model_len=args.prompt + args.decode + args.warmup + 64,
         )
+        self.engine_s = 0.0  # this rig's own time (``EngineClock``), its steps' wall time
+        self.started = perf_counter()
+        ENGINE_CLOCK.rig = self
         self.scheduler = make_scheduler(config, args.requests * (blocks_per_req + 1) + 64)
+        ENGINE_CLOCK.rig = None
         self.echo = echo
         self.hook_ns = [0]
         self.manager_ns = [0]
@@ -282,6 +306,8 @@ class Rig:
     def step(self) -> int:
         """One step; returns the ns spent in vLLM's scheduler (not in building the fake output)."""
         scheduler = self.scheduler
+        self.started = perf_counter()
+        ENGINE_CLOCK.rig = self
         t0 = perf_counter_ns()
         so = scheduler.schedule()
         t1 = perf_counter_ns()
@@ -290,6 +316,8 @@ class Rig:
         t2 = perf_counter_ns()
         scheduler.update_from_output(so, mro)
         t3 = perf_counter_ns()
+        ENGINE_CLOCK.rig = None
+        self.engine_s += perf_counter() - self.started
         return (t1 - t0) + (t3 - t2)
 
 
@@ -341,6 +369,12 @@ def main() -> None:
         default="structlog-warning",
         help="structlog configured at WARNING, or nothing configured (kvflow's events then go to "
         "stdlib logging, as in a vLLM server; what a filtered debug event costs there)",
+    )
+    parser.add_argument(
+        "--wall-clock",
+        action="store_true",
+        help="kvflow's connector reads the wall clock (the other rigs' steps and the collections "
+        "between rounds then count as its time), not its own rig's (EngineClock)",
     )
     args = parser.parse_args()
     if args.logging == "structlog-warning":
@@ -396,6 +430,10 @@ def main() -> None:
             print(f"--cold-split needs the '{EACH_STEP}' configuration", file=sys.stderr)
             sys.exit(2)
         configs.insert(configs.index(each) + 1, (TWIN, *each[1:]))
+    if kvflow_ready and not args.wall_clock:
+        from kvflow.integrations.vllm.connector import KVFlowConnector
+
+        KVFlowConnector.clock = staticmethod(lambda: ENGINE_CLOCK)  # type: ignore[method-assign,assignment]
     if args.calls and kvflow_ready:
         time_calls()
     rigs: dict[str, Rig] = {}

@@ -63,3 +63,41 @@ def test_the_cold_split_runs_a_twin_right_after_the_store_each_step_rig() -> Non
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0
     assert "--cold-split" in bad.stderr
+
+
+def test_kvflow_s_clock_in_the_benchmark_runs_only_while_its_own_rig_steps() -> None:
+    """The clock the benchmark gives kvflow's connector advances by its own rig's steps only:
+    work between them (another rig's step, the collection before a round) is not its time."""
+    import argparse
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_vllm_scheduler", ROOT / "scripts" / "bench_vllm_scheduler.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = argparse.Namespace(
+        requests=4, prompt=64, decode=8, warmup=2, block_size=16, batch_tokens=8192
+    )
+    rig, other = mod.Rig(None, None, {}, None, args), mod.Rig(None, None, {}, None, args)
+    seen: list[float] = []
+    schedule = rig.scheduler.schedule
+
+    def schedule_and_read() -> object:
+        seen.append(mod.ENGINE_CLOCK.now())
+        return schedule()
+
+    rig.scheduler.schedule = schedule_and_read
+    before = rig.engine_s
+    rig.step()
+    other.step()
+    spent = time.perf_counter() + 0.05
+    while time.perf_counter() < spent:  # work of nobody's engine
+        pass
+    rig.step()
+    first, second = seen
+    assert 0 < second - first <= rig.engine_s - before, "only the rig's own steps count"
+    assert mod.ENGINE_CLOCK.now() == 0.0, "no rig steps now: nobody's time"
