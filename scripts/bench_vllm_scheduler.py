@@ -16,6 +16,7 @@ kvflow's scheduler-side manager is importable; otherwise reported as not availab
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import logging
@@ -212,12 +213,15 @@ def simple_echo(scheduler_output: Any) -> Any:
     )
 
 
-def kvflow_echo(scheduler_output: Any) -> Any:
-    """kvflow's workers: every transfer of this step's plan is reported complete."""
+def kvflow_echo(scheduler_output: Any, package: str = "kvflow") -> Any:
+    """kvflow's workers: every transfer of this step's plan is reported complete (``package``:
+    the kvflow tree whose connector planned it, see ``--base``)."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    from kvflow.core.protocol import StepReport
-    from kvflow.integrations.vllm import KVFlowWorkerMetadata
+    StepReport = importlib.import_module(f"{package}.core.protocol").StepReport
+    KVFlowWorkerMetadata = importlib.import_module(
+        f"{package}.integrations.vllm"
+    ).KVFlowWorkerMetadata
 
     plan = scheduler_output.kv_connector_metadata.plan
     if plan is None:
@@ -376,6 +380,20 @@ def main() -> None:
         help="kvflow's connector reads the wall clock (the other rigs' steps and the collections "
         "between rounds then count as its time), not its own rig's (EngineClock)",
     )
+    parser.add_argument(
+        "--base",
+        metavar="PACKAGE",
+        help="also run the store-each-step configuration from PACKAGE, another kvflow tree under "
+        "a name of its own on PYTHONPATH (scripts/renamed_tree.sh makes one from a git ref), in "
+        "the same rounds: an A/B of two trees in one process",
+    )
+    parser.add_argument(
+        "--base-first",
+        action="store_true",
+        help="with --base, the other tree's rig steps just before this tree's in each round "
+        "(default: just after); the one that follows finds code both trees share warm, so an "
+        "A/B runs both orders",
+    )
     args = parser.parse_args()
     if args.logging == "structlog-warning":
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -421,6 +439,23 @@ def main() -> None:
         extra: dict[str, object] = {"cpu_bytes_to_use": cpu_bytes, "store_policy": policy, **more}
         configs.append((f"kvflow {label}", "KVFlowConnector", KVFLOW_MODULE, extra, kvflow_echo))
 
+    if args.base:
+        if (
+            importlib.util.find_spec(args.base) is None
+            or importlib.util.find_spec(f"{args.base}.integrations.vllm") is None
+        ):
+            print(f"--base: no package {args.base!r} on PYTHONPATH", file=sys.stderr)
+            sys.exit(2)
+        extra = {"cpu_bytes_to_use": cpu_bytes, "store_policy": "eager", "eager_store_interval": 1}
+        other = (
+            f"{args.base} eager, a store each step",
+            "KVFlowConnector",
+            f"{args.base}.integrations.vllm",
+            extra,
+            functools.partial(kvflow_echo, package=args.base),
+        )
+        at = next((i for i, c in enumerate(configs) if c[0] == EACH_STEP), len(configs))
+        configs.insert(at if args.base_first else at + 1, other)
     if args.only:
         always = ("no connector", "SimpleCPUOffload eager")
         configs = [c for c in configs if c[0] in always or any(t in c[0] for t in args.only)]
@@ -431,9 +466,11 @@ def main() -> None:
             sys.exit(2)
         configs.insert(configs.index(each) + 1, (TWIN, *each[1:]))
     if kvflow_ready and not args.wall_clock:
-        from kvflow.integrations.vllm.connector import KVFlowConnector
-
-        KVFlowConnector.clock = staticmethod(lambda: ENGINE_CLOCK)  # type: ignore[method-assign,assignment]
+        for package in ("kvflow", args.base) if args.base else ("kvflow",):
+            connector_class = importlib.import_module(
+                f"{package}.integrations.vllm.connector"
+            ).KVFlowConnector
+            connector_class.clock = staticmethod(lambda: ENGINE_CLOCK)
     if args.calls and kvflow_ready:
         time_calls()
     rigs: dict[str, Rig] = {}

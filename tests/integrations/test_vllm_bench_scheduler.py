@@ -15,9 +15,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bench(*args: str) -> subprocess.CompletedProcess[str]:
-    """The benchmark script run with ``args`` on this checkout's ``src``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
+def bench(*args: str, path: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The benchmark script run with ``args`` on this checkout's ``src`` (and ``path``)."""
+    paths = [str(ROOT / "src"), *([str(path)] if path is not None else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_vllm_scheduler.py"), *args],
         capture_output=True,
@@ -101,3 +102,38 @@ def test_kvflow_s_clock_in_the_benchmark_runs_only_while_its_own_rig_steps() -> 
     first, second = seen
     assert 0 < second - first <= rig.engine_s - before, "only the rig's own steps count"
     assert mod.ENGINE_CLOCK.now() == 0.0, "no rig steps now: nobody's time"
+
+
+def test_base_runs_another_tree_beside_this_one_in_the_same_rounds(tmp_path: Path) -> None:
+    """``--base`` with a renamed copy of a tree (``scripts/renamed_tree.sh``) adds that tree's
+    store-each-step row, its connector loaded from the copy, in either order; a package that is
+    not there is a one-line error and exit 2."""
+    made = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "renamed_tree.sh"), "HEAD", str(tmp_path), "kvf_other"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert made.returncode == 0, made.stderr
+    assert (
+        "kvflow"
+        not in (tmp_path / "kvf_other" / "core" / "offload" / "ledger.py")
+        .read_text()
+        .replace("kvflow's", "")
+        .split("kvf_other")[0]
+        .split("import")[-1]
+    )
+    small = ("--requests", "16", "--prompt", "64", "--decode", "16", "--warmup", "2")
+    for order in ((), ("--base-first",)):
+        ran = bench(*small, "--only", "each", "--base", "kvf_other", *order, path=tmp_path)
+        assert ran.returncode == 0, ran.stderr
+        # The rows in the order the rigs step in each round (a long name may wrap: its start).
+        mine, other = (
+            ran.stdout.index("│ kvflow eager, a store"),
+            ran.stdout.index("│ kvf_other eager"),
+        )
+        assert (other < mine) if order else (mine < other)
+    bad = bench(*small, "--only", "each", "--base", "kvf_missing")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0
+    assert "kvf_missing" in bad.stderr
