@@ -171,13 +171,9 @@ class OffloadScheduler:
     ) -> StepPlan:
         """``build_connector_meta`` of a step of running requests only, one token each, in
         columns (``OffloadManager.decode_step``)."""
-        plan = self.manager.decode_step(step, request_ids, num_computed_tokens, new_block_ids)
-        if self._now is not None and (plan.stores or plan.loads):
-            # ``_stamped``, inlined: every decode step passes here.
-            t = self._now()
-            for spec in (*plan.stores, *plan.loads):
-                self._launched[spec.transfer_id] = (spec.direction, t)
-        return plan
+        return self._stamped(
+            self.manager.decode_step(step, request_ids, num_computed_tokens, new_block_ids)
+        )
 
     def quiet_step(self, step: int) -> StepPlan | None:
         """``build_connector_meta`` of a step with no news for the CPU tier, by its number

@@ -252,26 +252,17 @@ class TransferLedger:
         if self.pending or self.abandoned or len(self.cpu) != 1 or pool.num_free_blocks < n:
             return None
         request_id = reqs[0].request.request_id if len(reqs) == 1 else STEP_STORE_ID
-        # ``_new`` of a shared store, launched at once, inlined: every decode step passes here.
-        tid = self._next_id
-        self._next_id = tid + 1
-        gpu = (tuple(picked.values()),)
-        spec = TransferSpec.trusted(
-            tid, request_id, Direction.STORE, gpu, (tuple(pool.get_new_blocks(n)),)
-        )
-        xfer = LiveTransfer(
-            Transfer(tid, Direction.STORE, request_id),
-            spec,
+        xfer = self._new(
+            Direction.STORE,
+            request_id,
             reqs,
-            (tuple(picked),),
-            (tuple(owners),),
+            (tuple(picked.values()),),
+            (tuple(pool.get_new_blocks(n)),),
             shared=True,
+            pending=False,
         )
-        if self.gpu is not None and self.store_refs:
-            self.gpu.touch(gpu[0])
-            xfer.holds_gpu = True
-        self.xfers[tid] = xfer
-        self.shared[tid] = xfer
+        xfer.hashes = (tuple(picked),)
+        xfer.owners = (tuple(owners),)
         storing = self.storing[0]
         if storing:
             storing.update(picked)
