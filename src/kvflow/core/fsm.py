@@ -83,8 +83,10 @@ class Machine(Generic[S, I]):
         return new
 
     def fire_seq(self, entity: Stateful[S], steps: Sequence[tuple[I, str]]) -> S:
-        """``apply_seq`` to ``entity``'s own state, stored back (nothing stored if a pair is
-        illegal)."""
+        """``fire`` of each ``(input, cause)`` in turn, logged one by one; the final state,
+        stored back. If any pair is illegal, raises for it before any is applied (the entity
+        keeps its state). One look at the log level for them all: a transfer settling takes two
+        at once."""
         transitions = self.transitions
         state = new = entity.state
         for event, cause in steps:
@@ -105,27 +107,6 @@ class Machine(Generic[S, I]):
         if self._fields is None:
             raise TypeError(f"{self.name}: fire needs a machine built with fields")
         return self._fields(entity)
-
-    def apply_seq(
-        self, entity_id: object, state: S, steps: Sequence[tuple[I, str]], **fields: Any
-    ) -> S:
-        """``apply`` of each ``(input, cause)`` in turn, logged one by one; the final state. If
-        any pair is illegal, raises for it before any is applied (the caller stores nothing).
-        One look at the log level for them all: a transfer settling takes two at once."""
-        transitions = self.transitions
-        new = state
-        for event, cause in steps:
-            after = transitions.get((new, event))
-            if after is None:
-                self._reject(entity_id, fields, new, event, cause)
-            new = after
-        if self._log.debug_enabled():
-            before = state
-            for event, cause in steps:
-                after = transitions[(before, event)]
-                self._logged(entity_id, fields, before, event, after, cause)
-                before = after
-        return new
 
     def _reject(
         self, entity_id: object, fields: dict[str, Any], state: S, event: I, cause: str
