@@ -194,3 +194,22 @@ def test_anything_else_keeps_the_groups_own_path(
     )
     assert desc.dst.tolist() == want.dst.tolist()
     assert desc.src.tolist() == want.src.tolist()
+
+
+def test_a_checked_batch_skips_the_id_checks_but_not_the_counts() -> None:
+    """``group_work`` checks every id of a batch it is not told was checked (an id out of
+    range is a ``ConfigError`` naming it); a ``checked`` batch's tuples are taken as they are,
+    but unequal GPU and CPU counts are still refused."""
+    from kvflow.backends.cuda.plan import group_work
+    from kvflow.errors import ConfigError
+
+    table = flash_table(2, 64, 16)
+    with pytest.raises(ConfigError, match=r"group 0 CPU block id 9 is outside 0\.\.7"):
+        group_work([table], [8], ((1, 2),), ((3, 9),))
+    ((_, _, gpu, cpu),) = group_work([table], [8], ((1, 2),), ((3, 4),), checked=True)
+    assert (gpu, cpu) == ((1, 2), (3, 4))
+    with pytest.raises(ConfigError, match="group 0: 2 GPU blocks but 1 CPU blocks"):
+        group_work([table], [8], ((1, 2),), ((3,),), checked=True)
+    # Ids not given as tuples are converted and checked even so.
+    with pytest.raises(ConfigError, match="GPU block id 70 is outside"):
+        group_work([table], [8], (np.array([1, 70]),), ((3, 4),), checked=True)

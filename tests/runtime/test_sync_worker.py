@@ -204,3 +204,51 @@ def test_posted_call_error_is_raised_by_the_next_call() -> None:
         with pytest.raises(ProtocolError, match="unlaunched"):
             rt.get_finished()
         assert rt.get_finished() == (set(), set())
+
+
+class _Recording(HostBackend):
+    """The host backend, noting every batch submitted to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[CopyBatch] = []
+
+    def submit(self, batch: CopyBatch, wait_for: Sequence[Fence] = ()) -> HostFence:
+        self.batches.append(batch)
+        return super().submit(batch, wait_for)
+
+
+@FACADES
+def test_the_facades_batches_are_marked_checked_by_the_plan_gate(facade: Any) -> None:
+    """A plan bound through a sync facade (checked whole by its ``PlanGate``) reaches the
+    backend as batches marked ``checked``, one and several transfers alike; a plan the gate
+    refuses submits nothing."""
+    backend = _Recording()
+    with facade(backend, WorkerOptions()) as rt:
+        rt.register_kv_caches({"l0": torch.randn(2, 8, 4, 2, 8)}, 8)
+        rt.allocate_cpu_tier(4)
+        with pytest.raises(ConfigError, match="GPU block id 9 out of range"):
+            rt.bind_connector_metadata(
+                StepPlan(1, stores=(TransferSpec(1, "a", Direction.STORE, [[9]], [[0]]),))
+            )
+        rt.bind_connector_metadata(
+            StepPlan(
+                2,
+                stores=(
+                    TransferSpec(2, "a", Direction.STORE, [[1, 2]], [[0, 1]]),
+                    TransferSpec(3, "b", Direction.STORE, [[3]], [[2]]),
+                ),
+            )
+        )
+        rt.start_load_kv()
+        rt.wait_for_save()
+        rt.flush()
+        rt.bind_connector_metadata(
+            StepPlan(3, loads=(TransferSpec(4, "a", Direction.LOAD, [[5]], [[0]]),))
+        )
+        rt.start_load_kv()
+        rt.flush()
+    assert [(b.gpu_block_ids, b.checked) for b in backend.batches] == [
+        (((1, 2, 3),), True),
+        (((5,),), True),
+    ]

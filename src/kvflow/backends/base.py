@@ -13,7 +13,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from attrs import frozen
+from attrs import field, frozen
 
 from kvflow.core.layout import KVLayout, LayerParts
 from kvflow.core.protocol import GroupBlockIds
@@ -41,6 +41,12 @@ class CopyBatch:
     direction: Direction
     gpu_block_ids: GroupBlockIds
     cpu_block_ids: GroupBlockIds
+    checked: bool = field(default=False, kw_only=True)
+    """The ids are tuples of ints already checked against this backend's registered layout and
+    CPU tier (in range; kvflow's runtime sets it for the transfers of a plan its worker facade's
+    ``PlanGate`` let through): the backend may skip checking them again, which for a
+    512-block batch cost about as much as planning its copies. Never set it for ids from
+    anywhere else."""
 
     @property
     def num_blocks(self) -> int:

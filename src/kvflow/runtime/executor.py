@@ -64,6 +64,7 @@ class CopyOrder:
     transfers: tuple[TransferSpec, ...]
     wait_for: tuple[Fence, ...] = ()
     fenced: frozenset[int] = frozenset()  # transfers the engine's compute waits for
+    checked: bool = False  # ids checked against the layout and tier (``CopyBatch.checked``)
 
 
 @frozen
@@ -83,12 +84,15 @@ class _Flush:
 _Command = CopyOrder | _Flush
 
 
-def coalesce(transfers: Sequence[TransferSpec], direction: Direction) -> CopyBatch:
-    """One ``CopyBatch`` holding every block pair of ``transfers``, group by group."""
+def coalesce(
+    transfers: Sequence[TransferSpec], direction: Direction, checked: bool = False
+) -> CopyBatch:
+    """One ``CopyBatch`` holding every block pair of ``transfers``, group by group
+    (``checked``: see ``CopyBatch.checked``)."""
     if len(transfers) == 1:
         # A step's one store or load (the common case): its id tuples are the batch's.
         (t,) = transfers
-        return CopyBatch(direction, t.gpu_block_ids, t.cpu_block_ids)
+        return CopyBatch(direction, t.gpu_block_ids, t.cpu_block_ids, checked=checked)
     n_groups = max((len(t.gpu_block_ids) for t in transfers), default=0)
     gpu: list[list[int]] = [[] for _ in range(n_groups)]
     cpu: list[list[int]] = [[] for _ in range(n_groups)]
@@ -100,6 +104,7 @@ def coalesce(transfers: Sequence[TransferSpec], direction: Direction) -> CopyBat
         direction=direction,
         gpu_block_ids=tuple(tuple(g) for g in gpu),
         cpu_block_ids=tuple(tuple(c) for c in cpu),
+        checked=checked,
     )
 
 
@@ -338,7 +343,7 @@ class DmaExecutor:
                 self._submit(order, (t,))
 
     def _submit(self, order: CopyOrder, transfers: Sequence[TransferSpec]) -> None:
-        batch = coalesce(transfers, order.direction)
+        batch = coalesce(transfers, order.direction, order.checked)
         if batch.num_blocks == 0:
             self._finish(transfers, FenceStatus.DONE, "no_blocks")
             return

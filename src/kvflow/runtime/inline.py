@@ -169,8 +169,8 @@ class InlineSyncWorker(SyncWorker):
         self._rt.allocate_cpu_tier(num_blocks)
 
     def _bind(self, plan: StepPlan) -> None:
-        """``WorkerRuntime.bind(plan)``, at once."""
-        self._rt.bind(plan)
+        """``WorkerRuntime.bind(plan)``, at once (``PlanGate`` has checked it)."""
+        self._rt.bind(plan, checked=True)
 
     def _start_loads(self) -> None:
         """Launch the loads (their copies are submitted before this returns)."""

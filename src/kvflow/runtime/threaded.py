@@ -136,13 +136,15 @@ class ThreadedSyncWorker(SyncWorker):
         """On the loop: run posted calls in order. After one failed, later ones are skipped
         until its error has been raised."""
         for fn, args in batch:
+            # ``repr`` for a callable without a name: the log line must not fail on the loop.
+            name = getattr(fn, "__name__", None) or repr(fn)
             if self._posted_error is not None:
-                log.warning("posted_call_skipped", call=fn.__name__)
+                log.warning("posted_call_skipped", call=name)
                 continue
             try:
                 fn(*args)
             except Exception as exc:
-                log.warning("posted_call_failed", call=fn.__name__, error=str(exc))
+                log.warning("posted_call_failed", call=name, error=str(exc))
                 self._posted_error = exc
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -205,8 +207,13 @@ class ThreadedSyncWorker(SyncWorker):
         self._call(self._rt.allocate_cpu_tier, num_blocks)
 
     def _bind(self, plan: StepPlan) -> None:
-        """Posted: ``WorkerRuntime.bind(plan)``; runs with the step's first wake-up."""
-        self._post(self._rt.bind, plan, wake=False)
+        """Posted: ``WorkerRuntime.bind(plan)`` (``PlanGate`` has checked it); runs with the
+        step's first wake-up."""
+        self._post(self._bind_gated, plan, wake=False)
+
+    def _bind_gated(self, plan: StepPlan) -> None:
+        """On the loop: ``WorkerRuntime.bind`` of a plan ``PlanGate`` let through."""
+        self._rt.bind(plan, checked=True)
 
     def _start_loads(self) -> None:
         """Posted, waking the loop so the loads start before the engine's forward rather than

@@ -94,6 +94,7 @@ class WorkerRuntime:
     executor: DmaExecutor = field(init=False)
     _entries: dict[int, _Entry] = field(factory=dict)
     _plan: StepPlan | None = None
+    _plan_checked: bool = False  # ``bind``'s ``checked``
     _loads_launched: bool = False
     _stores_launched: bool = False
     _live: dict[tuple[str, Direction], int] = field(factory=dict)
@@ -255,8 +256,11 @@ class WorkerRuntime:
         self.backend.allocate_cpu_tier(counts)
 
     # -- one step -----------------------------------------------------------------------------
-    def bind(self, plan: StepPlan) -> None:
-        """Take this step's plan: abandon what it abandons, create its transfers (PENDING)."""
+    def bind(self, plan: StepPlan, *, checked: bool = False) -> None:
+        """Take this step's plan: abandon what it abandons, create its transfers (PENDING).
+        ``checked``: a ``PlanGate`` has checked the plan against this runtime's layout and CPU
+        tier (the sync facades' bind), so the backend need not check its ids again
+        (``CopyBatch.checked``)."""
         self._check_open()
         if self._plan is not None and not (self._loads_launched and self._stores_launched):
             raise ProtocolError(
@@ -278,6 +282,7 @@ class WorkerRuntime:
                 spec, Transfer(spec.transfer_id, spec.direction, spec.request_id)
             )
         self._plan = plan
+        self._plan_checked = checked
         self._loads_launched = not plan.loads
         self._stores_launched = not plan.stores
         if log.debug_enabled():  # with structlog configured, a filtered-out call still binds
@@ -359,7 +364,9 @@ class WorkerRuntime:
         live = [s for s in specs if s.transfer_id in entries]
         if not live:
             return
-        order = CopyOrder(step, live[0].direction, tuple(live), wait_for, fenced)
+        order = CopyOrder(
+            step, live[0].direction, tuple(live), wait_for, fenced, self._plan_checked
+        )
         now = self.submit_at_launch and self.executor.can_submit_now
         if not now:
             # Enqueue first: if the executor refuses (closing), no transfer has changed state.

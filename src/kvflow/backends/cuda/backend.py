@@ -452,6 +452,7 @@ class CudaBackend(BatchIssue):
             [tier.num_blocks(g) for g in range(len(self._tables))],
             batch.gpu_block_ids,
             batch.cpu_block_ids,
+            checked=batch.checked,
         )
         # The fences themselves travel with the job: a caller may drop a fence (and so destroy
         # its event) before the launch thread has waited on it.

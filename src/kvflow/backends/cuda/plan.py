@@ -159,18 +159,23 @@ def group_work(
     cpu_blocks: Sequence[int],
     gpu_ids: Sequence[Sequence[int] | I64],
     cpu_ids: Sequence[Sequence[int] | I64],
+    *,
+    checked: bool = False,
 ) -> list[tuple[int, RegionTable, tuple[int, ...], tuple[int, ...]]]:
     """A batch's block pairs, checked: ``(group, table, GPU ids, CPU ids)`` for each group with
     blocks, the ids as tuples of ints (``id_tuple``); ``ConfigError`` naming the group for a
-    wrong group count, an id out of range, or unequal counts."""
+    wrong group count, an id out of range, or unequal counts. ``checked`` (``CopyBatch.checked``):
+    tuples are taken as they are, only the counts checked."""
     if len(gpu_ids) != len(tables) or len(cpu_ids) != len(tables):
         raise ConfigError(
             f"copy batch has {len(gpu_ids)}/{len(cpu_ids)} groups, layout has {len(tables)}"
         )
     work = []
     for g, table in enumerate(tables):
-        gpu = id_tuple(gpu_ids[g], table.num_blocks, f"group {g} GPU")
-        cpu = id_tuple(cpu_ids[g], cpu_blocks[g], f"group {g} CPU")
+        gpu, cpu = gpu_ids[g], cpu_ids[g]
+        if not (checked and type(gpu) is tuple and type(cpu) is tuple):
+            gpu = id_tuple(gpu, table.num_blocks, f"group {g} GPU")
+            cpu = id_tuple(cpu, cpu_blocks[g], f"group {g} CPU")
         if len(gpu) != len(cpu):
             raise ConfigError(f"group {g}: {len(gpu)} GPU blocks but {len(cpu)} CPU blocks")
         if len(gpu):
