@@ -38,12 +38,16 @@ class Timing:
         if seconds is None:
             return None
         if prev is not None:
-            # The previous batch's span relative to this one's start.
-            prev_start = drv.elapsed_s(self.start, prev.start)
+            # The previous batch's span relative to this one's start. Where it ended before
+            # this one began (batches one after another, the usual case) nothing overlapped,
+            # and its start need not be read: each driver call costs a few µs of the poll that
+            # settles the batch.
             prev_end = drv.elapsed_s(self.start, prev.end)
-            if prev_start is not None and prev_end is not None:
-                overlap = min(seconds, prev_end) - max(0.0, prev_start)
-                seconds -= max(0.0, overlap)
+            if prev_end is not None and prev_end > 0.0:
+                prev_start = drv.elapsed_s(self.start, prev.start)
+                if prev_start is not None:
+                    overlap = min(seconds, prev_end) - max(0.0, prev_start)
+                    seconds -= max(0.0, overlap)
         return max(0.0, seconds)
 
     def __del__(self) -> None:
