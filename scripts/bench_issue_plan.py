@@ -7,8 +7,10 @@ a tenth of that. Per round, each way plans the same batch (``group_work``'s chec
 ``ring_plan`` on a two-slot ring) once after a sweep that evicts the caches (a large array
 summed, a large dict built and serialized: ``--sweep-mib``) and ``--warm`` times back to back.
 The ways, interleaved: the batch's ids as tuples of ints (what a ``CopyBatch`` holds: the plain
-Python plan for CPU ids in a few ascending runs) and as int64 arrays (the numpy plan, what every
-batch took until the thirty-third session). ``--parts N`` plans a fenced load in N parts by layer
+Python plan for CPU ids in a few ascending runs), checked by the backend or, for a batch of a
+plan the worker's ``PlanGate`` checked (``CopyBatch.checked``), not again, each followed by the
+issue's other reads of the ids; and as int64 arrays (the numpy plan, what every batch took
+until the thirty-third session). ``--parts N`` plans a fenced load in N parts by layer
 instead (a part's 2D copies each), what a history request's first step issues before its
 forward. No GPU is needed: nothing here touches a device.
 
@@ -32,7 +34,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvflow.backends.cuda.plan import RegionTable, block_ids, group_work
+from kvflow.backends.cuda.config import CudaConfig
+from kvflow.backends.cuda.plan import RegionTable, as_i64, block_ids, group_work, runs_too_short
 from kvflow.backends.cuda.ring_plan import ring_plan
 
 KiB = 1 << 10
@@ -88,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ring = (1 << 44, 128 * MiB, 1, 2)
     ways: dict[str, tuple[Any, Any]] = {
         "tuples (plain Python)": ((tuple(gpu),), (tuple(cpu),)),
+        "tuples of a gated plan (CopyBatch.checked)": ((tuple(gpu),), (tuple(cpu),)),
         "arrays (numpy)": ((np.array(gpu),), (np.array(cpu),)),
     }
 
@@ -101,11 +105,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
     )
 
-    def plan(ids: tuple[Any, Any]) -> Callable[[], object]:
+    def plan(ids: tuple[Any, Any], checked: bool = False) -> Callable[[], object]:
         def one() -> object:
             cpu_ids: Sequence[int] | np.ndarray[Any, np.dtype[np.int64]]
             if isinstance(ids[1][0], tuple):
-                ((_, _, _, cpu_ids),) = group_work([table], [cpu_blocks], ids[0], ids[1])
+                ((_, _, gpu_ids, cpu_ids),) = group_work(
+                    [table], [cpu_blocks], ids[0], ids[1], checked=checked
+                )
+                # The issue's own reads of the ids before its first copy: the pinned chunk
+                # the CPU ids reach, the 2D-copy scan and the kernel's int64 ids.
+                max(cpu_ids)
+                runs_too_short(gpu_ids, CudaConfig().store_dma_min_run)
+                as_i64(gpu_ids)
             else:  # the checks and the plan as they were: numpy from the start
                 block_ids(ids[0][0], table.num_blocks, "group 0 GPU")
                 cpu_ids = block_ids(ids[1][0], cpu_blocks, "group 0 CPU")
@@ -139,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = progress.add_task("planning a store, cold and warm", total=args.rounds)
         for _ in range(args.rounds):
             for name, ids in ways.items():
-                fn = plan(ids)
+                fn = plan(ids, checked="checked" in name)
                 sweep()
                 t0 = time.perf_counter()
                 fn()

@@ -434,15 +434,20 @@ def test_transfer_bench_plans_without_a_gpu(tmp_path: Path) -> None:
 
 
 def test_issue_plan_bench_times_both_ways_cold_and_warm(tmp_path: Path) -> None:
-    """The planning bench times the plain-Python and the numpy plan of one store, and of a load
-    in parts, each cold and warm, and refuses a nonsensical shape with exit 2."""
+    """The planning bench times the plain-Python plan (with the ids checked by the backend, and
+    as a gated plan's batch, not again) and the numpy plan of one store, and of a load in parts,
+    each cold and warm, and refuses a nonsensical shape with exit 2."""
     shape = ["--blocks", "32", "--runs", "3", "--rounds", "2", "--warm", "3", "--sweep-mib", "1"]
     for parts in ("0", "4"):
         out = tmp_path / f"plan{parts}.json"
         assert bench_issue_plan.main([*shape, "--parts", parts, "--json", str(out)]) == 0
         got = json.loads(out.read_text())
         assert got["parts"] == int(parts)
-        ways = {"tuples (plain Python)", "arrays (numpy)"}
+        ways = {
+            "tuples (plain Python)",
+            "tuples of a gated plan (CopyBatch.checked)",
+            "arrays (numpy)",
+        }
         assert set(got["cold_us"]) == set(got["warm_us"]) == ways
         assert all(v > 0 for v in (*got["cold_us"].values(), *got["warm_us"].values()))
     for bad in (["--runs", "9", "--blocks", "4"], ["--parts", "33", "--layers", "16"]):
