@@ -51,6 +51,12 @@ _MAX_PENDING = 16
 """Posted calls that wait for a wake-up at most (steps without copies post only a bind)."""
 
 
+def _call_name(fn: Callable[..., object]) -> str:
+    """A posted call's name for a log line: its ``repr`` where it has none (a log line must
+    not fail on the loop)."""
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
 class ThreadedSyncWorker(SyncWorker):
     """``WorkerRuntime`` on a loop thread, driven from a synchronous thread. Use as a context
     manager or call ``shutdown()``."""
@@ -136,15 +142,13 @@ class ThreadedSyncWorker(SyncWorker):
         """On the loop: run posted calls in order. After one failed, later ones are skipped
         until its error has been raised."""
         for fn, args in batch:
-            # ``repr`` for a callable without a name: the log line must not fail on the loop.
-            name = getattr(fn, "__name__", None) or repr(fn)
             if self._posted_error is not None:
-                log.warning("posted_call_skipped", call=name)
+                log.warning("posted_call_skipped", call=_call_name(fn))
                 continue
             try:
                 fn(*args)
             except Exception as exc:
-                log.warning("posted_call_failed", call=name, error=str(exc))
+                log.warning("posted_call_failed", call=_call_name(fn), error=str(exc))
                 self._posted_error = exc
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
