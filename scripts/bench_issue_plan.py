@@ -89,11 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = list(range(3, 3 * args.blocks + 3, 3))  # scattered GPU blocks
     cpu_blocks = cpu[-1] + 1
     ring = (1 << 44, 128 * MiB, 1, 2)
-    ways: dict[str, tuple[Any, Any]] = {
-        "tuples (plain Python)": ((tuple(gpu),), (tuple(cpu),)),
-        "tuples of a gated plan (CopyBatch.checked)": ((tuple(gpu),), (tuple(cpu),)),
-        "arrays (numpy)": ((np.array(gpu),), (np.array(cpu),)),
+    # Per way: the batch's ids, and whether they come from a gated plan (``CopyBatch.checked``).
+    ways: dict[str, tuple[tuple[Any, Any], bool]] = {
+        "tuples (plain Python)": (((tuple(gpu),), (tuple(cpu),)), False),
+        "tuples of a gated plan (CopyBatch.checked)": (((tuple(gpu),), (tuple(cpu),)), True),
+        "arrays (numpy)": (((np.array(gpu),), (np.array(cpu),)), False),
     }
+    min_run = CudaConfig().store_dma_min_run
 
     nregions = 2 * args.layers
     spans: list[tuple[int, int] | None] = (
@@ -115,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # The issue's own reads of the ids before its first copy: the pinned chunk
                 # the CPU ids reach, the 2D-copy scan and the kernel's int64 ids.
                 max(cpu_ids)
-                runs_too_short(gpu_ids, CudaConfig().store_dma_min_run)
+                runs_too_short(gpu_ids, min_run)
                 as_i64(gpu_ids)
             else:  # the checks and the plan as they were: numpy from the start
                 block_ids(ids[0][0], table.num_blocks, "group 0 GPU")
@@ -149,8 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Progress(transient=True) as progress:
         task = progress.add_task("planning a store, cold and warm", total=args.rounds)
         for _ in range(args.rounds):
-            for name, ids in ways.items():
-                fn = plan(ids, checked="checked" in name)
+            for name, (ids, checked) in ways.items():
+                fn = plan(ids, checked)
                 sweep()
                 t0 = time.perf_counter()
                 fn()
