@@ -118,6 +118,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="auto",
         help="--device cuda: the CUDA backend's copy path (auto: what kvflow picks per layout)",
     )
+    p.add_argument(
+        "--ramp-mib",
+        type=float,
+        default=None,
+        help="--device cuda: the staged path's ramp (CudaConfig.ramp_bytes, in MiB: a store's "
+        "first sub-batch, a load's last); default kvflow's",
+    )
     p.add_argument("--ceiling-reps", type=int, default=5)
     p.add_argument(
         "--no-floor",
@@ -166,6 +173,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--blocks needs positive counts")
     if args.steps < 1 or args.warmup < 0 or args.layers < 1 or args.ceiling_reps < 1:
         p.error("--steps, --layers and --ceiling-reps must be positive, --warmup not negative")
+    if args.ramp_mib is not None and args.ramp_mib < 0:
+        p.error("--ramp-mib must not be negative")
     return args
 
 
@@ -516,6 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": device_name(args.device),
         "worker_loop": args.worker_loop,
         "method": args.method,
+        "ramp_mib": args.ramp_mib,
         "layers": args.layers,
         "steps": args.steps,
         "hashes": args.hashes,

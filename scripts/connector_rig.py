@@ -274,12 +274,13 @@ def build_connector(
         # Loads as vLLM's asynchronous ones: timed until the scheduler role sees them done.
         fence_loads="never",
     )
-    if backend is None and device.startswith("cuda") and args.method != "auto":
+    options: dict[str, Any] = {} if args.method == "auto" else {"method": args.method}
+    ramp_mib = getattr(args, "ramp_mib", None)
+    if ramp_mib is not None:
+        options["ramp_bytes"] = int(ramp_mib * (1 << 20))
+    if backend is None and device.startswith("cuda") and options:
         backend = make_backend(
-            "cuda",
-            device,
-            inline=args.worker_loop == "inline",
-            cuda_options={"method": args.method},
+            "cuda", device, inline=args.worker_loop == "inline", cuda_options=options
         )
     conn = OffloadConnector.build(config, kv, [block_bytes], now=time.perf_counter, backend=backend)
     conn.worker.register_kv_caches(tensors)

@@ -422,6 +422,38 @@ def test_copy_seconds_is_device_time_after_the_compute_waited_for(
     assert second.prev_timing is None
 
 
+@pytest.mark.parametrize("launch_thread", [True, False])
+def test_a_batch_issued_after_the_previous_was_seen_done_subtracts_no_overlap(
+    make_backend: Any, launch_thread: bool
+) -> None:
+    """A store issued after a poll saw the previous store done keeps no previous timing (no
+    driver call asks whether they overlapped); one issued while the previous is still pending
+    keeps it, and both count their overlap once."""
+    _kv, backend = ready(
+        make_backend, "flash", torch.bfloat16, 32 * KiB, 64, 64, launch_thread=launch_thread
+    )
+    first = backend.submit(store(list(range(16)), list(range(16))))
+    backend.flush()
+    assert backend.query(first) is FenceStatus.DONE
+    second = backend.submit(store(list(range(16, 32)), list(range(16, 32))))
+    backend.wait_launched()
+    assert second.prev_timing is None
+    gpu_sleep()
+    third = backend.submit(
+        store(list(range(32, 48)), list(range(32, 48))), [backend.compute_fence()]
+    )
+    fourth = backend.submit(store(list(range(48, 64)), list(range(48, 64))))
+    backend.wait_launched()
+    assert third.prev_timing is second.timing  # second never polled: it may still run
+    assert fourth.prev_timing is third.timing
+    backend.flush()
+    for fence in (second, third, fourth):
+        assert backend.query(fence) is FenceStatus.DONE
+        seconds = backend.copy_seconds(fence)
+        assert seconds is not None
+        assert 0 <= seconds < 0.02
+
+
 def test_a_clock_mark_places_a_copy_span_on_the_host_clock(make_backend: Any) -> None:
     """A store fenced on ~0.1 s of compute is placed after that wait and before the host saw it
     finish, and its placed span is its copy time."""

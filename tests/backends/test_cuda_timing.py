@@ -22,6 +22,7 @@ def timing(start: float, end: float) -> Timing:
     """A ``Timing`` whose events are their device times (seconds)."""
     t = Timing.__new__(Timing)
     t.pool, t.start, t.end = _Pool(), start, end  # type: ignore[assignment]
+    t.seen_done = False
     return t
 
 
@@ -72,3 +73,14 @@ def test_seconds_beyond_is_none_when_the_driver_cannot_say(monkeypatch: pytest.M
     assert timing(0.0, 1.0).seconds_beyond(timing(0.0, 0.5)) is None
     monkeypatch.setattr(drv, "elapsed_s", lambda a, b: None if b == 0.5 else b - a)
     assert timing(0.0, 1.0).seconds_beyond(timing(0.2, 0.5)) == pytest.approx(1.0)
+
+
+def test_a_previous_batch_seen_done_is_not_read_again() -> None:
+    """A batch issued after a poll saw the previous one done takes no overlap from it (its end
+    came before anything of the new batch was queued), so settling reads one elapsed time; a
+    previous batch not yet seen done is still subtracted."""
+    prev = timing(0.0, 2.0)
+    assert Timing.overlapping(None) is None
+    assert Timing.overlapping(prev) is prev
+    prev.seen_done = True
+    assert Timing.overlapping(prev) is None

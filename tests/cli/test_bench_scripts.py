@@ -417,6 +417,31 @@ def test_connector_transfer_bench_on_cuda_is_byte_exact_and_timed_by_events(
                 assert steps["polls"][i] >= 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_connector_transfer_bench_takes_the_staged_ramp_it_is_given(tmp_path: Path) -> None:
+    """--ramp-mib sets the CUDA backend's ramp for the run (recorded in the JSON), and the
+    round trips stay byte-exact with a ramp of a few blocks."""
+    out = tmp_path / "connector_ramp.json"
+    rc = bench_connector_transfer.main(
+        [
+            "--blocks", "64", "--layers", "4", "--steps", "2", "--warmup", "1", "--no-floor",
+            "--layouts", "4k", "--ramp-mib", "0.25", "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["ramp_mib"] == 0.25
+    assert all(r["bytes_match"] is True for r in data["results"])
+
+
+def test_connector_transfer_bench_refuses_a_negative_ramp() -> None:
+    """A negative --ramp-mib is a one-line usage error, exit 2, before any work."""
+    with pytest.raises(SystemExit) as e:
+        bench_connector_transfer.main(["--device", "cpu", "--ramp-mib", "-1"])
+    assert e.value.code == 2
+
+
 def test_transfer_bench_plans_without_a_gpu(tmp_path: Path) -> None:
     """--plan-only times the host side of a staged step: CPU ids in runs need far fewer DMA
     descriptors than scattered ones."""

@@ -311,6 +311,8 @@ class CudaBackend(BatchIssue):
             if fence.error is not None:  # its issue failed part-way; what it issued is done
                 fence.prev_timing = None
                 return FenceStatus.FAILED
+            if fence.timing is not None:
+                fence.timing.seen_done = True
             return FenceStatus.DONE
         if err == drv.cu.CUresult.CUDA_ERROR_NOT_READY:
             return FenceStatus.PENDING

@@ -112,6 +112,8 @@ class BatchIssue:
         store = direction is Direction.STORE
         lane = self._lanes[direction]
         used: list[Any] = []  # the batch's streams, in the order of their first work
+        # Read before this batch's first event is queued: see ``Timing.overlapping``.
+        prev = Timing.overlapping(self._last_timing[direction])
         try:
             # Made here, not in ``submit``: the caller's thread does as little as it can.
             timing = fence.timing = Timing(self._timing_events) if self.config.time_copies else None
@@ -162,7 +164,7 @@ class BatchIssue:
                 raise
             return
         if timing is not None:
-            fence.prev_timing = self._last_timing[direction]
+            fence.prev_timing = prev
             self._last_timing[direction] = timing
         self.issue_stats[direction].observe(began, time.perf_counter())
         fence.launched = True

@@ -21,14 +21,23 @@ log = get_logger("kvflow.backends.cuda")
 class Timing:
     """Two timing events around one batch's copies: ``start`` after its waits, ``end`` after
     its last work. Taken from ``pool``; they go back to it when the last fence referring to
-    them goes."""
+    them goes. ``seen_done``: a poll saw the batch's fence complete, so ``end`` has passed."""
 
-    __slots__ = ("end", "pool", "start")
+    __slots__ = ("end", "pool", "seen_done", "start")
 
     def __init__(self, pool: drv.EventPool) -> None:
         self.pool = pool
         self.start = pool.take()
         self.end = pool.take()
+        self.seen_done = False
+
+    @staticmethod
+    def overlapping(prev: Timing | None) -> Timing | None:
+        """The previous batch's timing as a batch issued now must subtract it: None where a
+        poll saw that batch done before now. Its end then came before anything of the new
+        batch was queued, so nothing overlapped and no driver call need say so (the common
+        case: one batch of a direction at a time)."""
+        return None if prev is None or prev.seen_done else prev
 
     def seconds_beyond(self, prev: Timing | None) -> float | None:
         """Device seconds from ``start`` to ``end`` (both completed), less the part ``prev``
