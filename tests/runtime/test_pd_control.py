@@ -18,9 +18,16 @@ from kvflow.core.pd.common import Send
 from kvflow.core.pd.messages import Claim, Grant, hashes_digest
 from kvflow.core.pd.producer import ProducerManager
 from kvflow.engine.distributed import free_port
-from kvflow.errors import ClosedError, PeerError, ProtocolError
+from kvflow.errors import ClosedError, ConfigError, PeerError, ProtocolError
 from kvflow.runtime.clock import FakeClock, SystemClock, wait_all_tasks_blocked
-from kvflow.runtime.pd_control import PeerInfo, decode, default_compat, encode, open_control_plane
+from kvflow.runtime.pd_control import (
+    ControlPlane,
+    PeerInfo,
+    decode,
+    default_compat,
+    encode,
+    open_control_plane,
+)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_leaks")]
 
@@ -139,6 +146,71 @@ async def test_messages_without_hello_and_malformed_frames_are_dropped() -> None
                 whys = [e["why"] for e in logs if e["event"] == "pd_control_dropped"]
                 assert whys == ["no_hello", "malformed"]
                 assert p.recv_nowait() is None
+
+
+async def test_what_a_closing_plane_posted_still_reaches_its_peer() -> None:
+    """A turn posted just before its plane closes still arrives whole, and is delivered although
+    the peer has seen the connection drop by then (the engine's last DONE must release P's hold)."""
+    clock = SystemClock()
+    big = Grant("t", 1, (tuple(range(100_000)),), HASHES, 2.0)  # a turn that takes a while to go
+    with anyio.fail_after(GUARD_S):
+        async with open_control_plane("P", default_compat(), clock) as p:
+            async with open_control_plane("D", default_compat(), clock) as d:
+                await d.hello(p.address)
+                d.post("P", *([big] * 32))
+            got = [await p.recv(GUARD_S, f"message {i}") for i in range(32)]
+            assert got == [("D", big)] * 32
+            assert p.dropped == 0
+
+
+async def test_a_peer_whose_cached_hello_expired_is_still_heard() -> None:
+    """Once P's cache of D's HELLO expires, D's next CLAIM (sent on D's own, later-expiring cache)
+    is delivered, not dropped as from a stranger."""
+    clock = FakeClock()
+    with anyio.fail_after(GUARD_S):
+        async with (
+            open_control_plane("P", default_compat(), clock, hello_ttl_s=10.0) as p,
+            open_control_plane("D", default_compat(), clock, hello_ttl_s=60.0) as d,
+        ):
+            await d.hello(p.address)
+            clock.jump(11.0)
+            assert p.peer("D") is None
+            assert d.peer("P") is not None
+            d.post("P", CLAIM)
+            assert await p.recv(1.0, "a claim") == ("D", CLAIM)
+            assert p.dropped == 0
+
+
+async def test_closing_with_a_message_to_nobody_waits_only_the_linger() -> None:
+    """A HELLO queued to an address nobody listens at holds close for the linger, no longer."""
+    clock, real = FakeClock(), SystemClock()  # the plane's deadlines, and close's real wait
+    nobody = f"tcp://127.0.0.1:{free_port()}"
+    with anyio.fail_after(GUARD_S):
+        async with open_control_plane("D", default_compat(), clock, close_linger_s=0.3) as d:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(d.hello, nobody)
+                await wait_all_tasks_blocked()
+                tg.cancel_scope.cancel()
+            t0 = real.now()
+        assert 0.25 <= real.now() - t0 < 0.3 + 5.0
+
+
+async def test_close_linger_is_validated() -> None:
+    """A negative or non-finite close linger is a ConfigError naming it."""
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="close_linger_s"):
+            ControlPlane(
+                "P",
+                default_compat(),
+                FakeClock(),
+                bind="tcp://127.0.0.1:0",
+                tp_size=1,
+                endpoints=(),
+                hello_timeout_s=1.0,
+                hello_ttl_s=1.0,
+                inbox_size=8,
+                close_linger_s=bad,
+            )
 
 
 async def test_duplicate_and_stale_messages_are_dropped_by_the_manager() -> None:

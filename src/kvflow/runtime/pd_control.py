@@ -8,6 +8,7 @@ caches the answer for ``hello_ttl_s``; a peer whose compatibility hash differs i
 ``PeerError`` naming what was waited for. Messages about hand-offs go to a bounded inbox that
 ``recv`` reads with a deadline; messages from a peer that never said HELLO, malformed frames and a
 full inbox are logged and dropped (the managers drop stale ``(transfer_id, epoch)`` themselves).
+Closing a plane still sends what it posted, for up to ``close_linger_s``.
 
 The wire format is msgpack through msgspec: ``[kind, body]`` with ``body`` the attrs message
 encoded by msgspec, so ``kvflow.core`` stays free of msgspec. A zmq message carries one or more
@@ -53,6 +54,9 @@ from kvflow.runtime.clock import Clock, SystemClock
 
 log = get_logger("kvflow.pd.control")
 T = TypeVar("T")
+# How long close waits for what was posted to leave: a loopback turn leaves in well under a
+# millisecond; the bound is for a peer that is gone.
+CLOSE_LINGER_S = 1.0
 
 
 class _Envelope(msgspec.Struct, array_like=True):
@@ -159,10 +163,15 @@ class ControlPlane:
         hello_ttl_s: float,
         inbox_size: int,
         context: zmq.Context[Any] | None = None,
+        close_linger_s: float = CLOSE_LINGER_S,
     ) -> None:
         for name, value in (("hello_timeout_s", hello_timeout_s), ("hello_ttl_s", hello_ttl_s)):
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not (math.isfinite(close_linger_s) and close_linger_s >= 0):
+            raise ConfigError(
+                f"close_linger_s must be a non-negative number of seconds, got {close_linger_s!r}"
+            )
         if inbox_size < 1 or tp_size < 1:
             raise ConfigError(f"inbox_size and tp_size must be positive ({inbox_size}, {tp_size})")
         self.engine_id = engine_id
@@ -173,6 +182,7 @@ class ControlPlane:
         self.endpoints = endpoints
         self.hello_timeout_s = hello_timeout_s
         self.hello_ttl_s = hello_ttl_s
+        self.close_linger_s = close_linger_s
         # One zmq context per process is zmq's advice: a caller may share its own (not closed
         # here); without one the plane owns a context and terminates it on close.
         self._own_ctx = context is None
@@ -379,7 +389,10 @@ class ControlPlane:
                 return
             wait.answer = msg
             wait.event.set()
-        elif self.peer(sender) is None:
+        elif sender not in self._incarnations:
+            # Only a peer that never said HELLO is refused. Its cached HELLO expiring, or its
+            # connection dropping, does not make what it sent before stale: a DONE can land
+            # after the disconnect is seen (two connections, no order between them).
             self._drop("no_hello", peer=sender, message=type(msg).__name__)
         elif len(self._inbox) + len(batch) >= self._inbox_size:
             self._drop("inbox_full", peer=sender, message=type(msg).__name__)
@@ -499,7 +512,11 @@ class ControlPlane:
             raise ClosedError(f"control plane {self.engine_id!r} is closed")
 
     def close(self) -> None:
-        """Close every socket and the context (no linger). Idempotent."""
+        """Close every socket and the context. What was posted still goes out, for up to
+        ``close_linger_s``: an engine's last DONE must reach its peer, or the peer holds
+        those blocks until its lease ends. A peer that is gone holds close no longer than that.
+        Idempotent."""
+        linger_ms = round(self.close_linger_s * 1000)
         with self._send_lock:
             if self._closed:
                 return
@@ -507,7 +524,7 @@ class ControlPlane:
             for address, sock in self._dealers.items():
                 sock.disable_monitor()
                 self._monitors[address].close(linger=0)
-                sock.close(linger=0)
+                sock.close(linger=linger_ms)
         self._router.close(linger=0)
         _resolve(self._waiter)  # a waiting ``recv`` sees the plane closed
         if self._own_ctx:
@@ -527,6 +544,7 @@ async def open_control_plane(
     hello_ttl_s: float = 300.0,
     inbox_size: int = 1024,
     context: zmq.Context[Any] | None = None,
+    close_linger_s: float = CLOSE_LINGER_S,
 ) -> AsyncIterator[ControlPlane]:
     """An open control plane with its receive loop running; closed on exit."""
     cp = ControlPlane(
@@ -540,6 +558,7 @@ async def open_control_plane(
         hello_ttl_s=hello_ttl_s,
         inbox_size=inbox_size,
         context=context,
+        close_linger_s=close_linger_s,
     )
     try:
         async with anyio.create_task_group() as tg:
