@@ -163,9 +163,9 @@ async def test_what_a_closing_plane_posted_still_reaches_its_peer() -> None:
             assert p.dropped == 0
 
 
-async def test_a_peer_whose_cached_hello_expired_is_still_heard() -> None:
+async def test_a_peer_whose_cached_hello_expired_is_still_heard_and_answered() -> None:
     """Once P's cache of D's HELLO expires, D's next CLAIM (sent on D's own, later-expiring cache)
-    is delivered, not dropped as from a stranger."""
+    is delivered, not dropped as from a stranger, and P's GRANT reaches D."""
     clock = FakeClock()
     with anyio.fail_after(GUARD_S):
         async with (
@@ -178,6 +178,9 @@ async def test_a_peer_whose_cached_hello_expired_is_still_heard() -> None:
             assert d.peer("P") is not None
             d.post("P", CLAIM)
             assert await p.recv(1.0, "a claim") == ("D", CLAIM)
+            grant = Grant("t", 1, ((5, 6),), HASHES, 2.0)
+            p.post("D", grant)
+            assert await d.recv(1.0, "the grant") == ("P", grant)
             assert p.dropped == 0
 
 

@@ -262,11 +262,16 @@ class ControlPlane:
         """Send ``msgs`` to a peer that said HELLO (either way), now, as one zmq message (one
         wake-up of each side's zmq I/O thread). Safe from any thread. A peer whose queue is full
         (zmq's high-water mark: it stopped reading) loses them, logged: its timers cover a lost
-        message, and no sender ever waits on a peer."""
+        message, and no sender ever waits on a peer. The HELLO's TTL does not apply: it says
+        when ``hello`` asks again, and the peer's cache of this engine can outlive this one's
+        of it (a CLAIM in between must still be answered); a dropped connection does."""
         self._check_open()
-        info = self.peer(peer)
+        info = self._peers.get(peer)
         if info is None:
-            raise PeerError(f"{self.engine_id}: no HELLO with peer {peer!r} (or it expired)")
+            raise PeerError(
+                f"{self.engine_id}: no HELLO with peer {peer!r} (never, or its connection "
+                "dropped since)"
+            )
         self._write(info.address, [encode(m) for m in msgs], peer=peer)
 
     async def send(self, peer: str, msg: Message) -> None:
