@@ -40,6 +40,7 @@ from attrs import define, frozen
 from zmq.utils.monitor import parse_monitor_message
 
 from kvflow import __version__
+from kvflow.core import validate
 from kvflow.core.logs import get_logger
 from kvflow.core.pd.messages import (
     MESSAGE_TYPES,
@@ -168,10 +169,7 @@ class ControlPlane:
         for name, value in (("hello_timeout_s", hello_timeout_s), ("hello_ttl_s", hello_ttl_s)):
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not (math.isfinite(close_linger_s) and close_linger_s >= 0):
-            raise ConfigError(
-                f"close_linger_s must be a non-negative number of seconds, got {close_linger_s!r}"
-            )
+        close_linger_s = validate.timeout_s("close_linger_s", close_linger_s)
         if inbox_size < 1 or tp_size < 1:
             raise ConfigError(f"inbox_size and tp_size must be positive ({inbox_size}, {tp_size})")
         self.engine_id = engine_id
